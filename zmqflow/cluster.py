@@ -1,0 +1,361 @@
+"""Cluster description: jobs of tasks, their addresses, and how a process finds its own task.
+
+Accepts the two shapes users already have: a plain ``{"job": [addr, ...]}`` map and the
+``TF_CONFIG`` shape ``{"cluster": {...}, "task": {"type": ..., "index": ...}}``. Everything is
+validated up front so a bad spec fails before any socket is opened, naming the job, the index
+and the value at fault.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import socket
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["Address", "TaskId", "ClusterSpec", "KNOWN_ROLES", "resolve", "load_config"]
+
+KNOWN_ROLES = ("chief", "worker", "ps", "evaluator")
+_JOB_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]*$")
+_HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9\-\.]*[A-Za-z0-9])?$")
+_TASK_RES = (
+    re.compile(r"^(?P<job>[A-Za-z][A-Za-z0-9_\-]*):(?P<index>\d+)$"),
+    re.compile(r"^/job:(?P<job>[A-Za-z][A-Za-z0-9_\-]*)(/replica:\d+)?/task:(?P<index>\d+)(/.*)?$"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    """One task's endpoint. ``host:port`` means tcp; ``ipc://`` and ``inproc://`` are local."""
+
+    scheme: str
+    host: str = ""
+    port: int = 0
+    path: str = ""
+
+    @classmethod
+    def parse(cls, value: object, where: str = "address") -> "Address":
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"{where}: expected an address string like 'host:port', got {value!r}")
+        text = value.strip()
+        for scheme in ("ipc", "inproc"):
+            prefix = scheme + "://"
+            if text.startswith(prefix):
+                path = text[len(prefix):]
+                if not path:
+                    raise ConfigError(f"{where}: {value!r} has an empty {scheme} path")
+                return cls(scheme, path=path)
+        if "://" in text:
+            scheme, _, rest = text.partition("://")
+            if scheme != "tcp":
+                raise ConfigError(f"{where}: unsupported scheme {scheme!r} in {value!r} (tcp, ipc, inproc)")
+            text = rest
+        host, port = _split_host_port(text, value, where)
+        return cls("tcp", host=host, port=port)
+
+    @property
+    def endpoint(self) -> str:
+        """The ZeroMQ endpoint to connect to."""
+        if self.scheme == "tcp":
+            host = f"[{self.host}]" if ":" in self.host else self.host
+            return f"tcp://{host}:{self.port}"
+        return f"{self.scheme}://{self.path}"
+
+    def bind_endpoint(self) -> str:
+        """The endpoint to bind: host names are resolved so only that interface is exposed."""
+        if self.scheme != "tcp":
+            return self.endpoint
+        host = self.host
+        if host not in ("*", "0.0.0.0", "::"):
+            try:
+                ipaddress.ip_address(host)
+            except ValueError:
+                try:
+                    host = socket.gethostbyname(host)
+                except OSError as exc:
+                    raise ConfigError(f"cannot resolve host {self.host!r} to bind: {exc}") from None
+        if ":" in host:
+            return f"tcp://[{host}]:{self.port}"
+        return f"tcp://{host}:{self.port}"
+
+    def __str__(self) -> str:
+        if self.scheme == "tcp":
+            host = f"[{self.host}]" if ":" in self.host else self.host
+            return f"{host}:{self.port}"
+        return self.endpoint
+
+
+def _split_host_port(text: str, value: object, where: str) -> tuple[str, int]:
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise ConfigError(f"{where}: malformed address {value!r}, expected '[v6-host]:port'")
+        port_text = rest[1:]
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep:
+            raise ConfigError(f"{where}: malformed address {value!r}, expected 'host:port'")
+    if not host or not (host == "*" or _HOST_RE.match(host) or _is_ip(host)):
+        raise ConfigError(f"{where}: malformed host {host!r} in {value!r}")
+    if not port_text.isdigit():
+        raise ConfigError(f"{where}: malformed port {port_text!r} in {value!r}")
+    port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{where}: port {port} out of range 1..65535 in {value!r}")
+    return host, port
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class TaskId:
+    """A task: a job name and an index. ``str()`` is ``job:index``; ``device`` is TF's form."""
+
+    job: str
+    index: int
+
+    @classmethod
+    def parse(cls, value: "str | TaskId") -> "TaskId":
+        if isinstance(value, TaskId):
+            return value
+        if isinstance(value, str):
+            for pattern in _TASK_RES:
+                m = pattern.match(value.strip())
+                if m:
+                    return cls(m["job"], int(m["index"]))
+        raise ConfigError(f"malformed task {value!r}: expected 'job:index' or '/job:name/task:index'")
+
+    @property
+    def device(self) -> str:
+        return f"/job:{self.job}/task:{self.index}"
+
+    def __str__(self) -> str:
+        return f"{self.job}:{self.index}"
+
+
+class ClusterSpec:
+    """Jobs mapped to their tasks' addresses, validated on construction."""
+
+    __slots__ = ("_jobs",)
+
+    def __init__(self, spec: "Mapping[str, Any] | ClusterSpec"):
+        if isinstance(spec, ClusterSpec):
+            self._jobs: dict[str, dict[int, Address]] = {j: dict(t) for j, t in spec._jobs.items()}
+            return
+        if not isinstance(spec, Mapping):
+            raise ConfigError(f"cluster spec must be a mapping of job -> addresses, got {type(spec).__name__}")
+        if "cluster" in spec:
+            spec = spec["cluster"]
+            if not isinstance(spec, Mapping):
+                raise ConfigError("'cluster' in a TF_CONFIG-shaped spec must be a mapping of job -> addresses")
+        self._jobs = {}
+        seen: dict[Address, TaskId] = {}
+        for job, tasks in spec.items():
+            if not isinstance(job, str) or not _JOB_RE.match(job):
+                raise ConfigError(f"malformed job name {job!r}: letters, digits, '_' and '-', starting with a letter")
+            parsed = _parse_tasks(job, tasks)
+            for index, addr in parsed.items():
+                other = seen.get(addr)
+                if other is not None:
+                    raise ConfigError(
+                        f"duplicate address {addr}: job {job!r} index {index} and job {other.job!r} index {other.index}"
+                    )
+                seen[addr] = TaskId(job, index)
+            self._jobs[job] = parsed
+        if not any(self._jobs.values()):
+            raise ConfigError("cluster spec has no tasks")
+
+    # construction -----------------------------------------------------------------------
+    @classmethod
+    def from_file(cls, path: "str | os.PathLike[str]") -> "ClusterSpec":
+        return cls(_read_json_file(path))
+
+    @classmethod
+    def from_json(cls, text: str) -> "ClusterSpec":
+        return cls(_loads(text, "cluster JSON"))
+
+    # queries ----------------------------------------------------------------------------
+    @property
+    def jobs(self) -> list[str]:
+        return list(self._jobs)
+
+    @property
+    def tasks(self) -> list[TaskId]:
+        return [TaskId(job, i) for job, tasks in self._jobs.items() for i in sorted(tasks)]
+
+    def num_tasks(self, job: str) -> int:
+        return len(self._jobs.get(job, {}))
+
+    def task_indices(self, job: str) -> list[int]:
+        return sorted(self._jobs.get(job, {}))
+
+    def address(self, task: "TaskId | str") -> Address:
+        tid = TaskId.parse(task)
+        try:
+            return self._jobs[tid.job][tid.index]
+        except KeyError:
+            raise ConfigError(f"unknown task {tid} (job {tid.job!r} index {tid.index}); cluster has {self.describe()}") from None
+
+    def task_at(self, endpoint: str) -> TaskId | None:
+        """The task whose address is ``endpoint`` (either form), or None."""
+        for tid in self.tasks:
+            addr = self.address(tid)
+            if endpoint in (addr.endpoint, str(addr)):
+                return tid
+        return None
+
+    def __contains__(self, task: object) -> bool:
+        try:
+            tid = TaskId.parse(task)  # type: ignore[arg-type]
+        except ConfigError:
+            return False
+        return tid.index in self._jobs.get(tid.job, {})
+
+    def __iter__(self) -> Iterator[TaskId]:
+        return iter(self.tasks)
+
+    def __len__(self) -> int:
+        return sum(len(t) for t in self._jobs.values())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ClusterSpec) and self._jobs == other._jobs
+
+    def __hash__(self) -> int:
+        return hash(self.to_json())
+
+    def as_dict(self) -> dict[str, list[str] | dict[str, str]]:
+        """Plain shape: lists when indices are dense from 0, else ``{"index": addr}`` maps."""
+        out: dict[str, list[str] | dict[str, str]] = {}
+        for job, tasks in self._jobs.items():
+            if sorted(tasks) == list(range(len(tasks))):
+                out[job] = [str(tasks[i]) for i in range(len(tasks))]
+            else:
+                out[job] = {str(i): str(tasks[i]) for i in sorted(tasks)}
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), sort_keys=False)
+
+    def describe(self) -> str:
+        return ", ".join(f"{job}: {len(t)}" for job, t in self._jobs.items())
+
+    def __repr__(self) -> str:
+        return f"ClusterSpec({self.as_dict()!r})"
+
+
+def _parse_tasks(job: str, tasks: object) -> dict[int, Address]:
+    if isinstance(tasks, str):
+        raise ConfigError(f"job {job!r}: expected a list or an index map of addresses, got the string {tasks!r}")
+    if isinstance(tasks, Mapping):
+        out: dict[int, Address] = {}
+        for key, value in tasks.items():
+            if isinstance(key, bool) or not (isinstance(key, int) or (isinstance(key, str) and key.isdigit())):
+                raise ConfigError(f"job {job!r}: task index {key!r} is not a non-negative integer")
+            index = int(key)
+            if index in out:
+                raise ConfigError(f"job {job!r}: task index {index} given twice")
+            out[index] = Address.parse(value, f"job {job!r} index {index}")
+        return out
+    if isinstance(tasks, (list, tuple)):
+        return {i: Address.parse(v, f"job {job!r} index {i}") for i, v in enumerate(tasks)}
+    raise ConfigError(f"job {job!r}: expected a list or an index map of addresses, got {type(tasks).__name__}")
+
+
+def _loads(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{what} is not valid JSON: {exc}") from None
+
+
+def _read_json_file(path: "str | os.PathLike[str]") -> Any:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read cluster file {str(path)!r}: {exc.strerror or exc}") from None
+    return _loads(text, f"cluster file {str(path)!r}")
+
+
+def load_config(value: "str | os.PathLike[str] | Mapping[str, Any] | ClusterSpec") -> tuple[ClusterSpec, TaskId | None]:
+    """A cluster and the task it names (TF_CONFIG shape), from a path, inline JSON or a dict."""
+    if isinstance(value, ClusterSpec):
+        return value, None
+    if isinstance(value, Mapping):
+        data: Any = value
+    else:
+        text = os.fspath(value)
+        data = _loads(text, "inline cluster JSON") if text.lstrip().startswith("{") else _read_json_file(text)
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"cluster spec must be a JSON object, got {type(data).__name__}")
+    task = _task_from_tf_config(data.get("task")) if "cluster" in data else None
+    return ClusterSpec(data), task
+
+
+def _task_from_tf_config(task: object) -> TaskId | None:
+    if task is None:
+        return None
+    if not isinstance(task, Mapping) or "type" not in task:
+        raise ConfigError(f"'task' must look like {{\"type\": \"worker\", \"index\": 0}}, got {task!r}")
+    index = task.get("index", 0)
+    if isinstance(index, str) and index.isdigit():
+        index = int(index)
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise ConfigError(f"'task' index must be a non-negative integer, got {index!r}")
+    job = task["type"]
+    if not isinstance(job, str) or not _JOB_RE.match(job):
+        raise ConfigError(f"'task' type must be a job name, got {job!r}")
+    return TaskId(job, index)
+
+
+def resolve(
+    cluster: "str | os.PathLike[str] | Mapping[str, Any] | ClusterSpec | None" = None,
+    task: "str | TaskId | None" = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    require_task: bool = True,
+) -> tuple[ClusterSpec, TaskId | None]:
+    """Find the cluster and this process's task: flags, then ZMQFLOW_*, then TF_CONFIG."""
+    env = os.environ if env is None else env
+    spec: ClusterSpec | None = None
+    file_task: TaskId | None = None
+    if cluster is not None:
+        spec, file_task = load_config(cluster)
+    elif env.get("ZMQFLOW_CLUSTER"):
+        spec, file_task = load_config(env["ZMQFLOW_CLUSTER"])
+    tf_config = env.get("TF_CONFIG")
+    tf_spec: ClusterSpec | None = None
+    tf_task: TaskId | None = None
+    if tf_config:
+        data = _loads(tf_config, "TF_CONFIG")
+        if not isinstance(data, Mapping) or "cluster" not in data:
+            raise ConfigError("TF_CONFIG must be a JSON object with a 'cluster' key")
+        tf_spec, tf_task = load_config(data)
+    if spec is None:
+        spec = tf_spec
+    if spec is None:
+        raise ConfigError("no cluster given: pass --cluster, or set ZMQFLOW_CLUSTER or TF_CONFIG")
+    tid: TaskId | None
+    if task is not None:
+        tid = TaskId.parse(task)
+    elif env.get("ZMQFLOW_TASK"):
+        tid = TaskId.parse(env["ZMQFLOW_TASK"])
+    else:
+        tid = file_task or tf_task
+    if tid is None and require_task:
+        raise ConfigError("no task given: pass --task, or set ZMQFLOW_TASK or TF_CONFIG's 'task'")
+    if tid is not None and tid not in spec:
+        raise ConfigError(f"unknown task {tid} (job {tid.job!r} index {tid.index}); cluster has {spec.describe()}")
+    return spec, tid

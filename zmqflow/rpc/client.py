@@ -1,0 +1,266 @@
+"""Outgoing calls: one DEALER per peer, many requests in flight, replies matched by id.
+
+Every call has a deadline. A peer that does not answer in time raises ``DeadlineExceeded``; a
+peer that could not be reached, or whose connection dropped while calls were in flight (seen
+through the socket monitor, which ZMTP heartbeats keep honest), raises ``Unavailable``. Both
+name the peer and the op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from ..errors import DeadlineExceeded, ProtocolError, Unavailable, VersionMismatch, ZmqflowError
+from ..transport.channel import Channel
+from ..transport.context import context
+from ..transport.options import DEFAULT_OPTIONS, SocketOptions, apply_dealer
+from ..wire import ERROR, REPLY, REQUEST, DecodeError, Limits, Message, decode, encode, raise_error
+from ..wire.codec import DEFAULT_LIMITS
+from .counters import Counters
+
+__all__ = ["RpcClient", "Peer", "DEFAULT_TIMEOUT"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = 30.0
+# After a connection drops, calls wait this long for the reconnect before failing fast.
+RECONNECT_GRACE = 1.0
+_MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+
+CONNECTING, UP, DOWN = "connecting", "up", "down"
+
+
+@dataclass(slots=True)
+class _Pending:
+    future: asyncio.Future
+    peer: "Peer"
+    what: str
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(eq=False)
+class Peer:
+    """The connection to one peer and what is in flight on it."""
+
+    endpoint: str
+    name: str
+    channel: Channel
+    monitor: Channel | None
+    state: str = CONNECTING
+    down_since: float = 0.0
+    inflight: set[int] = field(default_factory=set)
+
+
+class RpcClient:
+    """Calls services on other tasks. Lives on one event loop; not thread-safe."""
+
+    def __init__(
+        self,
+        *,
+        identity: str,
+        source: str = "",
+        loop: asyncio.AbstractEventLoop | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+        options: SocketOptions = DEFAULT_OPTIONS,
+        default_timeout: float = DEFAULT_TIMEOUT,
+        counters: Counters | None = None,
+    ):
+        self.identity = identity.encode()
+        self.source = source
+        self.limits = limits
+        self.options = options
+        self.default_timeout = default_timeout
+        self.counters = counters if counters is not None else Counters()
+        self._loop = loop or asyncio.get_running_loop()
+        self._peers: dict[str, Peer] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    # connections ------------------------------------------------------------------------
+    def peer(self, endpoint: str, name: str | None = None) -> Peer:
+        """The pooled connection to ``endpoint``, opened on first use."""
+        found = self._peers.get(endpoint)
+        if found is not None:
+            return found
+        if self._closed:
+            raise Unavailable(f"client {self.identity.decode()} is closed")
+        sock = context().socket(zmq.DEALER)
+        apply_dealer(sock, self.options, self.identity)
+        label = name or endpoint
+        peer_ref: list[Peer] = []
+        channel = Channel(sock, lambda frames: self._on_reply(peer_ref[0], frames), self._loop, name=f"dealer->{label}")
+        monitor = None
+        if not endpoint.startswith("inproc://"):  # inproc has no connection events; it is up once bound
+            msock = sock.get_monitor_socket(_MONITOR_EVENTS)
+            monitor = Channel(msock, lambda frames: self._on_monitor(peer_ref[0], frames), self._loop, name=f"monitor->{label}")
+        peer = Peer(endpoint, label, channel, monitor, state=UP if monitor is None else CONNECTING)
+        peer_ref.append(peer)
+        sock.connect(endpoint)
+        self._peers[endpoint] = peer
+        return peer
+
+    def _on_monitor(self, peer: Peer, frames: list[Any]) -> None:
+        try:
+            event = parse_monitor_message([bytes(f) for f in frames])["event"]
+        except Exception:  # a malformed monitor frame is a libzmq matter; ignore it
+            return
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            peer.state = UP
+        elif event == zmq.EVENT_DISCONNECTED and peer.state != DOWN:
+            peer.state = DOWN
+            peer.down_since = self._loop.time()
+            self._fail_inflight(peer, f"connection to {peer.name} dropped")
+
+    def _fail_inflight(self, peer: Peer, why: str) -> None:
+        for rid in list(peer.inflight):
+            pending = self._pending.get(rid)
+            if pending is not None:
+                self._finish(rid, exc=Unavailable(f"{why} during {pending.what}", task=peer.name))
+
+    # calls ------------------------------------------------------------------------------
+    async def call(
+        self,
+        endpoint: str,
+        service: str,
+        op: str,
+        body: Any = None,
+        *,
+        timeout: float | None = None,
+        name: str | None = None,
+    ) -> Any:
+        """Call ``service.op`` on the task at ``endpoint`` and return its result."""
+        return await self.start_call(endpoint, service, op, body, timeout=timeout, name=name)
+
+    def start_call(
+        self,
+        endpoint: str,
+        service: str,
+        op: str,
+        body: Any = None,
+        *,
+        timeout: float | None = None,
+        name: str | None = None,
+    ) -> asyncio.Future:
+        """Send now and return a future for the reply: pipelines many calls without a task each."""
+        timeout = self.default_timeout if timeout is None else float(timeout)
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        peer = self.peer(endpoint, name)
+        rid = next(self._ids)
+        fut = self._loop.create_future()
+        pending = _Pending(fut, peer, f"{service}.{op} on {peer.name}")
+        frames = encode(Message(REQUEST, rid, service, op, body, deadline=timeout, source=self.source))
+        self._pending[rid] = pending
+        peer.inflight.add(rid)
+        pending.timer = self._loop.call_later(timeout, self._expire, rid, timeout)
+        if peer.state == DOWN and self._loop.time() - peer.down_since > RECONNECT_GRACE:
+            self._finish(rid, exc=Unavailable(f"{peer.name} is down; {pending.what} not sent", task=peer.name))
+        elif peer.channel.try_send(frames):
+            self._count_out(frames)
+        else:
+            self._loop.create_task(self._send_later(rid, peer, frames, timeout))
+        return fut
+
+    async def _send_later(self, rid: int, peer: Peer, frames: list[Any], timeout: float) -> None:
+        """The peer is not connected yet (or its pipe is full): keep trying within the deadline."""
+        limit = timeout if peer.state != DOWN else min(timeout, RECONNECT_GRACE)
+        try:
+            sent = await peer.channel.send(frames, self._loop.time() + limit)
+        except zmq.ZMQError:
+            sent = False
+        if sent:
+            self._count_out(frames)
+            return
+        pending = self._pending.get(rid)
+        if pending is not None:
+            self._finish(
+                rid,
+                exc=Unavailable(
+                    f"{peer.name} at {peer.endpoint} could not be reached within {limit:g}s; {pending.what} not sent",
+                    task=peer.name,
+                ),
+            )
+
+    def _count_out(self, frames: Sequence[Any]) -> None:
+        self.counters.msgs_out += 1
+        self.counters.bytes_out += sum(memoryview(f).nbytes for f in frames)
+
+    def _expire(self, rid: int, timeout: float) -> None:
+        pending = self._pending.get(rid)
+        if pending is not None:
+            self._finish(
+                rid,
+                exc=DeadlineExceeded(f"{pending.what} did not answer within {timeout:g}s", task=pending.peer.name),
+            )
+
+    def _finish(self, rid: int, *, result: Any = None, exc: BaseException | None = None) -> None:
+        pending = self._pending.pop(rid)
+        pending.peer.inflight.discard(rid)
+        if pending.timer is not None:
+            pending.timer.cancel()
+        if pending.future.done():  # the caller cancelled
+            return
+        if exc is not None:
+            pending.future.set_exception(exc)
+        else:
+            pending.future.set_result(result)
+
+    def _on_reply(self, peer: Peer, frames: list[Any]) -> None:
+        self.counters.msgs_in += 1
+        self.counters.bytes_in += sum(len(f) for f in frames)
+        try:
+            msg = decode(frames, self.limits)
+        except DecodeError as exc:
+            if exc.request_id is not None and exc.request_id in self._pending:
+                self._finish(exc.request_id, exc=_protocol_error(exc, self._pending[exc.request_id]))
+            else:
+                self.counters.dropped += 1
+                log.warning("dropped an unreadable reply from %s: %s", peer.name, exc)
+            return
+        pending = self._pending.get(msg.id)
+        if pending is None or msg.kind == REQUEST:
+            self.counters.late_replies += 1
+            return
+        if msg.kind == REPLY:
+            self._finish(msg.id, result=msg.body)
+        elif msg.kind == ERROR:
+            try:
+                raise_error(msg, context=f"from {pending.what}")
+            except ZmqflowError as exc:
+                self._finish(msg.id, exc=exc)
+
+    def peer_state(self, endpoint: str) -> str:
+        peer = self._peers.get(endpoint)
+        return peer.state if peer else CONNECTING
+
+    # shutdown ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Fail what is in flight and close every socket (linger 0)."""
+        if self._closed:
+            return
+        self._closed = True
+        for rid, pending in list(self._pending.items()):
+            self._finish(rid, exc=Unavailable(f"client closed during {pending.what}", task=pending.peer.name))
+        for peer in self._peers.values():
+            if peer.monitor is not None:
+                try:
+                    peer.channel.sock.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+                peer.monitor.close()
+            peer.channel.close()
+        self._peers.clear()
+
+
+def _protocol_error(exc: DecodeError, pending: _Pending) -> ProtocolError:
+    cls = VersionMismatch if isinstance(exc, VersionMismatch) else ProtocolError
+    return cls(f"bad reply to {pending.what}: {exc}", task=pending.peer.name)

@@ -1,0 +1,22 @@
+"""Traffic and error counters a task reports in its ``status``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["Counters"]
+
+
+@dataclass(slots=True)
+class Counters:
+    msgs_in: int = 0
+    msgs_out: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    errors: int = 0  # error replies sent
+    dropped: int = 0  # messages that could not be answered (unreadable id, not a request)
+    undeliverable: int = 0  # replies whose requester was gone or never drained its pipe
+    late_replies: int = 0  # replies that arrived after their call had ended
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)

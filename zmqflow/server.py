@@ -1,0 +1,246 @@
+"""A task's server: one ROUTER at the task's address hosting its services, plus its client pool.
+
+``AsyncServer`` lives on the caller's event loop; ``Server`` runs one on a background thread for
+scripts and notebooks (as TF's ``tf.train.Server`` does), and its ``join()`` returns when the
+server is stopped instead of never.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from .cluster import ClusterSpec, TaskId, resolve
+from .errors import NotFound
+from .loop import LoopThread
+from .rpc import DEFAULT_TIMEOUT, Counters, RpcClient, RpcServer, Service
+from .services import MasterService, PsService, WorkerService, wait_for_tasks
+from .transport.options import DEFAULT_OPTIONS, SocketOptions
+from .wire import Limits
+from .wire.codec import DEFAULT_LIMITS
+
+__all__ = ["AsyncServer", "Server"]
+
+
+class AsyncServer:
+    """The asyncio-native task server. ``async with AsyncServer(spec, "ps:0") as s: ...``"""
+
+    def __init__(
+        self,
+        cluster: "ClusterSpec | Mapping[str, Any] | str | os.PathLike[str]",
+        task: "TaskId | str",
+        *,
+        services: Mapping[str, Service] | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+        options: SocketOptions = DEFAULT_OPTIONS,
+        default_timeout: float = DEFAULT_TIMEOUT,
+    ):
+        self.spec, tid = resolve(cluster, task, env={})
+        assert tid is not None
+        self.task: TaskId = tid
+        self.address = self.spec.address(self.task)
+        self.limits = limits
+        self.options = options
+        self.default_timeout = default_timeout
+        self.counters = Counters()
+        self.started_at = time.monotonic()
+        self._services: dict[str, Service] = {"master": MasterService(self), "worker": WorkerService()}
+        if self.task.job == "ps":
+            self._services["ps"] = PsService()
+        self._services.update(services or {})
+        self._rpc: RpcServer | None = None
+        self._client: RpcClient | None = None
+        self._stopped: asyncio.Event | None = None
+
+    # TaskRuntime ------------------------------------------------------------------------
+    @property
+    def target(self) -> str:
+        return self.address.endpoint
+
+    @property
+    def client(self) -> RpcClient:
+        if self._client is None:
+            raise RuntimeError(f"server {self.task} is not started")
+        return self._client
+
+    def service_names(self) -> list[str]:
+        return list(self._services)
+
+    def service(self, name: str) -> Service:
+        try:
+            return self._services[name]
+        except KeyError:
+            raise NotFound(f"task {self.task} hosts no service {name!r}") from None
+
+    def add_service(self, service: Service) -> None:
+        """Host another service (before or after start); its name is how callers address it."""
+        self._services[service.name] = service
+        if self._rpc is not None:
+            self._rpc.services[service.name] = service
+
+    # lifecycle --------------------------------------------------------------------------
+    async def start(self) -> "AsyncServer":
+        loop = asyncio.get_running_loop()
+        self._stopped = asyncio.Event()
+        self.started_at = time.monotonic()
+        rpc = RpcServer(
+            self.address.bind_endpoint(),
+            self._services,
+            name=str(self.task),
+            loop=loop,
+            limits=self.limits,
+            options=self.options,
+            counters=self.counters,
+        )
+        rpc.start()
+        self._rpc = rpc
+        self._client = RpcClient(
+            identity=str(self.task),
+            source=str(self.task),
+            loop=loop,
+            limits=self.limits,
+            options=self.options,
+            default_timeout=self.default_timeout,
+            counters=self.counters,
+        )
+        for svc in self._services.values():
+            await svc.start()
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self._rpc is not None
+
+    async def stop(self) -> None:
+        """Stop serving: services first, then the router and every outgoing connection."""
+        if self._rpc is None:
+            return
+        rpc, self._rpc = self._rpc, None
+        for svc in reversed(list(self._services.values())):
+            await svc.stop()
+        await rpc.close()
+        if self._client is not None:
+            self._client.close()
+        if self._stopped is not None:
+            self._stopped.set()
+
+    async def join(self) -> None:
+        """Wait until the server is stopped."""
+        if self._stopped is not None:
+            await self._stopped.wait()
+
+    async def __aenter__(self) -> "AsyncServer":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # calls ------------------------------------------------------------------------------
+    async def call(self, task: "TaskId | str", service: str, op: str, body: Any = None, *, timeout: float | None = None) -> Any:
+        """Call ``service.op`` on another task of the cluster (or this one)."""
+        tid = TaskId.parse(task)
+        return await self.client.call(self.spec.address(tid).endpoint, service, op, body, timeout=timeout, name=str(tid))
+
+    async def wait_for_cluster(self, timeout: float = 30.0) -> None:
+        """Return when every task answers; else raise ClusterNotReady naming those that did not."""
+        await wait_for_tasks(self.client, self.spec, timeout)
+
+    def __repr__(self) -> str:
+        return f"AsyncServer({self.task} at {self.target}, {'running' if self.running else 'stopped'})"
+
+
+class Server:
+    """A task server on a background thread: ``.target``, ``.join()``, ``.stop()``, with-block."""
+
+    def __init__(
+        self,
+        cluster: "ClusterSpec | Mapping[str, Any] | str | os.PathLike[str]",
+        task: "TaskId | str",
+        *,
+        start: bool = True,
+        **kwargs: Any,
+    ):
+        self._async = AsyncServer(cluster, task, **kwargs)
+        self._thread: LoopThread | None = None
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        if start:
+            self.start()
+
+    @classmethod
+    def from_env(cls, **kwargs: Any) -> "Server":
+        """The task named by ZMQFLOW_CLUSTER/ZMQFLOW_TASK (or TF_CONFIG)."""
+        spec, task = resolve()
+        assert task is not None
+        return cls(spec, task, **kwargs)
+
+    @property
+    def spec(self) -> ClusterSpec:
+        return self._async.spec
+
+    @property
+    def task(self) -> TaskId:
+        return self._async.task
+
+    @property
+    def target(self) -> str:
+        return self._async.target
+
+    @property
+    def async_server(self) -> AsyncServer:
+        return self._async
+
+    @property
+    def loop_thread(self) -> LoopThread:
+        if self._thread is None:
+            raise RuntimeError(f"server {self.task} is not started")
+        return self._thread
+
+    def start(self) -> "Server":
+        with self._lock:
+            if self._thread is not None:
+                return self
+            thread = LoopThread(name=f"zmqflow-{self.task}")
+            try:
+                thread.call(self._async.start(), timeout=30)
+            except BaseException:
+                thread.stop()
+                raise
+            self._thread = thread
+            self._done.clear()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+            if thread is None:
+                return
+            try:
+                thread.call(self._async.stop(), timeout=timeout)
+            finally:
+                thread.stop(timeout)
+                self._done.set()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Block until the server is stopped (by ``stop()`` from another thread or a signal)."""
+        return self._done.wait(timeout)
+
+    def wait_for_cluster(self, timeout: float = 30.0) -> None:
+        self.loop_thread.call(self._async.wait_for_cluster(timeout), timeout=timeout + 5)
+
+    def call(self, task: "TaskId | str", service: str, op: str, body: Any = None, *, timeout: float | None = None) -> Any:
+        t = self._async.default_timeout if timeout is None else timeout
+        return self.loop_thread.call(self._async.call(task, service, op, body, timeout=t), timeout=t + 5)
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"Server({self.task} at {self.target})"

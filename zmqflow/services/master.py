@@ -1,0 +1,72 @@
+"""The master service: the task's status and the cluster-wide view every session can ask for."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any, Protocol
+
+from ..cluster import ClusterSpec, TaskId
+from ..rpc import CallContext, Counters, RpcClient, Service, op
+from ..wire import VERSION
+from .health import wait_for_tasks
+
+__all__ = ["MasterService", "TaskRuntime"]
+
+
+class TaskRuntime(Protocol):
+    """What services need from the server that hosts them."""
+
+    spec: ClusterSpec
+    task: TaskId
+    counters: Counters
+    started_at: float
+
+    @property
+    def client(self) -> RpcClient: ...
+
+    @property
+    def target(self) -> str: ...
+
+    def service_names(self) -> list[str]: ...
+
+
+class MasterService(Service):
+    name = "master"
+
+    def __init__(self, runtime: TaskRuntime):
+        super().__init__()
+        self.runtime = runtime
+
+    @op
+    def ping(self, ctx: CallContext) -> dict[str, Any]:
+        return {"service": self.name, "task": str(self.runtime.task), "time": time.time()}
+
+    @op
+    def status(self, ctx: CallContext) -> dict[str, Any]:
+        from .. import __version__
+
+        rt = self.runtime
+        return {
+            "task": str(rt.task),
+            "job": rt.task.job,
+            "index": rt.task.index,
+            "address": rt.target,
+            "roles": rt.service_names(),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "uptime_s": round(time.monotonic() - rt.started_at, 3),
+            "version": __version__,
+            "protocol": VERSION,
+            "counters": rt.counters.as_dict(),
+        }
+
+    @op
+    def cluster(self, ctx: CallContext) -> dict[str, Any]:
+        return {"cluster": self.runtime.spec.as_dict(), "task": str(self.runtime.task)}
+
+    @op
+    async def wait_for_cluster(self, ctx: CallContext, timeout: float = 30.0) -> bool:
+        await wait_for_tasks(self.runtime.client, self.runtime.spec, float(timeout))
+        return True

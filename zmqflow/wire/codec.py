@@ -1,0 +1,363 @@
+"""Encode and decode messages: a msgpack header frame followed by raw tensor frames.
+
+Sans-IO: frames in, frames out. Arrays anywhere in a message body are replaced in the header
+by an extension reference (ext type 1, a 4-byte index) into the header's tensor table ``t``,
+whose entries ``[dtype, shape, frame]`` describe the raw frames that follow. Decoding checks
+the version first, then every type, count and size, before it builds a single array; arrays are
+rebuilt with ``np.frombuffer`` on the received frame, so they share its memory. Nothing here is
+ever pickled. ``protocol/SPEC.md`` is the normative description.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import traceback as _tb
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from ..errors import InvalidArgument, ProtocolError, VersionMismatch, ZmqflowError, error_class
+from .dtypes import dtype_from_name, dtype_name
+
+__all__ = [
+    "VERSION",
+    "REQUEST",
+    "REPLY",
+    "ERROR",
+    "Limits",
+    "Message",
+    "DecodeError",
+    "encode",
+    "decode",
+    "error_message",
+    "raise_error",
+]
+
+VERSION = 1
+REQUEST, REPLY, ERROR = "req", "rep", "err"
+_KINDS = (REQUEST, REPLY, ERROR)
+_EXT_TENSOR = 1
+_MAX_ID = (1 << 64) - 1
+_MAX_NAME = 128
+_MAX_NDIM = 32
+_U32 = struct.Struct(">I")
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds a decoder enforces before trusting anything a peer sent."""
+
+    max_header_bytes: int = 4 << 20
+    max_frame_bytes: int = 2 << 30
+    max_frames: int = 4096
+    max_container_len: int = 1 << 20
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclass(slots=True)
+class Message:
+    """One request, reply or error. ``body`` holds arguments or results; arrays may sit anywhere in it."""
+
+    kind: str
+    id: int
+    service: str = ""
+    op: str = ""
+    body: Any = None
+    deadline: float | None = None  # seconds left when sent; relative, so clocks need not agree
+    source: str = ""
+    error: dict[str, str] | None = field(default=None)
+
+
+class DecodeError(ProtocolError):
+    """A message broke the format. ``request_id`` is set when the id was readable, so a reply is possible."""
+
+    def __init__(self, message: str, *, request_id: int | None = None, kind: str | None = None):
+        super().__init__(message)
+        self.request_id = request_id
+        self.kind = kind
+
+
+class _VersionError(DecodeError, VersionMismatch):
+    pass
+
+
+class _TensorRef:
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+# encoding ---------------------------------------------------------------------------------
+
+
+def encode(msg: Message) -> list[Any]:
+    """Frames for ``msg``: the header bytes, then one buffer per array (zero-copy views)."""
+    arrays: list[np.ndarray] = []
+
+    def default(obj: object) -> object:
+        if isinstance(obj, np.ndarray):
+            arrays.append(obj)
+            return msgpack.ExtType(_EXT_TENSOR, _U32.pack(len(arrays) - 1))
+        if isinstance(obj, np.generic):
+            return obj.item()
+        raise InvalidArgument(f"cannot send a value of type {type(obj).__name__} in {msg.service}.{msg.op or msg.kind}")
+
+    packer = msgpack.Packer(default=default, use_bin_type=True, autoreset=False)
+    fields: list[tuple[str, object]] = [("v", VERSION), ("k", msg.kind), ("id", msg.id)]
+    if msg.kind == REQUEST:
+        fields += [("svc", msg.service), ("op", msg.op)]
+        if msg.deadline is not None:
+            fields.append(("dl", float(msg.deadline)))
+    if msg.source:
+        fields.append(("src", msg.source))
+    if msg.kind == ERROR:
+        fields.append(("e", msg.error or {}))
+    else:
+        fields.append(("a", msg.body))
+    packer.pack_map_header(len(fields) + 1)
+    for key, value in fields:
+        packer.pack(key)
+        packer.pack(value)
+    frames: list[Any] = [None]
+    table = []
+    for i, arr in enumerate(arrays):
+        buf, name = _wire_buffer(arr)
+        table.append([name, list(arr.shape), i + 1])
+        frames.append(buf)
+    packer.pack("t")
+    packer.pack(table)
+    frames[0] = packer.bytes()
+    return frames
+
+
+def _wire_buffer(arr: np.ndarray) -> tuple[np.ndarray, str]:
+    """A flat little-endian C-ordered byte view of ``arr``; copies only when the layout forces it."""
+    name = dtype_name(arr.dtype)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return arr.reshape(-1).view(np.uint8), name
+
+
+# decoding ---------------------------------------------------------------------------------
+
+
+def _ext_hook(code: int, data: bytes) -> object:
+    if code != _EXT_TENSOR or len(data) != 4:
+        raise ProtocolError(f"unknown msgpack extension type {code} (length {len(data)})")
+    return _TensorRef(_U32.unpack(data)[0])
+
+
+def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Validate and decode frames (bytes or zmq Frames) into a Message; raises DecodeError."""
+    if not frames:
+        raise DecodeError("empty message: no header frame")
+    if len(frames) > limits.max_frames:
+        raise DecodeError(f"{len(frames)} frames exceed the limit of {limits.max_frames}")
+    raw = frames[0]
+    header_view = memoryview(raw)
+    if header_view.nbytes > limits.max_header_bytes:
+        raise DecodeError(f"header of {header_view.nbytes} bytes exceeds the limit of {limits.max_header_bytes}")
+    cap = limits.max_container_len
+    try:
+        head = msgpack.unpackb(
+            header_view,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_ext_hook,
+            max_bin_len=limits.max_header_bytes,
+            max_str_len=limits.max_header_bytes,
+            max_array_len=cap,
+            max_map_len=cap,
+            max_ext_len=16,
+        )
+    except ProtocolError as exc:
+        raise DecodeError(str(exc)) from None
+    except Exception as exc:  # msgpack raises several types for truncated or malformed data
+        raise DecodeError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(head, dict):
+        raise DecodeError(f"header must be a map, got {type(head).__name__}")
+    return _from_header(head, frames, limits, b"\xd6\x01" in header_view.tobytes() if len(frames) == 1 else True)
+
+
+def _from_header(head: dict, frames: Sequence[Any], limits: Limits, maybe_refs: bool) -> Message:
+    rid = head.get("id")
+    rid = rid if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid <= _MAX_ID else None
+    kind = head.get("k") if head.get("k") in _KINDS else None
+    version = head.get("v")
+    if version != VERSION:
+        raise _VersionError(
+            f"protocol version {version!r} is not supported (this side speaks {VERSION})", request_id=rid, kind=kind
+        )
+    if kind is None:
+        raise DecodeError(f"unknown message kind {head.get('k')!r}", request_id=rid)
+    if rid is None:
+        raise DecodeError(f"request id must be an integer in 0..2**64-1, got {head.get('id')!r}")
+    table = head.get("t", [])
+    arrays = _tensors(table, frames, limits, rid, kind) if table or len(frames) > 1 else []
+    msg = Message(kind=kind, id=rid, source=_opt_str(head, "src", rid, kind) if "src" in head else "")
+    if kind == REQUEST:
+        msg.service = _name(head, "svc", rid)
+        msg.op = _name(head, "op", rid)
+        dl = head.get("dl")
+        if dl is not None and (not isinstance(dl, (int, float)) or isinstance(dl, bool) or not dl > 0 or math.isinf(dl)):
+            raise DecodeError(f"deadline must be a positive number of seconds, got {dl!r}", request_id=rid, kind=kind)
+        msg.deadline = None if dl is None else float(dl)
+    if kind == ERROR:
+        msg.error = _error_fields(head.get("e"), rid)
+        if arrays:
+            raise DecodeError("an error message carries no tensors", request_id=rid, kind=kind)
+    else:
+        body = head.get("a")
+        used = [False] * len(arrays)
+        # a fixext4 marker of type 1 in the header bytes is the only way a reference can be present
+        msg.body = _resolve(body, arrays, used, rid, kind) if maybe_refs else body
+        if not all(used):
+            raise DecodeError(
+                f"tensor frames {[i + 1 for i, u in enumerate(used) if not u]} are not referenced by the body",
+                request_id=rid,
+                kind=kind,
+            )
+    return msg
+
+
+def _tensors(table: object, frames: Sequence[Any], limits: Limits, rid: int, kind: str) -> list[np.ndarray]:
+    if not isinstance(table, list):
+        raise DecodeError(f"tensor table must be a list, got {type(table).__name__}", request_id=rid, kind=kind)
+    if len(table) != len(frames) - 1:
+        raise DecodeError(
+            f"header describes {len(table)} tensors but {len(frames) - 1} tensor frames arrived", request_id=rid, kind=kind
+        )
+    arrays: list[np.ndarray] = []
+    seen: set[int] = set()
+    for i, entry in enumerate(table):
+        where = f"tensor {i}"
+        if not isinstance(entry, list) or len(entry) != 3:
+            raise DecodeError(f"{where}: entry must be [dtype, shape, frame]", request_id=rid, kind=kind)
+        name, shape, index = entry
+        try:
+            dtype = dtype_from_name(name)
+        except InvalidArgument as exc:
+            raise DecodeError(f"{where}: {exc}", request_id=rid, kind=kind) from None
+        if (
+            not isinstance(shape, list)
+            or len(shape) > _MAX_NDIM
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            raise DecodeError(f"{where}: shape must be a list of at most {_MAX_NDIM} non-negative ints, got {shape!r}", request_id=rid, kind=kind)
+        if not isinstance(index, int) or isinstance(index, bool) or not 1 <= index < len(frames) or index in seen:
+            raise DecodeError(f"{where}: frame index {index!r} is out of range or used twice", request_id=rid, kind=kind)
+        seen.add(index)
+        view = memoryview(frames[index])
+        nbytes = view.nbytes
+        if nbytes > limits.max_frame_bytes:
+            raise DecodeError(
+                f"{where}: frame of {nbytes} bytes exceeds the limit of {limits.max_frame_bytes}", request_id=rid, kind=kind
+            )
+        expected = math.prod(shape) * dtype.itemsize
+        if expected != nbytes:
+            raise DecodeError(
+                f"{where}: {name}{tuple(shape)} needs {expected} bytes but its frame has {nbytes}", request_id=rid, kind=kind
+            )
+        arrays.append(np.frombuffer(view, dtype=dtype).reshape(shape))
+    return arrays
+
+
+def _resolve(obj: object, arrays: list[np.ndarray], used: list[bool], rid: int, kind: str) -> object:
+    if isinstance(obj, _TensorRef):
+        if obj.index >= len(arrays):
+            raise DecodeError(f"reference to tensor {obj.index} but only {len(arrays)} were described", request_id=rid, kind=kind)
+        used[obj.index] = True
+        return arrays[obj.index]
+    if isinstance(obj, list):
+        return [_resolve(v, arrays, used, rid, kind) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _resolve(v, arrays, used, rid, kind) for k, v in obj.items()}
+    return obj
+
+
+def _name(head: dict, key: str, rid: int) -> str:
+    value = head.get(key)
+    if not isinstance(value, str) or not 0 < len(value) <= _MAX_NAME:
+        raise DecodeError(f"request field {key!r} must be a non-empty string of at most {_MAX_NAME} characters", request_id=rid, kind=REQUEST)
+    return value
+
+
+def _opt_str(head: dict, key: str, rid: int, kind: str) -> str:
+    value = head.get(key, "")
+    if not isinstance(value, str) or len(value) > _MAX_NAME:
+        raise DecodeError(f"field {key!r} must be a string of at most {_MAX_NAME} characters", request_id=rid, kind=kind)
+    return value
+
+
+def _error_fields(err: object, rid: int) -> dict[str, Any]:
+    if not isinstance(err, dict) or not all(isinstance(err.get(k, ""), str) for k in ("code", "type", "message", "traceback")):
+        raise DecodeError("error field 'e' must map code, type, message and traceback to strings", request_id=rid, kind=ERROR)
+    out: dict[str, Any] = {k: err.get(k, "") for k in ("code", "type", "message", "traceback")}
+    details = err.get("details")
+    if details is not None:
+        if not isinstance(details, dict) or _contains_ref(details):
+            raise DecodeError("error field 'details' must be a map of plain values", request_id=rid, kind=ERROR)
+        out["details"] = details
+    return out
+
+
+def _contains_ref(obj: object) -> bool:
+    if isinstance(obj, _TensorRef):
+        return True
+    if isinstance(obj, list):
+        return any(_contains_ref(v) for v in obj)
+    if isinstance(obj, dict):
+        return any(_contains_ref(v) for v in obj.values())
+    return False
+
+
+# errors as data ---------------------------------------------------------------------------
+
+
+def error_message(rid: int, exc: BaseException, *, source: str = "", with_traceback: bool = True) -> Message:
+    """An error reply carrying ``exc`` as data: code, type, message and the traceback text."""
+    code = exc.code if isinstance(exc, ZmqflowError) else "INTERNAL"
+    text = exc.message if isinstance(exc, ZmqflowError) else str(exc)
+    tb = "".join(_tb.format_exception(exc)) if with_traceback else ""
+    error: dict[str, Any] = {"code": code, "type": type(exc).__name__, "message": text, "traceback": tb}
+    details = _plain_details(exc)
+    if details:
+        error["details"] = details
+    return Message(kind=ERROR, id=rid, source=source, error=error)
+
+
+def _plain_details(exc: BaseException) -> dict[str, Any]:
+    """The error's details that are plain msgpack values (strings, numbers, lists of them)."""
+    if not isinstance(exc, ZmqflowError):
+        return {}
+    plain = (str, int, float, bool, type(None))
+    out: dict[str, Any] = {}
+    for key, value in exc.details.items():
+        if isinstance(value, plain):
+            out[key] = value
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, plain) for v in value):
+            out[key] = list(value)
+    return out
+
+
+def raise_error(msg: Message, *, context: str = "") -> None:
+    """Raise the local class for an error reply (``RemoteError`` for unknown codes)."""
+    err = msg.error or {}
+    cls = error_class(err.get("code", ""))
+    text = err.get("message", "")
+    if context:
+        text = f"{text} ({context})"
+    details = dict(err.get("details") or {})
+    details["remote_type"] = err.get("type", "")
+    if cls.__name__ == "RemoteError":
+        text = f"{err.get('type', '?')}: {text}"
+    raise cls(text, remote_traceback=err.get("traceback"), **details)
