@@ -1,6 +1,6 @@
 """zmqflow: a distributed training runtime on ZeroMQ, msgpack and numpy."""
 
-__version__ = "0.1.0"
+from .version import __version__
 
 from . import errors
 from .cluster import Address, ClusterSpec, TaskId

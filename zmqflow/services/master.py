@@ -8,6 +8,7 @@ import time
 from typing import Any, Protocol
 
 from ..cluster import ClusterSpec, TaskId
+from ..version import __version__
 from ..rpc import CallContext, Counters, RpcClient, Service, op
 from ..wire import VERSION
 from .health import wait_for_tasks
@@ -45,8 +46,6 @@ class MasterService(Service):
 
     @op
     def status(self, ctx: CallContext) -> dict[str, Any]:
-        from .. import __version__
-
         rt = self.runtime
         return {
             "task": str(rt.task),

@@ -1,0 +1,1 @@
+"""The ``zmqflow`` command line: serve, launch, status, bench, demo."""

@@ -1,0 +1,24 @@
+"""``zmqflow bench``: throughput and latency benchmarks, each beside its baseline in the same run."""
+
+from __future__ import annotations
+
+import click
+
+__all__ = ["bench"]
+
+
+@click.group()
+def bench() -> None:
+    """Run a benchmark (each prints a table of ratios to its baseline)."""
+
+
+@bench.command("transport")
+@click.option("--quick", is_flag=True, help="Fewer sizes and iterations (under a minute).")
+@click.option("--transport", "transports", multiple=True, type=click.Choice(["inproc", "ipc", "tcp"]), help="Repeatable; default all.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Append JSON lines here.")
+def transport(quick: bool, transports: tuple[str, ...], json_out: str | None) -> None:
+    """Tensor throughput and round-trip latency: zmqflow vs raw pyzmq vs memcpy."""
+    from ..bench.transport import format_table, run
+
+    rows = run(quick=quick, transports=transports or ("inproc", "ipc", "tcp"), json_out=json_out)
+    click.echo(format_table(rows))

@@ -1,0 +1,30 @@
+"""What every subcommand shares: logging set-up and the exit codes (0 ok, 1 failure, 2 usage)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import NoReturn
+
+import click
+
+__all__ = ["EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "setup_logging", "fail", "LOG_LEVELS"]
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def setup_logging(level: str, task: str = "") -> None:
+    prefix = f"[{task}] " if task else ""
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def fail(command: str, message: object, code: int) -> NoReturn:
+    """One line on stderr, then exit with ``code``."""
+    click.echo(f"zmqflow {command}: {message}", err=True)
+    sys.exit(code)

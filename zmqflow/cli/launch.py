@@ -1,0 +1,201 @@
+"""``zmqflow launch``: a whole cluster as local processes, each line of output tagged with its task.
+
+Without a command every task runs ``zmqflow serve``. With one, ps (and other non-training) tasks
+serve while chief, worker and evaluator tasks run the command with ``ZMQFLOW_CLUSTER`` and
+``ZMQFLOW_TASK`` set; when the commands end the servers are stopped, and the exit code is the
+first failure's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import click
+
+from ..cluster import ClusterSpec, TaskId, resolve
+from ..errors import ConfigError
+from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, LOG_LEVELS, fail
+
+__all__ = ["launch", "Launcher", "generate_cluster"]
+
+COMMAND_JOBS = ("chief", "worker", "evaluator", "master")
+STOP_GRACE = 5.0
+
+
+def generate_cluster(workers: int, ps: int, chief: bool, host: str = "127.0.0.1") -> ClusterSpec:
+    """A cluster on free loopback ports: ``chief`` (optional), ``worker`` and ``ps`` jobs."""
+    from ..testing import free_port
+
+    jobs: dict[str, list[str]] = {}
+    if chief:
+        jobs["chief"] = [f"{host}:{free_port(host)}"]
+    if workers:
+        jobs["worker"] = [f"{host}:{free_port(host)}" for _ in range(workers)]
+    if ps:
+        jobs["ps"] = [f"{host}:{free_port(host)}" for _ in range(ps)]
+    return ClusterSpec(jobs)
+
+
+@dataclass(eq=False)
+class _Child:
+    task: TaskId
+    argv: list[str]
+    runs_command: bool
+    proc: subprocess.Popen | None = None
+    pump: threading.Thread | None = field(default=None, repr=False)
+
+
+class Launcher:
+    """Starts, watches and stops the processes of one local cluster."""
+
+    def __init__(self, spec: ClusterSpec, command: list[str], *, log_level: str = "info", out=None):
+        self.spec = spec
+        self.command = command
+        self.log_level = log_level
+        self.out = out or sys.stdout
+        self._lock = threading.Lock()
+        self._events: list[tuple[str, _Child]] = []
+        self._cond = threading.Condition(self._lock)
+        self._first_failure: int | None = None
+        self._stopping = False
+        self.children = [self._child(t) for t in spec.tasks]
+
+    def _child(self, task: TaskId) -> _Child:
+        runs = bool(self.command) and task.job in COMMAND_JOBS
+        argv = list(self.command) if runs else [sys.executable, "-m", "zmqflow", "serve", "--log-level", self.log_level]
+        return _Child(task, argv, runs)
+
+    def _env(self, task: TaskId) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop("TF_CONFIG", None)
+        env.update(ZMQFLOW_CLUSTER=self.spec.to_json(), ZMQFLOW_TASK=str(task), PYTHONUNBUFFERED="1")
+        return env
+
+    def say(self, line: str, tag: str = "launch") -> None:
+        with self._lock:
+            self.out.write(f"[{tag}] {line}\n")
+            self.out.flush()
+
+    def start(self) -> None:
+        self.say(f"cluster {self.spec.to_json()}")
+        for child in self.children:
+            self._start(child)
+
+    def _start(self, child: _Child) -> None:
+        # Each child gets its own session so a terminal's Ctrl-C reaches it once, through us.
+        child.proc = subprocess.Popen(
+            child.argv,
+            env=self._env(child.task),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
+        child.pump.start()
+
+    def _pump(self, child: _Child) -> None:
+        assert child.proc is not None and child.proc.stdout is not None
+        tag = str(child.task)
+        for raw in child.proc.stdout:
+            self.say(raw.decode(errors="replace").rstrip("\n"), tag)
+        code = child.proc.wait()
+        with self._cond:
+            self._events.append(("exit", child))
+            self._cond.notify_all()
+        if code != 0 and not (self._stopping and not child.runs_command):
+            self.say(f"{child.task} exited with code {_exit_code(code)}")
+
+    def signal_all(self, sig: int) -> None:
+        for child in self.children:
+            if child.proc is not None and child.proc.poll() is None:
+                try:
+                    child.proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    def wait(self) -> int:
+        """Until the commands end (or, without one, any task ends); then stop the rest."""
+        pending = {c for c in self.children if (c.runs_command if self.command else True)}
+        while pending:
+            with self._cond:
+                while not self._events:
+                    self._cond.wait(0.5)
+                kind, child = self._events.pop(0)
+            code = _exit_code(child.proc.returncode if child.proc else 1)
+            if code != 0 and self._first_failure is None and not self._stopping:
+                self._first_failure = code
+            pending.discard(child)
+            if not self.command or (code != 0 and not child.runs_command):
+                break  # a server ended on its own: nothing left to wait for
+        self.stop()
+        return self._first_failure or EXIT_OK
+
+    def stop(self) -> None:
+        """SIGTERM to whatever still runs, SIGKILL after a grace period."""
+        self._stopping = True
+        self.signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE
+        for child in self.children:
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.say(f"{child.task} did not stop within {STOP_GRACE:g}s; killing it")
+                child.proc.kill()
+                child.proc.wait()
+            if child.pump is not None:
+                child.pump.join(2.0)
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--cluster", metavar="PATH|JSON", help="Cluster spec to start (else generated from --workers/--ps).")
+@click.option("--workers", type=click.IntRange(0, 256), default=None, help="Workers to generate on loopback ports.")
+@click.option("--ps", type=click.IntRange(0, 256), default=None, help="Parameter-server tasks to generate.")
+@click.option("--chief/--no-chief", default=False, help="Also generate a chief task.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Host for generated addresses.")
+@click.option("--cluster-out", type=click.Path(dir_okay=False), help="Write the cluster spec here (for zmqflow status).")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def launch(cluster, workers, ps, chief, host, cluster_out, log_level, command) -> None:
+    """Start a cluster's tasks as local processes, optionally running COMMAND on chief and workers."""
+    command = list(command)
+    if command and command[0] == "--":
+        command = command[1:]
+    try:
+        if cluster is not None:
+            if workers is not None or ps is not None or chief:
+                raise ConfigError("give either --cluster or --workers/--ps/--chief, not both")
+            spec, _ = resolve(cluster, None, env={}, require_task=False)
+        else:
+            spec = generate_cluster(2 if workers is None else workers, 0 if ps is None else ps, chief, host)
+    except ConfigError as exc:
+        fail("launch", exc, EXIT_USAGE)
+    if cluster_out:
+        with open(cluster_out, "w") as fh:
+            fh.write(spec.to_json() + "\n")
+    launcher = Launcher(spec, command, log_level=log_level)
+
+    def forward(sig: int, _frame: object) -> None:
+        launcher.say(f"forwarding {signal.Signals(sig).name} to every task")
+        launcher.signal_all(sig)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    try:
+        launcher.start()
+    except OSError as exc:
+        launcher.stop()
+        fail("launch", f"cannot start {exc.filename or 'a task'}: {exc.strerror or exc}", EXIT_FAILURE)
+    raise SystemExit(launcher.wait())
