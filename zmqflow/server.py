@@ -96,7 +96,7 @@ class AsyncServer:
             options=self.options,
             counters=self.counters,
         )
-        rpc.start()
+        await rpc.start()
         self._rpc = rpc
         self._client = RpcClient(
             identity=str(self.task),

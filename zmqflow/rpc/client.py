@@ -44,6 +44,7 @@ class _Pending:
     peer: "Peer"
     what: str
     timer: asyncio.TimerHandle | None = None
+    sent: bool = False
 
 
 @dataclass(eq=False)
@@ -93,20 +94,26 @@ class RpcClient:
             return found
         if self._closed:
             raise Unavailable(f"client {self.identity.decode()} is closed")
+        peer = Peer(endpoint, name or endpoint, *self._open(endpoint, name or endpoint))
+        peer.state = UP if peer.monitor is None else CONNECTING
+        self._peers[endpoint] = peer
+        return peer
+
+    def _open(self, endpoint: str, label: str) -> tuple[Channel, Channel | None]:
         sock = context().socket(zmq.DEALER)
         apply_dealer(sock, self.options, self.identity)
-        label = name or endpoint
-        peer_ref: list[Peer] = []
-        channel = Channel(sock, lambda frames: self._on_reply(peer_ref[0], frames), self._loop, name=f"dealer->{label}")
+        channel = Channel(sock, lambda frames: self._on_reply(self._peers[endpoint], frames), self._loop, name=f"dealer->{label}")
         monitor = None
         if not endpoint.startswith("inproc://"):  # inproc has no connection events; it is up once bound
             msock = sock.get_monitor_socket(_MONITOR_EVENTS)
-            monitor = Channel(msock, lambda frames: self._on_monitor(peer_ref[0], frames), self._loop, name=f"monitor->{label}")
-        peer = Peer(endpoint, label, channel, monitor, state=UP if monitor is None else CONNECTING)
-        peer_ref.append(peer)
+            monitor = Channel(msock, lambda frames: self._on_monitor(self._peers[endpoint], frames), self._loop, name=f"monitor->{label}")
         sock.connect(endpoint)
-        self._peers[endpoint] = peer
-        return peer
+        return channel, monitor
+
+    def _reopen_inproc(self, peer: Peer) -> None:
+        """An inproc connection never reconnects to a re-bound endpoint: open a fresh one."""
+        _close_peer(peer)
+        peer.channel, peer.monitor = self._open(peer.endpoint, peer.name)
 
     def _on_monitor(self, peer: Peer, frames: list[Any]) -> None:
         try:
@@ -164,11 +171,18 @@ class RpcClient:
         pending.timer = self._loop.call_later(timeout, self._expire, rid, timeout)
         if peer.state == DOWN and self._loop.time() - peer.down_since > RECONNECT_GRACE:
             self._finish(rid, exc=Unavailable(f"{peer.name} is down; {pending.what} not sent", task=peer.name))
-        elif peer.channel.try_send(frames):
+        elif peer.channel.try_send(frames) or (self._retry_inproc(peer, rid) and peer.channel.try_send(frames)):
+            pending.sent = True
             self._count_out(frames)
         else:
             self._loop.create_task(self._send_later(rid, peer, frames, timeout))
         return fut
+
+    def _retry_inproc(self, peer: Peer, rid: int) -> bool:
+        if not peer.endpoint.startswith("inproc://") or peer.inflight - {rid}:
+            return False
+        self._reopen_inproc(peer)
+        return True
 
     async def _send_later(self, rid: int, peer: Peer, frames: list[Any], timeout: float) -> None:
         """The peer is not connected yet (or its pipe is full): keep trying within the deadline."""
@@ -177,18 +191,22 @@ class RpcClient:
             sent = await peer.channel.send(frames, self._loop.time() + limit)
         except zmq.ZMQError:
             sent = False
+        pending = self._pending.get(rid)
         if sent:
             self._count_out(frames)
+            if pending is not None:
+                pending.sent = True
             return
-        pending = self._pending.get(rid)
         if pending is not None:
-            self._finish(
-                rid,
-                exc=Unavailable(
-                    f"{peer.name} at {peer.endpoint} could not be reached within {limit:g}s; {pending.what} not sent",
-                    task=peer.name,
-                ),
-            )
+            self._finish(rid, exc=self._unreachable(pending, limit))
+
+    @staticmethod
+    def _unreachable(pending: _Pending, waited: float) -> Unavailable:
+        peer = pending.peer
+        return Unavailable(
+            f"{peer.name} at {peer.endpoint} could not be reached within {waited:g}s; {pending.what} not sent",
+            task=peer.name,
+        )
 
     def _count_out(self, frames: Sequence[Any]) -> None:
         self.counters.msgs_out += 1
@@ -196,11 +214,12 @@ class RpcClient:
 
     def _expire(self, rid: int, timeout: float) -> None:
         pending = self._pending.get(rid)
-        if pending is not None:
-            self._finish(
-                rid,
-                exc=DeadlineExceeded(f"{pending.what} did not answer within {timeout:g}s", task=pending.peer.name),
-            )
+        if pending is None:
+            return
+        if not pending.sent:  # never left this process: the peer is unreachable, not slow
+            self._finish(rid, exc=self._unreachable(pending, timeout))
+        else:
+            self._finish(rid, exc=DeadlineExceeded(f"{pending.what} did not answer within {timeout:g}s", task=pending.peer.name))
 
     def _finish(self, rid: int, *, result: Any = None, exc: BaseException | None = None) -> None:
         pending = self._pending.pop(rid)
@@ -239,8 +258,13 @@ class RpcClient:
                 self._finish(msg.id, exc=exc)
 
     def peer_state(self, endpoint: str) -> str:
+        """``up``, ``down`` or ``connecting``; an inproc peer is up while its pipe takes messages."""
         peer = self._peers.get(endpoint)
-        return peer.state if peer else CONNECTING
+        if peer is None:
+            return CONNECTING
+        if peer.monitor is None:
+            return UP if peer.channel.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT else DOWN
+        return peer.state
 
     # shutdown ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -251,14 +275,18 @@ class RpcClient:
         for rid, pending in list(self._pending.items()):
             self._finish(rid, exc=Unavailable(f"client closed during {pending.what}", task=pending.peer.name))
         for peer in self._peers.values():
-            if peer.monitor is not None:
-                try:
-                    peer.channel.sock.disable_monitor()
-                except zmq.ZMQError:
-                    pass
-                peer.monitor.close()
-            peer.channel.close()
+            _close_peer(peer)
         self._peers.clear()
+
+
+def _close_peer(peer: Peer) -> None:
+    if peer.monitor is not None:
+        try:
+            peer.channel.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        peer.monitor.close()
+    peer.channel.close()
 
 
 def _protocol_error(exc: DecodeError, pending: _Pending) -> ProtocolError:

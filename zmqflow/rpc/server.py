@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 # How long a reply may wait for room in a slow client's pipe when the request had no deadline.
 REPLY_GRACE = 5.0
+INPROC_REBIND_S = 1.0
 
 
 class RpcServer:
@@ -57,16 +58,24 @@ class RpcServer:
         self._tasks: set[asyncio.Task] = set()
         self.endpoint = bind_endpoint
 
-    def start(self) -> None:
+    async def start(self) -> None:
         sock = context().socket(zmq.ROUTER)
         apply_router(sock, self.options)
-        try:
-            sock.bind(self.bind_endpoint)
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
-            if exc.errno == zmq.EADDRINUSE:
-                raise AddressInUse(f"address {self.bind_endpoint} for {self.name} is in use", task=self.name) from None
-            raise Unavailable(f"cannot bind {self.bind_endpoint} for {self.name}: {exc}", task=self.name) from None
+        # libzmq releases an inproc name shortly after its socket closes: a restart in the same
+        # process may find it still taken for a moment.
+        until = self._loop.time() + (INPROC_REBIND_S if self.bind_endpoint.startswith("inproc://") else 0.0)
+        while True:
+            try:
+                sock.bind(self.bind_endpoint)
+                break
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EADDRINUSE and self._loop.time() < until:
+                    await asyncio.sleep(0.01)
+                    continue
+                sock.close(linger=0)
+                if exc.errno == zmq.EADDRINUSE:
+                    raise AddressInUse(f"address {self.bind_endpoint} for {self.name} is in use", task=self.name) from None
+                raise Unavailable(f"cannot bind {self.bind_endpoint} for {self.name}: {exc}", task=self.name) from None
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT) or self.bind_endpoint
         self._channel = Channel(sock, self._on_request, self._loop, name=f"router {self.name}", copied=2)
 

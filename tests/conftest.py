@@ -1,0 +1,133 @@
+"""Shared test helpers: a diagnostics service, a bounded async runner, process helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+from zmqflow.errors import InvalidArgument
+from zmqflow.loop import run
+from zmqflow.rpc import CallContext, Service, op
+
+
+class DiagService(Service):
+    """Ops that misbehave on request: fail, hang until the deadline, count calls."""
+
+    name = "diag"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.never = asyncio.Event()
+
+    @op
+    def add(self, ctx: CallContext, a: int, b: int = 0) -> int:
+        self.calls += 1
+        return a + b
+
+    @op
+    def fail(self, ctx: CallContext, kind: str = "invalid") -> None:
+        if kind == "invalid":
+            raise InvalidArgument("diag.fail was asked to fail")
+        raise ValueError("a plain ValueError from diag.fail")
+
+    @op
+    async def hang(self, ctx: CallContext) -> None:
+        await self.never.wait()  # never set: the call can only end by its deadline or a disconnect
+
+
+def arun(coro: Coroutine[Any, Any, Any], timeout: float = 30.0) -> Any:
+    """Run ``coro`` on a fresh (uv)loop, bounded by ``timeout``."""
+
+    async def bounded() -> Any:
+        async with asyncio.timeout(timeout):
+            return await coro
+
+    return run(bounded())
+
+
+class Proc:
+    """A child process whose output lines are collected on a thread, so tests can wait on them."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None, **kw: Any):
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1")
+        full_env.pop("ZMQFLOW_CLUSTER", None)
+        full_env.pop("ZMQFLOW_TASK", None)
+        full_env.pop("TF_CONFIG", None)
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(
+            argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **kw
+        )
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            with self._cond:
+                self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def output(self) -> str:
+        with self._cond:
+            return "\n".join(self.lines)
+
+    def wait_for_line(self, needle: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for line in self.lines:
+                    if needle in line:
+                        return line
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                    raise AssertionError(f"{needle!r} not seen within {timeout:g}s; output:\n" + "\n".join(self.lines))
+                self._cond.wait(min(remaining, 0.2))
+
+    def wait(self, timeout: float) -> int:
+        code = self.proc.wait(timeout)
+        self._reader.join(5)
+        return code
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self._reader.join(5)
+
+
+ZMQFLOW = [sys.executable, "-m", "zmqflow"]
+
+
+@pytest.fixture
+def procs():
+    """Processes started by a test; every one is killed at the end, whatever happened."""
+    started: list[Proc] = []
+
+    def start(argv: list[str], **kw: Any) -> Proc:
+        p = Proc(argv, **kw)
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        if p.proc.poll() is None:
+            p.signal(signal.SIGKILL)
+        p.kill()
