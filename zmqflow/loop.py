@@ -54,11 +54,11 @@ class LoopThread:
     def call(self, coro: Awaitable[T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and return its result; ``timeout`` bounds the wait."""
         fut = self.submit(coro)
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
+        done, _ = concurrent.futures.wait([fut], timeout)
+        if not done:  # (the coroutine's own errors may be TimeoutErrors too: tell them apart here)
             fut.cancel()
-            raise DeadlineExceeded(f"call on the background loop did not finish within {timeout:g}s") from None
+            raise DeadlineExceeded(f"call on the background loop did not finish within {timeout:g}s")
+        return fut.result()
 
     @property
     def in_loop_thread(self) -> bool:

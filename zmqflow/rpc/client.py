@@ -128,9 +128,10 @@ class RpcClient:
             self._fail_inflight(peer, f"connection to {peer.name} dropped")
 
     def _fail_inflight(self, peer: Peer, why: str) -> None:
+        """Fail the calls that went out on the dropped connection; unsent ones wait for the next."""
         for rid in list(peer.inflight):
             pending = self._pending.get(rid)
-            if pending is not None:
+            if pending is not None and pending.sent:
                 self._finish(rid, exc=Unavailable(f"{why} during {pending.what}", task=peer.name))
 
     # calls ------------------------------------------------------------------------------

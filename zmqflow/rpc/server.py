@@ -120,10 +120,13 @@ class RpcServer:
             if ctx.deadline is None:
                 result = await coro
             else:
+                timer = asyncio.timeout_at(ctx.deadline)
                 try:
-                    async with asyncio.timeout_at(ctx.deadline):
+                    async with timer:
                         result = await coro
                 except TimeoutError:
+                    if not timer.expired():  # the handler's own error (ClusterNotReady is a TimeoutError)
+                        raise
                     raise DeadlineExceeded(f"{ctx.service}.{ctx.op} on {self.name} ran past its deadline", task=self.name) from None
         except asyncio.CancelledError:
             return
