@@ -13,7 +13,8 @@ import pytest
 
 from zmqflow.loop import run
 from zmqflow.rpc import RpcClient
-from zmqflow.testing import free_port, wait_until
+from zmqflow.errors import Unavailable
+from zmqflow.testing import async_wait_until, free_port, wait_until
 
 from .conftest import ZMQFLOW
 
@@ -102,8 +103,15 @@ def test_restarted_serve_on_the_same_address_is_reachable_again(tmp_path, procs)
             assert (await client.call(endpoint, "master", "status", timeout=30))["pid"] == first.proc.pid
             first.signal(signal.SIGKILL)
             first.wait(10)
+            # a peer known to be gone fails fast, long before the call's own deadline
+            start = time.monotonic()
+            with pytest.raises(Unavailable, match=f"127.0.0.1:{port}"):
+                await client.call(endpoint, "master", "status", timeout=30)
+            assert time.monotonic() - start < 5
             second = procs([*ZMQFLOW, "serve", "--cluster", cfile, "--task", "worker:0"])
+            second.wait_for_line("serving worker:0", 30)
             # the same client, the same pooled connection: it reconnects on its own
+            await async_wait_until(lambda: client.peer_state(endpoint) == "up", 10, what="reconnected")
             assert (await client.call(endpoint, "master", "status", timeout=30))["pid"] == second.proc.pid
             second.signal(signal.SIGTERM)
             assert second.wait(10) == 0

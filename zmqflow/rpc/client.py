@@ -31,8 +31,9 @@ __all__ = ["RpcClient", "Peer", "DEFAULT_TIMEOUT"]
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 30.0
-# After a connection drops, calls wait this long for the reconnect before failing fast.
-RECONNECT_GRACE = 1.0
+# After a connection drops, calls wait this long for the reconnect before failing fast
+# (twice the longest reconnect interval, so one reconnect attempt always fits).
+RECONNECT_GRACE = 2 * DEFAULT_OPTIONS.reconnect_ivl_max_ms / 1000
 _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 
 CONNECTING, UP, DOWN = "connecting", "up", "down"
@@ -204,10 +205,8 @@ class RpcClient:
     @staticmethod
     def _unreachable(pending: _Pending, waited: float) -> Unavailable:
         peer = pending.peer
-        return Unavailable(
-            f"{peer.name} at {peer.endpoint} could not be reached within {waited:g}s; {pending.what} not sent",
-            task=peer.name,
-        )
+        where = peer.name if peer.name == peer.endpoint else f"{peer.name} at {peer.endpoint}"
+        return Unavailable(f"{where} could not be reached within {waited:g}s; {pending.what} not sent", task=peer.name)
 
     def _count_out(self, frames: Sequence[Any]) -> None:
         self.counters.msgs_out += 1
