@@ -42,7 +42,7 @@ def test_serve_logs_serves_and_stops_on_signal(tmp_path, procs, sig):
     cfile = _cluster_file(tmp_path, {"worker": [f"127.0.0.1:{port}"], "ps": [f"127.0.0.1:{free_port()}"]})
     p = procs([*ZMQFLOW, "serve", "--cluster", cfile, "--task", "worker:0"])
     line = p.wait_for_line("serving worker:0", 30)
-    assert f"tcp://127.0.0.1:{port}" in line and "ps: 1" in line and "worker: 1" in line
+    assert f"tcp://127.0.0.1:{port}" in line and '"ps": ["127.0.0.1:' in line and "services: master, worker" in line
     status = _ping(f"tcp://127.0.0.1:{port}")
     assert status["task"] == "worker:0" and status["pid"] == p.proc.pid
     p.signal(sig)

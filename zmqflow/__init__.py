@@ -5,5 +5,16 @@ from .version import __version__
 from . import errors
 from .cluster import Address, ClusterSpec, TaskId
 from .server import AsyncServer, Server
+from .session import AsyncSession, Session
 
-__all__ = ["__version__", "errors", "Address", "ClusterSpec", "TaskId", "AsyncServer", "Server"]
+__all__ = [
+    "__version__",
+    "errors",
+    "Address",
+    "ClusterSpec",
+    "TaskId",
+    "AsyncServer",
+    "Server",
+    "AsyncSession",
+    "Session",
+]

@@ -50,7 +50,7 @@ async def _serve(spec: ClusterSpec, tid: TaskId) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("serving %s at %s (services: %s) in cluster {%s}", tid, server.target, ", ".join(server.service_names()), spec.describe())
+    log.info("serving %s at %s (services: %s) in cluster %s", tid, server.target, ", ".join(server.service_names()), spec.to_json())
     await stop.wait()
     log.info("stopping %s", tid)
     try:
