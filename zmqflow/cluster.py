@@ -26,9 +26,14 @@ KNOWN_ROLES = ("chief", "worker", "ps", "evaluator")
 _JOB_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]*$")
 _HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9\-\.]*[A-Za-z0-9])?$")
 _TASK_RES = (
-    re.compile(r"^(?P<job>[A-Za-z][A-Za-z0-9_\-]*):(?P<index>\d+)$"),
-    re.compile(r"^/job:(?P<job>[A-Za-z][A-Za-z0-9_\-]*)(/replica:\d+)?/task:(?P<index>\d+)(/.*)?$"),
+    re.compile(r"^(?P<job>[A-Za-z][A-Za-z0-9_\-]*):(?P<index>\d+)$", re.ASCII),
+    re.compile(r"^/job:(?P<job>[A-Za-z][A-Za-z0-9_\-]*)(/replica:\d+)?/task:(?P<index>\d+)(/.*)?$", re.ASCII),
 )
+
+
+def _is_digits(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also accepts '²' (which ``int`` refuses) and other scripts' digits."""
+    return text.isascii() and text.isdigit()
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +109,7 @@ def _split_host_port(text: str, value: object, where: str) -> tuple[str, int]:
             raise ConfigError(f"{where}: malformed address {value!r}, expected 'host:port'")
     if not host or not (host == "*" or _HOST_RE.match(host) or _is_ip(host)):
         raise ConfigError(f"{where}: malformed host {host!r} in {value!r}")
-    if not port_text.isdigit():
+    if not _is_digits(port_text):
         raise ConfigError(f"{where}: malformed port {port_text!r} in {value!r}")
     port = int(port_text)
     if not 1 <= port <= 65535:
@@ -157,10 +162,8 @@ class ClusterSpec:
             return
         if not isinstance(spec, Mapping):
             raise ConfigError(f"cluster spec must be a mapping of job -> addresses, got {type(spec).__name__}")
-        if "cluster" in spec:
+        if _is_tf_shaped(spec):
             spec = spec["cluster"]
-            if not isinstance(spec, Mapping):
-                raise ConfigError("'cluster' in a TF_CONFIG-shaped spec must be a mapping of job -> addresses")
         self._jobs = {}
         seen: dict[Address, TaskId] = {}
         for job, tasks in spec.items():
@@ -262,7 +265,8 @@ def _parse_tasks(job: str, tasks: object) -> dict[int, Address]:
     if isinstance(tasks, Mapping):
         out: dict[int, Address] = {}
         for key, value in tasks.items():
-            if isinstance(key, bool) or not (isinstance(key, int) or (isinstance(key, str) and key.isdigit())):
+            valid = (isinstance(key, int) and key >= 0) or (isinstance(key, str) and _is_digits(key))
+            if isinstance(key, bool) or not valid:
                 raise ConfigError(f"job {job!r}: task index {key!r} is not a non-negative integer")
             index = int(key)
             if index in out:
@@ -272,6 +276,11 @@ def _parse_tasks(job: str, tasks: object) -> dict[int, Address]:
     if isinstance(tasks, (list, tuple)):
         return {i: Address.parse(v, f"job {job!r} index {i}") for i, v in enumerate(tasks)}
     raise ConfigError(f"job {job!r}: expected a list or an index map of addresses, got {type(tasks).__name__}")
+
+
+def _is_tf_shaped(data: Mapping[str, Any]) -> bool:
+    """``{"cluster": {job: addrs}, "task": ...}``; a plain spec may still have a job named "cluster"."""
+    return isinstance(data.get("cluster"), Mapping)
 
 
 def _loads(text: str, what: str) -> Any:
@@ -295,12 +304,14 @@ def load_config(value: "str | os.PathLike[str] | Mapping[str, Any] | ClusterSpec
         return value, None
     if isinstance(value, Mapping):
         data: Any = value
+    elif not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"cluster must be a path, inline JSON, a mapping or a ClusterSpec, got {type(value).__name__}")
     else:
         text = os.fspath(value)
         data = _loads(text, "inline cluster JSON") if text.lstrip().startswith("{") else _read_json_file(text)
     if not isinstance(data, Mapping):
         raise ConfigError(f"cluster spec must be a JSON object, got {type(data).__name__}")
-    task = _task_from_tf_config(data.get("task")) if "cluster" in data else None
+    task = _task_from_tf_config(data.get("task")) if _is_tf_shaped(data) else None
     return ClusterSpec(data), task
 
 
@@ -310,7 +321,7 @@ def _task_from_tf_config(task: object) -> TaskId | None:
     if not isinstance(task, Mapping) or "type" not in task:
         raise ConfigError(f"'task' must look like {{\"type\": \"worker\", \"index\": 0}}, got {task!r}")
     index = task.get("index", 0)
-    if isinstance(index, str) and index.isdigit():
+    if isinstance(index, str) and _is_digits(index):
         index = int(index)
     if not isinstance(index, int) or isinstance(index, bool) or index < 0:
         raise ConfigError(f"'task' index must be a non-negative integer, got {index!r}")
@@ -335,27 +346,29 @@ def resolve(
         spec, file_task = load_config(cluster)
     elif env.get("ZMQFLOW_CLUSTER"):
         spec, file_task = load_config(env["ZMQFLOW_CLUSTER"])
-    tf_config = env.get("TF_CONFIG")
-    tf_spec: ClusterSpec | None = None
-    tf_task: TaskId | None = None
-    if tf_config:
-        data = _loads(tf_config, "TF_CONFIG")
-        if not isinstance(data, Mapping) or "cluster" not in data:
-            raise ConfigError("TF_CONFIG must be a JSON object with a 'cluster' key")
-        tf_spec, tf_task = load_config(data)
-    if spec is None:
-        spec = tf_spec
-    if spec is None:
-        raise ConfigError("no cluster given: pass --cluster, or set ZMQFLOW_CLUSTER or TF_CONFIG")
     tid: TaskId | None
     if task is not None:
         tid = TaskId.parse(task)
     elif env.get("ZMQFLOW_TASK"):
         tid = TaskId.parse(env["ZMQFLOW_TASK"])
     else:
-        tid = file_task or tf_task
+        tid = file_task
+    tf_config = env.get("TF_CONFIG")
+    if tf_config and (spec is None or tid is None):  # read only when it has something to give
+        data = _loads(tf_config, "TF_CONFIG")
+        if not isinstance(data, Mapping) or not _is_tf_shaped(data):
+            raise ConfigError("TF_CONFIG must be a JSON object whose 'cluster' maps jobs to addresses")
+        tf_spec, tf_task = load_config(data)
+        if spec is None:
+            spec = tf_spec
+        if tid is None:
+            tid = tf_task
+    if spec is None:
+        raise ConfigError("no cluster given: pass --cluster, or set ZMQFLOW_CLUSTER or TF_CONFIG")
     if tid is None and require_task:
         raise ConfigError("no task given: pass --task, or set ZMQFLOW_TASK or TF_CONFIG's 'task'")
     if tid is not None and tid not in spec:
+        if not require_task:  # a tool that only needs the cluster ignores a stray task name
+            return spec, None
         raise ConfigError(f"unknown task {tid} (job {tid.job!r} index {tid.index}); cluster has {spec.describe()}")
     return spec, tid

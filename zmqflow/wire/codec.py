@@ -109,12 +109,17 @@ def encode(msg: Message) -> list[Any]:
             return obj.item()
         raise InvalidArgument(f"cannot send a value of type {type(obj).__name__} in {msg.service}.{msg.op or msg.kind}")
 
+    if msg.kind not in _KINDS:
+        raise InvalidArgument(f"message kind must be one of {', '.join(_KINDS)}, got {msg.kind!r}")
     packer = msgpack.Packer(default=default, use_bin_type=True, autoreset=False)
     fields: list[tuple[str, object]] = [("v", VERSION), ("k", msg.kind), ("id", msg.id)]
     if msg.kind == REQUEST:
         fields += [("svc", msg.service), ("op", msg.op)]
         if msg.deadline is not None:
-            fields.append(("dl", float(msg.deadline)))
+            dl = float(msg.deadline)
+            if not 0.0 < dl < math.inf:
+                raise InvalidArgument(f"deadline must be a positive finite number of seconds, got {msg.deadline!r}")
+            fields.append(("dl", dl))
     if msg.source:
         fields.append(("src", msg.source))
     if msg.kind == ERROR:
@@ -150,10 +155,12 @@ def _wire_buffer(arr: np.ndarray) -> tuple[np.ndarray, str]:
 # decoding ---------------------------------------------------------------------------------
 
 
-def _ext_hook(code: int, data: bytes) -> object:
-    if code != _EXT_TENSOR or len(data) != 4:
-        raise ProtocolError(f"unknown msgpack extension type {code} (length {len(data)})")
-    return _TensorRef(_U32.unpack(data)[0])
+class _BadExt:
+    __slots__ = ("code", "size")
+
+    def __init__(self, code: int, size: int):
+        self.code = code
+        self.size = size
 
 
 def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
@@ -167,33 +174,47 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     if header_view.nbytes > limits.max_header_bytes:
         raise DecodeError(f"header of {header_view.nbytes} bytes exceeds the limit of {limits.max_header_bytes}")
     cap = limits.max_container_len
+    # Extensions are recorded, not judged, while unpacking: the version must be checked first,
+    # and any encoding of ext type 1 (fixext 4 or ext 8/16/32) must count as a reference.
+    exts: list[object] = []  # every extension seen; a _BadExt, if any, comes first
+
+    def ext_hook(code: int, data: bytes) -> object:
+        if code == _EXT_TENSOR and len(data) == 4:
+            ref = _TensorRef(_U32.unpack(data)[0])
+            exts.append(ref)
+            return ref
+        bad = _BadExt(code, len(data))
+        exts.insert(0, bad)
+        return bad
+
     try:
         head = msgpack.unpackb(
             header_view,
             raw=False,
             strict_map_key=True,
-            ext_hook=_ext_hook,
+            ext_hook=ext_hook,
             max_bin_len=limits.max_header_bytes,
             max_str_len=limits.max_header_bytes,
             max_array_len=cap,
             max_map_len=cap,
             max_ext_len=16,
         )
-    except ProtocolError as exc:
-        raise DecodeError(str(exc)) from None
     except Exception as exc:  # msgpack raises several types for truncated or malformed data
         raise DecodeError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
     if not isinstance(head, dict):
         raise DecodeError(f"header must be a map, got {type(head).__name__}")
-    return _from_header(head, frames, limits, b"\xd6\x01" in header_view.tobytes() if len(frames) == 1 else True)
+    try:
+        return _from_header(head, frames, limits, exts)
+    except RecursionError:
+        raise DecodeError("header nests containers too deeply") from None
 
 
-def _from_header(head: dict, frames: Sequence[Any], limits: Limits, maybe_refs: bool) -> Message:
+def _from_header(head: dict, frames: Sequence[Any], limits: Limits, exts: list[object]) -> Message:
     rid = head.get("id")
     rid = rid if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid <= _MAX_ID else None
     kind = head.get("k") if head.get("k") in _KINDS else None
     version = head.get("v")
-    if version != VERSION:
+    if version != VERSION or version.__class__ is not int:
         raise _VersionError(
             f"protocol version {version!r} is not supported (this side speaks {VERSION})", request_id=rid, kind=kind
         )
@@ -201,8 +222,11 @@ def _from_header(head: dict, frames: Sequence[Any], limits: Limits, maybe_refs: 
         raise DecodeError(f"unknown message kind {head.get('k')!r}", request_id=rid)
     if rid is None:
         raise DecodeError(f"request id must be an integer in 0..2**64-1, got {head.get('id')!r}")
+    if exts and exts[0].__class__ is _BadExt:
+        bad = exts[0]
+        raise DecodeError(f"unknown msgpack extension type {bad.code} (length {bad.size})", request_id=rid, kind=kind)
     table = head.get("t", [])
-    arrays = _tensors(table, frames, limits, rid, kind) if table or len(frames) > 1 else []
+    arrays = _tensors(table, frames, limits, rid, kind) if table != [] or len(frames) > 1 else []
     msg = Message(kind=kind, id=rid, source=_opt_str(head, "src", rid, kind) if "src" in head else "")
     if kind == REQUEST:
         msg.service = _name(head, "svc", rid)
@@ -212,14 +236,13 @@ def _from_header(head: dict, frames: Sequence[Any], limits: Limits, maybe_refs: 
             raise DecodeError(f"deadline must be a positive number of seconds, got {dl!r}", request_id=rid, kind=kind)
         msg.deadline = None if dl is None else float(dl)
     if kind == ERROR:
-        msg.error = _error_fields(head.get("e"), rid)
+        msg.error = _error_fields(head.get("e"), rid, bool(exts))
         if arrays:
             raise DecodeError("an error message carries no tensors", request_id=rid, kind=kind)
     else:
         body = head.get("a")
         used = [False] * len(arrays)
-        # a fixext4 marker of type 1 in the header bytes is the only way a reference can be present
-        msg.body = _resolve(body, arrays, used, rid, kind) if maybe_refs else body
+        msg.body = _resolve(body, arrays, used, rid, kind) if exts else body
         if not all(used):
             raise DecodeError(
                 f"tensor frames {[i + 1 for i, u in enumerate(used) if not u]} are not referenced by the body",
@@ -267,7 +290,10 @@ def _tensors(table: object, frames: Sequence[Any], limits: Limits, rid: int, kin
             raise DecodeError(
                 f"{where}: {name}{tuple(shape)} needs {expected} bytes but its frame has {nbytes}", request_id=rid, kind=kind
             )
-        arrays.append(np.frombuffer(view, dtype=dtype).reshape(shape))
+        try:
+            arrays.append(np.frombuffer(view, dtype=dtype).reshape(shape))
+        except ValueError:  # an empty shape whose other dimensions overflow numpy's index type
+            raise DecodeError(f"{where}: shape {shape!r} is too large", request_id=rid, kind=kind) from None
     return arrays
 
 
@@ -298,14 +324,18 @@ def _opt_str(head: dict, key: str, rid: int, kind: str) -> str:
     return value
 
 
-def _error_fields(err: object, rid: int) -> dict[str, Any]:
+def _error_fields(err: object, rid: int, has_ext: bool) -> dict[str, Any]:
     if not isinstance(err, dict) or not all(isinstance(err.get(k, ""), str) for k in ("code", "type", "message", "traceback")):
         raise DecodeError("error field 'e' must map code, type, message and traceback to strings", request_id=rid, kind=ERROR)
     out: dict[str, Any] = {k: err.get(k, "") for k in ("code", "type", "message", "traceback")}
     details = err.get("details")
     if details is not None:
-        if not isinstance(details, dict) or _contains_ref(details):
-            raise DecodeError("error field 'details' must be a map of plain values", request_id=rid, kind=ERROR)
+        if (
+            not isinstance(details, dict)
+            or not all(isinstance(k, str) for k in details)
+            or (has_ext and _contains_ref(details))
+        ):
+            raise DecodeError("error field 'details' must map strings to plain values", request_id=rid, kind=ERROR)
         out["details"] = details
     return out
 
@@ -349,6 +379,9 @@ def _plain_details(exc: BaseException) -> dict[str, Any]:
     return out
 
 
+_RESERVED_DETAILS = frozenset(("message", "remote_traceback"))  # named parameters of ZmqflowError
+
+
 def raise_error(msg: Message, *, context: str = "") -> None:
     """Raise the local class for an error reply (``RemoteError`` for unknown codes)."""
     err = msg.error or {}
@@ -356,7 +389,7 @@ def raise_error(msg: Message, *, context: str = "") -> None:
     text = err.get("message", "")
     if context:
         text = f"{text} ({context})"
-    details = dict(err.get("details") or {})
+    details = {k: v for k, v in (err.get("details") or {}).items() if k not in _RESERVED_DETAILS}
     details["remote_type"] = err.get("type", "")
     if cls.__name__ == "RemoteError":
         text = f"{err.get('type', '?')}: {text}"
