@@ -2,10 +2,14 @@
 
 from .version import __version__
 
-from . import errors
+from . import errors, init, optim
 from .cluster import Address, ClusterSpec, TaskId
+from .optim import SyncReplicas
+from .placement import GreedyLoadBalancing, RoundRobin, device, placement
+from .ps.partition import fixed_size_partitioner, min_max_variable_partitioner
 from .server import AsyncServer, Server
-from .session import AsyncSession, Session
+from .session import AsyncSession, Session, Variable
+from .variables import AsyncVariable
 
 __all__ = [
     "__version__",
@@ -17,4 +21,15 @@ __all__ = [
     "Server",
     "AsyncSession",
     "Session",
+    "Variable",
+    "AsyncVariable",
+    "init",
+    "optim",
+    "SyncReplicas",
+    "device",
+    "placement",
+    "RoundRobin",
+    "GreedyLoadBalancing",
+    "fixed_size_partitioner",
+    "min_max_variable_partitioner",
 ]

@@ -19,6 +19,7 @@ from .errors import NotFound
 from .loop import LoopThread
 from .rpc import DEFAULT_TIMEOUT, Counters, RpcClient, RpcServer, Service
 from .services import MasterService, PsService, WorkerService, wait_for_tasks
+from .services.catalog import CatalogService, shard_tasks
 from .transport.options import DEFAULT_OPTIONS, SocketOptions
 from .wire import Limits
 from .wire.codec import DEFAULT_LIMITS
@@ -38,6 +39,7 @@ class AsyncServer:
         limits: Limits = DEFAULT_LIMITS,
         options: SocketOptions = DEFAULT_OPTIONS,
         default_timeout: float = DEFAULT_TIMEOUT,
+        allow_modules: list[str] | None = None,
     ):
         self.spec, tid = resolve(cluster, task, env={})
         assert tid is not None
@@ -48,9 +50,15 @@ class AsyncServer:
         self.default_timeout = default_timeout
         self.counters = Counters()
         self.started_at = time.monotonic()
-        self._services: dict[str, Service] = {"master": MasterService(self), "worker": WorkerService()}
-        if self.task.job == "ps":
-            self._services["ps"] = PsService()
+        if allow_modules is None:
+            allow_modules = [m for m in os.environ.get("ZMQFLOW_ALLOW_MODULES", "").split(",") if m]
+        self._services: dict[str, Service] = {"master": MasterService(self), "worker": WorkerService(allow_modules)}
+        shards = shard_tasks(self.spec)
+        if self.task in shards:
+            replicas = [str(t) for t in self.spec.tasks if t.job in ("chief", "worker")]
+            self._services["ps"] = PsService(replicas)
+        if self.task == shards[0]:
+            self._services["catalog"] = CatalogService(self.spec)
         self._services.update(services or {})
         self._rpc: RpcServer | None = None
         self._client: RpcClient | None = None

@@ -103,7 +103,7 @@ class RpcServer:
             service = self.services.get(msg.service)
             if service is None:
                 raise NotFound(f"task {self.name} has no service {msg.service!r} (services: {', '.join(sorted(self.services))})")
-            call = service.lookup(msg.op).bind(msg.service, msg.op, ctx, msg.body)
+            call = service.find_op(msg.op).bind(msg.service, msg.op, ctx, msg.body)
             result = call()
         except Exception as exc:
             self._reply_error(identity, msg.id, exc, deadline)

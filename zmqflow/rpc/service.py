@@ -77,7 +77,7 @@ class Service:
             if callable(fn) and getattr(fn, "__zf_op__", False):
                 self.ops[attr] = Op(getattr(self, attr))
 
-    def lookup(self, name: str) -> Op:
+    def find_op(self, name: str) -> Op:
         found = self.ops.get(name)
         if found is None:
             raise NotFound(f"service {self.name!r} has no op {name!r} (ops: {', '.join(sorted(self.ops))})")

@@ -1,17 +1,162 @@
-"""The parameter-server shard service hosted by tasks of a ``ps`` job."""
+"""The parameter-server shard service: the async layer over :class:`ShardStore` and sync replicas.
+
+Every op validates and applies in one go on the loop (atomic on the shard). Sync pushes wait,
+without blocking the loop, until their step has been applied, and past their deadline name the
+replicas that did not push.
+"""
 
 from __future__ import annotations
 
+import asyncio
+from collections import defaultdict
 from typing import Any
 
+import numpy as np
+
+from ..errors import DeadlineExceeded, InvalidArgument
+from ..ps.store import PartKey, ShardStore, part_label
+from ..ps.sync import READY, STALE
 from ..rpc import CallContext, Service, op
 
 __all__ = ["PsService"]
+
+# A waiting sync push gives up this long before its caller's deadline, so its own error (naming
+# the missing replicas) reaches the caller instead of a bare timeout.
+_SYNC_MARGIN = 0.25
 
 
 class PsService(Service):
     name = "ps"
 
+    def __init__(self, replicas: list[str] | None = None):
+        super().__init__()
+        self.store = ShardStore()
+        self.replicas = list(replicas or [])
+        self._advanced: dict[PartKey, asyncio.Event] = defaultdict(asyncio.Event)
+
     @op
     def status(self, ctx: CallContext) -> dict[str, Any]:
-        return {"variables": 0, "bytes": 0}
+        return {"variables": len(self.store.parts), "bytes": self.store.nbytes, "global_step": self.global_step(ctx)}
+
+    @op
+    def global_step(self, ctx: CallContext) -> int:
+        steps = [p.sync.step for p in self.store.parts.values() if p.sync is not None]
+        return max(steps, default=0)
+
+    @op
+    def variables(self, ctx: CallContext) -> list[dict[str, Any]]:
+        return [p.describe() for p in self.store.parts.values()]
+
+    @op
+    def create(self, ctx: CallContext, name: str, part: int, shape: list, rows: list, dtype: str, num_parts: int = 1,
+               optimizer: Any = None, initializer: Any = None, value: np.ndarray | None = None) -> bool:
+        return self.store.create(name, part, shape, rows, dtype, num_parts=num_parts, optimizer=optimizer,
+                                 initializer=initializer, value=value)
+
+    @op
+    def pull(self, ctx: CallContext, items: list) -> list[np.ndarray]:
+        """Copies of ``[[name, part, start, stop], ...]``, in order."""
+        return [self.store.read(*_item(it, 4, "pull")) for it in items]
+
+    @op
+    def assign(self, ctx: CallContext, items: list, mode: str = "set") -> int:
+        """``[[name, part, start, stop, value], ...]``, all checked before any is written."""
+        checked = [_item(it, 5, "assign") for it in items]
+        for name, part, start, stop, value in checked:
+            self._check_rows(name, part, start, stop, value, mode)
+        for name, part, start, stop, value in checked:
+            self.store.assign(name, part, value, mode, start, stop)
+        return len(checked)
+
+    @op
+    def scatter(self, ctx: CallContext, name: str, part: int, indices: np.ndarray, rows: np.ndarray, mode: str = "add") -> int:
+        self.store.scatter(name, part, indices, rows, mode)
+        return int(len(indices))
+
+    @op
+    async def push(self, ctx: CallContext, dense: list | None = None, sparse: list | None = None, step: int | None = None) -> dict[str, Any]:
+        """Apply gradients: ``dense`` as ``[[name, part, start, stop, grad], ...]``, ``sparse`` as
+        ``[[name, part, indices, rows], ...]``. Async parts apply at once; sync parts wait for their step."""
+        by_part: dict[PartKey, dict[str, Any]] = defaultdict(lambda: {"dense": {}, "sparse": None})
+        for it in dense or []:
+            name, part, start, stop, grad = _item(it, 5, "push")
+            p = self.store.get(name, part)
+            a, b = (0, p.nrows) if start is None else (start, stop)
+            self._check_rows(name, part, a if p.full_shape else None, b if p.full_shape else None, grad, "gradient")
+            by_part[(name, part)]["dense"][(a, b)] = grad
+        for it in sparse or []:
+            name, part, indices, rows = _item(it, 4, "push")
+            p = self.store.get(name, part)
+            self.store._sparse_args(p, indices, rows, f"sparse gradient of {p.label}")  # validate only
+            by_part[(name, part)]["sparse"] = (indices, rows)
+        waits: list[tuple[PartKey, int]] = []
+        stale = False
+        for key, grads in by_part.items():
+            p = self.store.get(*key)
+            if p.sync is None:
+                self._apply(key, grads["dense"], grads["sparse"])
+                continue
+            if step is None:
+                raise InvalidArgument(f"variable {p.label} is synchronous: pushes must carry the pusher's step")
+            mine = min(int(step), p.sync.step)
+            outcome = p.sync.offer(int(step), ctx.source or "anonymous", grads["dense"], grads["sparse"])
+            if outcome == STALE:
+                stale = True
+            elif outcome == READY:
+                mean_dense, mean_sparse = p.sync.take()
+                self._apply(key, mean_dense, mean_sparse)
+                self._advanced.pop(key, asyncio.Event()).set()
+            else:
+                waits.append((key, mine))
+        for key, mine in waits:
+            await self._wait_step(ctx, key, mine)
+        steps = [self.store.get(*k).sync.step for k in by_part if self.store.get(*k).sync is not None]
+        return {"step": max(steps) if steps else None, "stale": stale}
+
+    def _apply(self, key: PartKey, dense: dict, sparse: Any) -> None:
+        for (a, b), grad in dense.items():
+            p = self.store.get(*key)
+            self.store.apply_dense(key[0], key[1], grad, a if p.full_shape else None, b if p.full_shape else None)
+        if sparse is not None:
+            self.store.apply_sparse(key[0], key[1], *sparse)
+
+    async def _wait_step(self, ctx: CallContext, key: PartKey, mine: int) -> None:
+        p = self.store.get(*key)
+        loop = asyncio.get_running_loop()
+        while p.sync is not None and p.sync.step <= mine:
+            event = self._advanced[key]
+            remaining = None if ctx.deadline is None else ctx.deadline - loop.time() - _SYNC_MARGIN
+            if remaining is not None and remaining <= 0:
+                missing = p.sync.missing(self.replicas) or ["(unknown)"]
+                raise DeadlineExceeded(
+                    f"step {mine} of {part_label(key)} was not completed: {len(p.sync.contributors)} of "
+                    f"{p.sync.replicas_to_aggregate} gradients arrived; no push from {', '.join(missing)}",
+                    missing=missing,
+                )
+            try:
+                await asyncio.wait_for(event.wait(), remaining)
+            except TimeoutError:
+                continue
+
+    def _check_rows(self, name: str, part: int, start: int | None, stop: int | None, value: Any, what: str) -> None:
+        p = self.store.get(name, part)
+        if not isinstance(value, np.ndarray):
+            raise InvalidArgument(f"{what} of {p.label}: expected an array, got {type(value).__name__}")
+        if value.dtype != p.dtype:
+            raise InvalidArgument(f"{what} of {p.label}: expected dtype {p.dtype}, got {value.dtype}")
+        if p.full_shape:
+            a = 0 if start is None else start
+            b = p.nrows if stop is None else stop
+            if not (isinstance(a, int) and isinstance(b, int) and 0 <= a <= b <= p.nrows):
+                raise InvalidArgument(f"{what} of {p.label}: rows [{start}, {stop}) outside [0, {p.nrows})")
+            expected = (b - a, *p.full_shape[1:])
+        else:
+            expected = ()
+        if tuple(value.shape) != expected:
+            raise InvalidArgument(f"{what} of {p.label}: expected shape {list(expected)}, got {list(value.shape)}")
+
+
+def _item(item: Any, n: int, what: str) -> list[Any]:
+    if not isinstance(item, list) or len(item) != n or not isinstance(item[0], str) or not isinstance(item[1], int):
+        raise InvalidArgument(f"{what}: each item must be a list of {n} fields starting with name and part, got {item!r}")
+    return item

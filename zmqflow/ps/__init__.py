@@ -1,0 +1,1 @@
+"""Parameter-server shards: the variable store, sync accumulation, the catalog of names."""

@@ -1,0 +1,271 @@
+"""The variable store of one parameter-server shard, sans-IO.
+
+A shard holds parts of variables: a part is rows ``[r0, r1)`` (axis 0) of a variable's full
+shape, kept as one owned numpy array with its optimizer slots beside it. Every operation checks
+its input completely before it writes, so bad input changes nothing; each runs to completion
+without awaiting, so it is atomic on the shard.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import init as _init
+from .. import optim as _optim
+from ..errors import InvalidArgument, NotFound, VariableConflict
+from ..wire.dtypes import dtype_from_name
+from .sync import SyncState
+
+__all__ = ["Part", "ShardStore", "PartKey"]
+
+PartKey = tuple[str, int]
+
+
+def part_label(key: PartKey) -> str:
+    return key[0] if key[1] == 0 else f"{key[0]} (part {key[1]})"
+
+
+@dataclass(eq=False)
+class Part:
+    name: str
+    index: int
+    full_shape: tuple[int, ...]
+    rows: tuple[int, int]
+    dtype: np.dtype
+    value: np.ndarray
+    optimizer: _optim.Optimizer | None
+    slots: dict[str, np.ndarray] = field(default_factory=dict)
+    steps: np.ndarray | None = None  # per-row update counts (Adam's t)
+    sync: SyncState | None = None
+    num_parts: int = 1
+
+    @property
+    def label(self) -> str:
+        return part_label((self.name, self.index))
+
+    @property
+    def nrows(self) -> int:
+        return self.rows[1] - self.rows[0]
+
+    @property
+    def part_shape(self) -> tuple[int, ...]:
+        return (self.nrows, *self.full_shape[1:]) if self.full_shape else ()
+
+    def grid(self, arr: np.ndarray) -> np.ndarray:
+        """``arr`` (this part's shape, or rows of it) seen as 2-D: rows x everything else."""
+        return arr.reshape(arr.shape[0] if arr.ndim else 1, -1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.value.nbytes + sum(s.nbytes for s in self.slots.values())
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "part": self.index,
+            "shape": list(self.full_shape),
+            "rows": list(self.rows),
+            "dtype": str(self.dtype),
+            "optimizer": None if self.optimizer is None else self.optimizer.spec(),
+            "sync": None if self.sync is None else self.sync.describe(),
+            "bytes": self.nbytes,
+        }
+
+
+class ShardStore:
+    """All parts held by one shard, by (name, part index)."""
+
+    def __init__(self) -> None:
+        self.parts: dict[PartKey, Part] = {}
+
+    # lifecycle --------------------------------------------------------------------------
+    def create(
+        self,
+        name: str,
+        part: int,
+        shape: list[int],
+        rows: list[int],
+        dtype: str,
+        *,
+        num_parts: int = 1,
+        optimizer: Any = None,
+        initializer: Any = None,
+        value: np.ndarray | None = None,
+    ) -> bool:
+        """Create the part unless it exists; True when this call created it. Conflicts raise."""
+        dt = _dtype(dtype, name)
+        full = _shape(shape, name)
+        r0, r1 = _rows(rows, full, name)
+        key = (name, int(part))
+        existing = self.parts.get(key)
+        if existing is not None:
+            mine = (existing.full_shape, existing.rows, existing.dtype, existing.num_parts)
+            theirs = (full, (r0, r1), dt, int(num_parts))
+            if mine != theirs:
+                raise VariableConflict(
+                    f"variable {existing.label} exists as shape {list(existing.full_shape)} {existing.dtype} "
+                    f"rows {list(existing.rows)} of {existing.num_parts} parts; declared as shape {list(full)} {dt} "
+                    f"rows {[r0, r1]} of {num_parts} parts"
+                )
+            return False
+        opt = _optim.from_spec(optimizer)
+        sync = None
+        if isinstance(opt, _optim.SyncReplicas):
+            sync = SyncState(opt.replicas_to_aggregate, opt.total_num_replicas)
+            opt = opt.optimizer
+        p = Part(name, int(part), full, (r0, r1), dt, np.empty(0, dt), opt, sync=sync, num_parts=int(num_parts))
+        if value is not None:
+            p.value = np.array(_check_array(value, p.part_shape, dt, f"initial value of {p.label}"), dtype=dt, copy=True)
+        else:
+            spec = _init.from_spec(initializer) if initializer is not None else _init.zeros()
+            p.value = _init.build(spec, full, (r0, r1), dt)
+        if opt is not None:
+            for slot in opt.slot_names:
+                p.slots[slot] = np.full(p.part_shape, opt.slot_init(slot), dtype=dt)
+            p.steps = np.zeros(max(p.nrows, 1) if full else 1, dtype=np.int64)
+        self.parts[key] = p
+        return True
+
+    def get(self, name: str, part: int = 0) -> Part:
+        found = self.parts.get((name, int(part)))
+        if found is None:
+            raise NotFound(f"no variable {part_label((name, int(part)))!r} on this shard")
+        return found
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts.values())
+
+    # reads and writes -------------------------------------------------------------------
+    def read(self, name: str, part: int = 0, start: int | None = None, stop: int | None = None) -> np.ndarray:
+        """A copy of rows ``[start, stop)`` (part-local): what goes on the wire must not change under it."""
+        p = self.get(name, part)
+        a, b = _local_range(p, start, stop)
+        return p.value.copy() if not p.full_shape else p.value[a:b].copy()
+
+    def assign(self, name: str, part: int, value: np.ndarray, mode: str = "set", start: int | None = None, stop: int | None = None) -> None:
+        p = self.get(name, part)
+        a, b = _local_range(p, start, stop)
+        target = p.value if not p.full_shape else p.value[a:b]
+        x = _check_array(value, target.shape, p.dtype, f"{mode} of {p.label}")
+        if mode == "set":
+            target[...] = x
+        elif mode == "add":
+            target += x
+        elif mode == "sub":
+            target -= x
+        else:
+            raise InvalidArgument(f"unknown assign mode {mode!r}")
+
+    def scatter(self, name: str, part: int, indices: np.ndarray, rows: np.ndarray, mode: str = "add") -> None:
+        """Rows by part-local index: ``add`` sums duplicates; ``update`` keeps the last."""
+        p = self.get(name, part)
+        idx, x = self._sparse_args(p, indices, rows, f"scatter_{mode} of {p.label}")
+        if mode == "add":
+            np.add.at(p.value, idx, x)
+        elif mode == "update":
+            p.value[idx] = x
+        else:
+            raise InvalidArgument(f"unknown scatter mode {mode!r}")
+
+    # optimizer updates ------------------------------------------------------------------
+    def apply_dense(self, name: str, part: int, grad: np.ndarray, start: int | None = None, stop: int | None = None) -> None:
+        """Apply the part's optimizer to rows ``[start, stop)`` (plain add without one)."""
+        p = self.get(name, part)
+        a, b = _local_range(p, start, stop)
+        shape = p.value.shape if not p.full_shape else (b - a, *p.full_shape[1:])
+        g = _check_array(grad, shape, p.dtype, f"gradient of {p.label}")
+        if p.optimizer is None:
+            if not p.full_shape:
+                p.value += g
+            else:
+                p.value[a:b] += g
+            return
+        rows = slice(a, b) if p.full_shape else slice(0, 1)
+        self._update(p, rows, p.grid(g))
+
+    def apply_sparse(self, name: str, part: int, indices: np.ndarray, rows: np.ndarray) -> None:
+        """Apply the optimizer to the touched rows only (duplicates summed first); nothing densified."""
+        p = self.get(name, part)
+        idx, x = self._sparse_args(p, indices, rows, f"sparse gradient of {p.label}")
+        uniq, inverse = np.unique(idx, return_inverse=True)
+        summed = np.zeros((len(uniq), *x.shape[1:]), dtype=p.dtype)
+        np.add.at(summed, inverse, x)
+        if p.optimizer is None:
+            p.value[uniq] += summed
+            return
+        self._update(p, uniq, p.grid(summed))
+
+    def _update(self, p: Part, rows: slice | np.ndarray, grad2d: np.ndarray) -> None:
+        assert p.optimizer is not None and p.steps is not None
+        value2d = p.grid(p.value)
+        fancy = not isinstance(rows, slice)
+        param = value2d[rows].copy() if fancy else value2d[rows]
+        slots = {k: (p.grid(s)[rows].copy() if fancy else p.grid(s)[rows]) for k, s in p.slots.items()}
+        p.steps[rows] += 1
+        out = p.optimizer.update(param, grad2d, slots, p.steps[rows])
+        if fancy or out is not param:
+            value2d[rows] = out
+        if fancy:
+            for k, s in slots.items():
+                p.grid(p.slots[k])[rows] = s
+
+    @staticmethod
+    def _sparse_args(p: Part, indices: np.ndarray, rows: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
+        if not p.full_shape:
+            raise InvalidArgument(f"{what}: a scalar variable has no rows to index")
+        idx = np.asarray(indices)
+        if idx.ndim != 1 or idx.dtype.kind not in "iu":
+            raise InvalidArgument(f"{what}: indices must be a 1-D integer array, got {idx.dtype} of shape {idx.shape}")
+        if idx.size and (idx.min() < 0 or idx.max() >= p.nrows):
+            bad = int(idx[(idx < 0) | (idx >= p.nrows)][0]) + p.rows[0]
+            raise InvalidArgument(f"{what}: index {bad} out of range [0, {p.full_shape[0]})")
+        x = _check_array(rows, (len(idx), *p.full_shape[1:]), p.dtype, what)
+        return idx.astype(np.int64, copy=False), x
+
+
+# validation ---------------------------------------------------------------------------------
+
+
+def _dtype(name: object, var: str) -> np.dtype:
+    try:
+        return dtype_from_name(name)
+    except InvalidArgument:
+        raise InvalidArgument(f"variable {var!r}: unknown dtype {name!r}") from None
+
+
+def _shape(shape: object, var: str) -> tuple[int, ...]:
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise InvalidArgument(f"variable {var!r}: shape must be a list of non-negative ints, got {shape!r}")
+    return tuple(shape)
+
+
+def _rows(rows: object, full: tuple[int, ...], var: str) -> tuple[int, int]:
+    dim = full[0] if full else 1
+    if not isinstance(rows, (list, tuple)) or len(rows) != 2 or not (0 <= rows[0] <= rows[1] <= dim):
+        raise InvalidArgument(f"variable {var!r}: rows {rows!r} are not a range within [0, {dim}]")
+    return int(rows[0]), int(rows[1])
+
+
+def _local_range(p: Part, start: int | None, stop: int | None) -> tuple[int, int]:
+    a = 0 if start is None else start
+    b = p.nrows if stop is None else stop
+    if not (isinstance(a, int) and isinstance(b, int) and 0 <= a <= b <= max(p.nrows, 0)):
+        raise InvalidArgument(f"rows [{start}, {stop}) out of range for {p.label} with {p.nrows} rows")
+    return a, b
+
+
+def _check_array(x: object, shape: tuple[int, ...], dtype: np.dtype, what: str) -> np.ndarray:
+    if not isinstance(x, np.ndarray):
+        raise InvalidArgument(f"{what}: expected an array of shape {list(shape)} {dtype}, got {type(x).__name__}")
+    if x.dtype != dtype:
+        raise InvalidArgument(f"{what}: expected dtype {dtype}, got {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        if math.prod(x.shape) == math.prod(shape) and x.size == 0:
+            return x.reshape(shape)
+        raise InvalidArgument(f"{what}: expected shape {list(shape)}, got {list(x.shape)}")
+    return x

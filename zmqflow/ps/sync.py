@@ -1,0 +1,74 @@
+"""Synchronous replicas for one variable part, sans-IO (TF's SyncReplicasOptimizer, per part).
+
+Gradients for the current step are summed; when ``replicas_to_aggregate`` have arrived their mean
+is handed back to be applied and the step advances. A gradient computed at an older step is
+dropped and counted. Extra (backup) replicas beyond the aggregate count simply arrive late and
+are dropped as stale, which is how backup workers hide stragglers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["SyncState", "STALE", "PENDING", "READY"]
+
+STALE, PENDING, READY = "stale", "pending", "ready"
+
+
+class SyncState:
+    def __init__(self, replicas_to_aggregate: int, total_num_replicas: int | None = None):
+        self.replicas_to_aggregate = int(replicas_to_aggregate)
+        self.total_num_replicas = total_num_replicas
+        self.step = 0
+        self.dropped = 0
+        self._dense: dict[tuple[int, int], np.ndarray] = {}  # row range -> summed gradient
+        self._sparse: list[tuple[np.ndarray, np.ndarray]] = []
+        self.contributors: list[str] = []
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "replicas_to_aggregate": self.replicas_to_aggregate,
+            "total_num_replicas": self.total_num_replicas,
+            "pending": len(self.contributors),
+            "dropped": self.dropped,
+        }
+
+    def offer(self, step: int, worker: str, dense: dict[tuple[int, int], np.ndarray] | None = None,
+              sparse: tuple[np.ndarray, np.ndarray] | None = None) -> str:
+        """Add one replica's gradient for ``step``: STALE (dropped), PENDING, or READY to apply."""
+        if step < self.step:
+            self.dropped += 1
+            return STALE
+        if step > self.step:
+            # a replica cannot be ahead of the step it read; treat it as the current one
+            step = self.step
+        for rows, g in (dense or {}).items():
+            acc = self._dense.get(rows)
+            if acc is None:
+                self._dense[rows] = np.array(g, copy=True)
+            else:
+                acc += g
+        if sparse is not None:
+            self._sparse.append((np.asarray(sparse[0], dtype=np.int64).copy(), np.array(sparse[1], copy=True)))
+        self.contributors.append(worker)
+        return READY if len(self.contributors) >= self.replicas_to_aggregate else PENDING
+
+    def take(self) -> tuple[dict[tuple[int, int], np.ndarray], tuple[np.ndarray, np.ndarray] | None]:
+        """The mean gradients to apply now; advances the step and starts the next one."""
+        n = float(self.replicas_to_aggregate)
+        dense = {rows: (g / n).astype(g.dtype, copy=False) for rows, g in self._dense.items()}
+        sparse = None
+        if self._sparse:
+            idx = np.concatenate([i for i, _ in self._sparse])
+            vals = np.concatenate([v for _, v in self._sparse])
+            sparse = (idx, (vals / n).astype(vals.dtype, copy=False))
+        self._dense, self._sparse, self.contributors = {}, [], []
+        self.step += 1
+        return dense, sparse
+
+    def missing(self, expected: list[str]) -> list[str]:
+        """Which of ``expected`` have not pushed for the current step."""
+        return [w for w in expected if w not in self.contributors]
