@@ -23,7 +23,10 @@ STOP_TIMEOUT = 1.5  # the process must be gone within 2 s of the signal
 @click.option("--cluster", "cluster", metavar="PATH|JSON", help="Cluster spec file or inline JSON (else ZMQFLOW_CLUSTER, TF_CONFIG).")
 @click.option("--task", "task", metavar="JOB:INDEX", help="This process's task (else ZMQFLOW_TASK, TF_CONFIG).")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
-def serve(cluster: str | None, task: str | None, log_level: str) -> None:
+@click.option("--allow-module", "allow_modules", multiple=True, metavar="MODULE",
+              help="Modules (and their submodules) whose functions sessions may run here; repeatable "
+                   "(else ZMQFLOW_ALLOW_MODULES, comma-separated).")
+def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: tuple[str, ...]) -> None:
     """Serve one task of a cluster until SIGTERM or SIGINT."""
     try:
         spec, tid = resolve(cluster, task)
@@ -32,14 +35,14 @@ def serve(cluster: str | None, task: str | None, log_level: str) -> None:
     assert tid is not None
     setup_logging(log_level, str(tid))
     try:
-        code = run(_serve(spec, tid))
+        code = run(_serve(spec, tid, list(allow_modules) or None))
     except ZmqflowError as exc:
         fail("serve", exc, EXIT_FAILURE)
     raise SystemExit(code)
 
 
-async def _serve(spec: ClusterSpec, tid: TaskId) -> int:
-    server = AsyncServer(spec, tid)
+async def _serve(spec: ClusterSpec, tid: TaskId, allow_modules: list[str] | None) -> int:
+    server = AsyncServer(spec, tid, allow_modules=allow_modules)
     try:
         await server.start()
     except AddressInUse as exc:

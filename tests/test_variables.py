@@ -1,0 +1,253 @@
+"""Variables shared by name across sessions, servers and processes (issue scenarios 1, 3-6)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import zmqflow as zf
+from zmqflow import errors
+from zmqflow.testing import local_cluster, make_spec
+
+from .conftest import arun
+
+
+def test_variable_declared_in_one_session_is_seen_in_another():
+    spec = make_spec({"worker": 2}, "tcp")
+    with zf.Server(spec, "worker:0") as w0, zf.Server(spec, "worker:1") as w1:
+        with zf.Session(w0.target) as s0, zf.Session(w1.target) as s1:
+            v0 = s0.variable("var", 0.0)
+            assert v0.partitions == [{"task": "worker:0", "rows": [0, 1]}]  # no ps job: the first task
+            v1 = s1.variable("var", 0.0)  # identical declaration attaches
+            v1.assign_add(1.0)
+            assert v0.read() == 1.0 and s1.get("var").read() == 1.0
+            assert s0.uninitialized(["var", "other"]) == ["other"]
+            assert [v["name"] for v in s1.variables()] == ["var"]
+
+
+def test_get_waits_for_the_creator_and_concurrent_declarations_make_one_variable():
+    async def main():
+        async with local_cluster({"ps": 2, "worker": 1}, timeout=10, transport="inproc") as servers:
+            target = servers["worker:0"].target
+            sessions = [zf.AsyncSession(target) for _ in range(8)]
+            try:
+                waiter = asyncio.ensure_future(sessions[0].get("shared", timeout=10))
+                declared = await asyncio.gather(*(
+                    s.variable("shared", shape=(16, 4), initializer=zf.init.normal(seed=3)) for s in sessions[1:]
+                ))
+                values = [await v.read() for v in declared]
+                assert all(np.array_equal(values[0], v) for v in values)
+                got = await waiter
+                np.testing.assert_array_equal(await got.read(), values[0])
+                assert len(await sessions[0].variables()) == 1
+            finally:
+                for s in sessions:
+                    await s.close()
+
+    arun(main())
+
+
+def test_placement_round_robin_greedy_device_and_partitions():
+    async def main():
+        async with local_cluster({"ps": 3, "worker": 1}, timeout=10, transport="inproc") as servers:
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                a = await sess.variable("a", shape=(4,))
+                b = await sess.variable("b", shape=(4,))
+                with zf.device("/job:ps/task:2"):
+                    c = await sess.variable("c", shape=(1000, 10))
+                p = await sess.variable("p", shape=(10, 3), partitioner=zf.fixed_size_partitioner(3))
+                assert [v.partitions[0]["task"] for v in (a, b, c)] == ["ps:0", "ps:1", "ps:2"]
+                assert p.partitions == [
+                    {"task": "ps:2", "rows": [0, 4]}, {"task": "ps:0", "rows": [4, 7]}, {"task": "ps:1", "rows": [7, 10]}
+                ]
+                with zf.placement(zf.GreedyLoadBalancing()):
+                    g = await sess.variable("g", shape=(10,))
+                assert g.partitions[0]["task"] == "ps:0"  # ps:2 holds c's 40 kB; ps:0 and ps:1 tie, lowest first
+                mm = await sess.variable("mm", shape=(1000, 64), partitioner=zf.min_max_variable_partitioner(8, min_slice_size=64 << 10))
+                assert len(mm.partitions) == 4  # 256 kB in slices of at least 64 kB
+                with pytest.raises(errors.InvalidArgument, match="ps:7"):
+                    with zf.device("ps:7"):
+                        await sess.variable("nowhere", shape=(1,))
+                with pytest.raises(errors.VariableConflict, match=r"\[10, 3\].*\[10, 3\].*1 part"):
+                    await sess.variable("p", shape=(10, 3))
+
+    arun(main())
+
+
+def test_concurrent_assign_add_is_exact():
+    async def main():
+        async with local_cluster({"ps": 2, "worker": 1}, timeout=10, transport="tcp") as servers:
+            sessions = [zf.AsyncSession(servers["worker:0"].target) for _ in range(8)]
+            try:
+                scalar = await sessions[0].variable("count", 0.0)
+                split = await sessions[0].variable("counts", np.zeros(6, np.float32), partitioner=zf.fixed_size_partitioner(2))
+                assert {p["task"] for p in split.partitions} == {"ps:0", "ps:1"}
+
+                async def client(sess):
+                    mine = await sess.get("count")
+                    parts = await sess.get("counts")
+                    for _ in range(1000):
+                        await asyncio.gather(mine.assign_add(1.0), parts.assign_add(np.ones(6, np.float32)))
+
+                await asyncio.gather(*(client(s) for s in sessions))
+                assert await scalar.read() == 8000.0
+                np.testing.assert_array_equal(await split.read(), np.full(6, 8000.0, np.float32))
+            finally:
+                for s in sessions:
+                    await s.close()
+
+    arun(main(), timeout=120)
+
+
+def test_sync_replicas_equal_a_single_process_average_and_a_missing_replica_is_named():
+    rng = np.random.default_rng(0)
+    w0 = rng.standard_normal((5, 3))
+    batches = {w: [(rng.standard_normal((8, 5)), rng.standard_normal((8, 3))) for _ in range(20)] for w in (0, 1)}
+    lr = 0.1
+
+    def grad(w, x, y):  # least squares: d/dw mean((xw - y)^2)
+        return 2.0 * x.T @ (x @ w - y) / len(x)
+
+    expected = w0.copy()
+    for step in range(20):
+        expected -= lr * (grad(expected, *batches[0][step]) + grad(expected, *batches[1][step])) / 2
+
+    async def main():
+        async with local_cluster({"ps": 2, "worker": 2}, timeout=10, transport="tcp") as servers:
+            spec = servers["ps:0"].spec
+            opt = zf.SyncReplicas(zf.optim.SGD(lr), replicas_to_aggregate=2)
+            s0 = zf.AsyncSession(cluster=spec, task="worker:0")
+            s1 = zf.AsyncSession(cluster=spec, task="worker:1")
+            try:
+                await s0.variable("w", w0, optimizer=opt, partitioner=zf.fixed_size_partitioner(2))
+
+                async def worker(sess, idx):
+                    w = await sess.get("w")
+                    for step in range(20):
+                        assert sess.step == step
+                        current = await w.read()
+                        new_step = await w.push(grad(current, *batches[idx][step]))
+                        assert new_step == step + 1
+
+                await asyncio.gather(worker(s0, 0), worker(s1, 1))
+                np.testing.assert_allclose(await (await s0.get("w")).read(), expected, rtol=0, atol=1e-12)
+                assert await s1.global_step() == 20
+                # worker:1 is gone: worker:0's next push cannot complete and says who is missing
+                async with zf.AsyncSession(cluster=spec, task="worker:0", timeout=1.0) as impatient:
+                    with pytest.raises(errors.DeadlineExceeded, match="no push from worker:1") as info:
+                        await impatient.push({"w": np.zeros((5, 3))}, step=20)
+                assert info.value.details["missing"] == ["worker:1"]
+                w = await s1.get("w")
+                # a stale gradient (an older step) is dropped, counted, and answered at once
+                assert (await s1.push({w: np.ones((5, 3))}, step=3)) == 20
+                status = await s0.call("ps", "variables", task="ps:1")
+                assert status[0]["sync"]["dropped"] >= 1
+            finally:
+                await s0.close()
+                await s1.close()
+
+    arun(main(), timeout=120)
+
+
+def test_optimizers_through_sessions_dense_and_sparse():
+    async def main():
+        async with local_cluster({"ps": 2, "worker": 1}, timeout=10, transport="inproc") as servers:
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                init = np.arange(12, dtype=np.float64).reshape(6, 2)
+                adam = await sess.variable("adam", init, optimizer=zf.optim.Adam(0.01), partitioner=zf.fixed_size_partitioner(2))
+                g = np.full((6, 2), 0.5)
+                m = np.zeros_like(init)
+                v = np.zeros_like(init)
+                ref = init.copy()
+                for t in range(1, 11):
+                    await adam.push(g)
+                    m = 0.9 * m + 0.1 * g
+                    v = 0.999 * v + 0.001 * g * g
+                    ref -= 0.01 * np.sqrt(1 - 0.999**t) / (1 - 0.9**t) * m / (np.sqrt(v) + 1e-8)
+                np.testing.assert_allclose(await adam.read(), ref, rtol=0, atol=1e-12)
+                sgd = await sess.variable("sgd", init, optimizer=zf.optim.SGD(0.5), partitioner=zf.fixed_size_partitioner(3))
+                before = await sgd.read()
+                await sgd.push((np.array([5, 0, 5]), np.ones((3, 2))))
+                after = await sgd.read()
+                np.testing.assert_array_equal(after[[1, 2, 3, 4]], before[[1, 2, 3, 4]])
+                np.testing.assert_array_equal(after[0], before[0] - 0.5)
+                np.testing.assert_array_equal(after[5], before[5] - 1.0)  # duplicates summed
+
+    arun(main())
+
+
+def test_bad_input_changes_nothing():
+    async def main():
+        async with local_cluster({"ps": 2, "worker": 1}, timeout=10, transport="inproc") as servers:
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                v = await sess.variable("v", np.arange(8, dtype=np.float32).reshape(4, 2), partitioner=zf.fixed_size_partitioner(2))
+                before = await v.read()
+                with pytest.raises(errors.NotFound, match="'missing'"):
+                    await sess.pull(["v", "missing"])
+                with pytest.raises(errors.NotFound, match="'missing'"):
+                    await sess.get("missing", timeout=0.1)
+                with pytest.raises(errors.InvalidArgument, match=r"expected shape \[4, 2\], got \[4, 3\]"):
+                    await v.assign(np.zeros((4, 3), np.float32))
+                with pytest.raises(errors.InvalidArgument, match="expected dtype float32, got float64"):
+                    await v.assign_add(np.zeros((4, 2)))
+                with pytest.raises(errors.InvalidArgument, match=r"index 4 out of range \[0, 4\)"):
+                    await v.scatter_add([0, 4], np.ones((2, 2), np.float32))
+                with pytest.raises(errors.InvalidArgument, match=r"index -1 out of range"):
+                    await v.scatter_update([-1], np.ones((1, 2), np.float32))
+                with pytest.raises(errors.InvalidArgument, match="expected shape"):
+                    await v.push(np.ones((2, 2), np.float32))
+                # the shard checks too, whatever a client sends
+                with pytest.raises(errors.InvalidArgument, match="expected shape"):
+                    await sess.call("ps", "assign", {"items": [["v", 0, 0, 2, np.zeros((3, 2), np.float32)]]}, task="ps:0")
+                with pytest.raises(errors.InvalidArgument, match="out of range"):
+                    await sess.call("ps", "scatter", {"name": "v", "part": 1, "indices": np.array([7]),
+                                                      "rows": np.ones((1, 2), np.float32)}, task="ps:1")
+                np.testing.assert_array_equal(await v.read(), before)
+
+    arun(main())
+
+
+def test_big_variables_move_in_slices():
+    async def main():
+        async with local_cluster({"ps": 1, "worker": 1}, timeout=20, transport="tcp") as servers:
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                x = np.random.default_rng(1).standard_normal((5000, 1000)).astype(np.float32)  # 20 MB
+                v = await sess.variable("big", shape=x.shape)
+                ps = servers["ps:0"]
+                before = ps.counters.msgs_in
+                await v.assign(x)
+                assert ps.counters.msgs_in - before >= 5  # 4 MB slices, not one 20 MB frame
+                np.testing.assert_array_equal(await v.read(), x)
+                await v.push(x)
+                np.testing.assert_array_equal(await v.read(), 2 * x)
+
+    arun(main(), timeout=120)
+
+
+def test_named_lookup_survives_a_worker_restart():
+    spec = make_spec({"ps": 1, "worker": 1}, "tcp")
+    with zf.Server(spec, "ps:0"):
+        with zf.Server(spec, "worker:0") as w0, zf.Session(w0.target) as sess:
+            sess.variable("kept", np.ones(3, np.float32)).assign_add(np.ones(3, np.float32))
+        with zf.Server(spec, "worker:0") as w0, zf.Session(w0.target) as sess:
+            np.testing.assert_array_equal(sess.get("kept").read(), np.full(3, 2.0, np.float32))
+
+
+def test_remote_functions_run_only_from_allowed_modules():
+    spec = make_spec({"worker": 2}, "tcp")
+    with zf.Server(spec, "worker:0") as w0, zf.Server(spec, "worker:1", allow_modules=["tests.fixtures"]):
+        with zf.Session(w0.target) as sess:
+            out = sess.run("tests.fixtures.remote:scale", np.arange(3.0), task="worker:1", factor=3.0)
+            np.testing.assert_array_equal(out["y"], np.arange(3.0) * 3)
+            assert out["shape"] == [3]
+            assert sess.run("tests.fixtures.remote:add_later", 2, 3, task="worker:1") == 5
+            with pytest.raises(errors.RemoteError, match="remote boom"):
+                sess.run("tests.fixtures.remote:boom", task="worker:1")
+            with pytest.raises(errors.InvalidArgument, match="not on this task's allow-list"):
+                sess.run("os:getcwd", task="worker:1")
+            with pytest.raises(errors.InvalidArgument, match="allow-list"):
+                sess.run("tests.fixtures.remote:scale", 1, task="worker:0")
+            with pytest.raises(errors.NotFound, match="nope"):
+                sess.run("tests.fixtures.remote:nope", task="worker:1")
