@@ -251,3 +251,31 @@ def test_remote_functions_run_only_from_allowed_modules():
                 sess.run("tests.fixtures.remote:scale", 1, task="worker:0")
             with pytest.raises(errors.NotFound, match="nope"):
                 sess.run("tests.fixtures.remote:nope", task="worker:1")
+
+
+def test_backup_workers_never_block_and_every_gradient_is_accounted_for():
+    async def main():
+        async with local_cluster({"ps": 1, "worker": 3}, timeout=10, transport="inproc") as servers:
+            spec = servers["ps:0"].spec
+            sessions = [zf.AsyncSession(cluster=spec, task=f"worker:{i}") for i in range(3)]
+            opt = zf.SyncReplicas(zf.optim.SGD(0.1), replicas_to_aggregate=2, total_num_replicas=3)
+            try:
+                await sessions[0].variable("w", np.zeros(3), optimizer=opt)
+                pushes = [0, 0, 0]
+
+                async def worker(i, sess):
+                    w = await sess.get("w")
+                    while sess.step < 10:
+                        await w.read()
+                        await w.push(np.full(3, float(i + 1)))
+                        pushes[i] += 1
+
+                await asyncio.gather(*(worker(i, s) for i, s in enumerate(sessions)))
+                part = servers["ps:0"].service("ps").store.get("w")
+                assert part.sync.step == 10
+                assert 2 * part.sync.step + part.sync.dropped + len(part.sync.contributors) == sum(pushes)
+            finally:
+                for s in sessions:
+                    await s.close()
+
+    arun(main(), timeout=60)

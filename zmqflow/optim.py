@@ -8,6 +8,7 @@ slots of exactly those rows. Adam keeps its step count per row: a dense push adv
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -111,6 +112,9 @@ class SyncReplicas:
     total_num_replicas: int | None = None
 
     def __post_init__(self) -> None:
+        _count(self.replicas_to_aggregate, "replicas_to_aggregate")
+        if self.total_num_replicas is not None:
+            _count(self.total_num_replicas, "total_num_replicas")
         if self.replicas_to_aggregate < 1:
             raise InvalidArgument(f"replicas_to_aggregate must be >= 1, got {self.replicas_to_aggregate}")
         total = self.total_num_replicas
@@ -124,6 +128,12 @@ class SyncReplicas:
             "replicas_to_aggregate": self.replicas_to_aggregate,
             "total_num_replicas": self.total_num_replicas,
         }
+
+
+def _count(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidArgument(f"SyncReplicas: {name} must be an integer, got {value!r}")
+    return value
 
 
 _CLASSES: dict[str, type[Optimizer]] = {c.kind: c for c in (SGD, Momentum, Adagrad, Adam)}
@@ -140,12 +150,21 @@ def from_spec(spec: Any) -> Optimizer | SyncReplicas | None:
         inner = from_spec(spec.get("optimizer"))
         if not isinstance(inner, Optimizer):
             raise InvalidArgument("SyncReplicas needs an optimizer to wrap")
-        return SyncReplicas(inner, int(spec.get("replicas_to_aggregate", 1)), spec.get("total_num_replicas"))
+        return SyncReplicas(inner, _count(spec.get("replicas_to_aggregate", 1), "replicas_to_aggregate"),
+                            None if spec.get("total_num_replicas") is None else _count(spec["total_num_replicas"], "total_num_replicas"))
     cls = _CLASSES.get(kind)  # type: ignore[arg-type]
     if cls is None:
         raise InvalidArgument(f"unknown optimizer {kind!r}; known: {', '.join(sorted(_CLASSES))}, sync_replicas")
-    names = {f.name for f in fields(cls)}
-    try:
-        return cls(**{k: v for k, v in spec.items() if k in names})
-    except TypeError as exc:
-        raise InvalidArgument(f"bad {kind} optimizer spec: {exc}") from None
+    values = {}
+    for f in fields(cls):
+        if f.name not in spec:
+            continue
+        value = spec[f.name]
+        if isinstance(f.default, bool):
+            ok = isinstance(value, bool)
+        else:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok:
+            raise InvalidArgument(f"{kind} optimizer: {f.name} must be a {type(f.default).__name__}, got {value!r}")
+        values[f.name] = value
+    return cls(**values)

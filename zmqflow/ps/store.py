@@ -56,8 +56,9 @@ class Part:
         return (self.nrows, *self.full_shape[1:]) if self.full_shape else ()
 
     def grid(self, arr: np.ndarray) -> np.ndarray:
-        """``arr`` (this part's shape, or rows of it) seen as 2-D: rows x everything else."""
-        return arr.reshape(arr.shape[0] if arr.ndim else 1, -1)
+        """``arr`` (this part's shape, or rows of it) seen as 2-D: rows x everything else (a view)."""
+        cols = math.prod(self.full_shape[1:]) if self.full_shape else 1
+        return arr.reshape(arr.shape[0] if arr.ndim else 1, cols)
 
     @property
     def nbytes(self) -> int:
@@ -119,7 +120,8 @@ class ShardStore:
             opt = opt.optimizer
         p = Part(name, int(part), full, (r0, r1), dt, np.empty(0, dt), opt, sync=sync, num_parts=int(num_parts))
         if value is not None:
-            p.value = np.array(_check_array(value, p.part_shape, dt, f"initial value of {p.label}"), dtype=dt, copy=True)
+            # C order always: updates work on row views of the stored array, never on copies
+            p.value = np.array(_check_array(value, p.part_shape, dt, f"initial value of {p.label}"), dtype=dt, order="C")
         else:
             spec = _init.from_spec(initializer) if initializer is not None else _init.zeros()
             p.value = _init.build(spec, full, (r0, r1), dt)
@@ -221,9 +223,10 @@ class ShardStore:
         idx = np.asarray(indices)
         if idx.ndim != 1 or idx.dtype.kind not in "iu":
             raise InvalidArgument(f"{what}: indices must be a 1-D integer array, got {idx.dtype} of shape {idx.shape}")
-        if idx.size and (idx.min() < 0 or idx.max() >= p.nrows):
-            bad = int(idx[(idx < 0) | (idx >= p.nrows)][0]) + p.rows[0]
-            raise InvalidArgument(f"{what}: index {bad} out of range [0, {p.full_shape[0]})")
+        if idx.size and (idx.min() < 0 or idx.max() >= p.nrows):  # part-local indices, named as such
+            bad = int(idx[(idx < 0) | (idx >= p.nrows)][0])
+            where = "" if p.num_parts == 1 else f" (rows {p.rows[0]}..{p.rows[1]} of the variable)"
+            raise InvalidArgument(f"{what}: index {bad} out of range [0, {p.nrows}){where}")
         x = _check_array(rows, (len(idx), *p.full_shape[1:]), p.dtype, what)
         return idx.astype(np.int64, copy=False), x
 
