@@ -63,8 +63,8 @@ class AsyncSession:
             self._client = RpcClient(identity=f"{self.name}-{uuid.uuid4().hex[:8]}", source=self.name, default_timeout=self.timeout)
         return self._client
 
-    async def _call_task(self, task: TaskId, service: str, op: str, body: Any = None, *, sync: bool = False) -> Any:
-        spec = await self.cluster()
+    async def _call_task(self, task: TaskId, service: str, op: str, body: Any = None) -> Any:
+        spec = self._spec or await self.cluster()
         return await self.client.call(spec.address(task).endpoint, service, op, body, name=str(task))
 
     async def _catalog_call(self, op: str, body: Any, timeout: float | None = None) -> Any:

@@ -98,6 +98,13 @@ def _bundle(items: Iterable[tuple[TaskId, int, list[Any]]]) -> dict[TaskId, list
     return out
 
 
+async def _all(calls: list[Any]) -> list[Any]:
+    """``asyncio.gather`` without its task per call when there is only one (scalar updates)."""
+    if len(calls) == 1:
+        return [await calls[0]]
+    return await asyncio.gather(*calls)
+
+
 def _as_array(x: Any, info: VarInfo, what: str) -> np.ndarray:
     """``x`` as an array of the variable's full shape and dtype; python values are converted."""
     if isinstance(x, np.ndarray):
@@ -210,7 +217,7 @@ async def pull(sess: "AsyncSession", infos: list[VarInfo]) -> dict[str, np.ndarr
         for batch in batches:
             keys = [it[4] for it in batch]
             requests.append((keys, sess._call_task(task, "ps", "pull", {"items": [it[:4] for it in batch]})))
-    results = await asyncio.gather(*(r for _, r in requests))
+    results = await _all([r for _, r in requests])
     for (keys, _), arrays in zip(requests, results):
         for key, arr in zip(keys, arrays):
             info, p, chunk = where[key]
@@ -226,10 +233,10 @@ async def assign(sess: "AsyncSession", info: VarInfo, x: Any, mode: str) -> None
         for chunk in info.chunks(p):
             rows = _rows_of(info, p, chunk, x)
             items.append((task, rows.nbytes, [info.name, p, chunk[0], chunk[1], rows]))
-    await asyncio.gather(*(
+    await _all([
         sess._call_task(task, "ps", "assign", {"items": batch, "mode": mode})
         for task, batches in _bundle(items).items() for batch in batches
-    ))
+    ])
 
 
 def _split_sparse(info: VarInfo, indices: Any, rows: Any, what: str) -> list[tuple[int, np.ndarray, np.ndarray]]:
@@ -260,10 +267,10 @@ def _split_sparse(info: VarInfo, indices: Any, rows: Any, what: str) -> list[tup
 
 async def scatter(sess: "AsyncSession", info: VarInfo, indices: Any, rows: Any, mode: str) -> None:
     parts = _split_sparse(info, indices, rows, f"scatter_{mode}")
-    await asyncio.gather(*(
+    await _all([
         sess._call_task(info.parts[p][0], "ps", "scatter", {"name": info.name, "part": p, "indices": i, "rows": r, "mode": mode})
         for p, i, r in parts
-    ))
+    ])
 
 
 async def push(sess: "AsyncSession", grads: Mapping[VarInfo, Any], step: int | None) -> dict[str, Any]:
@@ -293,8 +300,8 @@ async def push(sess: "AsyncSession", grads: Mapping[VarInfo, Any], step: int | N
         calls.append(sess._call_task(task, "ps", "push", {"sparse": items, "step": step}))
     for task in set(sync_dense) | set(sync_sparse):
         body = {"dense": sync_dense.get(task, []), "sparse": sync_sparse.get(task, []), "step": step}
-        calls.append(sess._call_task(task, "ps", "push", body, sync=True))
-    results = await asyncio.gather(*calls)
+        calls.append(sess._call_task(task, "ps", "push", body))
+    results = await _all(calls)
     steps = [r["step"] for r in results if r.get("step") is not None]
     return {"step": max(steps) if steps else None, "stale": any(r.get("stale") for r in results)}
 

@@ -22,3 +22,14 @@ def transport(quick: bool, transports: tuple[str, ...], json_out: str | None) ->
 
     rows = run(quick=quick, transports=transports or ("inproc", "ipc", "tcp"), json_out=json_out)
     click.echo(format_table(rows))
+
+
+@bench.command("ps")
+@click.option("--quick", is_flag=True, help="A 20 MB model and fewer repetitions.")
+@click.option("--shards", "shards", multiple=True, type=click.IntRange(1, 16), help="Repeatable; default 1, 2, 4.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Append JSON lines here.")
+def ps(quick: bool, shards: tuple[int, ...], json_out: str | None) -> None:
+    """Pull/push of a whole model over 1-4 ps shards and scalar updates, vs raw pyzmq."""
+    from ..bench.ps import format_table, run
+
+    click.echo(format_table(run(quick=quick, shards=shards or (1, 2, 4), json_out=json_out)))
