@@ -8,7 +8,8 @@ from .optim import SyncReplicas
 from .placement import GreedyLoadBalancing, RoundRobin, device, placement
 from .ps.partition import fixed_size_partitioner, min_max_variable_partitioner
 from .server import AsyncServer, Server
-from .session import AsyncSession, Session, Variable
+from .embedding import AsyncEmbedding
+from .session import AsyncSession, Embedding, Session, Variable
 from .variables import AsyncVariable
 
 __all__ = [
@@ -23,6 +24,8 @@ __all__ = [
     "Session",
     "Variable",
     "AsyncVariable",
+    "Embedding",
+    "AsyncEmbedding",
     "init",
     "optim",
     "SyncReplicas",

@@ -94,25 +94,38 @@ def _fans(shape: tuple[int, ...]) -> tuple[int, int]:
     return shape[-2] * receptive, shape[-1] * receptive
 
 
-def build(init: Initializer, full_shape: tuple[int, ...], rows: tuple[int, int], dtype: np.dtype) -> np.ndarray:
-    """The values of rows ``[rows[0], rows[1])`` of a variable of ``full_shape``."""
+_CHUNK = 1 << 20  # values drawn per step: bounds the float64 scratch memory of big tables
+
+
+def build(init: Initializer, full_shape: tuple[int, ...], rows: tuple[int, int], dtype: np.dtype, salt: int = 0) -> np.ndarray:
+    """The values of rows ``[rows[0], rows[1])`` of a variable of ``full_shape``.
+
+    Random values are drawn in chunks straight into an array of ``dtype`` (a 2.5 GB float32 table
+    never needs a 5 GB float64 temporary), from a generator seeded by ``(seed, rows[0], salt)``.
+    """
     part_shape = (rows[1] - rows[0], *full_shape[1:]) if full_shape else ()
     if init.kind == "constant":
         return np.full(part_shape, init.value, dtype=dtype)
-    rng = np.random.default_rng([init.seed, rows[0]])
-    if init.kind == "normal":
-        out = rng.normal(init.mean, init.stddev, part_shape)
-    elif init.kind == "truncated_normal":
-        out = rng.normal(0.0, 1.0, part_shape)
-        bad = np.abs(out) > 2.0
-        while bad.any():
-            out[bad] = rng.normal(0.0, 1.0, int(bad.sum()))
-            bad = np.abs(out) > 2.0
-        out = out * init.stddev + init.mean
-    elif init.kind == "uniform":
-        out = rng.uniform(init.minval, init.maxval, part_shape)
-    else:  # glorot_uniform
+    rng = np.random.default_rng([init.seed, rows[0]] + ([salt] if salt else []))
+    out = np.empty(part_shape, dtype=dtype)
+    flat = out.reshape(-1)
+    if init.kind == "glorot_uniform":
         fan_in, fan_out = _fans(full_shape)
         limit = math.sqrt(6.0 / (fan_in + fan_out))
-        out = rng.uniform(-limit, limit, part_shape)
-    return np.asarray(out, dtype=dtype)
+    for start in range(0, flat.size, _CHUNK):
+        n = min(_CHUNK, flat.size - start)
+        if init.kind == "normal":
+            chunk = rng.normal(init.mean, init.stddev, n)
+        elif init.kind == "truncated_normal":
+            chunk = rng.normal(0.0, 1.0, n)
+            bad = np.abs(chunk) > 2.0
+            while bad.any():
+                chunk[bad] = rng.normal(0.0, 1.0, int(bad.sum()))
+                bad = np.abs(chunk) > 2.0
+            chunk = chunk * init.stddev + init.mean
+        elif init.kind == "uniform":
+            chunk = rng.uniform(init.minval, init.maxval, n)
+        else:  # glorot_uniform
+            chunk = rng.uniform(-limit, limit, n)
+        flat[start:start + n] = chunk
+    return out

@@ -18,11 +18,12 @@ from .errors import ConfigError, InvalidArgument
 from .loop import LoopThread
 from .rpc import DEFAULT_TIMEOUT, RpcClient
 from .services.catalog import catalog_task, shard_tasks
+from .embedding import AsyncEmbedding, TableInfo, declare_embedding
 from .variables import AsyncVariable, VarInfo, declare
 from .variables import pull as _pull
 from .variables import push as _push
 
-__all__ = ["AsyncSession", "Session", "Variable"]
+__all__ = ["AsyncSession", "Session", "Variable", "Embedding"]
 
 _WAIT_MARGIN = 5.0
 
@@ -82,6 +83,24 @@ class AsyncSession:
                              optimizer=optimizer, partitioner=partitioner)
         self._infos[name] = info
         return AsyncVariable(self, info)
+
+    async def embedding(self, name: str, num_embeddings: int | None, dim: int, *, partitions: Any = None,
+                        partition_strategy: str = "mod", dtype: Any = "float32", initializer: Any = None,
+                        optimizer: Any = None, min_frequency: int = 1, capacity: int | None = None) -> AsyncEmbedding:
+        """Get-or-create an embedding table spread over the ps shards (``partitions`` parts, one
+        per shard by default). ``num_embeddings=None`` makes a dynamic hash table: any int64 id,
+        rows created on first lookup (after ``min_frequency`` sightings), at most ``capacity``
+        rows per shard with least-recently-used eviction."""
+        info = await declare_embedding(self, name, num_embeddings, dim, partitions=partitions,
+                                       partition_strategy=partition_strategy, dtype=dtype, initializer=initializer,
+                                       optimizer=optimizer, min_frequency=min_frequency, capacity=capacity)
+        return AsyncEmbedding(self, info)
+
+    async def get_embedding(self, name: str, timeout: float | None = None) -> AsyncEmbedding:
+        """An existing table by name, waiting (up to ``timeout``) until it exists."""
+        limit = self.timeout if timeout is None else float(timeout)
+        record = await self._catalog_call("lookup", {"name": name, "wait": limit > 0}, timeout=max(limit, 0.01) + 0.2)
+        return AsyncEmbedding(self, TableInfo.from_record(record))
 
     async def get(self, name: str, timeout: float | None = None) -> AsyncVariable:
         """The variable ``name`` without creating it, waiting (up to ``timeout``) until it exists."""
@@ -207,6 +226,12 @@ class Session:
     def variable(self, name: str, initial_value: Any = None, **kwargs: Any) -> "Variable":
         return Variable(self, self._run(self._async.variable(name, initial_value, **kwargs)))
 
+    def embedding(self, name: str, num_embeddings: int | None, dim: int, **kwargs: Any) -> "Embedding":
+        return Embedding(self, self._run(self._async.embedding(name, num_embeddings, dim, **kwargs)))
+
+    def get_embedding(self, name: str, timeout: float | None = None) -> "Embedding":
+        return Embedding(self, self._run(self._async.get_embedding(name, timeout), timeout))
+
     def get(self, name: str, timeout: float | None = None) -> "Variable":
         return Variable(self, self._run(self._async.get(name, timeout), timeout))
 
@@ -280,3 +305,46 @@ class Variable:
 
     def __repr__(self) -> str:
         return repr(self.handle).replace("AsyncVariable", "Variable")
+
+
+class Embedding:
+    """A blocking handle on an embedding table; see :class:`AsyncEmbedding` for the semantics."""
+
+    def __init__(self, session: Session, handle: AsyncEmbedding):
+        self._session = session
+        self.handle = handle
+
+    name = property(lambda self: self.handle.name)
+    dim = property(lambda self: self.handle.dim)
+    partitions = property(lambda self: self.handle.partitions)
+
+    def lookup(self, ids: Any, *, create: bool = True) -> Any:
+        return self._session._run(self.handle.lookup(ids, create=create))
+
+    def lookup_sparse(self, ids: Any, segment_ids: Any, weights: Any = None, combiner: str = "mean",
+                      num_segments: int | None = None) -> Any:
+        return self._session._run(self.handle.lookup_sparse(ids, segment_ids, weights, combiner, num_segments))
+
+    def push(self, ids: Any, grads: Any) -> int:
+        return self._session._run(self.handle.push(ids, grads))
+
+    def stats(self) -> list[dict[str, Any]]:
+        return self._session._run(self.handle.stats())
+
+    def size(self) -> int:
+        return self._session._run(self.handle.size())
+
+    def evict(self, older_than: Any = None, **kwargs: Any) -> int:
+        return self._session._run(self.handle.evict(older_than, **kwargs))
+
+    def export(self, page: int = 1 << 16) -> Any:
+        """``(ids, rows)`` pages, shard by shard."""
+        agen = self.handle.export(page)
+        while True:
+            try:
+                yield self._session._run(agen.__anext__())
+            except StopAsyncIteration:
+                return
+
+    def __repr__(self) -> str:
+        return repr(self.handle).replace("AsyncEmbedding", "Embedding")

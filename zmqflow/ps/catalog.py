@@ -35,8 +35,10 @@ class Catalog:
         policy: str = "round_robin",
         optimizer: Any = None,
         initializer: Any = None,
+        table: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The variable's record, created (with placement) on first declaration."""
+        """The variable's record, created (with placement) on first declaration. ``table``
+        describes an embedding table (kind, strategy, sizes); it must match on redeclaration."""
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"variable name must be a non-empty string, got {name!r}")
         if len(part_rows) != len(part_bytes) or not part_rows:
@@ -45,6 +47,8 @@ class Catalog:
         if found is not None:
             mine = (found["shape"], found["dtype"], [p["rows"] for p in found["parts"]])
             theirs = (list(shape), dtype, [list(r) for r in part_rows])
+            if found.get("table") != table:
+                raise VariableConflict(f"{name!r} exists as {_kind(found.get('table'))}; declared as {_kind(table)}")
             if mine != theirs:
                 raise VariableConflict(
                     f"variable {name!r} exists with shape {mine[0]} {mine[1]} in {len(mine[2])} part(s) {mine[2]}; "
@@ -59,6 +63,7 @@ class Catalog:
             "parts": [{"task": t, "rows": list(r)} for t, r in zip(tasks, part_rows)],
             "optimizer": optimizer,
             "initializer": initializer,
+            "table": table,
             "ready": False,
         }
         self.records[name] = record
@@ -94,3 +99,9 @@ class Catalog:
 
     def uninitialized(self, names: list[str]) -> list[str]:
         return [n for n in names if not self.ready(n)]
+
+
+def _kind(table: dict[str, Any] | None) -> str:
+    if table is None:
+        return "a variable"
+    return "an embedding table " + ", ".join(f"{k}={v}" for k, v in sorted(table.items()))

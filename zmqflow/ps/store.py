@@ -96,6 +96,7 @@ class ShardStore:
         optimizer: Any = None,
         initializer: Any = None,
         value: np.ndarray | None = None,
+        salt: int = 0,
     ) -> bool:
         """Create the part unless it exists; True when this call created it. Conflicts raise."""
         dt = _dtype(dtype, name)
@@ -124,7 +125,7 @@ class ShardStore:
             p.value = np.array(_check_array(value, p.part_shape, dt, f"initial value of {p.label}"), dtype=dt, order="C")
         else:
             spec = _init.from_spec(initializer) if initializer is not None else _init.zeros()
-            p.value = _init.build(spec, full, (r0, r1), dt)
+            p.value = _init.build(spec, full, (r0, r1), dt, salt)
         if opt is not None:
             for slot in opt.slot_names:
                 p.slots[slot] = np.full(p.part_shape, opt.slot_init(slot), dtype=dt)

@@ -40,11 +40,11 @@ class CatalogService(Service):
     @op
     def declare(self, ctx: CallContext, name: str, shape: list, dtype: str, part_rows: list, part_bytes: list,
                 device: str | None = None, policy: str = "round_robin", optimizer: Any = None,
-                initializer: Any = None) -> dict[str, Any]:
+                initializer: Any = None, table: dict | None = None) -> dict[str, Any]:
         if device is not None and device not in self.spec:
             raise InvalidArgument(f"variable {name!r}: device {device!r} is not a task of the cluster ({self.spec.describe()})")
         return self.catalog.declare(name, shape, dtype, part_rows, part_bytes, device=device, policy=policy,
-                                    optimizer=optimizer, initializer=initializer)
+                                    optimizer=optimizer, initializer=initializer, table=table)
 
     @op
     def mark_ready(self, ctx: CallContext, name: str) -> dict[str, Any]:

@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import DeadlineExceeded, InvalidArgument
+from ..ps.embedding import HashTable
 from ..ps.store import PartKey, ShardStore, part_label
+from .tables import TableOps
 from ..ps.sync import READY, STALE
 from ..rpc import CallContext, Service, op
 
@@ -25,18 +27,25 @@ __all__ = ["PsService"]
 _SYNC_MARGIN = 0.25
 
 
-class PsService(Service):
+class PsService(Service, TableOps):
     name = "ps"
 
     def __init__(self, replicas: list[str] | None = None):
         super().__init__()
         self.store = ShardStore()
+        self.tables: dict[PartKey, HashTable] = {}
+        self._table_specs: dict[PartKey, tuple] = {}
         self.replicas = list(replicas or [])
         self._advanced: dict[PartKey, asyncio.Event] = defaultdict(asyncio.Event)
 
     @op
     def status(self, ctx: CallContext) -> dict[str, Any]:
-        return {"variables": len(self.store.parts), "bytes": self.store.nbytes, "global_step": self.global_step(ctx)}
+        return {
+            "variables": len(self.store.parts),
+            "bytes": self.store.nbytes + sum(t.nbytes for t in self.tables.values()),
+            "global_step": self.global_step(ctx),
+            "tables": {part_label(k): t.stats() for k, t in self.tables.items()},
+        }
 
     @op
     def global_step(self, ctx: CallContext) -> int:

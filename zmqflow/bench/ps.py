@@ -1,0 +1,245 @@
+"""Parameter-server benchmark: pull and push of a whole model, and scalar update round trips.
+
+A model of ``nvars`` float32 variables (100 MB in all by default) lives on 1, 2 and 4 ps shards,
+each a separate process on tcp loopback; one client pulls every variable and pushes a gradient
+for every variable (no optimizer: the shard adds it in place). Beside it, in the same run, raw
+pyzmq moves the same bytes between the same number of processes: a DEALER per shard asking for
+(or sending) the same 4 MB slices, all in flight at once, to a ROUTER that answers each with a
+ready buffer (or an ack). Then scalar ``assign_add`` round trips per second against a raw pyzmq
+request/reply of a few bytes. Reported as ratios; targets: >= 0.7x raw GB/s for pull and push,
+>= 0.5x raw round trips for scalar updates (reported, never asserted).
+
+Run ``zmqflow bench ps [--quick] [--json FILE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import zmq
+
+from .. import loop as zf_loop
+from ..cluster import ClusterSpec
+from ..server import AsyncServer
+from ..session import AsyncSession
+from ..testing import free_port
+from ..variables import SLICE_BYTES
+
+__all__ = ["run", "format_table"]
+
+MB = 1e6
+
+
+def _zf_ps_process(spec_json: str, task: str, ready: Any, stop: Any) -> None:
+    async def main() -> None:
+        async with AsyncServer(ClusterSpec.from_json(spec_json), task):
+            ready.set()
+            await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+
+    zf_loop.run(main())
+
+
+def _raw_ps_process(port: int, nbytes: int, ready: Any, stop: Any) -> None:
+    """Answers b"pull" with a slice of its buffer, anything else (a pushed slice) with an ack."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    buf = np.ones(max(nbytes, SLICE_BYTES) // 4, np.float32)
+    view = buf.view(np.uint8)
+    ready.set()
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    while not stop.is_set():
+        if not poller.poll(100):
+            continue
+        ident, head, *rest = sock.recv_multipart(copy=False)
+        if head.bytes[:4] == b"pull":
+            start, stop_ = (int(x) for x in head.bytes[5:].split(b","))
+            sock.send_multipart([ident, b"ok", view[start:stop_]], copy=False)
+        else:
+            sock.send_multipart([ident, b"ok"])
+    sock.close(0)
+    ctx.term()
+
+
+class _Procs:
+    def __init__(self) -> None:
+        self.mp = multiprocessing.get_context("spawn")
+        self.stop = self.mp.Event()
+        self.procs: list[Any] = []
+
+    def start(self, target: Any, *args: Any) -> None:
+        ready = self.mp.Event()
+        p = self.mp.Process(target=target, args=(*args, ready, self.stop), daemon=True)
+        p.start()
+        self.procs.append(p)
+        if not ready.wait(60):
+            raise RuntimeError("a benchmark server did not start within 60 s")
+
+    def close(self) -> None:
+        self.stop.set()
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def _slices(total: int, shards: int) -> list[list[tuple[int, int]]]:
+    """Each shard's byte ranges of SLICE_BYTES, for a model of ``total`` bytes split evenly."""
+    per = total // shards
+    return [[(a, min(a + SLICE_BYTES, per)) for a in range(0, per, SLICE_BYTES)] for _ in range(shards)]
+
+
+def _raw_pull_push(socks: list[zmq.Socket], plan: list[list[tuple[int, int]]], payload: np.ndarray) -> tuple[float, float]:
+    view = payload.view(np.uint8)
+    start = time.perf_counter()
+    for sock, ranges in zip(socks, plan):
+        for a, b in ranges:
+            sock.send(b"pull %d,%d" % (a, b))
+    got = 0
+    for sock, ranges in zip(socks, plan):
+        for _ in ranges:
+            got += len(sock.recv_multipart(copy=False)[1])
+    pull_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for sock, ranges in zip(socks, plan):
+        for a, b in ranges:
+            sock.send_multipart([b"push", view[a:b]], copy=False)
+    for sock, ranges in zip(socks, plan):
+        for _ in ranges:
+            sock.recv_multipart()
+    return pull_s, time.perf_counter() - start
+
+
+def _raw_round_trips(sock: zmq.Socket, n: int) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        sock.send(b"add 1")
+        sock.recv_multipart()
+    return n / (time.perf_counter() - start)
+
+
+async def _zf_model(sess: AsyncSession, names: list[str], grads: dict[str, np.ndarray], reps: int) -> tuple[list[float], list[float]]:
+    pulls, pushes = [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        await sess.pull(names)
+        pulls.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        await sess.push(grads)
+        pushes.append(time.perf_counter() - start)
+    return pulls, pushes
+
+
+async def _zf_round_trips(sess: AsyncSession, n: int) -> float:
+    var = await sess.variable("scalar", 0.0)
+    start = time.perf_counter()
+    for _ in range(n):
+        await var.assign_add(1.0)
+    return n / (time.perf_counter() - start)
+
+
+def _measure(shards: int, model_bytes: int, nvars: int, reps: int, trips: int) -> dict[str, Any]:
+    procs = _Procs()
+    ctx = zmq.Context()
+    socks: list[zmq.Socket] = []
+    try:
+        spec = ClusterSpec({"ps": [f"127.0.0.1:{free_port()}" for _ in range(shards)]})
+        for t in spec.tasks:
+            procs.start(_zf_ps_process, spec.to_json(), str(t))
+        raw_ports = [free_port() for _ in range(shards)]
+        for port in raw_ports:
+            procs.start(_raw_ps_process, port, model_bytes // shards)
+        for port in raw_ports:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(f"tcp://127.0.0.1:{port}")
+            socks.append(s)
+        plan = _slices(model_bytes, shards)
+        payload = np.ones(max(model_bytes // shards, SLICE_BYTES) // 4, np.float32)
+        per_var = model_bytes // nvars // 4
+        names = [f"v{i}" for i in range(nvars)]
+        grads = {n: np.ones(per_var, np.float32) for n in names}
+
+        async def zf_all() -> tuple[list[float], list[float], float]:
+            async with AsyncSession(cluster=spec, task="ps:0", timeout=120) as sess:
+                await sess.wait_for_cluster(30)
+                for n in names:
+                    await sess.variable(n, shape=(per_var,))
+                await _zf_model(sess, names, grads, 1)  # warm up connections and pages
+                pulls, pushes = await _zf_model(sess, names, grads, reps)
+                return pulls, pushes, await _zf_round_trips(sess, trips)
+
+        _raw_pull_push(socks, plan, payload)  # warm up
+        raw = [_raw_pull_push(socks, plan, payload) for _ in range(reps)]
+        zf_pulls, zf_pushes, zf_trips = zf_loop.run(zf_all())
+        raw_trips = _raw_round_trips(socks[0], trips)
+        gb = per_var * 4 * nvars / 1e9
+        row = {
+            "shards": shards,
+            "model_mb": round(per_var * 4 * nvars / MB, 1),
+            "zf_pull_gbps": gb / statistics.median(zf_pulls),
+            "raw_pull_gbps": (model_bytes // shards * shards / 1e9) / statistics.median(r[0] for r in raw),
+            "zf_push_gbps": gb / statistics.median(zf_pushes),
+            "raw_push_gbps": (model_bytes // shards * shards / 1e9) / statistics.median(r[1] for r in raw),
+            "zf_assign_add_per_s": zf_trips,
+            "raw_rtt_per_s": raw_trips,
+        }
+        row["pull_ratio"] = row["zf_pull_gbps"] / row["raw_pull_gbps"]
+        row["push_ratio"] = row["zf_push_gbps"] / row["raw_push_gbps"]
+        row["scalar_ratio"] = zf_trips / raw_trips
+        return row
+    finally:
+        for s in socks:
+            s.close(0)
+        ctx.term()
+        procs.close()
+
+
+def run(quick: bool = False, shards: Sequence[int] = (1, 2, 4), model_mb: int | None = None, nvars: int = 10,
+        json_out: str | None = None, echo: Any = print) -> list[dict[str, Any]]:
+    model_bytes = int((model_mb or (20 if quick else 100)) * MB)
+    reps, trips = (3, 500) if quick else (5, 3000)
+    rows = []
+    for n in shards:
+        row = _measure(n, model_bytes, nvars, reps, trips)
+        echo(f"measured {n} shard(s): pull {row['pull_ratio']:.2f}x push {row['push_ratio']:.2f}x scalar {row['scalar_ratio']:.2f}x raw")
+        rows.append(row)
+        if json_out:
+            with open(json_out, "a") as fh:
+                fh.write(json.dumps({"bench": "ps", **row}) + "\n")
+    return rows
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    head = ["shards", "model", "pull GB/s", "raw", "ratio", "push GB/s", "raw", "ratio", "assign_add/s", "raw rtt/s", "ratio"]
+    lines = [head]
+    for r in rows:
+        lines.append([
+            str(r["shards"]), f"{r['model_mb']:.0f} MB",
+            f"{r['zf_pull_gbps']:.2f}", f"{r['raw_pull_gbps']:.2f}", f"{r['pull_ratio']:.2f}x",
+            f"{r['zf_push_gbps']:.2f}", f"{r['raw_push_gbps']:.2f}", f"{r['push_ratio']:.2f}x",
+            f"{r['zf_assign_add_per_s']:.0f}", f"{r['raw_rtt_per_s']:.0f}", f"{r['scalar_ratio']:.2f}x",
+        ])
+    widths = [max(len(l[i]) for l in lines) for i in range(len(head))]
+    out = ["  ".join(c.rjust(w) for c, w in zip(l, widths)) for l in lines]
+    out.append("targets: pull and push >= 0.70x raw GB/s; scalar assign_add >= 0.50x raw round trips/s")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    print(format_table(run(quick=args.quick, json_out=args.json)))

@@ -1,0 +1,267 @@
+"""Embedding tables served sharded, seen from a client: lookups and sparse pushes.
+
+Ids are de-duplicated here; each shard that owns some of them gets exactly one request, all at
+once, and shards owning none get none. Gradients for repeated ids are summed here, so each shard
+receives only its unique ids and their rows: nothing is ever densified.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import init as _init
+from . import optim as _optim
+from .cluster import TaskId
+from .errors import InvalidArgument
+from .placement import current_device, current_policy
+from .ps.embedding import hash_owner, static_owner, static_part_rows
+from .ps.partition import Partitioner
+from .services.catalog import shard_tasks
+from .wire.dtypes import dtype_from_name, dtype_name
+
+if TYPE_CHECKING:
+    from .session import AsyncSession
+
+__all__ = ["TableInfo", "AsyncEmbedding", "declare_embedding", "COMBINERS"]
+
+COMBINERS = ("sum", "mean", "sqrtn")
+
+
+@dataclass(frozen=True, eq=False)
+class TableInfo:
+    name: str
+    num_embeddings: int | None  # None: a dynamic (hash) table
+    dim: int
+    dtype: np.dtype
+    strategy: str  # mod, div or hash
+    tasks: tuple[TaskId, ...]
+    part_rows: tuple[int, ...]
+
+    @classmethod
+    def from_record(cls, r: dict[str, Any]) -> "TableInfo":
+        t = r.get("table")
+        if not t:
+            raise InvalidArgument(f"{r['name']!r} is a variable, not an embedding table")
+        return cls(r["name"], t["num_embeddings"], t["dim"], dtype_from_name(r["dtype"]), t["strategy"],
+                   tuple(TaskId.parse(p["task"]) for p in r["parts"]), tuple(p["rows"][1] for p in r["parts"]))
+
+    @property
+    def parts(self) -> int:
+        return len(self.tasks)
+
+    def owners(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(part, id within the part) for unique, validated ids."""
+        if self.num_embeddings is None:
+            return hash_owner(ids, self.parts), ids
+        return static_owner(ids, self.num_embeddings, self.parts, self.strategy)
+
+    def global_ids(self, part: int, local: np.ndarray) -> np.ndarray:
+        if self.num_embeddings is None:
+            return local
+        if self.strategy == "mod":
+            return local * self.parts + part
+        return local + sum(self.part_rows[:part])
+
+
+async def declare_embedding(sess: "AsyncSession", name: str, num_embeddings: int | None, dim: int, *,
+                            partitions: Any = None, partition_strategy: str = "mod", dtype: Any = "float32",
+                            initializer: Any = None, optimizer: Any = None, min_frequency: int = 1,
+                            capacity: int | None = None) -> TableInfo:
+    dynamic = num_embeddings is None
+    if not isinstance(dim, int) or dim < 1:
+        raise InvalidArgument(f"embedding {name!r}: dim must be a positive int, got {dim!r}")
+    if not dynamic and (not isinstance(num_embeddings, int) or num_embeddings < 1):
+        raise InvalidArgument(f"embedding {name!r}: num_embeddings must be a positive int or None, got {num_embeddings!r}")
+    if not dynamic and partition_strategy not in ("mod", "div"):
+        raise InvalidArgument(f"embedding {name!r}: partition_strategy must be 'mod' or 'div', got {partition_strategy!r}")
+    if not dynamic and (min_frequency != 1 or capacity is not None):
+        raise InvalidArgument(f"embedding {name!r}: min_frequency and capacity apply to dynamic tables (num_embeddings=None)")
+    dt = np.dtype(dtype)
+    spec = await sess.cluster()
+    if partitions is None:
+        n = len(shard_tasks(spec))
+    elif isinstance(partitions, Partitioner):
+        n = partitions.count((num_embeddings or max(capacity or 1, 1), dim), dt)
+    elif isinstance(partitions, int) and not isinstance(partitions, bool) and partitions >= 1:
+        n = partitions
+    else:
+        raise InvalidArgument(f"embedding {name!r}: partitions must be a positive int or a partitioner, got {partitions!r}")
+    rows = [0] * n if dynamic else static_part_rows(num_embeddings, min(n, num_embeddings), partition_strategy)
+    opt_spec = None if optimizer is None else optimizer.spec() if hasattr(optimizer, "spec") else optimizer
+    if isinstance(_optim.from_spec(opt_spec), _optim.SyncReplicas):
+        raise InvalidArgument(f"embedding {name!r}: tables take asynchronous sparse updates; SyncReplicas is for variables")
+    init_spec = _init.from_spec(initializer if initializer is not None else _init.zeros()).spec()
+    table = {
+        "kind": "hash" if dynamic else "static",
+        "strategy": "hash" if dynamic else partition_strategy,
+        "num_embeddings": num_embeddings,
+        "dim": dim,
+        "min_frequency": int(min_frequency),
+        "capacity": capacity,
+    }
+    device = current_device()
+    record = await sess._catalog_call("declare", {
+        "name": name,
+        "shape": [num_embeddings or 0, dim],
+        "dtype": dtype_name(dt),
+        "part_rows": [[0, r] for r in rows],
+        "part_bytes": [r * dim * dt.itemsize for r in rows],
+        "device": None if device is None else str(device),
+        "policy": current_policy().name,
+        "optimizer": opt_spec,
+        "initializer": init_spec,
+        "table": table,
+    })
+    info = TableInfo.from_record(record)
+    if not record["ready"]:
+        await asyncio.gather(*(
+            sess._call_task(task, "ps", "emb_create", {
+                "name": name, "part": p, "kind": table["kind"], "dim": dim, "dtype": dtype_name(dt),
+                "rows": info.part_rows[p], "num_embeddings": num_embeddings, "num_parts": info.parts,
+                "optimizer": opt_spec, "initializer": init_spec, "min_frequency": int(min_frequency), "capacity": capacity,
+            })
+            for p, task in enumerate(info.tasks)
+        ))
+        await sess._catalog_call("mark_ready", {"name": name})
+    return info
+
+
+class AsyncEmbedding:
+    """A handle on an embedding table; every method is a coroutine."""
+
+    def __init__(self, session: "AsyncSession", info: TableInfo):
+        self._session = session
+        self.info = info
+
+    name = property(lambda self: self.info.name)
+    dim = property(lambda self: self.info.dim)
+
+    @property
+    def partitions(self) -> list[dict[str, Any]]:
+        return [{"task": str(t), "rows": r} for t, r in zip(self.info.tasks, self.info.part_rows)]
+
+    def _ids(self, ids: Any, what: str) -> np.ndarray:
+        arr = np.asarray(ids)
+        if arr.size and arr.dtype.kind not in "iu":
+            raise InvalidArgument(f"{what} of {self.name!r}: ids must be integers, got {arr.dtype}")
+        flat = arr.reshape(-1).astype(np.int64, copy=False)
+        num = self.info.num_embeddings
+        if num is not None and flat.size:
+            bad = (flat < 0) | (flat >= num)
+            if bad.any():
+                raise InvalidArgument(f"{what} of {self.name!r}: id {int(flat[bad][0])} out of range [0, {num})")
+        return flat
+
+    async def _per_part(self, uniq: np.ndarray, op: str, extra: dict[str, Any] | None = None,
+                        rows: np.ndarray | None = None) -> list[tuple[np.ndarray, Any]]:
+        part, local = self.info.owners(uniq)
+        masks = [(p, part == p) for p in np.unique(part).tolist()]
+        calls = []
+        for p, mask in masks:
+            body = {"name": self.name, "part": p, "ids": np.require(local[mask], requirements="C"), **(extra or {})}
+            if rows is not None:
+                body["grads"] = np.require(rows[mask], requirements="C")
+            calls.append(self._session._call_task(self.info.tasks[p], "ps", op, body))
+        results = await asyncio.gather(*calls)
+        return [(mask, r) for (_, mask), r in zip(masks, results)]
+
+    async def lookup(self, ids: Any, *, create: bool = True) -> np.ndarray:
+        """Rows for ``ids`` of any integer shape: an array of shape ``(*ids.shape, dim)``."""
+        shape = np.shape(ids)
+        flat = self._ids(ids, "lookup")
+        if flat.size == 0:
+            return np.zeros((*shape, self.dim), self.info.dtype)
+        uniq, inverse = np.unique(flat, return_inverse=True)
+        rows = np.empty((len(uniq), self.dim), self.info.dtype)
+        for mask, got in await self._per_part(uniq, "emb_lookup", {"create": bool(create)}):
+            rows[mask] = got
+        return rows[inverse.reshape(-1)].reshape(*shape, self.dim)
+
+    async def lookup_sparse(self, ids: Any, segment_ids: Any, weights: Any = None, combiner: str = "mean",
+                            num_segments: int | None = None) -> np.ndarray:
+        """TF's embedding_lookup_sparse: rows combined per segment by ``sum``, ``mean`` or ``sqrtn``."""
+        if combiner not in COMBINERS:
+            raise InvalidArgument(f"combiner must be one of {', '.join(COMBINERS)}, got {combiner!r}")
+        flat = self._ids(ids, "lookup_sparse")
+        seg = np.asarray(segment_ids).reshape(-1)
+        if seg.shape != flat.shape or (seg.size and (seg.dtype.kind not in "iu" or seg.min() < 0)):
+            raise InvalidArgument(f"segment_ids must be non-negative ints, one per id ({flat.size}), got {seg.shape}")
+        w = np.ones(flat.size, np.float64) if weights is None else np.asarray(weights, np.float64).reshape(-1)
+        if w.shape != flat.shape:
+            raise InvalidArgument(f"weights must have one value per id ({flat.size}), got {w.shape}")
+        n = int(num_segments) if num_segments is not None else (int(seg.max()) + 1 if seg.size else 0)
+        emb = (await self.lookup(flat)).astype(np.float64)
+        summed = np.zeros((n, self.dim))
+        np.add.at(summed, seg, emb * w[:, None])
+        if combiner != "sum":
+            norm = np.zeros(n)
+            np.add.at(norm, seg, w if combiner == "mean" else w * w)
+            norm = norm if combiner == "mean" else np.sqrt(norm)
+            summed = np.divide(summed, norm[:, None], out=np.zeros_like(summed), where=norm[:, None] != 0)
+        return summed.astype(self.info.dtype)
+
+    async def push(self, ids: Any, grads: Any) -> int:
+        """Sparse gradients: duplicates summed here, each shard gets its unique ids only. Returns
+        how many rows were updated (rows a dynamic table has not admitted are dropped and counted)."""
+        flat = self._ids(ids, "push")
+        g = np.asarray(grads)
+        if g.dtype != self.info.dtype:
+            raise InvalidArgument(f"push of {self.name!r}: gradients must be {self.info.dtype}, got {g.dtype}")
+        if g.shape != (*np.shape(ids), self.dim):
+            raise InvalidArgument(f"push of {self.name!r}: gradients must have shape {[*np.shape(ids), self.dim]}, got {list(g.shape)}")
+        if flat.size == 0:
+            return 0
+        uniq, inverse = np.unique(flat, return_inverse=True)
+        summed = np.zeros((len(uniq), self.dim), self.info.dtype)
+        np.add.at(summed, inverse.reshape(-1), g.reshape(-1, self.dim))
+        return sum(int(r) for _, r in await self._per_part(uniq, "emb_push", rows=summed))
+
+    async def stats(self) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(
+            self._session._call_task(t, "ps", "emb_stats", {"name": self.name, "part": p}) for p, t in enumerate(self.info.tasks)
+        )))
+
+    async def size(self) -> int:
+        """Rows held, over all shards."""
+        return sum(s["rows"] for s in await self.stats())
+
+    async def evict(self, older_than: "int | float | datetime.timedelta | None" = None, *,
+                    older_than_steps: int | None = None, older_than_seconds: float | None = None) -> int:
+        """Drop rows of a dynamic table not updated in the last N pushes (an int) or for a while
+        (a timedelta, or ``older_than_seconds``). Returns how many were dropped."""
+        if isinstance(older_than, datetime.timedelta):
+            older_than_seconds = older_than.total_seconds()
+        elif isinstance(older_than, int) and not isinstance(older_than, bool):
+            older_than_steps = older_than
+        elif older_than is not None:
+            raise InvalidArgument("older_than is a number of pushes (int) or a datetime.timedelta")
+        if older_than_steps is None and older_than_seconds is None:
+            raise InvalidArgument("evict needs older_than, older_than_steps or older_than_seconds")
+        counts = await asyncio.gather(*(
+            self._session._call_task(t, "ps", "emb_evict", {"name": self.name, "part": p, "older_than_step": older_than_steps,
+                                                            "older_than_seconds": older_than_seconds})
+            for p, t in enumerate(self.info.tasks)
+        ))
+        return int(sum(counts))
+
+    async def export(self, page: int = 1 << 16) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
+        """``(ids, rows)`` shard by shard, a page at a time, for serving."""
+        for p, task in enumerate(self.info.tasks):
+            start = 0
+            while True:
+                got = await self._session._call_task(task, "ps", "emb_export", {"name": self.name, "part": p, "start": start, "limit": page})
+                if len(got["ids"]):
+                    yield self.info.global_ids(p, got["ids"]), got["rows"]
+                if not got["more"]:
+                    break
+                start += len(got["ids"])
+
+    def __repr__(self) -> str:
+        kind = "dynamic" if self.info.num_embeddings is None else f"{self.info.num_embeddings} x"
+        return f"<AsyncEmbedding {self.name!r} {kind} {self.dim} {self.info.strategy} parts={self.info.parts}>"

@@ -1,0 +1,247 @@
+"""Embedding tables on a shard, sans-IO: who owns an id, and the dynamic hash table.
+
+Static tables split ``num_embeddings`` rows over parts with TF's ``embedding_lookup`` strategies:
+``mod`` (part ``id % n``, row ``id // n``) or ``div`` (contiguous blocks, the first
+``num % n`` parts one row longer). Each static part is an ordinary store part (rows x dim) with
+its optimizer slots. Dynamic tables take any int64 id, spread over parts by a hash of the id,
+and create rows on demand, after ``min_frequency`` sightings, up to ``capacity`` rows per part
+with least-recently-used eviction.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from .. import init as _init
+from .. import optim as _optim
+from ..errors import InvalidArgument
+
+__all__ = ["static_owner", "static_part_rows", "hash_owner", "HashTable"]
+
+
+def static_part_rows(num: int, parts: int, strategy: str) -> list[int]:
+    """Rows held by each part of a static table."""
+    if strategy == "mod":
+        return [(num - p + parts - 1) // parts for p in range(parts)]
+    if strategy == "div":
+        base, extra = divmod(num, parts)
+        return [base + (1 if p < extra else 0) for p in range(parts)]
+    raise InvalidArgument(f"partition_strategy must be 'mod' or 'div', got {strategy!r}")
+
+
+def static_owner(ids: np.ndarray, num: int, parts: int, strategy: str) -> tuple[np.ndarray, np.ndarray]:
+    """(part, row within the part) of each id, as TF's embedding_lookup assigns them."""
+    if strategy == "mod":
+        return ids % parts, ids // parts
+    base, extra = divmod(num, parts)
+    threshold = extra * (base + 1)
+    low = ids < threshold
+    part = np.where(low, ids // (base + 1), extra + (ids - threshold) // max(base, 1))
+    row = np.where(low, ids % (base + 1), (ids - threshold) % max(base, 1))
+    return part, row
+
+
+def _mix64(ids: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: consecutive or strided ids spread evenly over parts."""
+    z = ids.astype(np.uint64, copy=True)
+    with np.errstate(over="ignore"):
+        z += np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def hash_owner(ids: np.ndarray, parts: int) -> np.ndarray:
+    return (_mix64(ids) % np.uint64(parts)).astype(np.int64)
+
+
+class HashTable:
+    """One part of a dynamic table: id -> row, created on demand, with admission and eviction."""
+
+    def __init__(self, dim: int, dtype: np.dtype, *, initializer: Any = None, optimizer: Any = None,
+                 min_frequency: int = 1, capacity: int | None = None, seed_salt: int = 0):
+        if dim < 1:
+            raise InvalidArgument(f"embedding dim must be >= 1, got {dim}")
+        if min_frequency < 1:
+            raise InvalidArgument(f"min_frequency must be >= 1, got {min_frequency}")
+        if capacity is not None and capacity < 1:
+            raise InvalidArgument(f"capacity must be >= 1 or None, got {capacity}")
+        self.dim = int(dim)
+        self.dtype = np.dtype(dtype)
+        self.init = _init.from_spec(initializer) if initializer is not None else _init.zeros()
+        opt = _optim.from_spec(optimizer)
+        if isinstance(opt, _optim.SyncReplicas):
+            raise InvalidArgument("dynamic embedding tables take asynchronous updates only")
+        self.optimizer: _optim.Optimizer | None = opt
+        self.min_frequency = int(min_frequency)
+        self.capacity = None if capacity is None else int(capacity)
+        self._rng = np.random.default_rng([self.init.seed, 0x5EED, seed_salt])
+        self.index: dict[int, int] = {}
+        self.sightings: dict[int, int] = {}
+        n = 1024
+        self.ids = np.zeros(n, np.int64)
+        self.values = np.zeros((n, self.dim), self.dtype)
+        self.slots = {k: np.zeros((n, self.dim), self.dtype) for k in (opt.slot_names if opt else ())}
+        self.steps = np.zeros(n, np.int64)
+        self.last_used = np.zeros(n, np.int64)  # lookup/push tick, for LRU
+        self.updated_step = np.zeros(n, np.int64)
+        self.updated_time = np.zeros(n, np.float64)
+        self.free = list(range(n - 1, -1, -1))
+        self.tick = 0
+        self.step = 0
+        self.dropped_pushes = 0
+        self.evicted = 0
+
+    # bookkeeping ------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def nbytes(self) -> int:
+        per_row = self.dim * self.dtype.itemsize * (1 + len(self.slots)) + 8 * 5
+        return len(self.index) * per_row
+
+    def _grow(self) -> None:
+        old = len(self.ids)
+        new = old * 2
+        for name in ("ids", "steps", "last_used", "updated_step", "updated_time"):
+            arr = getattr(self, name)
+            grown = np.zeros(new, arr.dtype)
+            grown[:old] = arr
+            setattr(self, name, grown)
+        grown_v = np.zeros((new, self.dim), self.dtype)
+        grown_v[:old] = self.values
+        self.values = grown_v
+        for k, s in self.slots.items():
+            g = np.zeros((new, self.dim), self.dtype)
+            g[:old] = s
+            self.slots[k] = g
+        self.free.extend(range(new - 1, old - 1, -1))
+
+    def _create(self, new_ids: list[int]) -> None:
+        if self.capacity is not None:
+            excess = len(self.index) + len(new_ids) - self.capacity
+            if excess > 0:
+                self._evict_lru(excess)
+            new_ids = new_ids[: self.capacity]
+        while len(self.free) < len(new_ids):
+            self._grow()
+        slots = np.array([self.free.pop() for _ in new_ids], dtype=np.int64)
+        for i, s in zip(new_ids, slots):
+            self.index[i] = int(s)
+            self.sightings.pop(i, None)
+        self.ids[slots] = new_ids
+        self.values[slots] = self._initial(len(new_ids))
+        opt = self.optimizer
+        for k, s in self.slots.items():
+            s[slots] = opt.slot_init(k) if opt else 0.0
+        self.steps[slots] = 0
+        self.last_used[slots] = self.tick
+        self.updated_step[slots] = self.step
+        self.updated_time[slots] = time.time()
+
+    def _initial(self, n: int) -> np.ndarray:
+        if self.init.kind == "constant":
+            return np.full((n, self.dim), self.init.value, self.dtype)
+        seed = int(self._rng.integers(0, 2**62))
+        return _init.build(_init.Initializer(**{**self.init.spec(), "seed": seed}), (n, self.dim), (0, n), self.dtype)
+
+    def _release(self, slots: np.ndarray) -> None:
+        for s in slots.tolist():
+            del self.index[int(self.ids[s])]
+            self.free.append(s)
+        self.evicted += len(slots)
+
+    def _evict_lru(self, count: int) -> None:
+        live = np.fromiter(self.index.values(), dtype=np.int64, count=len(self.index))
+        if count >= len(live):
+            victims = live
+        else:
+            victims = live[np.argpartition(self.last_used[live], count - 1)[:count]]
+        self._release(victims)
+
+    # operations -------------------------------------------------------------------------
+    def lookup(self, ids: np.ndarray, create: bool = True) -> np.ndarray:
+        """Rows for ``ids`` (unique); unknown ids get the default (zero) row, and are created
+        (or counted towards admission) when ``create``."""
+        self.tick += 1
+        keys = ids.tolist()
+        if create:
+            unseen = []
+            for i in keys:
+                if i in self.index:
+                    continue
+                seen = self.sightings.get(i, 0) + 1
+                if seen >= self.min_frequency:
+                    unseen.append(i)
+                else:
+                    self.sightings[i] = seen
+            if unseen:
+                self._create(unseen)
+        out = np.zeros((len(keys), self.dim), self.dtype)
+        found = [(k, self.index[i]) for k, i in enumerate(keys) if i in self.index]
+        if found:
+            pos = np.array([k for k, _ in found], dtype=np.int64)
+            slots = np.array([s for _, s in found], dtype=np.int64)
+            out[pos] = self.values[slots]
+            self.last_used[slots] = self.tick
+        return out
+
+    def push(self, ids: np.ndarray, grads: np.ndarray) -> int:
+        """Apply the optimizer to the rows of ``ids`` (unique) that exist; the rest are dropped
+        and counted. Returns how many were applied."""
+        self.tick += 1
+        self.step += 1
+        keys = ids.tolist()
+        found = [(k, self.index[i]) for k, i in enumerate(keys) if i in self.index]
+        self.dropped_pushes += len(keys) - len(found)
+        if not found:
+            return 0
+        pos = np.array([k for k, _ in found], dtype=np.int64)
+        slots = np.array([s for _, s in found], dtype=np.int64)
+        g = grads[pos]
+        if self.optimizer is None:
+            self.values[slots] += g
+        else:
+            param = self.values[slots]
+            slot_rows = {k: s[slots] for k, s in self.slots.items()}
+            self.steps[slots] += 1
+            self.values[slots] = self.optimizer.update(param, g, slot_rows, self.steps[slots])
+            for k, rows in slot_rows.items():
+                self.slots[k][slots] = rows
+        self.last_used[slots] = self.tick
+        self.updated_step[slots] = self.step
+        self.updated_time[slots] = time.time()
+        return len(found)
+
+    def evict(self, older_than_step: int | None = None, older_than_seconds: float | None = None, now: float | None = None) -> int:
+        """Drop rows not updated in the last ``older_than_step`` pushes or ``older_than_seconds``."""
+        live = np.fromiter(self.index.values(), dtype=np.int64, count=len(self.index))
+        old = np.zeros(len(live), bool)
+        if older_than_step is not None:
+            old |= self.updated_step[live] < self.step - int(older_than_step)
+        if older_than_seconds is not None:
+            old |= self.updated_time[live] < (time.time() if now is None else now) - float(older_than_seconds)
+        victims = live[old]
+        self._release(victims)
+        return len(victims)
+
+    def export(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every (id, row), ids ascending."""
+        live = np.fromiter(self.index.values(), dtype=np.int64, count=len(self.index))
+        order = np.argsort(self.ids[live], kind="stable")
+        live = live[order]
+        return self.ids[live].copy(), self.values[live].copy()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "rows": len(self.index),
+            "bytes": self.nbytes,
+            "capacity": self.capacity,
+            "pending_admission": len(self.sightings),
+            "dropped_pushes": self.dropped_pushes,
+            "evicted": self.evicted,
+        }
