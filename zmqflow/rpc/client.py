@@ -24,7 +24,7 @@ from ..transport.context import context
 from ..transport.options import DEFAULT_OPTIONS, SocketOptions, apply_dealer
 from ..wire import ERROR, REPLY, REQUEST, DecodeError, Limits, Message, decode, encode, raise_error
 from ..wire.codec import DEFAULT_LIMITS
-from .counters import Counters
+from .counters import Counters, frames_nbytes
 
 __all__ = ["RpcClient", "Peer", "DEFAULT_TIMEOUT"]
 
@@ -210,7 +210,7 @@ class RpcClient:
 
     def _count_out(self, frames: Sequence[Any]) -> None:
         self.counters.msgs_out += 1
-        self.counters.bytes_out += sum(memoryview(f).nbytes for f in frames)
+        self.counters.bytes_out += frames_nbytes(frames)
 
     def _expire(self, rid: int, timeout: float) -> None:
         pending = self._pending.get(rid)
@@ -235,7 +235,7 @@ class RpcClient:
 
     def _on_reply(self, peer: Peer, frames: list[Any]) -> None:
         self.counters.msgs_in += 1
-        self.counters.bytes_in += sum(len(f) for f in frames)
+        self.counters.bytes_in += sum(map(len, frames))
         try:
             msg = decode(frames, self.limits)
         except DecodeError as exc:

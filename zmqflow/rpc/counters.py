@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
-__all__ = ["Counters"]
+__all__ = ["Counters", "frames_nbytes"]
+
+
+def frames_nbytes(frames: Any) -> int:
+    """Bytes in outgoing frames: bytes headers and array (or memoryview) payloads."""
+    return sum(f.nbytes if hasattr(f, "nbytes") else len(f) for f in frames)
 
 
 @dataclass(slots=True)

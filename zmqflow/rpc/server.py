@@ -21,7 +21,7 @@ from ..transport.context import context
 from ..transport.options import DEFAULT_OPTIONS, SocketOptions, apply_router
 from ..wire import REPLY, REQUEST, DecodeError, Limits, Message, decode, encode, error_message
 from ..wire.codec import DEFAULT_LIMITS
-from .counters import Counters
+from .counters import Counters, frames_nbytes
 from .service import CallContext, Service
 
 __all__ = ["RpcServer", "REPLY_GRACE"]
@@ -83,7 +83,7 @@ class RpcServer:
     def _on_request(self, frames: list[Any]) -> None:
         counters = self.counters
         counters.msgs_in += 1
-        counters.bytes_in += sum(len(f) for f in frames)
+        counters.bytes_in += sum(map(len, frames))
         identity = frames[0]
         try:
             msg = decode(frames[1:], self.limits)
@@ -175,7 +175,7 @@ class RpcServer:
 
     def _count_out(self, frames: list[Any]) -> None:
         self.counters.msgs_out += 1
-        self.counters.bytes_out += sum(memoryview(f).nbytes for f in frames)
+        self.counters.bytes_out += frames_nbytes(frames)
 
     async def close(self) -> None:
         for task in list(self._tasks):

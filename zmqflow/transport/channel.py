@@ -23,6 +23,15 @@ _MAX_BATCH = 256
 # Plain ints: pyzmq's enum flags cost microseconds per bitwise operation on the hot path.
 _POLLIN, _POLLOUT, _NOBLOCK, _EVENTS = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.NOBLOCK), int(zmq.EVENTS)
 _RCVMORE = int(zmq.RCVMORE)
+_SNDMORE_NB = int(zmq.SNDMORE) | _NOBLOCK
+# pyzmq's Cython-level send: send_multipart's Python wrapper costs ~5 us a message (enum flag
+# arithmetic, per-part checks); this is the same call without it.
+_send = getattr(zmq.backend.Socket, "send", zmq.Socket.send)
+
+
+def _copies(frame: Any, threshold: int) -> bool:
+    """Copy small frames (cheaper than pinning them); send big buffers zero-copy."""
+    return getattr(frame, "nbytes", 0) < threshold
 _RETRY_FIRST_S = 0.0005
 _RETRY_MAX_S = 0.02
 
@@ -40,6 +49,7 @@ class Channel:
         copied: int = 1,
     ):
         self.sock = sock
+        self._threshold = sock.copy_threshold
         self._copied = copied
         self.name = name
         self._on_frames = on_frames
@@ -47,6 +57,7 @@ class Channel:
         self._fd = sock.getsockopt(zmq.FD)
         self._closed = False
         self._drain_pending = False
+        self._events_pending = False
         self._writable = asyncio.Event()
         loop.add_reader(self._fd, self._drain)
         self._schedule_drain()  # the FD may already be signalled from before we watched it
@@ -119,14 +130,27 @@ class Channel:
         """Send without blocking; False when the peer's pipe is full or not connected."""
         if self._closed:
             raise zmq.ZMQError(zmq.ENOTSOCK, "channel is closed")
-        try:
-            self.sock.send_multipart(frames, _NOBLOCK, copy=False)
+        sock = self.sock
+        last = len(frames) - 1
+        try:  # only the first part can be refused (HWM, unroutable): a message is queued whole or not at all
+            _send(sock, frames[0], _SNDMORE_NB if last else _NOBLOCK, _copies(frames[0], self._threshold))
+            for i in range(1, last + 1):
+                f = frames[i]
+                _send(sock, f, _SNDMORE_NB if i < last else _NOBLOCK, _copies(f, self._threshold))
         except zmq.Again:
             self._writable.clear()
             self._poll_events()
             return False
-        self._poll_events()
+        # A send may swallow the FD's edge for input that arrived meanwhile: look at EVENTS once
+        # before the loop sleeps again, not after every send (a pipelined burst sends hundreds).
+        if not self._events_pending:
+            self._events_pending = True
+            self._loop.call_soon(self._deferred_events)
         return True
+
+    def _deferred_events(self) -> None:
+        self._events_pending = False
+        self._poll_events()
 
     async def send(self, frames: Sequence[Any], deadline: float) -> bool:
         """Send, waiting (without blocking the loop) until ``deadline`` (loop time) at most."""

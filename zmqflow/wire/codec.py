@@ -99,47 +99,58 @@ class _TensorRef:
 
 def encode(msg: Message) -> list[Any]:
     """Frames for ``msg``: the header bytes, then one buffer per array (zero-copy views)."""
-    arrays: list[np.ndarray] = []
-
-    def default(obj: object) -> object:
-        if isinstance(obj, np.ndarray):
-            arrays.append(obj)
-            return msgpack.ExtType(_EXT_TENSOR, _U32.pack(len(arrays) - 1))
-        if isinstance(obj, np.generic):
-            return obj.item()
-        raise InvalidArgument(f"cannot send a value of type {type(obj).__name__} in {msg.service}.{msg.op or msg.kind}")
-
     if msg.kind not in _KINDS:
         raise InvalidArgument(f"message kind must be one of {', '.join(_KINDS)}, got {msg.kind!r}")
-    packer = msgpack.Packer(default=default, use_bin_type=True, autoreset=False)
-    fields: list[tuple[str, object]] = [("v", VERSION), ("k", msg.kind), ("id", msg.id)]
+    arrays: list[np.ndarray] = []
+    head: dict[str, Any] = {"v": VERSION, "k": msg.kind, "id": msg.id}  # insertion order is wire order
     if msg.kind == REQUEST:
-        fields += [("svc", msg.service), ("op", msg.op)]
+        head["svc"] = msg.service
+        head["op"] = msg.op
         if msg.deadline is not None:
             dl = float(msg.deadline)
             if not 0.0 < dl < math.inf:
                 raise InvalidArgument(f"deadline must be a positive finite number of seconds, got {msg.deadline!r}")
-            fields.append(("dl", dl))
+            head["dl"] = dl
     if msg.source:
-        fields.append(("src", msg.source))
+        head["src"] = msg.source
     if msg.kind == ERROR:
-        fields.append(("e", msg.error or {}))
+        head["e"] = msg.error or {}
     else:
-        fields.append(("a", msg.body))
-    packer.pack_map_header(len(fields) + 1)
-    for key, value in fields:
-        packer.pack(key)
-        packer.pack(value)
+        head["a"] = _extract(msg.body, arrays)
     frames: list[Any] = [None]
     table = []
     for i, arr in enumerate(arrays):
         buf, name = _wire_buffer(arr)
         table.append([name, list(arr.shape), i + 1])
         frames.append(buf)
-    packer.pack("t")
-    packer.pack(table)
-    frames[0] = packer.bytes()
+    head["t"] = table
+    try:
+        frames[0] = msgpack.packb(head, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidArgument(f"cannot send the body of {msg.service}.{msg.op or msg.kind}: {exc}") from None
     return frames
+
+
+_ndarray, _generic = np.ndarray, np.generic
+
+
+def _extract(obj: Any, arrays: list[np.ndarray]) -> Any:
+    """``obj`` with each array replaced by a tensor reference (appended to ``arrays``)."""
+    t = type(obj)
+    if t is dict:
+        return {k: _extract(v, arrays) for k, v in obj.items()}
+    if t is list or t is tuple:
+        return [_extract(v, arrays) for v in obj]
+    if isinstance(obj, _ndarray):
+        arrays.append(obj)
+        return msgpack.ExtType(_EXT_TENSOR, _U32.pack(len(arrays) - 1))
+    if isinstance(obj, _generic):
+        return obj.item()
+    if isinstance(obj, dict):  # subclasses (OrderedDict, defaultdict) after the exact-type fast path
+        return {k: _extract(v, arrays) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_extract(v, arrays) for v in obj]
+    return obj
 
 
 def _wire_buffer(arr: np.ndarray) -> tuple[np.ndarray, str]:
