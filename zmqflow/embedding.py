@@ -22,6 +22,7 @@ from .errors import InvalidArgument
 from .placement import current_device, current_policy
 from .ps.embedding import hash_owner, static_owner, static_part_rows
 from .ps.partition import Partitioner
+from .ps.sparse import unique_sum
 from .services.catalog import shard_tasks
 from .wire.dtypes import dtype_from_name, dtype_name
 
@@ -217,9 +218,7 @@ class AsyncEmbedding:
             raise InvalidArgument(f"push of {self.name!r}: gradients must have shape {[*np.shape(ids), self.dim]}, got {list(g.shape)}")
         if flat.size == 0:
             return 0
-        uniq, inverse = np.unique(flat, return_inverse=True)
-        summed = np.zeros((len(uniq), self.dim), self.info.dtype)
-        np.add.at(summed, inverse.reshape(-1), g.reshape(-1, self.dim))
+        uniq, summed = unique_sum(flat, g.reshape(-1, self.dim))
         return sum(int(r) for _, r in await self._per_part(uniq, "emb_push", rows=summed))
 
     async def stats(self) -> list[dict[str, Any]]:

@@ -14,9 +14,7 @@ Run ``zmqflow bench ps [--quick] [--json FILE]``.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import multiprocessing
 import statistics
 import time
 from collections.abc import Sequence
@@ -27,23 +25,14 @@ import zmq
 
 from .. import loop as zf_loop
 from ..cluster import ClusterSpec
-from ..server import AsyncServer
 from ..session import AsyncSession
 from ..testing import free_port
 from ..variables import SLICE_BYTES
+from .procs import Procs, zf_task_process
 
 __all__ = ["run", "format_table"]
 
 MB = 1e6
-
-
-def _zf_ps_process(spec_json: str, task: str, ready: Any, stop: Any) -> None:
-    async def main() -> None:
-        async with AsyncServer(ClusterSpec.from_json(spec_json), task):
-            ready.set()
-            await asyncio.get_running_loop().run_in_executor(None, stop.wait)
-
-    zf_loop.run(main())
 
 
 def _raw_ps_process(port: int, nbytes: int, ready: Any, stop: Any) -> None:
@@ -67,29 +56,6 @@ def _raw_ps_process(port: int, nbytes: int, ready: Any, stop: Any) -> None:
             sock.send_multipart([ident, b"ok"])
     sock.close(0)
     ctx.term()
-
-
-class _Procs:
-    def __init__(self) -> None:
-        self.mp = multiprocessing.get_context("spawn")
-        self.stop = self.mp.Event()
-        self.procs: list[Any] = []
-
-    def start(self, target: Any, *args: Any) -> None:
-        ready = self.mp.Event()
-        p = self.mp.Process(target=target, args=(*args, ready, self.stop), daemon=True)
-        p.start()
-        self.procs.append(p)
-        if not ready.wait(60):
-            raise RuntimeError("a benchmark server did not start within 60 s")
-
-    def close(self) -> None:
-        self.stop.set()
-        for p in self.procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
 
 
 def _slices(total: int, shards: int) -> list[list[tuple[int, int]]]:
@@ -148,13 +114,13 @@ async def _zf_round_trips(sess: AsyncSession, n: int) -> float:
 
 
 def _measure(shards: int, model_bytes: int, nvars: int, reps: int, trips: int) -> dict[str, Any]:
-    procs = _Procs()
+    procs = Procs()
     ctx = zmq.Context()
     socks: list[zmq.Socket] = []
     try:
         spec = ClusterSpec({"ps": [f"127.0.0.1:{free_port()}" for _ in range(shards)]})
         for t in spec.tasks:
-            procs.start(_zf_ps_process, spec.to_json(), str(t))
+            procs.start(zf_task_process, spec.to_json(), str(t))
         raw_ports = [free_port() for _ in range(shards)]
         for port in raw_ports:
             procs.start(_raw_ps_process, port, model_bytes // shards)

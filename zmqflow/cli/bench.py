@@ -33,3 +33,13 @@ def ps(quick: bool, shards: tuple[int, ...], json_out: str | None) -> None:
     from ..bench.ps import format_table, run
 
     click.echo(format_table(run(quick=quick, shards=shards or (1, 2, 4), json_out=json_out)))
+
+
+@bench.command("embedding")
+@click.option("--quick", is_flag=True, help="A smaller table and fewer batches.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Append JSON lines here.")
+def embedding(quick: bool, json_out: str | None) -> None:
+    """Sharded lookups/pushes of 4096 Zipf ids vs numpy take; memory of a 10M x 64 table."""
+    from ..bench.embedding import format_table, run
+
+    click.echo(format_table(run(quick=quick, json_out=json_out)))

@@ -18,6 +18,7 @@ from .. import init as _init
 from .. import optim as _optim
 from ..errors import InvalidArgument, NotFound, VariableConflict
 from ..wire.dtypes import dtype_from_name
+from .sparse import unique_sum
 from .sync import SyncState
 
 __all__ = ["Part", "ShardStore", "PartKey"]
@@ -169,7 +170,8 @@ class ShardStore:
         p = self.get(name, part)
         idx, x = self._sparse_args(p, indices, rows, f"scatter_{mode} of {p.label}")
         if mode == "add":
-            np.add.at(p.value, idx, x)
+            uniq, summed = unique_sum(idx, x)
+            p.value[uniq] += summed
         elif mode == "update":
             p.value[idx] = x
         else:
@@ -195,9 +197,7 @@ class ShardStore:
         """Apply the optimizer to the touched rows only (duplicates summed first); nothing densified."""
         p = self.get(name, part)
         idx, x = self._sparse_args(p, indices, rows, f"sparse gradient of {p.label}")
-        uniq, inverse = np.unique(idx, return_inverse=True)
-        summed = np.zeros((len(uniq), *x.shape[1:]), dtype=p.dtype)
-        np.add.at(summed, inverse, x)
+        uniq, summed = unique_sum(idx, x)
         if p.optimizer is None:
             p.value[uniq] += summed
             return
