@@ -199,3 +199,10 @@ def test_launch_exit_code_is_the_first_failure(tmp_path, procs):
 def test_launch_rejects_a_cluster_and_generation_flags_together(tmp_path, procs):
     p = procs([*ZMQFLOW, "launch", "--cluster", _cluster_file(tmp_path, {"worker": ["127.0.0.1:5"]}), "--workers", "2"])
     assert p.wait(30) == 2 and "not both" in p.output
+
+
+def test_bench_commands_are_listed(procs):
+    p = procs([*ZMQFLOW, "bench", "--help"])
+    assert p.wait(30) == 0
+    for name in ("transport", "ps", "embedding"):
+        assert name in p.output

@@ -25,7 +25,7 @@ from .. import loop as zf_loop
 from ..cluster import ClusterSpec
 from ..session import AsyncSession
 from ..testing import free_port
-from .procs import Procs, rss_bytes, zf_task_process
+from .procs import Procs, align, script_main, rss_bytes, zf_task_process
 
 __all__ = ["run", "format_table"]
 
@@ -151,8 +151,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"{r['lookup_p50_ms']:.2f}", f"{r['push_rows_per_s']:,.0f}", f"{r['push_p50_ms']:.2f}",
             f"{r['numpy_take_rows_per_s']:,.0f}", f"{r['lookup_ratio']:.3f}x",
         ])
-    widths = [max(len(l[i]) for l in lines) for i in range(len(head))]
-    out = ["  ".join(c.rjust(w) for c, w in zip(l, widths)) for l in lines]
+    out = align(lines)
     m = result.get("memory")
     if m:
         out.append(f"\n{m['rows']:,} x {DIM} float32 table ({m['table_gb']:.2f} GB) over {m['shards']} shards:")
@@ -162,10 +161,4 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json")
-    args = parser.parse_args()
-    print(format_table(run(quick=args.quick, json_out=args.json)))
+    script_main(__doc__, run, format_table)

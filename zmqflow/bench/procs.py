@@ -10,7 +10,7 @@ from .. import loop as zf_loop
 from ..cluster import ClusterSpec
 from ..server import AsyncServer
 
-__all__ = ["Procs", "zf_task_process", "rss_bytes"]
+__all__ = ["Procs", "zf_task_process", "rss_bytes", "align", "script_main"]
 
 
 def zf_task_process(spec_json: str, task: str, ready: Any, stop: Any) -> None:
@@ -59,3 +59,20 @@ def rss_bytes(pid: int) -> int:
     except OSError:
         pass
     return 0
+
+
+def align(lines: list[list[str]]) -> list[str]:
+    """Rows of cells, right-aligned in columns."""
+    widths = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
+    return ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in lines]
+
+
+def script_main(doc: str | None, run: Any, format_table: Any) -> None:
+    """``python -m zmqflow.bench.<name> [--quick] [--json FILE]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    print(format_table(run(quick=args.quick, json_out=args.json)))

@@ -28,7 +28,7 @@ from ..cluster import ClusterSpec
 from ..session import AsyncSession
 from ..testing import free_port
 from ..variables import SLICE_BYTES
-from .procs import Procs, zf_task_process
+from .procs import Procs, align, script_main, zf_task_process
 
 __all__ = ["run", "format_table"]
 
@@ -195,17 +195,10 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             f"{r['zf_push_gbps']:.2f}", f"{r['raw_push_gbps']:.2f}", f"{r['push_ratio']:.2f}x",
             f"{r['zf_assign_add_per_s']:.0f}", f"{r['raw_rtt_per_s']:.0f}", f"{r['scalar_ratio']:.2f}x",
         ])
-    widths = [max(len(l[i]) for l in lines) for i in range(len(head))]
-    out = ["  ".join(c.rjust(w) for c, w in zip(l, widths)) for l in lines]
+    out = align(lines)
     out.append("targets: pull and push >= 0.70x raw GB/s; scalar assign_add >= 0.50x raw round trips/s")
     return "\n".join(out)
 
 
 if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json")
-    args = parser.parse_args()
-    print(format_table(run(quick=args.quick, json_out=args.json)))
+    script_main(__doc__, run, format_table)
