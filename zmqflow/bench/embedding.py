@@ -25,6 +25,7 @@ from .. import loop as zf_loop
 from ..cluster import ClusterSpec
 from ..session import AsyncSession
 from ..testing import free_port
+from ..transport.memory import keep_big_blocks
 from .procs import Procs, align, script_main, rss_bytes, zf_task_process
 
 __all__ = ["run", "format_table"]
@@ -125,6 +126,7 @@ def _memory(rows: int, shards: int = 4) -> dict[str, Any]:
 
 def run(quick: bool = False, shards: Sequence[int] = (1, 2, 4), json_out: str | None = None,
         memory_rows: int | None = None, echo: Any = print) -> dict[str, Any]:
+    keep_big_blocks()
     rows, batches = (200_000, 20) if quick else (1_000_000, 50)
     out: dict[str, Any] = {"throughput": [], "memory": None}
     for n in shards:

@@ -9,11 +9,14 @@ from typing import Any
 from .. import loop as zf_loop
 from ..cluster import ClusterSpec
 from ..server import AsyncServer
+from ..transport.memory import keep_big_blocks
 
 __all__ = ["Procs", "zf_task_process", "rss_bytes", "align", "script_main"]
 
 
 def zf_task_process(spec_json: str, task: str, ready: Any, stop: Any) -> None:
+    keep_big_blocks()  # as `zmqflow serve` does
+
     async def main() -> None:
         async with AsyncServer(ClusterSpec.from_json(spec_json), task):
             ready.set()

@@ -28,6 +28,7 @@ from ..cluster import ClusterSpec
 from ..session import AsyncSession
 from ..testing import free_port
 from ..variables import SLICE_BYTES
+from ..transport.memory import keep_big_blocks
 from .procs import Procs, align, script_main, zf_task_process
 
 __all__ = ["run", "format_table"]
@@ -37,6 +38,7 @@ MB = 1e6
 
 def _raw_ps_process(port: int, nbytes: int, ready: Any, stop: Any) -> None:
     """Answers b"pull" with a slice of its buffer, anything else (a pushed slice) with an ack."""
+    keep_big_blocks()  # the same allocator as the zmqflow side
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.bind(f"tcp://127.0.0.1:{port}")
@@ -172,6 +174,7 @@ def _measure(shards: int, model_bytes: int, nvars: int, reps: int, trips: int) -
 
 def run(quick: bool = False, shards: Sequence[int] = (1, 2, 4), model_mb: int | None = None, nvars: int = 10,
         json_out: str | None = None, echo: Any = print) -> list[dict[str, Any]]:
+    keep_big_blocks()  # for both clients, raw and zmqflow, in this process
     model_bytes = int((model_mb or (20 if quick else 100)) * MB)
     reps, trips = (3, 500) if quick else (5, 3000)
     rows = []

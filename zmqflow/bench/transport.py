@@ -55,6 +55,7 @@ from .. import loop as zf_loop
 from ..rpc import RpcClient
 from ..server import AsyncServer, Server
 from ..transport.context import context
+from ..transport.memory import keep_big_blocks
 
 __all__ = [
     "run",
@@ -319,6 +320,7 @@ def _raw_serve(sock: zmq.Socket, should_stop: Callable[[], bool]) -> None:
 
 def _raw_server_process(bind: str, conn: Any) -> None:
     """Process entry: the raw ROUTER on its own context; stops when the parent says so (or dies)."""
+    keep_big_blocks()  # the same allocator as the zmqflow side
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.linger = 0
@@ -368,6 +370,7 @@ class _RawThread:
 
 def _zf_server_process(address: str, conn: Any) -> None:
     """Process entry: a zmqflow task server (job ``worker``) on ``zmqflow.loop.run``."""
+    keep_big_blocks()  # as `zmqflow serve` does
     zf_loop.run(_zf_serve(address, conn))
 
 
@@ -771,6 +774,7 @@ def run(
     """Run the benchmark; returns one row per transport x size (also written as JSON lines to
     ``json_out``). Progress and the final table go to ``echo`` (``None``: silent)."""
     say: Callable[[str], Any] = echo if echo is not None else (lambda _line: None)
+    keep_big_blocks()  # both clients, raw and zmqflow, share this process and its allocator
     plan = QUICK if quick else FULL
     transports = list(transports)
     for t in transports:

@@ -12,6 +12,7 @@ from ..cluster import ClusterSpec, TaskId, resolve
 from ..errors import AddressInUse, ConfigError, ZmqflowError
 from ..loop import run
 from ..server import AsyncServer
+from ..transport.memory import keep_big_blocks
 from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, LOG_LEVELS, fail, setup_logging
 
 log = logging.getLogger("zmqflow.serve")
@@ -34,6 +35,7 @@ def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: 
         fail("serve", exc, EXIT_USAGE)
     assert tid is not None
     setup_logging(log_level, str(tid))
+    keep_big_blocks()
     try:
         code = run(_serve(spec, tid, list(allow_modules) or None))
     except ZmqflowError as exc:
