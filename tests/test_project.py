@@ -37,3 +37,13 @@ def test_nothing_near_the_wire_unpickles():
         if re.search(r"^\s*(import pickle|from pickle)|pickle\.loads|recv_pyobj|send_pyobj", p.read_text(), re.M)
     ]
     assert offenders == []
+
+
+def test_big_block_tuning_applies_on_glibc():
+    import platform
+
+    from zmqflow.transport.memory import keep_big_blocks
+
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt thresholds exist on glibc only")
+    assert keep_big_blocks() is True
