@@ -26,7 +26,7 @@ def test_servers_in_one_process_with_sessions(transport):
         with Session(cluster=spec, task="worker:1") as sess:
             x = np.linspace(0, 1, 1000)
             np.testing.assert_array_equal(sess.call("worker", "echo", {"x": x})["x"], x)
-            assert sess.status("ps:0")["roles"] == ["master", "worker", "ps", "catalog"]
+            assert sess.status("ps:0")["roles"] == ["master", "worker", "ring", "ps", "catalog"]
 
 
 def test_join_returns_when_stopped_from_another_thread():

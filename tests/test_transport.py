@@ -33,7 +33,7 @@ def test_ping_status_and_session(transport):
             w0, ps0 = servers["worker:0"], servers["ps:0"]
             assert (await w0.call("ps:0", "master", "ping"))["task"] == "ps:0"
             status = await w0.call("ps:0", "master", "status")
-            assert status["task"] == "ps:0" and status["roles"][:3] == ["master", "worker", "ps"]
+            assert status["task"] == "ps:0" and status["roles"] == ["master", "worker", "ring", "ps", "catalog", "diag"]
             assert status["protocol"] == wire.VERSION and status["version"] == zf.__version__
             assert status["counters"]["msgs_in"] >= 1 and status["uptime_s"] >= 0
             async with AsyncSession(ps0.target) as sess:

@@ -5,6 +5,10 @@ from .version import __version__
 from . import errors, init, optim
 from .cluster import Address, ClusterSpec, TaskId
 from .optim import SyncReplicas
+from .ring import AsyncRing, Ring
+from .training.hooks import Hook, LoggingHook, ProgressHook, StopAtStep, SummaryHook
+from .training.monitored import MonitoredTrainingSession
+from .training.strategy import LocalStrategy, ParameterServerStrategy, RingAllReduceStrategy
 from .placement import GreedyLoadBalancing, RoundRobin, device, placement
 from .ps.partition import fixed_size_partitioner, min_max_variable_partitioner
 from .server import AsyncServer, Server
@@ -26,6 +30,17 @@ __all__ = [
     "AsyncVariable",
     "Embedding",
     "AsyncEmbedding",
+    "Ring",
+    "AsyncRing",
+    "MonitoredTrainingSession",
+    "LocalStrategy",
+    "ParameterServerStrategy",
+    "RingAllReduceStrategy",
+    "Hook",
+    "StopAtStep",
+    "LoggingHook",
+    "SummaryHook",
+    "ProgressHook",
     "init",
     "optim",
     "SyncReplicas",

@@ -20,6 +20,7 @@ from .loop import LoopThread
 from .rpc import DEFAULT_TIMEOUT, Counters, RpcClient, RpcServer, Service
 from .services import MasterService, PsService, WorkerService, wait_for_tasks
 from .services.catalog import CatalogService, shard_tasks
+from .services.ring import RingService
 from .transport.options import DEFAULT_OPTIONS, SocketOptions
 from .wire import Limits
 from .wire.codec import DEFAULT_LIMITS
@@ -52,7 +53,11 @@ class AsyncServer:
         self.started_at = time.monotonic()
         if allow_modules is None:
             allow_modules = [m for m in os.environ.get("ZMQFLOW_ALLOW_MODULES", "").split(",") if m]
-        self._services: dict[str, Service] = {"master": MasterService(self), "worker": WorkerService(allow_modules)}
+        self._services: dict[str, Service] = {
+            "master": MasterService(self),
+            "worker": WorkerService(allow_modules),
+            "ring": RingService(),
+        }
         shards = shard_tasks(self.spec)
         if self.task in shards:
             replicas = [str(t) for t in self.spec.tasks if t.job in ("chief", "worker")]

@@ -257,6 +257,13 @@ class RpcClient:
             except ZmqflowError as exc:
                 self._finish(msg.id, exc=exc)
 
+    def down_since(self, endpoint: str) -> float | None:
+        """Loop time at which the connection to ``endpoint`` dropped, None while it is not down."""
+        peer = self._peers.get(endpoint)
+        if peer is None or self.peer_state(endpoint) != DOWN:
+            return None
+        return peer.down_since
+
     def peer_state(self, endpoint: str) -> str:
         """``up``, ``down`` or ``connecting``; an inproc peer is up while its pipe takes messages."""
         peer = self._peers.get(endpoint)

@@ -1,0 +1,180 @@
+"""Ring collectives: correctness across real processes, mismatches, dead ranks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import zmqflow as zf
+from zmqflow import errors
+from zmqflow.testing import local_cluster
+
+from .conftest import ZMQFLOW, arun
+
+SIZES = (0, 1, 7, 1000, 1_000_003)
+DTYPES = ("float16", "float32", "float64", "int32", "int64")
+OPS = ("sum", "mean", "min", "max")
+
+
+def rank_array(rank: int, size: int, dtype: str) -> np.ndarray:
+    rng = np.random.default_rng(1000 * rank + size)
+    if np.dtype(dtype).kind == "f":
+        return rng.uniform(-4, 4, size).astype(dtype)
+    return rng.integers(-1000, 1000, size).astype(dtype)
+
+
+def cases():
+    for size in SIZES:
+        for dtype in DTYPES:
+            for op in OPS:
+                if size == 1_000_003 and (dtype not in ("float32", "int64") or op not in ("sum", "max")):
+                    continue  # the big size once per kind of arithmetic keeps the suite quick
+                yield size, dtype, op
+
+
+WORKER = textwrap.dedent(
+    """
+    import sys, numpy as np, zmqflow as zf
+    sys.path.insert(0, sys.argv[2])
+    from tests.test_ring import cases, rank_array
+    out = {}
+    with zf.Server.from_env() as server:
+        ring = zf.Ring(server, chunk_bytes=64 << 10, bucket_bytes=1 << 20)
+        for size, dtype, op in cases():
+            out[f"{size}-{dtype}-{op}"] = ring.allreduce(rank_array(ring.rank, size, dtype), op=op)
+        # a fused list of many tensors, of two dtypes, in one call
+        fused = ring.allreduce([rank_array(ring.rank, n, d) for n, d in [(3, "float64"), (5, "int32"), (0, "float64"), (9, "float64")]])
+        for i, a in enumerate(fused):
+            out[f"fused-{i}"] = a
+        gathered = ring.allgather(np.full(3, ring.rank, np.int64))
+        out["gather"] = gathered
+        out["bcast"] = ring.broadcast(np.full(5, float(ring.rank)), root=ring.size - 1)
+        ring.barrier()
+        np.savez(f"{sys.argv[1]}/rank{ring.rank}.npz", **out)
+    """
+)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_allreduce_equals_numpy_across_processes(tmp_path, procs, n):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    root = str(__import__("pathlib").Path(__file__).resolve().parent.parent)
+    p = procs([*ZMQFLOW, "launch", "--workers", str(n), "--", sys.executable, str(script), str(tmp_path), root])
+    assert p.wait(240) == 0, p.output
+    results = [np.load(tmp_path / f"rank{r}.npz") for r in range(n)]
+    for size, dtype, op in cases():
+        key = f"{size}-{dtype}-{op}"
+        inputs = np.stack([rank_array(r, size, dtype) for r in range(n)]).astype(np.float64)
+        ref = {"sum": inputs.sum(0), "mean": inputs.mean(0), "min": inputs.min(0), "max": inputs.max(0)}[op]
+        if np.dtype(dtype).kind in "iu" and op == "mean":
+            ref = np.trunc(ref)
+        got = results[0][key]
+        assert got.dtype == np.dtype(dtype) and got.shape == (size,), key
+        if np.dtype(dtype).kind in "iu" or op in ("min", "max"):
+            np.testing.assert_array_equal(got, ref.astype(dtype), err_msg=key)  # exact
+        else:
+            tol = {"float16": 2e-2, "float32": 1e-5, "float64": 1e-12}[dtype]
+            np.testing.assert_allclose(got.astype(np.float64), ref, rtol=tol, atol=tol * 4 * n, err_msg=key)
+        for r in range(1, n):  # every rank holds the very same bytes
+            np.testing.assert_array_equal(results[r][key], got, err_msg=f"{key} rank {r}")
+    for i, (m, d) in enumerate([(3, "float64"), (5, "int32"), (0, "float64"), (9, "float64")]):
+        ref = np.sum([rank_array(r, m, d) for r in range(n)], axis=0) if m else np.zeros(0, d)
+        np.testing.assert_allclose(results[0][f"fused-{i}"], ref, rtol=1e-12)
+    np.testing.assert_array_equal(results[1]["gather"], np.repeat(np.arange(n), 3).reshape(n, 3))
+    np.testing.assert_array_equal(results[0]["bcast"], np.full(5, float(n - 1)))
+
+
+def test_a_mismatch_raises_on_every_rank_naming_both_sides():
+    async def main():
+        async with local_cluster({"worker": 3}, timeout=10, transport="tcp") as servers:
+            rings = [zf.Ring(servers[f"worker:{i}"]) for i in range(3)]
+            shapes = [(10,), (10,), (11,)]
+            results = await asyncio.gather(
+                *(r.allreduce(np.ones(s, np.float32), timeout=10) for r, s in zip(rings, shapes)), return_exceptions=True
+            )
+            for res in results:
+                assert isinstance(res, errors.CollectiveMismatch), res
+                assert "element count" in str(res) and "worker:2" in str(res)
+            # the ring is usable again once every rank agrees
+            again = await asyncio.gather(*(r.allreduce(np.full(4, i, np.int64)) for i, r in enumerate(rings)))
+            for out in again:
+                np.testing.assert_array_equal(out, np.full(4, 3, np.int64))
+            dtypes = await asyncio.gather(
+                *(r.allreduce(np.ones(4, d), timeout=10) for r, d in zip(rings, ["float32", "float64", "float32"])),
+                return_exceptions=True,
+            )
+            assert all(isinstance(x, errors.CollectiveMismatch) and "dtype" in str(x) for x in dtypes)
+
+    arun(main())
+
+
+def test_a_silent_rank_gives_deadline_exceeded_naming_it():
+    async def main():
+        async with local_cluster({"worker": 2}, timeout=10, transport="inproc") as servers:
+            r0 = zf.Ring(servers["worker:0"])
+            start = time.monotonic()
+            with pytest.raises(errors.DeadlineExceeded, match=r"waiting for rank 1 \(worker:1\)"):
+                await r0.allreduce(np.ones(4), timeout=0.5)
+            assert time.monotonic() - start < 5
+
+    arun(main())
+
+
+def test_a_single_rank_ring_and_bad_arguments():
+    async def main():
+        async with local_cluster({"worker": 1}, timeout=10, transport="inproc") as servers:
+            ring = zf.Ring(servers["worker:0"])
+            x = np.arange(5.0)
+            np.testing.assert_array_equal(await ring.allreduce(x, op="mean"), x)
+            with pytest.raises(errors.InvalidArgument, match="op must be one of"):
+                await ring.allreduce(x, op="prod")
+            with pytest.raises(errors.ConfigError, match="not a member"):
+                zf.Ring(servers["worker:0"], members=["worker:1"])
+
+    arun(main())
+
+
+KILLED = textwrap.dedent(
+    """
+    import sys, numpy as np, zmqflow as zf
+    with zf.Server.from_env() as server:
+        ring = zf.Ring(server, timeout=60)
+        x = np.ones(2_000_000, np.float32)
+        try:
+            for i in range(100000):
+                ring.allreduce(x)
+                print("iter", i, flush=True)
+        except zf.errors.Unavailable as exc:
+            print("unavailable:", exc, flush=True)
+            sys.exit(3)
+    """
+)
+
+
+def test_a_killed_rank_makes_the_others_raise_unavailable_within_5s(tmp_path, procs):
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    cfile = tmp_path / "c.json"
+    from zmqflow.testing import free_port
+
+    cfile.write_text(json.dumps({"worker": [f"127.0.0.1:{free_port()}" for _ in range(3)]}))
+    ranks = [
+        procs([sys.executable, str(script)], env={"ZMQFLOW_CLUSTER": str(cfile), "ZMQFLOW_TASK": f"worker:{i}"})
+        for i in range(3)
+    ]
+    for r in ranks:
+        r.wait_for_line("iter 2", 60)
+    ranks[2].signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    for r in ranks[:2]:
+        assert r.wait(10) == 3, r.output
+        assert time.monotonic() - killed_at < 5
+        assert "worker:2" in r.wait_for_line("unavailable:", 1)

@@ -1,0 +1,113 @@
+"""Strategies and the monitored training session: every strategy trains the same model."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import zmqflow as zf
+
+from .conftest import ZMQFLOW
+
+LR, STEPS, WORKERS = 0.1, 12, 2
+
+
+def batch(worker: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(100 * worker + step)
+    x = rng.standard_normal((8, 5))
+    return x, x @ np.arange(15.0).reshape(5, 3) / 10 + 0.1 * rng.standard_normal((8, 3))
+
+
+def grad(w: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    return 2.0 * x.T @ (x @ w - y) / len(x)
+
+
+def w0() -> np.ndarray:
+    return np.random.default_rng(7).standard_normal((5, 3))
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, numpy as np, zmqflow as zf
+    sys.path.insert(0, sys.argv[3])
+    from tests.test_training import LR, STEPS, batch, grad, w0
+    strategy = {"sync-ps": zf.ParameterServerStrategy(sync=True), "ps": zf.ParameterServerStrategy(),
+                "ring": zf.RingAllReduceStrategy()}[sys.argv[1]]
+    with zf.MonitoredTrainingSession(strategy=strategy, hooks=[zf.StopAtStep(STEPS)], progress=False) as mon:
+        mon.create({"w": w0()}, optimizer=zf.optim.SGD(LR))
+        local = 0
+        while not mon.should_stop():
+            x, y = batch(mon.worker_index, local)
+            mon.apply({"w": grad(mon.params()["w"], x, y)})
+            local += 1
+        final = mon.params()["w"]
+        np.save(f"{sys.argv[2]}/{mon.task_name}.npy", final)
+        print("steps", mon.step, "local", local, flush=True)
+    """
+)
+
+
+def reference() -> np.ndarray:
+    """Single-process SGD on the combined batches of both workers."""
+    w = w0()
+    for step in range(STEPS):
+        w = w - LR * sum(grad(w, *batch(k, step)) for k in range(WORKERS)) / WORKERS
+    return w
+
+
+def _run(tmp_path, procs, strategy: str, ps: int) -> dict[str, np.ndarray]:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    root = str(__import__("pathlib").Path(__file__).resolve().parent.parent)
+    p = procs([*ZMQFLOW, "launch", "--workers", str(WORKERS), "--ps", str(ps), "--", sys.executable, str(script), strategy,
+               str(tmp_path), root])
+    assert p.wait(120) == 0, p.output
+    return {f"worker:{i}": np.load(tmp_path / f"worker:{i}.npy") for i in range(WORKERS)}
+
+
+@pytest.mark.parametrize("strategy,ps", [("sync-ps", 1), ("ring", 0)])
+def test_sync_strategies_equal_single_process_sgd(tmp_path, procs, strategy, ps):
+    finals = _run(tmp_path, procs, strategy, ps)
+    expected = reference()
+    for task, w in finals.items():
+        np.testing.assert_allclose(w, expected, rtol=0, atol=1e-10, err_msg=task)
+
+
+def test_async_ps_converges(tmp_path, procs):
+    finals = _run(tmp_path, procs, "ps", 1)
+    x, y = batch(9, 9)
+    start = float(((x @ w0() - y) ** 2).mean())
+    end = float(((x @ finals["worker:0"] - y) ** 2).mean())
+    assert end < 0.2 * start, (start, end)
+
+
+def test_local_strategy_matches_plain_sgd():
+    with zf.MonitoredTrainingSession(hooks=[zf.StopAtStep(STEPS)], progress=False) as mon:
+        assert mon.is_chief and mon.strategy.name == "local"
+        mon.create({"w": w0()}, optimizer=zf.optim.SGD(LR))
+        step = 0
+        while not mon.should_stop():
+            x, y = batch(0, step)
+            mon.apply({"w": grad(mon.params()["w"], x, y)}, metrics={"loss": 1.0})
+            step += 1
+        w = w0()
+        for s in range(STEPS):
+            w = w - LR * grad(w, *batch(0, s))
+        np.testing.assert_allclose(mon.params()["w"], w, rtol=0, atol=1e-12)
+        t = mon.timings()
+        assert t["steps"] == STEPS and t["seconds"] >= t["communication_s"] >= 0
+
+
+@pytest.mark.parametrize("strategy", ["sync-ps", "ps", "ring"])
+def test_demo_reaches_its_accuracy(tmp_path, procs, strategy):
+    result = tmp_path / "result.json"
+    p = procs([*ZMQFLOW, "demo", "--strategy", strategy, "--steps", "300", "--result", str(result)])
+    assert p.wait(180) == 0, p.output
+    got = json.loads(result.read_text())
+    assert got["test_accuracy"] >= 0.90, got
+    assert got["workers"] == 2 and got["samples_per_s"] > 0
+    assert "test accuracy" in p.output and "[worker:0]" in p.output

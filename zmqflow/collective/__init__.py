@@ -1,0 +1,1 @@
+"""Ring collectives, sans-IO: segment and chunk schedules, reductions, buffer backends."""

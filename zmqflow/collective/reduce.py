@@ -1,0 +1,111 @@
+"""Reductions and buffers for collectives: numpy on the CPU, cupy on a GPU.
+
+A backend owns the fused buffer of a call: it hands out host arrays to put on the wire and folds
+received host chunks into the buffer. The numpy backend works in place with zero copies; the
+cupy backend keeps the buffer on the GPU, reduces there with cupy kernels, and stages what crosses
+the wire through pinned host memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgument
+
+__all__ = ["OPS", "NumpyBackend", "CupyBackend", "backend_for", "finish_mean"]
+
+OPS = ("sum", "mean", "min", "max")
+
+try:  # optional: the GPU path
+    import cupy as _cp  # type: ignore[import-not-found]
+except Exception:  # pragma: no cover - depends on the machine
+    _cp = None
+
+
+def is_cupy(x: Any) -> bool:
+    return _cp is not None and isinstance(x, _cp.ndarray)
+
+
+class NumpyBackend:
+    """A host buffer; chunks go on the wire as views."""
+
+    xp = np
+
+    def __init__(self, buf: np.ndarray):
+        self.buf = buf
+
+    def outgoing(self, a: int, b: int) -> np.ndarray:
+        return self.buf[a:b]
+
+    def fold(self, a: int, b: int, incoming: np.ndarray, op: str) -> None:
+        target = self.buf[a:b]
+        if op in ("sum", "mean"):
+            np.add(target, incoming, out=target)
+        elif op == "min":
+            np.minimum(target, incoming, out=target)
+        else:
+            np.maximum(target, incoming, out=target)
+
+    def place(self, a: int, b: int, incoming: np.ndarray) -> None:
+        self.buf[a:b] = incoming
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CupyBackend:  # pragma: no cover - runs where a GPU is present
+    """A GPU buffer; outgoing chunks are copied to pinned host memory, incoming ones uploaded
+    and reduced with cupy kernels on the device."""
+
+    def __init__(self, buf: Any):
+        self.buf = buf
+        self.xp = _cp
+        self.stream = _cp.cuda.Stream(non_blocking=True)
+
+    def _pinned(self, n: int) -> np.ndarray:
+        mem = _cp.cuda.alloc_pinned_memory(max(1, n * self.buf.dtype.itemsize))
+        return np.frombuffer(mem, self.buf.dtype, n)
+
+    def outgoing(self, a: int, b: int) -> np.ndarray:
+        host = self._pinned(b - a)
+        with self.stream:
+            self.buf[a:b].get(out=host, stream=self.stream)
+        self.stream.synchronize()
+        return host
+
+    def fold(self, a: int, b: int, incoming: np.ndarray, op: str) -> None:
+        with self.stream:
+            dev = _cp.asarray(incoming)
+            target = self.buf[a:b]
+            if op in ("sum", "mean"):
+                _cp.add(target, dev, out=target)
+            elif op == "min":
+                _cp.minimum(target, dev, out=target)
+            else:
+                _cp.maximum(target, dev, out=target)
+
+    def place(self, a: int, b: int, incoming: np.ndarray) -> None:
+        with self.stream:
+            self.buf[a:b].set(incoming, stream=self.stream)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+
+def backend_for(buf: Any) -> "NumpyBackend | CupyBackend":
+    return CupyBackend(buf) if is_cupy(buf) else NumpyBackend(buf)
+
+
+def finish_mean(buf: Any, n: int) -> None:
+    """Divide a summed buffer by the ring size: exact for floats, truncated toward zero for
+    integers (as ``np.mean(...).astype(dtype)``)."""
+    kind = buf.dtype.kind
+    if kind in "fc" or str(buf.dtype) == "bfloat16":
+        buf /= n
+    elif kind in "iu":
+        xp = _cp if is_cupy(buf) else np
+        buf[...] = xp.trunc(buf / n).astype(buf.dtype)
+    else:
+        raise InvalidArgument(f"mean of {buf.dtype} is not defined")

@@ -1,0 +1,362 @@
+"""Peer ring collectives over the tasks' own servers: allreduce, allgather, broadcast, barrier.
+
+``Ring(server)`` joins the ring of the cluster's ``chief`` and ``worker`` tasks (or ``members``)
+through this task's in-process server: chunks go to the right neighbour's ``ring`` service and
+arrive from the left one's. Tensors are fused into buckets (~25 MB); each bucket is one ring call
+whose chunks (~1 MB) are pipelined: chunk k is reduced while chunk k+1 is on the wire. Every
+chunk carries the call's sequence number, op, dtype and shapes; a rank that sees a mismatch
+aborts the call on every rank with ``CollectiveMismatch`` naming both sides. A member that dies
+makes the others raise ``Unavailable`` naming it within seconds; a silent one ``DeadlineExceeded``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .cluster import ClusterSpec, TaskId
+from .collective.reduce import OPS, backend_for, finish_mean, is_cupy
+from .collective.reduce import _cp
+from .collective.schedule import RS, Step, chunk_range, chunks, scatter_reduce, segments
+from .collective.schedule import allgather as allgather_steps
+from .errors import CollectiveMismatch, ConfigError, DeadlineExceeded, InvalidArgument, Unavailable, ZmqflowError
+from .server import AsyncServer, Server
+from .services.health import wait_for_tasks
+from .wire.dtypes import dtype_name
+
+__all__ = ["Ring", "AsyncRing", "default_members"]
+
+DEFAULT_BUCKET_BYTES = 25 << 20
+DEFAULT_CHUNK_BYTES = 1 << 20
+_WATCH_S = 0.05
+
+
+def default_members(spec: ClusterSpec) -> list[TaskId]:
+    """The chief (if any), then every worker, by index."""
+    return [t for t in spec.tasks if t.job == "chief"] + [TaskId("worker", i) for i in spec.task_indices("worker")]
+
+
+def _meta(kind: str, op: str, arrays: Sequence[Any], extra: Any = None) -> list[Any]:
+    shapes = [list(a.shape) for a in arrays]
+    dtypes = sorted({dtype_name(np.dtype(a.dtype)) for a in arrays})
+    crc = zlib.crc32(repr(shapes).encode())
+    return [kind, op, ",".join(dtypes), len(arrays), int(sum(int(np.prod(s)) for s in shapes)), crc, extra]
+
+
+_FIELDS = ("collective", "op", "dtype", "tensor count", "element count", "shapes", "root")
+
+
+class AsyncRing:
+    """The asyncio-native ring; every collective is a coroutine. All ranks must make the same
+    calls in the same order."""
+
+    def __init__(self, server: AsyncServer, members: Sequence["TaskId | str"] | None = None, *, name: str = "default",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 timeout: float | None = None):
+        self.server = server
+        self.members = [TaskId.parse(m) for m in members] if members is not None else default_members(server.spec)
+        if server.task not in self.members:
+            raise ConfigError(f"task {server.task} is not a member of the ring ({', '.join(map(str, self.members))})")
+        if len(set(self.members)) != len(self.members):
+            raise ConfigError(f"ring members repeat: {', '.join(map(str, self.members))}")
+        for m in self.members:
+            server.spec.address(m)  # unknown tasks fail here
+        self.name = name
+        self.rank = self.members.index(server.task)
+        self.size = len(self.members)
+        self.bucket_bytes = int(bucket_bytes)
+        self.chunk_bytes = int(chunk_bytes)
+        self.timeout = server.default_timeout if timeout is None else float(timeout)
+        self.seq = 0
+        self._endpoints = [server.spec.address(m).endpoint for m in self.members]
+        self._connected = False
+        self._aborts: list[asyncio.Future] = []
+
+    @property
+    def service(self) -> Any:
+        return self.server.service("ring")
+
+    def _name(self, rank: int) -> str:
+        return f"rank {rank} ({self.members[rank]})"
+
+    async def connect(self, timeout: float | None = None) -> None:
+        """Wait until every member answers; keeps a connection to each, to notice one that dies."""
+        await wait_for_tasks(self.server.client, self.server.spec, self.timeout if timeout is None else timeout, self.members)
+        self._connected = True
+
+    # collectives ------------------------------------------------------------------------
+    async def allreduce(self, arrays: Any, op: str = "sum", *, timeout: float | None = None) -> Any:
+        """Reduce one array or a list across the ring; returns the same structure."""
+        if op not in OPS:
+            raise InvalidArgument(f"op must be one of {', '.join(OPS)}, got {op!r}")
+        single = not isinstance(arrays, (list, tuple))
+        items = [_as_array(a) for a in ([arrays] if single else list(arrays))]
+        deadline = self._deadline(timeout)
+        results: list[Any] = [None] * len(items)
+        for bucket in self._buckets([a for a, _ in items]):
+            arrays_in = [items[i][0] for i in bucket]
+            xp = _xp(arrays_in[0])
+            fused = xp.concatenate([a.reshape(-1) for a in arrays_in]) if arrays_in else xp.zeros(0)
+            await self._allreduce_buffer(fused, op, _meta("allreduce", op, arrays_in), deadline)
+            start = 0
+            for i in bucket:
+                a, original = items[i]
+                part = fused[start:start + a.size].reshape(a.shape)
+                start += a.size
+                results[i] = _write_back(original, part)
+        return results[0] if single else results
+
+    async def allgather(self, array: Any, *, timeout: float | None = None) -> Any:
+        """Every rank's ``array`` (same shape and dtype everywhere), stacked: shape ``(size, *shape)``."""
+        a, _ = _as_array(array)
+        xp = _xp(a)
+        buf = xp.zeros((self.size, a.size), dtype=a.dtype)
+        buf[self.rank] = a.reshape(-1)
+        flat = buf.reshape(-1)
+        steps = scatter_reduce(self.rank, self.size)  # send own segment first, then pass the rest on
+        await self._run(flat, steps, "none", _meta("allgather", "none", [a]), self._deadline(timeout), equal=True)
+        return buf.reshape(self.size, *a.shape)
+
+    async def broadcast(self, array: Any, root: int = 0, *, timeout: float | None = None) -> Any:
+        """``root``'s array on every rank (others pass an array of the same shape and dtype)."""
+        if not 0 <= root < self.size:
+            raise InvalidArgument(f"root must be a rank in [0, {self.size}), got {root}")
+        a, original = _as_array(array)
+        buf = a.reshape(-1).copy()
+        dist = (self.rank - root) % self.size
+        steps = [Step("bc", 0, 0, 0)]
+        await self._run(buf, steps, "none", _meta("broadcast", "none", [a], root), self._deadline(timeout),
+                        receive=dist > 0, send=dist < self.size - 1, whole=True)
+        return _write_back(original, buf.reshape(a.shape))
+
+    async def barrier(self, *, timeout: float | None = None) -> None:
+        """Return once every rank has reached its barrier."""
+        await self._allreduce_buffer(np.zeros(self.size, np.int32), "sum", _meta("barrier", "sum", []), self._deadline(timeout))
+
+    # machinery --------------------------------------------------------------------------
+    def _deadline(self, timeout: float | None) -> float:
+        return asyncio.get_running_loop().time() + (self.timeout if timeout is None else float(timeout))
+
+    def _buckets(self, arrays: list[Any]) -> list[list[int]]:
+        """Indices fused per bucket: same dtype and device, about ``bucket_bytes`` each, in order."""
+        out: list[list[int]] = []
+        key = None
+        size = 0
+        for i, a in enumerate(arrays):
+            k = (str(a.dtype), is_cupy(a))
+            if not out or k != key or size + a.nbytes > self.bucket_bytes:
+                out.append([])
+                key, size = k, 0
+            out[-1].append(i)
+            size += a.nbytes
+        return out
+
+    async def _allreduce_buffer(self, buf: Any, op: str, meta: list[Any], deadline: float) -> None:
+        steps = scatter_reduce(self.rank, self.size) + allgather_steps(self.rank, self.size)
+        await self._run(buf, steps, op, meta, deadline)
+        if op == "mean" and self.size > 1:
+            finish_mean(buf, self.size)
+
+    async def _run(self, buf: Any, steps: list[Step], op: str, meta: list[Any], deadline: float, *,
+                   receive: bool = True, send: bool = True, whole: bool = False, equal: bool = False) -> None:
+        seq = self.seq
+        self.seq += 1
+        if self.size == 1:
+            return
+        if not self._connected:
+            await self.connect(max(0.05, deadline - asyncio.get_running_loop().time()))
+        n = self.size
+        chunk = max(1, self.chunk_bytes // max(1, buf.dtype.itemsize))
+        segs = [(0, len(buf))] if whole else segments(len(buf), n)
+        count = chunks(len(buf), 1 if whole else n, chunk)
+        backend = backend_for(buf)
+        sends: list[asyncio.Future] = []
+        service = self.service
+        watcher = asyncio.ensure_future(self._watch(seq, meta, deadline))
+
+        async def receive_chunk(step: Step, k: int) -> None:
+            src, their_meta, data = await service.take((self.name, seq, step.phase, step.index, k))
+            a, b = chunk_range(segs[step.recv], k, chunk)
+            self._check(seq, src, meta, their_meta, data, b - a, buf.dtype)
+            if step.phase == RS and op != "none":
+                backend.fold(a, b, data, op)
+            else:
+                backend.place(a, b, data)
+
+        def send_chunk(step: Step, k: int) -> None:
+            a, b = chunk_range(segs[step.send], k, chunk)
+            sends.append(self._send(seq, step, k, backend.outgoing(a, b), meta, deadline))
+
+        async def chain(k: int) -> None:
+            for step in steps:
+                if whole:  # a relay: what arrives from the left goes on to the right
+                    if receive:
+                        await receive_chunk(step, k)
+                    if send:
+                        send_chunk(step, k)
+                    continue
+                send_chunk(step, k)  # send first: every rank sends before it waits, so no one deadlocks
+                await receive_chunk(step, k)
+
+        try:
+            await asyncio.gather(*(chain(k) for k in range(count)))
+            if sends:  # every chunk acknowledged: the right holds it, our buffer is ours again
+                await asyncio.gather(*sends)
+            backend.synchronize()
+        except ZmqflowError:
+            for fut in sends:
+                if not fut.done():
+                    fut.cancel()
+                elif not fut.cancelled():
+                    fut.exception()
+            if self._aborts:  # let the other members hear why before this rank's caller moves on (or exits)
+                await asyncio.wait(self._aborts, timeout=1.0)
+                self._aborts.clear()
+            raise
+        finally:
+            watcher.cancel()
+            service.forget(self.name, seq)
+
+    def _send(self, seq: int, step: Step, k: int, data: Any, meta: list[Any], deadline: float) -> asyncio.Future:
+        right = (self.rank + 1) % self.size
+        remaining = max(0.05, deadline - asyncio.get_running_loop().time())
+        fut = self.server.client.start_call(
+            self._endpoints[right], "ring", "deposit",
+            {"ring": self.name, "seq": seq, "phase": step.phase, "step": step.index, "chunk": k, "src": self.rank,
+             "meta": meta, "data": data},
+            timeout=remaining, name=str(self.members[right]),
+        )
+        fut.add_done_callback(lambda f: self._sent(f, seq))
+        return fut
+
+    def _sent(self, fut: asyncio.Future, seq: int) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if isinstance(exc, ZmqflowError):
+            gone = self._first_gone(seq)  # name the member that died first, not a neighbour that quit after it
+            self._abort_everywhere(seq, gone or exc)
+
+    def _first_gone(self, seq: int) -> Unavailable | None:
+        client = self.server.client
+        down = [(t, i) for i, ep in enumerate(self._endpoints) if i != self.rank and (t := client.down_since(ep)) is not None]
+        if not down:
+            return None
+        _, i = min(down)
+        return Unavailable(f"ring {self.name!r} call {seq}: member {self._name(i)} is gone", task=str(self.members[i]))
+
+    def _check(self, seq: int, src: int, mine: list[Any], theirs: Any, data: Any, size: int, dtype: Any) -> None:
+        if theirs != mine or getattr(data, "size", -1) != size or data.dtype != dtype:
+            fields = [f for f, x, y in zip(_FIELDS, mine, theirs or [None] * len(_FIELDS)) if x != y] or ["chunk size"]
+            message = (
+                f"ring {self.name!r} call {seq}: {self._name(src)} sent {_describe(theirs)} but "
+                f"{self._name(self.rank)} called {_describe(mine)}; {' and '.join(fields)} differ"
+            )
+            exc = CollectiveMismatch(message, ranks=[src, self.rank], fields=fields)
+            self._abort_everywhere(seq, exc)
+            raise exc
+
+    def _abort_everywhere(self, seq: int, exc: ZmqflowError) -> None:
+        """Fail the call here and tell every other member why (once per call)."""
+        if (self.name, seq) in self.service.aborted:
+            return
+        self.service.fail(self.name, seq, exc)
+        body = {"ring": self.name, "seq": seq, "code": exc.code, "message": exc.message,
+                "details": {k: v for k, v in exc.details.items() if isinstance(v, (str, int, float, list))}}
+        client = self.server.client
+        for i, ep in enumerate(self._endpoints):
+            if i != self.rank and client.peer_state(ep) != "down":
+                fut = client.start_call(ep, "ring", "abort", body, timeout=1.0, name=str(self.members[i]))
+                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+                self._aborts.append(fut)
+
+    async def _watch(self, seq: int, meta: list[Any], deadline: float) -> None:
+        """Fail the call when a member's connection drops, or at the deadline."""
+        loop = asyncio.get_running_loop()
+        left = (self.rank - 1) % self.size
+        while True:
+            await asyncio.sleep(_WATCH_S)
+            gone = self._first_gone(seq)
+            if gone is not None:
+                self._abort_everywhere(seq, gone)
+                return
+            if loop.time() > deadline:
+                self.service.fail(self.name, seq, DeadlineExceeded(
+                    f"ring {self.name!r} call {seq} ({_describe(meta)}) did not complete in time; "
+                    f"{self._name(self.rank)} was waiting for {self._name(left)}", task=str(self.members[left])))
+                return
+
+
+def _describe(meta: Any) -> str:
+    if not isinstance(meta, list) or len(meta) != len(_FIELDS):
+        return repr(meta)
+    kind, op, dtype, count, total, crc, extra = meta
+    root = "" if extra is None else f" root {extra}"
+    return f"{kind}({op}) of {count} {dtype} tensor(s), {total} elements, shapes #{crc:08x}{root}"
+
+
+def _xp(a: Any) -> Any:
+    return _cp if is_cupy(a) else np
+
+
+def _as_array(x: Any) -> tuple[Any, Any]:
+    """(array to reduce, what to return for it): numpy and cupy arrays as they are; other
+    frameworks' tensors through DLPack, zero-copy, with the result written back into them."""
+    if isinstance(x, np.ndarray) or is_cupy(x):
+        return x, None
+    if hasattr(x, "__dlpack__"):
+        try:
+            return np.from_dlpack(x), x
+        except (RuntimeError, BufferError, TypeError):
+            if _cp is not None:  # pragma: no cover - GPU only
+                return _cp.from_dlpack(x), x
+            raise InvalidArgument(f"cannot read a {type(x).__name__} through DLPack without copying") from None
+    if isinstance(x, (int, float, list, tuple)):
+        return np.asarray(x), None
+    raise InvalidArgument(f"collectives take numpy or cupy arrays (or DLPack tensors), got {type(x).__name__}")
+
+
+def _write_back(original: Any, result: Any) -> Any:
+    if original is None:
+        return result
+    view, _ = _as_array(original)
+    view[...] = result
+    return original
+
+
+class Ring:
+    """The blocking ring on a :class:`Server` (its loop thread runs the collectives).
+    ``Ring(async_server)`` gives an :class:`AsyncRing` instead."""
+
+    def __new__(cls, server: Any, members: Any = None, **kwargs: Any) -> Any:
+        if isinstance(server, AsyncServer):
+            return AsyncRing(server, members, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, server: Server, members: Sequence["TaskId | str"] | None = None, **kwargs: Any):
+        self._server = server
+        self._async = AsyncRing(server.async_server, members, **kwargs)
+
+    rank = property(lambda self: self._async.rank)
+    size = property(lambda self: self._async.size)
+    members = property(lambda self: self._async.members)
+
+    def _call(self, coro: Any, timeout: float | None) -> Any:
+        limit = (self._async.timeout if timeout is None else timeout) + 5.0
+        return self._server.loop_thread.call(coro, timeout=limit)
+
+    def allreduce(self, arrays: Any, op: str = "sum", *, timeout: float | None = None) -> Any:
+        return self._call(self._async.allreduce(arrays, op, timeout=timeout), timeout)
+
+    def allgather(self, array: Any, *, timeout: float | None = None) -> Any:
+        return self._call(self._async.allgather(array, timeout=timeout), timeout)
+
+    def broadcast(self, array: Any, root: int = 0, *, timeout: float | None = None) -> Any:
+        return self._call(self._async.broadcast(array, root, timeout=timeout), timeout)
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        self._call(self._async.barrier(timeout=timeout), timeout)

@@ -1,0 +1,1 @@
+"""Training on a cluster: strategies, the monitored training session, hooks."""

@@ -1,0 +1,142 @@
+"""Hooks run by :class:`MonitoredTrainingSession` around each step."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .monitored import MonitoredTrainingSession
+
+__all__ = ["Hook", "StopAtStep", "LoggingHook", "SummaryHook", "ProgressHook"]
+
+log = logging.getLogger("zmqflow.training")
+
+
+class Hook:
+    """Override what you need: ``begin``, ``after_step``, ``should_stop``, ``end``."""
+
+    def begin(self, mon: "MonitoredTrainingSession") -> None:
+        pass
+
+    def after_step(self, mon: "MonitoredTrainingSession", step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def should_stop(self, mon: "MonitoredTrainingSession") -> bool:
+        return False
+
+    def end(self, mon: "MonitoredTrainingSession") -> None:
+        pass
+
+
+class StopAtStep(Hook):
+    """Stop once the global step reaches ``last_step`` (or ``num_steps`` after the first step seen)."""
+
+    def __init__(self, last_step: int | None = None, num_steps: int | None = None):
+        if (last_step is None) == (num_steps is None):
+            raise ValueError("give exactly one of last_step and num_steps")
+        self.last_step = last_step
+        self.num_steps = num_steps
+
+    def begin(self, mon: "MonitoredTrainingSession") -> None:
+        if self.num_steps is not None:
+            self.last_step = mon.step + self.num_steps
+
+    def should_stop(self, mon: "MonitoredTrainingSession") -> bool:
+        return self.last_step is not None and mon.step >= self.last_step
+
+
+class LoggingHook(Hook):
+    """Log the step, the metrics passed to ``apply`` and the step rate every ``every_n_steps``."""
+
+    def __init__(self, every_n_steps: int = 100):
+        self.every = max(1, int(every_n_steps))
+        self._last = (0, time.perf_counter())
+
+    def after_step(self, mon: "MonitoredTrainingSession", step: int, metrics: dict[str, float]) -> None:
+        if step % self.every:
+            return
+        now = time.perf_counter()
+        rate = (step - self._last[0]) / max(now - self._last[1], 1e-9)
+        self._last = (step, now)
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+        log.info("step %d: %s (%.1f steps/s)", step, shown or "-", rate)
+
+
+class SummaryHook(Hook):
+    """Scalars every ``every_n_steps``: TensorBoard event files with tensorboardX, else JSON lines."""
+
+    def __init__(self, every_n_steps: int = 100, output_dir: str | None = None):
+        self.every = max(1, int(every_n_steps))
+        self.output_dir = output_dir
+        self._writer: Any = None
+        self._file: Any = None
+
+    def begin(self, mon: "MonitoredTrainingSession") -> None:
+        directory = self.output_dir or mon.checkpoint_dir or "summaries"
+        os.makedirs(directory, exist_ok=True)
+        try:
+            from tensorboardX import SummaryWriter  # type: ignore[import-not-found]
+
+            self._writer = SummaryWriter(directory)
+        except ImportError:
+            self._file = open(os.path.join(directory, f"summaries-{mon.task_name}.jsonl"), "a")
+
+    def after_step(self, mon: "MonitoredTrainingSession", step: int, metrics: dict[str, float]) -> None:
+        if step % self.every or not metrics:
+            return
+        if self._writer is not None:
+            for k, v in metrics.items():
+                self._writer.add_scalar(k, float(v), step)
+        elif self._file is not None:
+            self._file.write(json.dumps({"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}) + "\n")
+            self._file.flush()
+
+    def end(self, mon: "MonitoredTrainingSession") -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if self._file is not None:
+            self._file.close()
+
+
+class ProgressHook(Hook):
+    """A progress bar on the chief: rich's on a terminal, else a text line every 10%."""
+
+    def __init__(self, total: int | None = None):
+        self.total = total
+        self._bar: Any = None
+        self._task: Any = None
+        self._next_pct = 10
+
+    def begin(self, mon: "MonitoredTrainingSession") -> None:
+        if self.total is None:
+            self.total = next((h.last_step for h in mon.hooks if isinstance(h, StopAtStep)), None)
+        if sys.stdout.isatty():
+            try:
+                from rich.progress import Progress  # type: ignore[import-not-found]
+
+                self._bar = Progress()
+                self._bar.start()
+                self._task = self._bar.add_task(f"training ({mon.strategy.name})", total=self.total)
+            except ImportError:
+                self._bar = None
+
+    def after_step(self, mon: "MonitoredTrainingSession", step: int, metrics: dict[str, float]) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step)
+            return
+        if self.total:
+            pct = 100 * step // self.total
+            if pct >= self._next_pct:
+                filled = pct // 5
+                shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+                print(f"[{'#' * filled}{'.' * (20 - filled)}] {pct:3d}%  step {step}/{self.total}  {shown}", flush=True)
+                self._next_pct = (pct // 10 + 1) * 10
+
+    def end(self, mon: "MonitoredTrainingSession") -> None:
+        if self._bar is not None:
+            self._bar.stop()

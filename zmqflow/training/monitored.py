@@ -1,0 +1,152 @@
+"""``MonitoredTrainingSession``: one training loop for one process, a local cluster or a real one.
+
+It finds its cluster and task the way ``zmqflow launch`` sets them (``ZMQFLOW_CLUSTER`` and
+``ZMQFLOW_TASK``, then ``TF_CONFIG``), hosts this task's server in-process, lets the chief create
+the parameters while the others wait for them, and runs the hooks around every step. Without a
+cluster it trains locally with the same script.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ..cluster import ClusterSpec, TaskId, resolve
+from ..errors import ConfigError
+from ..ring import default_members
+from ..server import Server
+from ..session import Session
+from .hooks import Hook, ProgressHook, StopAtStep
+from .strategy import LocalStrategy, ParameterServerStrategy, RingAllReduceStrategy, Strategy
+
+__all__ = ["MonitoredTrainingSession"]
+
+
+class MonitoredTrainingSession:
+    def __init__(
+        self,
+        strategy: Strategy | None = None,
+        cluster: "ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | None" = None,
+        task: "TaskId | str | None" = None,
+        checkpoint_dir: str | None = None,
+        hooks: Iterable[Hook] = (),
+        *,
+        server: Server | None = None,
+        wait_timeout: float = 120.0,
+        progress: bool = True,
+    ):
+        self.checkpoint_dir = checkpoint_dir
+        self.wait_timeout = wait_timeout
+        self.spec: ClusterSpec | None = None
+        self.task: TaskId | None = None
+        if server is not None:
+            self.spec, self.task = server.spec, server.task
+        elif cluster is not None or task is not None or _env_has_cluster():
+            self.spec, self.task = resolve(cluster, task)
+        if self.spec is None:
+            self.strategy = strategy or LocalStrategy()
+            if not isinstance(self.strategy, LocalStrategy):
+                raise ConfigError(f"strategy {self.strategy.name!r} needs a cluster: pass cluster= and task=, or run under zmqflow launch")
+            self.server = None
+            self.session = None
+            self.chief_task = None
+            self.num_workers, self.worker_index = 1, 0
+        else:
+            if strategy is None:
+                strategy = ParameterServerStrategy() if self.spec.num_tasks("ps") else RingAllReduceStrategy()
+            self.strategy = strategy
+            self.server = server or Server(self.spec, self.task)
+            self._own_server = server is None
+            self.session = Session(self.server.target, name=str(self.task))
+            members = default_members(self.spec)
+            self.chief_task = members[0] if members else None
+            self.num_workers = len(members)
+            self.worker_index = members.index(self.task) if self.task in members else 0
+        self.hooks: list[Hook] = list(hooks)
+        if progress and self.is_chief and any(isinstance(h, StopAtStep) for h in self.hooks):
+            self.hooks.append(ProgressHook())
+        self.step = 0
+        self.comm_seconds = 0.0
+        self.steps_done = 0
+        self._started = time.perf_counter()
+        self._created = False
+        self.strategy.bind(self)
+
+    # identity ---------------------------------------------------------------------------
+    @property
+    def is_chief(self) -> bool:
+        return self.task is None or self.task == self.chief_task
+
+    @property
+    def task_name(self) -> str:
+        return str(self.task) if self.task is not None else "local"
+
+    # the loop ---------------------------------------------------------------------------
+    def create(self, params: Mapping[str, Any], optimizer: Any = None) -> None:
+        """The chief creates the parameters (with ``optimizer``); every other worker waits for them."""
+        if self.server is not None:
+            self.server.wait_for_cluster(self.wait_timeout)
+        t = time.perf_counter()
+        self.step = self.strategy.create({k: np.asarray(v) for k, v in params.items()}, optimizer)
+        self.comm_seconds += time.perf_counter() - t
+        self._created = True
+        for hook in self.hooks:
+            hook.begin(self)
+        self._started = time.perf_counter()
+
+    def params(self) -> dict[str, np.ndarray]:
+        self._need_created()
+        t = time.perf_counter()
+        out = self.strategy.params()
+        self.comm_seconds += time.perf_counter() - t
+        return out
+
+    def apply(self, grads: Mapping[str, Any], metrics: Mapping[str, float] | None = None) -> int:
+        """Apply one step's gradients (PS: push, and pull on the next ``params``; ring: allreduce
+        the mean, then the optimizer locally). ``metrics`` go to the hooks. Returns the new step."""
+        self._need_created()
+        t = time.perf_counter()
+        self.step = self.strategy.apply({k: np.asarray(v) for k, v in grads.items()})
+        self.comm_seconds += time.perf_counter() - t
+        self.steps_done += 1
+        shown = {k: float(v) for k, v in (metrics or {}).items()}
+        for hook in self.hooks:
+            hook.after_step(self, self.step, shown)
+        return self.step
+
+    def should_stop(self) -> bool:
+        return self._created and any(h.should_stop(self) for h in self.hooks)
+
+    def timings(self) -> dict[str, float]:
+        """Wall time since ``create`` split into communication (params, apply) and the rest (compute)."""
+        total = time.perf_counter() - self._started
+        return {"seconds": total, "communication_s": self.comm_seconds, "compute_s": max(0.0, total - self.comm_seconds),
+                "steps": self.steps_done}
+
+    def _need_created(self) -> None:
+        if not self._created:
+            raise RuntimeError("call mon.create(params, optimizer=...) first")
+
+    # lifecycle --------------------------------------------------------------------------
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.end(self)
+        self.strategy.close()
+        if self.session is not None:
+            self.session.close()
+        if self.server is not None and self._own_server:
+            self.server.stop()
+
+    def __enter__(self) -> "MonitoredTrainingSession":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _env_has_cluster() -> bool:
+    return bool(os.environ.get("ZMQFLOW_CLUSTER") or os.environ.get("TF_CONFIG"))

@@ -1,0 +1,158 @@
+"""How gradients are combined: locally, through parameter-server shards, or around a peer ring.
+
+A strategy is bound to a :class:`MonitoredTrainingSession` and answers three questions: how
+parameters are created (the chief initializes, the others wait), how a worker reads them, and
+how a gradient is applied. The training script is the same for every strategy.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import optim as _optim
+from ..ps.store import ShardStore
+from ..ring import Ring, default_members
+from ..wire.dtypes import dtype_name
+
+if TYPE_CHECKING:
+    from .monitored import MonitoredTrainingSession
+
+__all__ = ["Strategy", "LocalStrategy", "ParameterServerStrategy", "RingAllReduceStrategy"]
+
+_STEP = "global_step"
+
+
+class Strategy:
+    name = "strategy"
+
+    def bind(self, mon: "MonitoredTrainingSession") -> None:
+        self.mon = mon
+
+    def create(self, params: dict[str, np.ndarray], optimizer: Any) -> int:
+        """Create (chief) or find (others) the parameters; returns the starting global step."""
+        raise NotImplementedError
+
+    def params(self) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def apply(self, grads: dict[str, np.ndarray]) -> int:
+        """Apply one step's gradients; returns the new global step."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _LocalParams:
+    """Parameters held in this process, updated by the same optimizer code the shards run."""
+
+    def __init__(self) -> None:
+        self.store = ShardStore()
+        self.names: list[str] = []
+
+    def create(self, params: dict[str, np.ndarray], optimizer: Any) -> None:
+        spec = None if optimizer is None else optimizer.spec()
+        for name, value in params.items():
+            value = np.asarray(value)
+            rows = value.shape[0] if value.ndim else 1
+            self.store.create(name, 0, list(value.shape), [0, rows], dtype_name(value.dtype), optimizer=spec, value=value)
+            self.names.append(name)
+
+    def params(self) -> dict[str, np.ndarray]:
+        return {n: self.store.read(n) for n in self.names}
+
+    def apply(self, grads: dict[str, np.ndarray]) -> None:
+        for name, g in grads.items():
+            self.store.apply_dense(name, 0, np.asarray(g, dtype=self.store.get(name).dtype))
+
+
+class LocalStrategy(Strategy):
+    """One process, no cluster: the reference every other strategy must agree with."""
+
+    name = "local"
+
+    def create(self, params: dict[str, np.ndarray], optimizer: Any) -> int:
+        self.local = _LocalParams()
+        self.local.create(params, optimizer)
+        self.step = 0
+        return 0
+
+    def params(self) -> dict[str, np.ndarray]:
+        return self.local.params()
+
+    def apply(self, grads: dict[str, np.ndarray]) -> int:
+        self.local.apply(grads)
+        self.step += 1
+        return self.step
+
+
+class ParameterServerStrategy(Strategy):
+    """Parameters on the ps shards. ``sync=False``: each push applies on arrival (the global step
+    counts every worker's updates). ``sync=True``: SyncReplicas over every worker, one step per
+    round of gradients, stale ones dropped."""
+
+    def __init__(self, sync: bool = False, partitioner: Any = None):
+        self.sync = sync
+        self.partitioner = partitioner
+        self.name = "sync-ps" if sync else "ps"
+
+    def create(self, params: dict[str, np.ndarray], optimizer: Any) -> int:
+        mon = self.mon
+        sess = mon.session
+        opt = optimizer
+        if self.sync and optimizer is not None:
+            opt = _optim.SyncReplicas(optimizer, replicas_to_aggregate=mon.num_workers, total_num_replicas=mon.num_workers)
+        self.names = list(params)
+        if mon.is_chief:
+            for name, value in params.items():
+                sess.variable(name, np.asarray(value), optimizer=opt, partitioner=self.partitioner)
+            sess.variable(_STEP, np.zeros((), np.int64))
+        self.vars = {n: sess.get(n, timeout=mon.wait_timeout) for n in self.names}
+        self.step_var = sess.get(_STEP, timeout=mon.wait_timeout)
+        return int(sess.global_step()) if self.sync else int(self.step_var.read())
+
+    def params(self) -> dict[str, np.ndarray]:
+        return self.mon.session.pull(self.names)
+
+    def apply(self, grads: dict[str, np.ndarray]) -> int:
+        sess = self.mon.session
+        if self.sync:
+            step = sess.push(grads)
+            return int(step if step is not None else sess.step)
+        sess.push(grads)
+        self.step_var.assign_add(np.ones((), np.int64))
+        return int(self.step_var.read())
+
+
+class RingAllReduceStrategy(Strategy):
+    """Every worker keeps a replica; gradients are averaged around the peer ring and the same
+    optimizer is applied locally, so replicas stay identical. The chief's initial values are
+    broadcast first."""
+
+    name = "ring"
+
+    def __init__(self, bucket_bytes: int | None = None):
+        self.bucket_bytes = bucket_bytes
+
+    def create(self, params: dict[str, np.ndarray], optimizer: Any) -> int:
+        mon = self.mon
+        kwargs = {} if self.bucket_bytes is None else {"bucket_bytes": self.bucket_bytes}
+        self.ring = Ring(mon.server, default_members(mon.spec), **kwargs)
+        chief = self.ring.members.index(mon.chief_task)
+        values = {n: self.ring.broadcast(np.ascontiguousarray(v), root=chief) for n, v in params.items()}
+        self.local = _LocalParams()
+        self.local.create(values, optimizer)
+        self.step = 0
+        return 0
+
+    def params(self) -> dict[str, np.ndarray]:
+        return self.local.params()
+
+    def apply(self, grads: dict[str, np.ndarray]) -> int:
+        names = list(grads)
+        mean = self.ring.allreduce([np.asarray(grads[n]) for n in names], op="mean")
+        self.local.apply(dict(zip(names, mean)))
+        self.step += 1
+        return self.step
