@@ -31,7 +31,7 @@ from .wire.dtypes import dtype_name
 __all__ = ["Ring", "AsyncRing", "default_members"]
 
 DEFAULT_BUCKET_BYTES = 25 << 20
-DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_CHUNK_BYTES = 4 << 20
 _WATCH_S = 0.05
 
 

@@ -43,3 +43,13 @@ def embedding(quick: bool, json_out: str | None) -> None:
     from ..bench.embedding import format_table, run
 
     click.echo(format_table(run(quick=quick, json_out=json_out)))
+
+
+@bench.command("allreduce")
+@click.option("--quick", is_flag=True, help="Sizes up to 16 MB, fewer repetitions.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Append JSON lines here.")
+def allreduce(quick: bool, json_out: str | None) -> None:
+    """Ring allreduce vs gloo (when torch is installed) vs memcpy vs PS push/pull."""
+    from ..bench.allreduce import format_table, run
+
+    click.echo(format_table(run(quick=quick, json_out=json_out)))
