@@ -206,3 +206,31 @@ def test_bench_commands_are_listed(procs):
     assert p.wait(30) == 0
     for name in ("transport", "ps", "embedding"):
         assert name in p.output
+
+
+REJOIN = textwrap.dedent(
+    """
+    import os, sys, numpy as np, zmqflow as zf
+    marker = os.path.join(sys.argv[1], os.environ["ZMQFLOW_TASK"] + ".started")
+    first_run = not os.path.exists(marker)
+    open(marker, "a").close()
+    with zf.MonitoredTrainingSession(zf.ParameterServerStrategy(), progress=False) as mon:
+        mon.create({"count": np.zeros(1)})
+        print("joined", "first" if first_run else "again", flush=True)
+        for i in range(5):
+            mon.apply({"count": np.ones(1)})
+            if first_run and mon.task_name == "worker:1" and i == 1:
+                os._exit(1)  # dies mid-training; the launcher brings it back
+    """
+)
+
+
+def test_launch_restarts_a_failed_worker_that_rejoins(tmp_path, procs):
+    script = tmp_path / "rejoin.py"
+    script.write_text(REJOIN)
+    cfile = tmp_path / "cluster.json"
+    p = procs([*ZMQFLOW, "launch", "--workers", "2", "--ps", "1", "--restart", "on-failure", "--cluster-out", str(cfile),
+               "--", sys.executable, str(script), str(tmp_path)])
+    assert p.wait(120) == 0, p.output
+    assert "restarting worker:1" in p.output and "[worker:1] joined again" in p.output
+    assert "[worker:0] joined first" in p.output

@@ -2,7 +2,7 @@
 
 from .version import __version__
 
-from . import errors, init, optim
+from . import checkpoint, errors, init, optim
 from .cluster import Address, ClusterSpec, TaskId
 from .optim import SyncReplicas
 from .ring import AsyncRing, Ring
@@ -19,6 +19,7 @@ from .variables import AsyncVariable
 __all__ = [
     "__version__",
     "errors",
+    "checkpoint",
     "Address",
     "ClusterSpec",
     "TaskId",

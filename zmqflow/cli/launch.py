@@ -48,14 +48,18 @@ class _Child:
     argv: list[str]
     runs_command: bool
     proc: subprocess.Popen | None = None
+    restarts: int = 0
     pump: threading.Thread | None = field(default=None, repr=False)
 
 
 class Launcher:
     """Starts, watches and stops the processes of one local cluster."""
 
-    def __init__(self, spec: ClusterSpec, command: list[str], *, log_level: str = "info", out=None):
+    def __init__(self, spec: ClusterSpec, command: list[str], *, log_level: str = "info", out=None,
+                 restart: str = "never", max_restarts: int = 3):
         self.spec = spec
+        self.restart = restart
+        self.max_restarts = max_restarts
         self.command = command
         self.log_level = log_level
         self.out = out or sys.stdout
@@ -64,6 +68,7 @@ class Launcher:
         self._cond = threading.Condition(self._lock)
         self._first_failure: int | None = None
         self._stopping = False
+        self._signalled = False
         self.children = [self._child(t) for t in spec.tasks]
 
     def _child(self, task: TaskId) -> _Child:
@@ -113,6 +118,7 @@ class Launcher:
             self.say(f"{child.task} exited with code {_exit_code(code)}")
 
     def signal_all(self, sig: int) -> None:
+        self._signalled = True  # tasks ending now were asked to: never restart them
         for child in self.children:
             if child.proc is not None and child.proc.poll() is None:
                 try:
@@ -129,6 +135,12 @@ class Launcher:
                     self._cond.wait(0.5)
                 kind, child = self._events.pop(0)
             code = _exit_code(child.proc.returncode if child.proc else 1)
+            if code != 0 and self._should_restart(child):
+                child.restarts += 1
+                self.say(f"restarting {child.task} on {self.spec.address(child.task)} "
+                         f"(restart {child.restarts} of {self.max_restarts})")
+                self._start(child)
+                continue
             if code != 0 and self._first_failure is None and not self._stopping:
                 self._first_failure = code
             pending.discard(child)
@@ -136,6 +148,10 @@ class Launcher:
                 break  # a server ended on its own: nothing left to wait for
         self.stop()
         return self._first_failure or EXIT_OK
+
+    def _should_restart(self, child: _Child) -> bool:
+        return (self.restart == "on-failure" and not self._stopping and not self._signalled
+                and child.restarts < self.max_restarts)
 
     def stop(self) -> None:
         """SIGTERM to whatever still runs, SIGKILL after a grace period."""
@@ -167,8 +183,11 @@ def _exit_code(returncode: int) -> int:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Host for generated addresses.")
 @click.option("--cluster-out", type=click.Path(dir_okay=False), help="Write the cluster spec here (for zmqflow status).")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
+@click.option("--restart", type=click.Choice(["never", "on-failure"]), default="never", show_default=True,
+              help="Restart a task whose process dies, on the same address.")
+@click.option("--max-restarts", type=click.IntRange(0, 1000), default=3, show_default=True, help="Per task.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def launch(cluster, workers, ps, chief, host, cluster_out, log_level, command) -> None:
+def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, max_restarts, command) -> None:
     """Start a cluster's tasks as local processes, optionally running COMMAND on chief and workers."""
     command = list(command)
     if command and command[0] == "--":
@@ -185,7 +204,7 @@ def launch(cluster, workers, ps, chief, host, cluster_out, log_level, command) -
     if cluster_out:
         with open(cluster_out, "w") as fh:
             fh.write(spec.to_json() + "\n")
-    launcher = Launcher(spec, command, log_level=log_level)
+    launcher = Launcher(spec, command, log_level=log_level, restart=restart, max_restarts=max_restarts)
 
     def forward(sig: int, _frame: object) -> None:
         launcher.say(f"forwarding {signal.Signals(sig).name} to every task")

@@ -229,6 +229,26 @@ class HashTable:
         self._release(victims)
         return len(victims)
 
+    def load(self, ids: np.ndarray, values: np.ndarray, slots: dict[str, np.ndarray], steps: np.ndarray | None) -> int:
+        """Put rows back (from a checkpoint): ids with their values, slots and step counts."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if values.shape != (len(ids), self.dim) or values.dtype != self.dtype:
+            raise InvalidArgument(f"rows must be {self.dtype} {[len(ids), self.dim]}, got {values.dtype} {list(values.shape)}")
+        unknown = set(slots) - set(self.slots)
+        if unknown:
+            raise InvalidArgument(f"the table has no optimizer slots {sorted(unknown)}")
+        new = [int(i) for i in ids.tolist() if int(i) not in self.index]
+        if new:
+            self._create(new)
+        at = np.array([self.index[int(i)] for i in ids.tolist() if int(i) in self.index], dtype=np.int64)
+        keep = np.array([int(i) in self.index for i in ids.tolist()], dtype=bool)
+        self.values[at] = values[keep]
+        for k, v in slots.items():
+            self.slots[k][at] = v[keep]
+        if steps is not None:
+            self.steps[at] = np.asarray(steps)[keep]
+        return int(keep.sum())
+
     def export(self) -> tuple[np.ndarray, np.ndarray]:
         """Every (id, row), ids ascending."""
         live = np.fromiter(self.index.values(), dtype=np.int64, count=len(self.index))

@@ -16,6 +16,7 @@ import numpy as np
 from ..errors import DeadlineExceeded, InvalidArgument
 from ..ps.embedding import HashTable
 from ..ps.store import PartKey, ShardStore, part_label
+from .snapshots import SnapshotOps
 from .tables import TableOps
 from ..ps.sync import READY, STALE
 from ..rpc import CallContext, Service, op
@@ -27,7 +28,7 @@ __all__ = ["PsService"]
 _SYNC_MARGIN = 0.25
 
 
-class PsService(Service, TableOps):
+class PsService(Service, TableOps, SnapshotOps):
     name = "ps"
 
     def __init__(self, replicas: list[str] | None = None):

@@ -15,10 +15,12 @@ from typing import Any
 
 import numpy as np
 
+from .. import checkpoint
 from ..cluster import ClusterSpec, TaskId, resolve
 from ..errors import ConfigError
 from ..ring import default_members
 from ..server import Server
+from ..services.health import wait_for_tasks
 from ..session import Session
 from .hooks import Hook, ProgressHook, StopAtStep
 from .strategy import LocalStrategy, ParameterServerStrategy, RingAllReduceStrategy, Strategy
@@ -38,8 +40,18 @@ class MonitoredTrainingSession:
         server: Server | None = None,
         wait_timeout: float = 120.0,
         progress: bool = True,
+        save_checkpoint_steps: int | None = None,
+        save_checkpoint_secs: float | None = None,
+        keep_checkpoints: int = 5,
     ):
         self.checkpoint_dir = checkpoint_dir
+        if checkpoint_dir and save_checkpoint_steps is None and save_checkpoint_secs is None:
+            save_checkpoint_secs = 600.0  # TF's default cadence
+        self.save_checkpoint_steps = save_checkpoint_steps
+        self.save_checkpoint_secs = save_checkpoint_secs
+        self.keep_checkpoints = keep_checkpoints
+        self._saved_step = -1
+        self._saved_at = time.monotonic()
         self.wait_timeout = wait_timeout
         self.spec: ClusterSpec | None = None
         self.task: TaskId | None = None
@@ -89,10 +101,17 @@ class MonitoredTrainingSession:
     def create(self, params: Mapping[str, Any], optimizer: Any = None) -> None:
         """The chief creates the parameters (with ``optimizer``); every other worker waits for them."""
         if self.server is not None:
-            self.server.wait_for_cluster(self.wait_timeout)
+            needed = self.strategy.needs()
+            self.server.loop_thread.call(
+                wait_for_tasks(self.server.async_server.client, self.spec, self.wait_timeout, needed),
+                timeout=self.wait_timeout + 5,
+            )
         t = time.perf_counter()
-        self.step = self.strategy.create({k: np.asarray(v) for k, v in params.items()}, optimizer)
+        restore = checkpoint.latest(self.checkpoint_dir) if self.checkpoint_dir and self.is_chief else None
+        self.step = self.strategy.create({k: np.asarray(v) for k, v in params.items()}, optimizer, restore)
         self.comm_seconds += time.perf_counter() - t
+        self.restored_from = restore
+        self._saved_step = self.step if restore else -1
         self._created = True
         for hook in self.hooks:
             hook.begin(self)
@@ -116,7 +135,24 @@ class MonitoredTrainingSession:
         shown = {k: float(v) for k, v in (metrics or {}).items()}
         for hook in self.hooks:
             hook.after_step(self, self.step, shown)
+        if self._save_due():
+            self.save_checkpoint()
         return self.step
+
+    def _save_due(self) -> bool:
+        if not (self.checkpoint_dir and self.is_chief) or self.step == self._saved_step:
+            return False
+        if self.save_checkpoint_steps and self.step % self.save_checkpoint_steps == 0:
+            return True
+        return bool(self.save_checkpoint_secs) and time.monotonic() - self._saved_at >= self.save_checkpoint_secs
+
+    def save_checkpoint(self) -> str | None:
+        """Write a checkpoint now (the chief only; others return None)."""
+        if not (self.checkpoint_dir and self.is_chief):
+            return None
+        path = self.strategy.save(self.checkpoint_dir, self.step, self.keep_checkpoints)
+        self._saved_step, self._saved_at = self.step, time.monotonic()
+        return path
 
     def should_stop(self) -> bool:
         return self._created and any(h.should_stop(self) for h in self.hooks)
@@ -133,6 +169,8 @@ class MonitoredTrainingSession:
 
     # lifecycle --------------------------------------------------------------------------
     def close(self) -> None:
+        if self._created and self.checkpoint_dir and self.is_chief and self.step != self._saved_step:
+            self.save_checkpoint()
         for hook in self.hooks:
             hook.end(self)
         self.strategy.close()

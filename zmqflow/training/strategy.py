@@ -11,8 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import checkpoint as _ckpt
 from .. import optim as _optim
+from ..cluster import TaskId
 from ..ps.store import ShardStore
+from ..services.catalog import shard_tasks
 from ..ring import Ring, default_members
 from ..wire.dtypes import dtype_name
 
@@ -30,9 +33,19 @@ class Strategy:
     def bind(self, mon: "MonitoredTrainingSession") -> None:
         self.mon = mon
 
-    def create(self, params: dict[str, np.ndarray], optimizer: Any) -> int:
-        """Create (chief) or find (others) the parameters; returns the starting global step."""
+    def create(self, params: dict[str, np.ndarray], optimizer: Any, restore: str | None = None) -> int:
+        """Create (chief) or find (others) the parameters, from the checkpoint ``restore`` when the
+        chief has one; returns the starting global step."""
         raise NotImplementedError
+
+    def save(self, directory: str, step: int, keep: int) -> str:
+        """Write a checkpoint (called on the chief only)."""
+        raise NotImplementedError
+
+    def needs(self) -> list[TaskId]:
+        """The tasks that must answer before ``create``: not the whole cluster, so a worker that
+        restarts after others have finished can still rejoin."""
+        return []
 
     def params(self) -> dict[str, np.ndarray]:
         raise NotImplementedError
@@ -63,6 +76,20 @@ class _LocalParams:
     def params(self) -> dict[str, np.ndarray]:
         return {n: self.store.read(n) for n in self.names}
 
+    def load(self, saved: dict[str, dict[str, np.ndarray]]) -> None:
+        """Values, optimizer slots and step counts from a replica checkpoint."""
+        for name in self.names:
+            got = saved.get(name)
+            if got is None:
+                continue
+            p = self.store.get(name)
+            p.value[...] = got["value"]
+            for k in p.slots:
+                if f"slot.{k}" in got:
+                    p.slots[k][...] = got[f"slot.{k}"]
+            if p.steps is not None and "steps" in got:
+                p.steps[...] = got["steps"]
+
     def apply(self, grads: dict[str, np.ndarray]) -> None:
         for name, g in grads.items():
             self.store.apply_dense(name, 0, np.asarray(g, dtype=self.store.get(name).dtype))
@@ -73,11 +100,17 @@ class LocalStrategy(Strategy):
 
     name = "local"
 
-    def create(self, params: dict[str, np.ndarray], optimizer: Any) -> int:
+    def create(self, params: dict[str, np.ndarray], optimizer: Any, restore: str | None = None) -> int:
         self.local = _LocalParams()
         self.local.create(params, optimizer)
         self.step = 0
-        return 0
+        if restore:
+            self.step, saved = _ckpt.restore_store(restore)
+            self.local.load(saved)
+        return self.step
+
+    def save(self, directory: str, step: int, keep: int) -> str:
+        return _ckpt.save_store(self.local.store, directory, step, keep)
 
     def params(self) -> dict[str, np.ndarray]:
         return self.local.params()
@@ -98,7 +131,7 @@ class ParameterServerStrategy(Strategy):
         self.partitioner = partitioner
         self.name = "sync-ps" if sync else "ps"
 
-    def create(self, params: dict[str, np.ndarray], optimizer: Any) -> int:
+    def create(self, params: dict[str, np.ndarray], optimizer: Any, restore: str | None = None) -> int:
         mon = self.mon
         sess = mon.session
         opt = optimizer
@@ -106,12 +139,24 @@ class ParameterServerStrategy(Strategy):
             opt = _optim.SyncReplicas(optimizer, replicas_to_aggregate=mon.num_workers, total_num_replicas=mon.num_workers)
         self.names = list(params)
         if mon.is_chief:
+            restored = set()
+            if restore:
+                _ckpt.restore(sess, restore)
+                restored = {v["name"] for v in sess.variables()}
             for name, value in params.items():
-                sess.variable(name, np.asarray(value), optimizer=opt, partitioner=self.partitioner)
-            sess.variable(_STEP, np.zeros((), np.int64))
+                if name not in restored:
+                    sess.variable(name, np.asarray(value), optimizer=opt, partitioner=self.partitioner)
+            if _STEP not in restored:
+                sess.variable(_STEP, np.zeros((), np.int64))
         self.vars = {n: sess.get(n, timeout=mon.wait_timeout) for n in self.names}
         self.step_var = sess.get(_STEP, timeout=mon.wait_timeout)
         return int(sess.global_step()) if self.sync else int(self.step_var.read())
+
+    def save(self, directory: str, step: int, keep: int) -> str:
+        return _ckpt.save(self.mon.session, directory, step=step, keep=keep)
+
+    def needs(self) -> list[TaskId]:
+        return shard_tasks(self.mon.spec)
 
     def params(self) -> dict[str, np.ndarray]:
         return self.mon.session.pull(self.names)
@@ -136,16 +181,34 @@ class RingAllReduceStrategy(Strategy):
     def __init__(self, bucket_bytes: int | None = None):
         self.bucket_bytes = bucket_bytes
 
-    def create(self, params: dict[str, np.ndarray], optimizer: Any) -> int:
+    def create(self, params: dict[str, np.ndarray], optimizer: Any, restore: str | None = None) -> int:
         mon = self.mon
         kwargs = {} if self.bucket_bytes is None else {"bucket_bytes": self.bucket_bytes}
         self.ring = Ring(mon.server, default_members(mon.spec), **kwargs)
         chief = self.ring.members.index(mon.chief_task)
-        values = {n: self.ring.broadcast(np.ascontiguousarray(v), root=chief) for n, v in params.items()}
         self.local = _LocalParams()
-        self.local.create(values, optimizer)
-        self.step = 0
-        return 0
+        self.local.create(params, optimizer)
+        step, saved = _ckpt.restore_store(restore) if restore else (-1, {})
+        if restore:
+            self.local.load(saved)
+        # the chief's replica (restored, or its initial values) becomes everyone's: values, slots, steps
+        self.step = int(self.ring.broadcast(np.array([step], np.int64), root=chief)[0])
+        for name in self.local.names:
+            p = self.local.store.get(name)
+            p.value[...] = self.ring.broadcast(p.value.copy(), root=chief)
+            if self.step >= 0:
+                for k in p.slots:
+                    p.slots[k][...] = self.ring.broadcast(p.slots[k].copy(), root=chief)
+                if p.steps is not None:
+                    p.steps[...] = self.ring.broadcast(p.steps.copy(), root=chief)
+        self.step = max(self.step, 0)
+        return self.step
+
+    def save(self, directory: str, step: int, keep: int) -> str:
+        return _ckpt.save_store(self.local.store, directory, step, keep)
+
+    def needs(self) -> list[TaskId]:
+        return default_members(self.mon.spec)
 
     def params(self) -> dict[str, np.ndarray]:
         return self.local.params()

@@ -1,0 +1,256 @@
+"""Checkpoints: sharded, atomic, restorable onto another number of shards, crash-safe."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import zmqflow as zf
+from zmqflow import checkpoint
+from zmqflow.testing import make_spec
+
+from .conftest import Proc
+
+SPARSE_IDS = np.array([1, 7, 7, 2**40])
+
+
+def populate(sess: zf.Session) -> None:
+    """Variables with optimizer state, a sync variable, a static and a dynamic table, all moved."""
+    w = sess.variable("w", np.arange(24, dtype=np.float64).reshape(8, 3), optimizer=zf.optim.Adam(0.1),
+                      partitioner=zf.fixed_size_partitioner(3))
+    w.push(np.ones((8, 3)))
+    w.push((np.array([0, 5]), np.ones((2, 3))))
+    s = sess.variable("s", np.zeros(4), optimizer=zf.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=1))
+    s.push(np.ones(4))
+    s.push(np.ones(4))
+    sess.variable("count", 0.0).assign_add(3.0)
+    emb = sess.embedding("emb", 10, 2, initializer=zf.init.normal(seed=1), optimizer=zf.optim.Adagrad(0.5))
+    emb.push([1, 3, 3], np.ones((3, 2), np.float32))
+    dyn = sess.embedding("dyn", None, 2, initializer=zf.init.normal(seed=2), optimizer=zf.optim.SGD(1.0))
+    dyn.lookup(SPARSE_IDS)
+    dyn.push(SPARSE_IDS[:2], np.ones((2, 2), np.float32))
+
+
+def state(servers: list[zf.Server]) -> dict:
+    """Every part and table row, with slots and step counts, keyed independently of placement."""
+    out: dict = {}
+    for server in servers:
+        ps = server.async_server.service("ps")
+        for (name, part), p in ps.store.parts.items():
+            out[(name, part)] = {"value": p.value.copy(), **{f"slot.{k}": v.copy() for k, v in p.slots.items()},
+                                 "steps": None if p.steps is None else p.steps.copy(),
+                                 "sync": None if p.sync is None else p.sync.step}
+        for (name, _), t in ps.tables.items():
+            ids, rows = t.export()
+            for i, r in zip(ids, rows):
+                out[(name, int(i))] = r.copy()
+    return out
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert sorted(a, key=str) == sorted(b, key=str)
+    for key in a:
+        if isinstance(a[key], dict):
+            for field in a[key]:
+                x, y = a[key][field], b[key][field]
+                if isinstance(x, np.ndarray):
+                    np.testing.assert_array_equal(x, y, err_msg=f"{key} {field}")
+                else:
+                    assert x == y, (key, field)
+        else:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=str(key))
+
+
+def cluster(ps: int):
+    spec = make_spec({"ps": ps, "worker": 1}, "tcp")
+    servers = [zf.Server(spec, f"ps:{i}") for i in range(ps)]
+    worker = zf.Server(spec, "worker:0")
+    return spec, servers, worker
+
+
+def test_save_and_restore_onto_three_shards_from_two(tmp_path):
+    spec, servers, worker = cluster(2)
+    try:
+        with zf.Session(worker.target) as sess:
+            populate(sess)
+            path = checkpoint.save(sess, str(tmp_path))
+            assert checkpoint.latest(str(tmp_path)) == path
+            before = state(servers)
+            manifest = json.loads(open(path).read())
+            assert manifest["step"] == 2 and len(manifest["shards"]) == 2
+    finally:
+        for s in [worker, *servers]:
+            s.stop()
+    spec3, servers3, worker3 = cluster(3)
+    try:
+        with zf.Session(worker3.target) as sess:
+            assert checkpoint.restore(sess, str(tmp_path)) == 2
+            after = state(servers3)
+            assert_same_state(before, after)
+            assert {p["task"] for p in sess.get("w").partitions} == {"ps:0", "ps:1", "ps:2"}  # re-placed over 3
+            assert sess.global_step() == 2
+            np.testing.assert_array_equal(sess.get_embedding("dyn").lookup(SPARSE_IDS, create=False),
+                                          np.stack([before[("dyn", int(i))] for i in SPARSE_IDS]))
+    finally:
+        for s in [worker3, *servers3]:
+            s.stop()
+
+
+def test_keep_the_last_n(tmp_path):
+    spec, servers, worker = cluster(1)
+    try:
+        with zf.Session(worker.target) as sess:
+            v = sess.variable("v", 0.0)
+            for step in range(5):
+                v.assign_add(1.0)
+                checkpoint.save(sess, str(tmp_path), step=step, keep=2)
+            found = checkpoint.checkpoints(str(tmp_path))
+            assert [os.path.basename(p) for p in found] == ["checkpoint-0000000003.json", "checkpoint-0000000004.json"]
+            assert len([f for f in os.listdir(tmp_path) if f.endswith(".npz")]) == 2
+            assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
+    finally:
+        for s in [worker, *servers]:
+            s.stop()
+
+
+SAVER = textwrap.dedent(
+    """
+    import sys, numpy as np, zmqflow as zf
+    with zf.Session(sys.argv[1]) as sess:
+        sess.get("v").assign(np.full(4, 2.0))
+        zf.checkpoint.save(sess, sys.argv[2], step=2)
+    print("saved", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("where", ["before-manifest", "mid-write", "shard-mid-write"])
+def test_a_crash_during_a_write_leaves_the_previous_checkpoint(tmp_path, procs, where):
+    ckpt = str(tmp_path / "ckpt")
+    cfile = tmp_path / "c.json"
+    spec = make_spec({"ps": 1, "worker": 1}, "tcp")
+    cfile.write_text(spec.to_json())
+    in_shard = where == "shard-mid-write"
+    # the shard writes its first file and dies in the middle of its second, as under kill -9
+    ps = procs([sys.executable, "-m", "zmqflow", "serve", "--cluster", str(cfile), "--task", "ps:0"],
+               env={"ZMQFLOW_CHECKPOINT_CRASH": "mid-write:2"} if in_shard else None)
+    ps.wait_for_line("serving ps:0", 30)
+    with zf.Server(spec, "worker:0") as worker, zf.Session(worker.target) as sess:
+        sess.variable("v", np.ones(4))
+        first = checkpoint.save(sess, ckpt, step=1)
+        script = tmp_path / "saver.py"
+        script.write_text(SAVER)
+        saver = Proc([sys.executable, str(script), worker.target, ckpt],
+                     env={} if in_shard else {"ZMQFLOW_CHECKPOINT_CRASH": where})
+        code = saver.wait(60)
+        saver.kill()
+    if in_shard:
+        assert ps.wait(10) == 137 and code != 0, saver.output
+    else:
+        assert code == 137, saver.output
+    assert any(".tmp-" in f for f in os.listdir(ckpt)) or where == "before-manifest"
+    assert checkpoint.latest(ckpt) == first  # the half-written one does not count
+    spec2, servers2, worker2 = cluster(1)
+    try:
+        with zf.Session(worker2.target) as sess:
+            assert checkpoint.restore(sess, ckpt) == 1
+            np.testing.assert_array_equal(sess.get("v").read(), np.ones(4))
+    finally:
+        for s in [worker2, *servers2]:
+            s.stop()
+
+
+def test_monitored_session_saves_and_the_next_run_restores(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+
+    def train(steps: int) -> tuple[int, np.ndarray, str | None]:
+        spec = make_spec({"ps": 1, "worker": 1}, "tcp")
+        with zf.Server(spec, "ps:0"), zf.MonitoredTrainingSession(
+            zf.ParameterServerStrategy(), cluster=spec, task="worker:0", checkpoint_dir=ckpt,
+            save_checkpoint_steps=5, hooks=[zf.StopAtStep(steps)], progress=False,
+        ) as mon:
+            mon.create({"w": np.zeros(3)}, optimizer=zf.optim.Momentum(0.1))
+            while not mon.should_stop():
+                mon.apply({"w": np.ones(3)})
+            return mon.step, mon.params()["w"], mon.restored_from
+
+    step, w, restored = train(10)
+    assert step == 10 and restored is None
+    assert [os.path.basename(p) for p in checkpoint.checkpoints(ckpt)][-1] == "checkpoint-0000000010.json"
+    step2, w2, restored2 = train(15)  # a new cluster: the chief restores step 10 and goes on to 15
+
+    def momentum(steps: int) -> np.ndarray:
+        ref, m = np.zeros(3), np.zeros(3)
+        for _ in range(steps):
+            m = 0.9 * m + 1.0
+            ref -= 0.1 * m
+        return ref
+
+    np.testing.assert_allclose(w, momentum(10), rtol=0, atol=1e-12)
+    assert restored2 is not None and step2 == 15
+    np.testing.assert_allclose(w2, momentum(15), rtol=0, atol=1e-12)  # momentum slots survived the restart
+
+
+def test_local_strategy_checkpoints(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    for steps in (4, 8):
+        with zf.MonitoredTrainingSession(checkpoint_dir=ckpt, save_checkpoint_steps=2, hooks=[zf.StopAtStep(steps)],
+                                         progress=False) as mon:
+            mon.create({"w": np.zeros(2)}, optimizer=zf.optim.Adam(0.1))
+            while not mon.should_stop():
+                mon.apply({"w": np.ones(2)})
+            last = mon.params()["w"]
+    ref = zf.LocalStrategy()
+    with zf.MonitoredTrainingSession(strategy=ref, hooks=[zf.StopAtStep(8)], progress=False) as mon:
+        mon.create({"w": np.zeros(2)}, optimizer=zf.optim.Adam(0.1))
+        while not mon.should_stop():
+            mon.apply({"w": np.ones(2)})
+        np.testing.assert_allclose(last, mon.params()["w"], rtol=0, atol=1e-12)
+
+
+def test_ring_strategy_restores_the_chiefs_replica_on_every_rank(tmp_path):
+    import threading
+
+    ckpt = str(tmp_path / "ckpt")
+
+    def run(steps: int) -> dict[str, np.ndarray]:
+        spec = make_spec({"worker": 2}, "tcp")
+        servers = [zf.Server(spec, f"worker:{i}") for i in range(2)]
+        finals: dict[str, np.ndarray] = {}
+        errors: list[BaseException] = []
+
+        def rank(i: int) -> None:
+            try:
+                with zf.MonitoredTrainingSession(zf.RingAllReduceStrategy(), server=servers[i], checkpoint_dir=ckpt,
+                                                 save_checkpoint_steps=3, hooks=[zf.StopAtStep(steps)], progress=False) as mon:
+                    mon.create({"w": np.zeros(2)}, optimizer=zf.optim.Adam(0.1))
+                    while not mon.should_stop():
+                        mon.apply({"w": np.full(2, 1.0 + i)})  # the mean is 1.5 on every rank
+                    finals[str(mon.task)] = mon.params()["w"]
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for s in servers:
+            s.stop()
+        assert not errors, errors
+        return finals
+
+    run(6)
+    finals = run(10)
+    with zf.MonitoredTrainingSession(hooks=[zf.StopAtStep(10)], progress=False) as mon:
+        mon.create({"w": np.zeros(2)}, optimizer=zf.optim.Adam(0.1))
+        while not mon.should_stop():
+            mon.apply({"w": np.full(2, 1.5)})
+        expected = mon.params()["w"]
+    for task, w in finals.items():
+        np.testing.assert_allclose(w, expected, rtol=0, atol=1e-12, err_msg=task)

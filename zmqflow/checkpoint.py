@@ -1,0 +1,258 @@
+"""Sharded, atomic checkpoints of everything on the ps shards.
+
+``save`` asks every shard to write its own file (variables, optimizer slots, per-row step counts,
+sync steps, dynamic-table rows), then writes a JSON manifest last: the manifest is the commit
+marker, so a checkpoint exists only once every shard file it names is complete. Each file goes to
+a temporary name, is fsynced and renamed; a crash at any moment leaves the previous checkpoint
+intact. Nothing is pickled: arrays are ``.npz`` read back with ``allow_pickle=False``.
+
+``restore`` reads the files (the checkpoint directory is shared, as TF's is) and puts every
+variable and table back on the shards of the current cluster, which may have a different number
+of ps tasks: parts keep their row ranges and are placed anew; dynamic-table rows are re-hashed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .ps.embedding import hash_owner
+from .errors import InvalidArgument, NotFound
+from .ps.partition import fixed_size_partitioner
+from .ps.snapshot import crash_point, fsync_dir, read_arrays, write_atomic
+from .services.catalog import shard_tasks
+
+if TYPE_CHECKING:
+    from .session import AsyncSession, Session
+
+__all__ = ["save", "restore", "latest", "checkpoints", "async_save", "async_restore", "save_store", "restore_store"]
+
+FORMAT = 1
+_MANIFEST = re.compile(r"^checkpoint-(\d+)\.json$")
+
+
+def _manifest_name(step: int) -> str:
+    return f"checkpoint-{step:010d}.json"
+
+
+def checkpoints(directory: str) -> list[str]:
+    """Manifests in ``directory`` whose shard files all exist, oldest first."""
+    try:
+        names = sorted(n for n in os.listdir(directory) if _MANIFEST.match(n))
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            with open(path) as fh:
+                manifest = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        if all(os.path.exists(os.path.join(directory, s["file"])) for s in manifest.get("shards", [])):
+            out.append(path)
+    return out
+
+
+def latest(directory: str) -> str | None:
+    """The newest complete checkpoint's manifest, or None."""
+    found = checkpoints(directory)
+    return found[-1] if found else None
+
+
+async def async_save(sess: "AsyncSession", directory: str, *, step: int | None = None, keep: int = 5) -> str:
+    os.makedirs(directory, exist_ok=True)
+    spec = await sess.cluster()
+    if step is None:
+        step = await _global_step(sess)
+    records = await sess._catalog_call("records", {})
+    tag = f"step{step:010d}-{int(time.time() * 1000)}"
+    shards = await asyncio.gather(*(
+        sess._call_task(t, "ps", "save", {"directory": os.path.abspath(directory), "file": f"{tag}-{t.job}{t.index}.npz"})
+        for t in shard_tasks(spec)
+    ))
+    for task, shard in zip(shard_tasks(spec), shards):
+        shard["task"] = str(task)
+    crash_point("before-manifest")
+    manifest = {"format": FORMAT, "step": int(step), "time": time.time(), "records": records, "shards": shards}
+    path = os.path.join(directory, _manifest_name(int(step)))
+    write_atomic(path, text=json.dumps(manifest, indent=1))
+    _prune(directory, keep)
+    return path
+
+
+def _prune(directory: str, keep: int) -> None:
+    """Keep the newest ``keep`` checkpoints: remove a manifest first, then its files."""
+    found = checkpoints(directory)
+    needed: set[str] = set()
+    for path in found[-keep:] if keep > 0 else found:
+        with open(path) as fh:
+            needed |= {s["file"] for s in json.load(fh)["shards"]}
+    for path in found[:-keep] if keep > 0 else []:
+        with open(path) as fh:
+            files = [s["file"] for s in json.load(fh)["shards"]]
+        os.remove(path)
+        for f in files:
+            if f not in needed:
+                try:
+                    os.remove(os.path.join(directory, f))
+                except FileNotFoundError:
+                    pass
+    fsync_dir(directory)
+
+
+async def _global_step(sess: "AsyncSession") -> int:
+    step = await sess.global_step()
+    if step:
+        return step
+    try:
+        return int(await (await sess.get("global_step", timeout=0)).read())
+    except NotFound:
+        return 0
+
+
+async def async_restore(sess: "AsyncSession", path: str) -> int:
+    """Put the checkpoint at ``path`` (a manifest, or a directory: its latest) back; returns its step."""
+    if os.path.isdir(path):
+        found = latest(path)
+        if found is None:
+            raise NotFound(f"no complete checkpoint in {path!r}")
+        path = found
+    directory = os.path.dirname(os.path.abspath(path))
+    with open(path) as fh:
+        manifest = json.load(fh)
+    if manifest.get("format") != FORMAT:
+        raise InvalidArgument(f"checkpoint {path!r} has format {manifest.get('format')!r}; this version reads {FORMAT}")
+    pieces: dict[tuple[str, int], tuple[dict[str, Any], dict[str, np.ndarray]]] = {}
+    for shard in manifest["shards"]:
+        arrays = read_arrays(os.path.join(directory, shard["file"]))
+        for entry in shard["entries"]:
+            pieces[(entry["name"], entry["part"])] = (entry, {k[len(entry["key"]) + 1:]: v for k, v in arrays.items()
+                                                              if k.startswith(entry["key"] + ".")})
+    for record in manifest["records"]:
+        if record.get("table") and record["table"]["kind"] == "hash":
+            await _restore_table(sess, record, pieces)
+        else:
+            await _restore_variable(sess, record, pieces)
+    sess.step = int(manifest["step"])
+    return int(manifest["step"])
+
+
+def _slots(saved: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k[len("slot."):]: v for k, v in saved.items() if k.startswith("slot.")}
+
+
+def _assemble(record: dict[str, Any], pieces: dict, field: str) -> np.ndarray | None:
+    arrays = [pieces[(record["name"], i)][1].get(field) for i in range(len(record["parts"]))]
+    if any(a is None for a in arrays):
+        return None
+    return arrays[0] if not record["shape"] else np.concatenate(arrays)
+
+
+async def _restore_variable(sess: "AsyncSession", record: dict[str, Any], pieces: dict) -> None:
+    name = record["name"]
+    value = _assemble(record, pieces, "value")
+    if value is None:
+        raise InvalidArgument(f"checkpoint has no value for every part of {name!r}")
+    table = record.get("table")
+    if table:  # a static embedding table: parts are row sets by strategy, one per part
+        emb = await sess.embedding(name, table["num_embeddings"], table["dim"], partitions=len(record["parts"]),
+                                   partition_strategy=table["strategy"], dtype=record["dtype"],
+                                   initializer=record.get("initializer"), optimizer=record.get("optimizer"))
+        tasks = list(emb.info.tasks)
+    else:
+        var = await sess.variable(name, value, optimizer=record.get("optimizer"),
+                                  partitioner=fixed_size_partitioner(len(record["parts"])) if record["shape"] else None)
+        tasks = [t for t, _, _ in var.info.parts]
+    calls = []
+    for i, task in enumerate(tasks):
+        _, saved = pieces[(name, i)]
+        body = {
+            "name": name,
+            "part": i,
+            "value": saved["value"],
+            "slots": _slots(saved),
+            "steps": saved.get("steps"),
+            "sync_step": int(saved["sync_step"]) if "sync_step" in saved else None,
+        }
+        calls.append(sess._call_task(task, "ps", "restore_part", body))
+    await asyncio.gather(*calls)
+
+
+async def _restore_table(sess: "AsyncSession", record: dict[str, Any], pieces: dict) -> None:
+    t = record["table"]
+    n_old = len(record["parts"])
+    saved = [pieces[(record["name"], i)][1] for i in range(n_old)]
+    emb = await sess.embedding(record["name"], None, t["dim"], dtype=record["dtype"], initializer=record.get("initializer"),
+                               optimizer=record.get("optimizer"), min_frequency=t["min_frequency"], capacity=t["capacity"])
+    ids = np.concatenate([s["ids"] for s in saved])
+    values = np.concatenate([s["value"] for s in saved])
+    steps = np.concatenate([s["steps"] for s in saved])
+    slots = {k: np.concatenate([_slots(s)[k] for s in saved]) for k in _slots(saved[0])}
+    owner = hash_owner(ids, emb.info.parts)
+    calls = []
+    for p, task in enumerate(emb.info.tasks):
+        m = owner == p
+        calls.append(sess._call_task(task, "ps", "emb_restore", {
+            "name": record["name"], "part": p, "ids": ids[m], "values": values[m],
+            "slots": {k: v[m] for k, v in slots.items()}, "steps": steps[m],
+        }))
+    await asyncio.gather(*calls)
+
+
+def save(sess: "Session", directory: str, *, step: int | None = None, keep: int = 5) -> str:
+    """Write a checkpoint of every shard into ``directory``; returns its manifest's path."""
+    return sess._run(async_save(sess._async, directory, step=step, keep=keep), 600)
+
+
+def restore(sess: "Session", path: str) -> int:
+    """Restore the latest checkpoint in a directory (or a given manifest); returns its step."""
+    return sess._run(async_restore(sess._async, path), 600)
+
+
+def save_store(store: Any, directory: str, step: int, keep: int = 5) -> str:
+    """Checkpoint a replica held in this process (a ``ShardStore``): one file, then the manifest."""
+    from .ps.snapshot import part_arrays
+
+    os.makedirs(directory, exist_ok=True)
+    arrays: dict[str, np.ndarray] = {}
+    entries = []
+    records = []
+    for i, ((name, part), p) in enumerate(sorted(store.parts.items())):
+        arrays.update(part_arrays(p, f"p{i}"))
+        entries.append({"kind": "part", "name": name, "part": part, "key": f"p{i}", "rows": list(p.rows)})
+        records.append({"name": name, "shape": list(p.full_shape), "dtype": str(p.dtype), "parts": [{"task": "local", "rows": list(p.rows)}],
+                        "optimizer": None if p.optimizer is None else p.optimizer.spec(), "table": None})
+    file = f"step{step:010d}-{int(time.time() * 1000)}-replica.npz"
+    write_atomic(os.path.join(directory, file), arrays)
+    crash_point("before-manifest")
+    manifest = {"format": FORMAT, "step": int(step), "time": time.time(), "records": records,
+                "shards": [{"task": "local", "file": file, "entries": entries}]}
+    path = os.path.join(directory, _manifest_name(int(step)))
+    write_atomic(path, text=json.dumps(manifest, indent=1))
+    _prune(directory, keep)
+    return path
+
+
+def restore_store(path: str) -> tuple[int, dict[str, dict[str, np.ndarray]]]:
+    """(step, {name: {"value", "slot.*", "steps"}}) from a replica checkpoint (single-part variables)."""
+    if os.path.isdir(path):
+        found = latest(path)
+        if found is None:
+            raise NotFound(f"no complete checkpoint in {path!r}")
+        path = found
+    directory = os.path.dirname(os.path.abspath(path))
+    with open(path) as fh:
+        manifest = json.load(fh)
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for shard in manifest["shards"]:
+        arrays = read_arrays(os.path.join(directory, shard["file"]))
+        for e in shard["entries"]:
+            out[e["name"]] = {k[len(e["key"]) + 1:]: v for k, v in arrays.items() if k.startswith(e["key"] + ".")}
+    return int(manifest["step"]), out

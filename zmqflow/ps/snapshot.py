@@ -1,0 +1,92 @@
+"""What a shard writes into a checkpoint, and how it is written: sans-IO but for the file.
+
+A shard's checkpoint file is one ``.npz`` (numpy's zip of ``.npy`` arrays, read back with
+``allow_pickle=False``: nothing in a checkpoint can execute code). Files are written to a
+temporary name in the same directory, flushed and fsynced, then renamed over the final name, and
+the directory is fsynced: a crash at any moment leaves either the old file or the new one.
+"""
+
+from __future__ import annotations
+
+import os
+import numpy as np
+
+from ..errors import InvalidArgument
+from .embedding import HashTable
+from .store import Part
+
+__all__ = ["part_arrays", "table_arrays", "write_atomic", "read_arrays", "fsync_dir", "crash_point"]
+
+
+_passes: dict[str, int] = {}
+
+
+def crash_point(where: str) -> None:
+    """Fault injection for tests: die like ``kill -9`` at a named point when
+    ``ZMQFLOW_CHECKPOINT_CRASH`` is ``where`` (every time) or ``where:N`` (the N-th time)."""
+    wanted = os.environ.get("ZMQFLOW_CHECKPOINT_CRASH")
+    if not wanted:
+        return
+    name, _, nth = wanted.partition(":")
+    if name != where:
+        return
+    _passes[where] = _passes.get(where, 0) + 1
+    if not nth or _passes[where] == int(nth):
+        os._exit(137)
+
+
+def part_arrays(p: Part, key: str) -> dict[str, np.ndarray]:
+    out = {f"{key}.value": p.value}
+    for name, slot in p.slots.items():
+        out[f"{key}.slot.{name}"] = slot
+    if p.steps is not None:
+        out[f"{key}.steps"] = p.steps
+    if p.sync is not None:
+        out[f"{key}.sync_step"] = np.array(p.sync.step, np.int64)
+    return out
+
+
+def table_arrays(t: HashTable, key: str) -> dict[str, np.ndarray]:
+    live = np.fromiter(t.index.values(), dtype=np.int64, count=len(t.index))
+    live = live[np.argsort(t.ids[live], kind="stable")]
+    out = {f"{key}.ids": t.ids[live], f"{key}.value": t.values[live], f"{key}.steps": t.steps[live]}
+    for name, slot in t.slots.items():
+        out[f"{key}.slot.{name}"] = slot[live]
+    return out
+
+
+def fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, arrays: dict[str, np.ndarray] | None = None, text: str | None = None) -> None:
+    """Write ``arrays`` (as npz) or ``text`` to ``path`` so that a crash leaves the old or the new file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        if arrays is not None:
+            np.savez(fh, **arrays)
+        else:
+            fh.write((text or "").encode())
+        fh.flush()
+        crash_point("mid-write")
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(directory)
+
+
+def read_arrays(path: str) -> dict[str, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {k: data[k] for k in data.files}
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"cannot read checkpoint file {path!r}: {exc}") from None

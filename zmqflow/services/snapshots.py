@@ -1,0 +1,80 @@
+"""Checkpoint ops of the ps service: write this shard's state to a file, put state back."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgument
+from ..ps.embedding import HashTable
+from ..ps.snapshot import part_arrays, table_arrays, write_atomic
+from ..ps.store import PartKey, ShardStore
+from ..rpc import CallContext, op
+
+__all__ = ["SnapshotOps"]
+
+
+class SnapshotOps:
+    """Mixed into the ps service, which provides ``store`` and ``tables``."""
+
+    store: ShardStore
+    tables: dict[PartKey, HashTable]
+
+    @op
+    def save(self, ctx: CallContext, directory: str, file: str) -> dict[str, Any]:
+        """Write every part and table of this shard to ``directory/file``, atomically. Runs on the
+        loop without yielding, so the file is one consistent moment of this shard."""
+        if os.sep in file or file.startswith("."):
+            raise InvalidArgument(f"checkpoint file name {file!r} must be a plain name")
+        os.makedirs(directory, exist_ok=True)
+        arrays: dict[str, np.ndarray] = {}
+        entries = []
+        for i, ((name, part), p) in enumerate(sorted(self.store.parts.items())):
+            key = f"p{i}"
+            arrays.update(part_arrays(p, key))
+            entries.append({"kind": "part", "name": name, "part": part, "key": key, "rows": list(p.rows)})
+        for j, ((name, part), t) in enumerate(sorted(self.tables.items())):
+            key = f"t{j}"
+            arrays.update(table_arrays(t, key))
+            entries.append({"kind": "table", "name": name, "part": part, "key": key, "rows": len(t)})
+        write_atomic(os.path.join(directory, file), arrays)
+        return {"file": file, "entries": entries}
+
+    @op
+    def restore_part(self, ctx: CallContext, name: str, part: int, value: np.ndarray, slots: dict | None = None,
+                     steps: np.ndarray | None = None, sync_step: int | None = None) -> bool:
+        """Put a part's value, optimizer slots, step counts and sync step back (all checked first)."""
+        p = self.store.get(name, part)
+        _same(value, p.value, f"{p.label} value")
+        slots = slots or {}
+        for k, v in slots.items():
+            if k not in p.slots:
+                raise InvalidArgument(f"{p.label} has no optimizer slot {k!r} (slots: {', '.join(p.slots) or 'none'})")
+            _same(v, p.slots[k], f"{p.label} slot {k!r}")
+        if steps is not None and p.steps is not None:
+            _same(steps, p.steps, f"{p.label} steps")
+        p.value[...] = value
+        for k, v in slots.items():
+            p.slots[k][...] = v
+        if steps is not None and p.steps is not None:
+            p.steps[...] = steps
+        if sync_step is not None and p.sync is not None:
+            p.sync.take()  # drop what was pending for the old step
+            p.sync.step = int(sync_step)
+        return True
+
+    @op
+    def emb_restore(self, ctx: CallContext, name: str, part: int, ids: np.ndarray, values: np.ndarray,
+                    slots: dict | None = None, steps: np.ndarray | None = None) -> int:
+        table = self.tables.get((name, int(part)))
+        if table is None:
+            raise InvalidArgument(f"embedding {name!r} part {part} is not a dynamic table on this shard")
+        return table.load(ids, values, slots or {}, steps)
+
+
+def _same(x: Any, like: np.ndarray, what: str) -> None:
+    if not isinstance(x, np.ndarray) or x.dtype != like.dtype or x.shape != like.shape:
+        got = f"{x.dtype} {list(x.shape)}" if isinstance(x, np.ndarray) else type(x).__name__
+        raise InvalidArgument(f"{what}: expected {like.dtype} {list(like.shape)}, got {got}")
