@@ -111,3 +111,24 @@ def test_demo_reaches_its_accuracy(tmp_path, procs, strategy):
     assert got["test_accuracy"] >= 0.90, got
     assert got["workers"] == 2 and got["samples_per_s"] > 0
     assert "test accuracy" in p.output and "[worker:0]" in p.output
+
+
+def test_summary_hook_writes_json_lines_without_tensorboardx(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_tensorboardx(name, *args, **kwargs):
+        if name.startswith("tensorboardX"):
+            raise ImportError("not installed")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboardx)
+    hook = zf.SummaryHook(every_n_steps=2, output_dir=str(tmp_path))
+    with zf.MonitoredTrainingSession(hooks=[zf.StopAtStep(6), hook], progress=False) as mon:
+        mon.create({"w": np.zeros(1)}, optimizer=zf.optim.SGD(0.1))
+        while not mon.should_stop():
+            mon.apply({"w": np.ones(1)}, metrics={"loss": float(mon.step)})
+    lines = [json.loads(x) for x in (tmp_path / "summaries-local.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [2, 4, 6]
+    assert [x["loss"] for x in lines] == [1.0, 3.0, 5.0]

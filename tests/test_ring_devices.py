@@ -1,0 +1,77 @@
+"""Ring collectives on other array types: cupy on a GPU, DLPack tensors, bfloat16.
+
+Each test runs only where its library (and device) is present and says why it skips otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import zmqflow as zf
+from zmqflow.testing import local_cluster
+
+from .conftest import arun
+
+
+def _two_ranks(make, check, op="sum"):
+    async def main():
+        async with local_cluster({"worker": 2}, timeout=10, transport="tcp") as servers:
+            rings = [zf.Ring(servers[f"worker:{i}"], chunk_bytes=1 << 16) for i in range(2)]
+            outs = await asyncio.gather(*(r.allreduce(make(i), op=op) for i, r in enumerate(rings)))
+            for out in outs:
+                check(out)
+
+    arun(main())
+
+
+def _gpu():
+    cp = pytest.importorskip("cupy", reason="cupy is not installed: the GPU path is tested where a GPU is present")
+    try:
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("cupy is installed but no GPU is visible")
+    except Exception as exc:  # no driver, no device
+        pytest.skip(f"no usable GPU: {exc}")
+    return cp
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32", "int64"])
+def test_cupy_arrays_are_reduced_on_the_gpu_and_come_back_as_cupy(dtype):
+    cp = _gpu()
+    n = 300_007
+
+    def make(i):
+        return cp.arange(n, dtype=dtype) % 17 + i
+
+    def check(out):
+        assert isinstance(out, cp.ndarray) and out.dtype == np.dtype(dtype)
+        expected = (np.arange(n) % 17) * 2 + 1
+        np.testing.assert_allclose(cp.asnumpy(out).astype(np.float64), expected, rtol=1e-3 if dtype == "float16" else 0)
+
+    _two_ranks(make, check)
+
+
+def test_dlpack_tensors_are_reduced_in_place():
+    torch = pytest.importorskip("torch", reason="torch is not installed: DLPack interchange is tested where it is")
+    tensors = [torch.arange(10, dtype=torch.float32) * (i + 1) for i in range(2)]
+
+    def check(out):
+        assert isinstance(out, torch.Tensor)
+        np.testing.assert_array_equal(out.numpy(), np.arange(10, dtype=np.float32) * 3)
+
+    _two_ranks(lambda i: tensors[i], check)
+    for t in tensors:  # written back into the caller's tensors, zero-copy
+        np.testing.assert_array_equal(t.numpy(), np.arange(10, dtype=np.float32) * 3)
+
+
+def test_bfloat16_where_ml_dtypes_is_installed():
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is not installed: bfloat16 needs it")
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+
+    def check(out):
+        assert out.dtype == bf16
+        np.testing.assert_array_equal(out.astype(np.float32), np.full(5, 3.0, np.float32))
+
+    _two_ranks(lambda i: np.full(5, i + 1, bf16), check)
