@@ -117,16 +117,20 @@ async def _global_step(sess: "AsyncSession") -> int:
         return 0
 
 
-async def async_restore(sess: "AsyncSession", path: str) -> int:
-    """Put the checkpoint at ``path`` (a manifest, or a directory: its latest) back; returns its step."""
+def _open_manifest(path: str) -> tuple[str, str, dict[str, Any]]:
+    """(manifest path, its directory, its contents) for a manifest or a directory's latest."""
     if os.path.isdir(path):
         found = latest(path)
         if found is None:
             raise NotFound(f"no complete checkpoint in {path!r}")
         path = found
-    directory = os.path.dirname(os.path.abspath(path))
     with open(path) as fh:
-        manifest = json.load(fh)
+        return path, os.path.dirname(os.path.abspath(path)), json.load(fh)
+
+
+async def async_restore(sess: "AsyncSession", path: str) -> int:
+    """Put the checkpoint at ``path`` (a manifest, or a directory: its latest) back; returns its step."""
+    path, directory, manifest = _open_manifest(path)
     if manifest.get("format") != FORMAT:
         raise InvalidArgument(f"checkpoint {path!r} has format {manifest.get('format')!r}; this version reads {FORMAT}")
     pieces: dict[tuple[str, int], tuple[dict[str, Any], dict[str, np.ndarray]]] = {}
@@ -242,14 +246,7 @@ def save_store(store: Any, directory: str, step: int, keep: int = 5) -> str:
 
 def restore_store(path: str) -> tuple[int, dict[str, dict[str, np.ndarray]]]:
     """(step, {name: {"value", "slot.*", "steps"}}) from a replica checkpoint (single-part variables)."""
-    if os.path.isdir(path):
-        found = latest(path)
-        if found is None:
-            raise NotFound(f"no complete checkpoint in {path!r}")
-        path = found
-    directory = os.path.dirname(os.path.abspath(path))
-    with open(path) as fh:
-        manifest = json.load(fh)
+    path, directory, manifest = _open_manifest(path)
     out: dict[str, dict[str, np.ndarray]] = {}
     for shard in manifest["shards"]:
         arrays = read_arrays(os.path.join(directory, shard["file"]))

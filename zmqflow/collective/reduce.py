@@ -17,6 +17,7 @@ from ..errors import InvalidArgument
 __all__ = ["OPS", "NumpyBackend", "CupyBackend", "backend_for", "finish_mean"]
 
 OPS = ("sum", "mean", "min", "max")
+_UFUNC = {"sum": "add", "mean": "add", "min": "minimum", "max": "maximum"}  # mean divides at the end
 
 try:  # optional: the GPU path
     import cupy as _cp  # type: ignore[import-not-found]
@@ -41,12 +42,7 @@ class NumpyBackend:
 
     def fold(self, a: int, b: int, incoming: np.ndarray, op: str) -> None:
         target = self.buf[a:b]
-        if op in ("sum", "mean"):
-            np.add(target, incoming, out=target)
-        elif op == "min":
-            np.minimum(target, incoming, out=target)
-        else:
-            np.maximum(target, incoming, out=target)
+        getattr(np, _UFUNC[op])(target, incoming, out=target)
 
     def place(self, a: int, b: int, incoming: np.ndarray) -> None:
         self.buf[a:b] = incoming
@@ -77,14 +73,8 @@ class CupyBackend:  # pragma: no cover - runs where a GPU is present
 
     def fold(self, a: int, b: int, incoming: np.ndarray, op: str) -> None:
         with self.stream:
-            dev = _cp.asarray(incoming)
             target = self.buf[a:b]
-            if op in ("sum", "mean"):
-                _cp.add(target, dev, out=target)
-            elif op == "min":
-                _cp.minimum(target, dev, out=target)
-            else:
-                _cp.maximum(target, dev, out=target)
+            getattr(_cp, _UFUNC[op])(target, _cp.asarray(incoming), out=target)
 
     def place(self, a: int, b: int, incoming: np.ndarray) -> None:
         with self.stream:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..splits import even_splits
+
 __all__ = ["Step", "segments", "chunks", "scatter_reduce", "allgather", "RS", "AG"]
 
 RS, AG = "rs", "ag"
@@ -28,13 +30,7 @@ class Step:
 
 def segments(total: int, n: int) -> list[tuple[int, int]]:
     """``n`` contiguous ranges covering ``[0, total)``, sizes as ``np.array_split``."""
-    base, extra = divmod(total, n)
-    out, start = [], 0
-    for i in range(n):
-        stop = start + base + (1 if i < extra else 0)
-        out.append((start, stop))
-        start = stop
-    return out
+    return even_splits(total, n)
 
 
 def chunks(total: int, n: int, chunk: int) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgument
+from ..splits import even_splits
 
 __all__ = [
     "Partitioner",
@@ -91,10 +92,4 @@ def num_partitions(partitioner: "Partitioner | Callable[..., Any] | int | None",
 
 def row_splits(dim: int, n: int) -> list[tuple[int, int]]:
     """Row ranges of ``n`` parts of ``dim`` rows: the first ``dim % n`` get one more."""
-    base, extra = divmod(dim, n)
-    out, start = [], 0
-    for i in range(n):
-        stop = start + base + (1 if i < extra else 0)
-        out.append((start, stop))
-        start = stop
-    return out
+    return even_splits(dim, n)
