@@ -132,3 +132,39 @@ def test_summary_hook_writes_json_lines_without_tensorboardx(tmp_path, monkeypat
     lines = [json.loads(x) for x in (tmp_path / "summaries-local.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [2, 4, 6]
     assert [x["loss"] for x in lines] == [1.0, 3.0, 5.0]
+
+
+SYNC_CRASH = textwrap.dedent(
+    """
+    import os, sys, numpy as np, zmqflow as zf
+    marker = os.path.join(sys.argv[1], os.environ["ZMQFLOW_TASK"] + ".started")
+    first_run = not os.path.exists(marker)
+    open(marker, "a").close()
+    with zf.MonitoredTrainingSession(zf.ParameterServerStrategy(sync=True), hooks=[zf.StopAtStep(30)],
+                                     progress=False) as mon:
+        mon.create({"w": np.zeros(2)}, optimizer=zf.optim.SGD(0.1))
+        print("joined at step", mon.step, "first" if first_run else "again", flush=True)
+        while not mon.should_stop():
+            mon.apply({"w": np.ones(2)})
+            if first_run and mon.task_name == "worker:1" and mon.step == 5:
+                os._exit(1)  # dies holding no token: the others must not hang
+        print("finished at step", mon.step, flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_sync_ps_goes_on_without_a_dead_worker_and_takes_it_back(tmp_path, procs, restart):
+    script = tmp_path / "sync_crash.py"
+    script.write_text(SYNC_CRASH)
+    policy = ["--restart", "on-failure"] if restart else []
+    p = procs([*ZMQFLOW, "launch", "--workers", "2", "--ps", "1", *policy, "--", sys.executable, str(script), str(tmp_path)])
+    code = p.wait(120)
+    assert "[worker:0] finished at step 30" in p.output, p.output
+    if restart:  # the restarted worker rejoins the synchronous steps where they are, and trains on
+        assert code == 0, p.output
+        assert "restarting worker:1" in p.output and "[worker:1] finished at step 30" in p.output
+        assert "[worker:1] joined at step" in p.output and " again" in p.output
+    else:  # no one brings it back: the survivor's steps complete without it (and the run reports the failure)
+        assert code == 1, p.output
+        assert "completes with 1 of 2 replicas; gone: worker:1" in p.output

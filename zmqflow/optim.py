@@ -110,6 +110,9 @@ class SyncReplicas:
     optimizer: Optimizer = field(default_factory=SGD)
     replicas_to_aggregate: int = 1
     total_num_replicas: int | None = None
+    # When a replica that pushed before is gone (its connection dropped), finish the step with the
+    # gradients of the live ones instead of failing the others with DeadlineExceeded.
+    drop_dead_replicas: bool = False
 
     def __post_init__(self) -> None:
         _count(self.replicas_to_aggregate, "replicas_to_aggregate")
@@ -127,6 +130,7 @@ class SyncReplicas:
             "optimizer": self.optimizer.spec(),
             "replicas_to_aggregate": self.replicas_to_aggregate,
             "total_num_replicas": self.total_num_replicas,
+            "drop_dead_replicas": self.drop_dead_replicas,
         }
 
 
@@ -151,7 +155,8 @@ def from_spec(spec: Any) -> Optimizer | SyncReplicas | None:
         if not isinstance(inner, Optimizer):
             raise InvalidArgument("SyncReplicas needs an optimizer to wrap")
         return SyncReplicas(inner, _count(spec.get("replicas_to_aggregate", 1), "replicas_to_aggregate"),
-                            None if spec.get("total_num_replicas") is None else _count(spec["total_num_replicas"], "total_num_replicas"))
+                            None if spec.get("total_num_replicas") is None else _count(spec["total_num_replicas"], "total_num_replicas"),
+                            bool(spec.get("drop_dead_replicas", False)))
     cls = _CLASSES.get(kind)  # type: ignore[arg-type]
     if cls is None:
         raise InvalidArgument(f"unknown optimizer {kind!r}; known: {', '.join(sorted(_CLASSES))}, sync_replicas")

@@ -61,7 +61,7 @@ class AsyncServer:
         shards = shard_tasks(self.spec)
         if self.task in shards:
             replicas = [str(t) for t in self.spec.tasks if t.job in ("chief", "worker")]
-            self._services["ps"] = PsService(replicas)
+            self._services["ps"] = PsService(replicas, reachable=self.client_reachable)
         if self.task == shards[0]:
             self._services["catalog"] = CatalogService(self.spec)
         self._services.update(services or {})
@@ -79,6 +79,10 @@ class AsyncServer:
         if self._client is None:
             raise RuntimeError(f"server {self.task} is not started")
         return self._client
+
+    def client_reachable(self, identity: bytes) -> bool:
+        """Whether a client (by routing id) still has a connection to this task."""
+        return self._rpc is not None and self._rpc.reachable(identity)
 
     def service_names(self) -> list[str]:
         return list(self._services)

@@ -118,7 +118,7 @@ class ShardStore:
         opt = _optim.from_spec(optimizer)
         sync = None
         if isinstance(opt, _optim.SyncReplicas):
-            sync = SyncState(opt.replicas_to_aggregate, opt.total_num_replicas)
+            sync = SyncState(opt.replicas_to_aggregate, opt.total_num_replicas, opt.drop_dead_replicas)
             opt = opt.optimizer
         p = Part(name, int(part), full, (r0, r1), dt, np.empty(0, dt), opt, sync=sync, num_parts=int(num_parts))
         if value is not None:

@@ -18,9 +18,10 @@ STALE, PENDING, READY = "stale", "pending", "ready"
 
 
 class SyncState:
-    def __init__(self, replicas_to_aggregate: int, total_num_replicas: int | None = None):
+    def __init__(self, replicas_to_aggregate: int, total_num_replicas: int | None = None, drop_dead: bool = False):
         self.replicas_to_aggregate = int(replicas_to_aggregate)
         self.total_num_replicas = total_num_replicas
+        self.drop_dead = drop_dead
         self.step = 0
         self.dropped = 0
         self._dense: dict[tuple[int, int], np.ndarray] = {}  # row range -> summed gradient
@@ -57,8 +58,9 @@ class SyncState:
         return READY if len(self.contributors) >= self.replicas_to_aggregate else PENDING
 
     def take(self) -> tuple[dict[tuple[int, int], np.ndarray], tuple[np.ndarray, np.ndarray] | None]:
-        """The mean gradients to apply now; advances the step and starts the next one."""
-        n = float(self.replicas_to_aggregate)
+        """The mean gradients to apply now (over the contributions received: all of them, or fewer
+        when dead replicas were dropped); advances the step and starts the next one."""
+        n = float(max(1, len(self.contributors)))
         dense = {rows: (g / n).astype(g.dtype, copy=False) for rows, g in self._dense.items()}
         sparse = None
         if self._sparse:

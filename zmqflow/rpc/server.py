@@ -173,6 +173,17 @@ class RpcServer:
         else:
             self.counters.undeliverable += 1
 
+    def reachable(self, identity: bytes) -> bool:
+        """Whether the client with this routing id is still connected. ROUTER_MANDATORY refuses a
+        message to a peer that is gone; the probe (a reply to request 0) is ignored by clients."""
+        if self._channel is None or self._channel.closed:
+            return False
+        try:
+            self._channel.try_send([identity, *encode(Message(REPLY, 0, body=None))])
+        except zmq.ZMQError:
+            return False
+        return True
+
     def _count_out(self, frames: list[Any]) -> None:
         self.counters.msgs_out += 1
         self.counters.bytes_out += frames_nbytes(frames)

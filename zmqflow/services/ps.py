@@ -8,7 +8,9 @@ replicas that did not push.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,6 +25,8 @@ from ..rpc import CallContext, Service, op
 
 __all__ = ["PsService"]
 
+log = logging.getLogger(__name__)
+
 # A waiting sync push gives up this long before its caller's deadline, so its own error (naming
 # the missing replicas) reaches the caller instead of a bare timeout.
 _SYNC_MARGIN = 0.25
@@ -31,8 +35,10 @@ _SYNC_MARGIN = 0.25
 class PsService(Service, TableOps, SnapshotOps):
     name = "ps"
 
-    def __init__(self, replicas: list[str] | None = None):
+    def __init__(self, replicas: list[str] | None = None, reachable: Callable[[bytes], bool] | None = None):
         super().__init__()
+        self._reachable = reachable
+        self._pushers: dict[str, bytes] = {}  # replica name -> the routing id it last pushed from
         self.store = ShardStore()
         self.tables: dict[PartKey, HashTable] = {}
         self._table_specs: dict[PartKey, tuple] = {}
@@ -109,6 +115,7 @@ class PsService(Service, TableOps, SnapshotOps):
             if step is None:
                 raise InvalidArgument(f"variable {p.label} is synchronous: pushes must carry the pusher's step")
             mine = min(int(step), p.sync.step)
+            self._pushers[ctx.source or "anonymous"] = ctx.peer
             outcome = p.sync.offer(int(step), ctx.source or "anonymous", grads["dense"], grads["sparse"])
             if outcome == STALE:
                 stale = True
@@ -144,9 +151,27 @@ class PsService(Service, TableOps, SnapshotOps):
                     missing=missing,
                 )
             try:
-                await asyncio.wait_for(event.wait(), remaining)
+                await asyncio.wait_for(event.wait(), remaining if not p.sync.drop_dead else min(remaining or 0.5, 0.5))
             except TimeoutError:
+                if p.sync.drop_dead and p.sync.step <= mine:
+                    self._drop_dead(key)
                 continue
+
+    def _drop_dead(self, key: PartKey) -> None:
+        """Finish the pending step when every replica that has not pushed is known to be gone."""
+        p = self.store.get(*key)
+        sync = p.sync
+        if sync is None or not sync.contributors or self._reachable is None:
+            return
+        missing = sync.missing(self.replicas)
+        gone = [m for m in missing if m in self._pushers and not self._reachable(self._pushers[m])]
+        if not missing or len(gone) < len(missing):
+            return
+        log.warning("%s: step %d completes with %d of %d replicas; gone: %s", p.label, sync.step,
+                    len(sync.contributors), sync.replicas_to_aggregate, ", ".join(gone))
+        mean_dense, mean_sparse = sync.take()
+        self._apply(key, mean_dense, mean_sparse)
+        self._advanced.pop(key, asyncio.Event()).set()
 
     def _check_rows(self, name: str, part: int, start: int | None, stop: int | None, value: Any, what: str) -> None:
         p = self.store.get(name, part)

@@ -136,7 +136,8 @@ class ParameterServerStrategy(Strategy):
         sess = mon.session
         opt = optimizer
         if self.sync and optimizer is not None:
-            opt = _optim.SyncReplicas(optimizer, replicas_to_aggregate=mon.num_workers, total_num_replicas=mon.num_workers)
+            opt = _optim.SyncReplicas(optimizer, replicas_to_aggregate=mon.num_workers, total_num_replicas=mon.num_workers,
+                                      drop_dead_replicas=True)
         self.names = list(params)
         if mon.is_chief:
             restored = set()
