@@ -22,11 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .embedding import create_table_parts
 from .ps.embedding import hash_owner
 from .errors import InvalidArgument, NotFound
 from .ps.partition import fixed_size_partitioner
 from .ps.snapshot import crash_point, fsync_dir, read_arrays, write_atomic
 from .services.catalog import shard_tasks
+from .variables import create_parts
 
 if TYPE_CHECKING:
     from .session import AsyncSession, Session
@@ -165,14 +167,18 @@ async def _restore_variable(sess: "AsyncSession", record: dict[str, Any], pieces
     if value is None:
         raise InvalidArgument(f"checkpoint has no value for every part of {name!r}")
     table = record.get("table")
+    # Parts are (re)created wherever the catalog places them: a shard that restarted empty gets
+    # its parts back; parts that survived are kept and then overwritten below.
     if table:  # a static embedding table: parts are row sets by strategy, one per part
         emb = await sess.embedding(name, table["num_embeddings"], table["dim"], partitions=len(record["parts"]),
                                    partition_strategy=table["strategy"], dtype=record["dtype"],
                                    initializer=record.get("initializer"), optimizer=record.get("optimizer"))
+        await create_table_parts(sess, emb.info, record)
         tasks = list(emb.info.tasks)
     else:
         var = await sess.variable(name, value, optimizer=record.get("optimizer"),
                                   partitioner=fixed_size_partitioner(len(record["parts"])) if record["shape"] else None)
+        await create_parts(sess, var.info, value)
         tasks = [t for t, _, _ in var.info.parts]
     calls = []
     for i, task in enumerate(tasks):
@@ -195,6 +201,7 @@ async def _restore_table(sess: "AsyncSession", record: dict[str, Any], pieces: d
     saved = [pieces[(record["name"], i)][1] for i in range(n_old)]
     emb = await sess.embedding(record["name"], None, t["dim"], dtype=record["dtype"], initializer=record.get("initializer"),
                                optimizer=record.get("optimizer"), min_frequency=t["min_frequency"], capacity=t["capacity"])
+    await create_table_parts(sess, emb.info, record)
     ids = np.concatenate([s["ids"] for s in saved])
     values = np.concatenate([s["value"] for s in saved])
     steps = np.concatenate([s["steps"] for s in saved])

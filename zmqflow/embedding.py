@@ -29,7 +29,7 @@ from .wire.dtypes import dtype_from_name, dtype_name
 if TYPE_CHECKING:
     from .session import AsyncSession
 
-__all__ = ["TableInfo", "AsyncEmbedding", "declare_embedding", "COMBINERS"]
+__all__ = ["TableInfo", "AsyncEmbedding", "declare_embedding", "create_table_parts", "COMBINERS"]
 
 COMBINERS = ("sum", "mean", "sqrtn")
 
@@ -121,16 +121,23 @@ async def declare_embedding(sess: "AsyncSession", name: str, num_embeddings: int
     })
     info = TableInfo.from_record(record)
     if not record["ready"]:
-        await asyncio.gather(*(
-            sess._call_task(task, "ps", "emb_create", {
-                "name": name, "part": p, "kind": table["kind"], "dim": dim, "dtype": dtype_name(dt),
-                "rows": info.part_rows[p], "num_embeddings": num_embeddings, "num_parts": info.parts,
-                "optimizer": opt_spec, "initializer": init_spec, "min_frequency": int(min_frequency), "capacity": capacity,
-            })
-            for p, task in enumerate(info.tasks)
-        ))
+        await create_table_parts(sess, info, record)
         await sess._catalog_call("mark_ready", {"name": name})
     return info
+
+
+async def create_table_parts(sess: "AsyncSession", info: TableInfo, record: dict[str, Any]) -> None:
+    """Create every part of a table on its shard (get-or-create: parts that exist are kept)."""
+    t = record["table"]
+    await asyncio.gather(*(
+        sess._call_task(task, "ps", "emb_create", {
+            "name": info.name, "part": p, "kind": t["kind"], "dim": info.dim, "dtype": dtype_name(info.dtype),
+            "rows": info.part_rows[p], "num_embeddings": info.num_embeddings, "num_parts": info.parts,
+            "optimizer": record.get("optimizer"), "initializer": record.get("initializer"),
+            "min_frequency": t["min_frequency"], "capacity": t["capacity"],
+        })
+        for p, task in enumerate(info.tasks)
+    ))
 
 
 class AsyncEmbedding:

@@ -29,7 +29,7 @@ from .wire.dtypes import dtype_from_name, dtype_name
 if TYPE_CHECKING:  # the session drives variables; variables never import it at run time
     from .session import AsyncSession
 
-__all__ = ["SLICE_BYTES", "VarInfo", "AsyncVariable", "declare", "pull", "push", "assign", "scatter"]
+__all__ = ["SLICE_BYTES", "VarInfo", "AsyncVariable", "declare", "create_parts", "pull", "push", "assign", "scatter"]
 
 SLICE_BYTES = 4 << 20
 
@@ -174,12 +174,14 @@ async def declare(
     )
     info = VarInfo.from_record(record)
     if not record["ready"]:
-        await _create_parts(sess, info, value, len(splits))
+        await create_parts(sess, info, value)
         await sess._catalog_call("mark_ready", {"name": name})
     return info
 
 
-async def _create_parts(sess: "AsyncSession", info: VarInfo, value: np.ndarray | None, n: int) -> None:
+async def create_parts(sess: "AsyncSession", info: VarInfo, value: np.ndarray | None) -> None:
+    """Create every part on its shard (get-or-create: parts that exist are kept as they are)."""
+    n = len(info.parts)
     calls = []
     for i, (task, r0, r1) in enumerate(info.parts):
         body = {

@@ -82,6 +82,7 @@ class MonitoredTrainingSession:
         if progress and self.is_chief and any(isinstance(h, StopAtStep) for h in self.hooks):
             self.hooks.append(ProgressHook())
         self.step = 0
+        self.recovering = False  # True while a ps shard is being recovered
         self.comm_seconds = 0.0
         self.steps_done = 0
         self._started = time.perf_counter()
