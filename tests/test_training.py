@@ -210,3 +210,33 @@ def test_a_killed_ps_shard_is_restored_from_the_checkpoint_and_training_finishes
         assert "finished at step 400" in line
         # every applied step moved w by -0.1 from a checkpointed state: replayed steps are not double-counted
         assert abs(float(line.split("w")[-1]) - (-40.0)) < 1e-9, line
+
+
+CHIEF_DIES = textwrap.dedent(
+    """
+    import os, sys, numpy as np, zmqflow as zf
+    marker = os.path.join(sys.argv[1], os.environ["ZMQFLOW_TASK"] + ".started")
+    first_run = not os.path.exists(marker)
+    open(marker, "a").close()
+    with zf.MonitoredTrainingSession(zf.ParameterServerStrategy(), checkpoint_dir=os.path.join(sys.argv[1], "ckpt"),
+                                     save_checkpoint_steps=10, hooks=[zf.StopAtStep(120)], progress=False) as mon:
+        mon.create({"w": np.zeros(2)}, optimizer=zf.optim.SGD(0.01))
+        print("joined", "first" if first_run else "again", "restored" if mon.restored_from else "live", flush=True)
+        while not mon.should_stop():
+            mon.apply({"w": np.ones(2)})
+            if first_run and mon.is_chief and mon.step >= 30:
+                os._exit(1)  # the chief dies; the workers do not need it to go on
+        print("finished at step", mon.step, flush=True)
+    """
+)
+
+
+def test_a_chief_that_comes_back_takes_its_role_without_restoring_over_live_state(tmp_path, procs):
+    script = tmp_path / "chief.py"
+    script.write_text(CHIEF_DIES)
+    p = procs([*ZMQFLOW, "launch", "--workers", "2", "--ps", "1", "--restart", "on-failure", "--",
+               sys.executable, str(script), str(tmp_path)])
+    assert p.wait(120) == 0, p.output
+    assert "restarting worker:0" in p.output
+    assert "[worker:0] joined again live" in p.output  # the returning chief did not restore a checkpoint
+    assert "[worker:1] finished at step" in p.output and "[worker:0] finished at step" in p.output

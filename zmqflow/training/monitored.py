@@ -109,10 +109,10 @@ class MonitoredTrainingSession:
             )
         t = time.perf_counter()
         restore = checkpoint.latest(self.checkpoint_dir) if self.checkpoint_dir and self.is_chief else None
+        self.restored_from = restore  # the strategy clears it when live state made a restore needless
         self.step = self.strategy.create({k: np.asarray(v) for k, v in params.items()}, optimizer, restore)
         self.comm_seconds += time.perf_counter() - t
-        self.restored_from = restore
-        self._saved_step = self.step if restore else -1
+        self._saved_step = self.step if self.restored_from else -1
         self._created = True
         for hook in self.hooks:
             hook.begin(self)

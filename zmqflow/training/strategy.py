@@ -149,10 +149,14 @@ class ParameterServerStrategy(Strategy):
                                       drop_dead_replicas=True)
         self.names = list(params)
         if mon.is_chief:
-            restored = set()
-            if restore:
+            live = {v["name"] for v in sess.variables()}
+            restored = set(live)
+            if restore and not (set(self.names) & live):
                 _ckpt.restore(sess, restore)
                 restored = {v["name"] for v in sess.variables()}
+            elif restore:  # a chief that comes back finds live state: it takes its role, restores nothing
+                log.warning("%s: parameters are live on the shards; not restoring %s over them", mon.task_name, restore)
+                mon.restored_from = None
             for name, value in params.items():
                 if name not in restored:
                     sess.variable(name, np.asarray(value), optimizer=opt, partitioner=self.partitioner)
