@@ -47,3 +47,10 @@ def test_big_block_tuning_applies_on_glibc():
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt thresholds exist on glibc only")
     assert keep_big_blocks() is True
+
+
+def test_free_ports_are_never_handed_out_twice():
+    from zmqflow.testing import free_port
+
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)

@@ -26,11 +26,21 @@ TRANSPORTS = ("inproc", "ipc", "tcp")
 _names = itertools.count()
 
 
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel just handed out (and released) on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port the kernel just handed out (and released) on ``host``, never one this process was
+    already given: the kernel may hand the same free port out twice in a row, and two tasks of
+    one cluster must not share an address."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise OSError(f"no fresh free port on {host}")
 
 
 def make_spec(jobs: Mapping[str, int], transport: str = "tcp", *, ipc_dir: str | None = None) -> ClusterSpec:
