@@ -96,17 +96,18 @@ class AsyncSession:
                                        optimizer=optimizer, min_frequency=min_frequency, capacity=capacity)
         return AsyncEmbedding(self, info)
 
+    async def _lookup(self, name: str, timeout: float | None) -> dict[str, Any]:
+        """The catalog's record of ``name``, waiting up to ``timeout`` (0: not at all) for its creator."""
+        limit = self.timeout if timeout is None else float(timeout)
+        return await self._catalog_call("lookup", {"name": name, "wait": limit > 0}, timeout=max(limit, 0.01) + 0.2)
+
     async def get_embedding(self, name: str, timeout: float | None = None) -> AsyncEmbedding:
         """An existing table by name, waiting (up to ``timeout``) until it exists."""
-        limit = self.timeout if timeout is None else float(timeout)
-        record = await self._catalog_call("lookup", {"name": name, "wait": limit > 0}, timeout=max(limit, 0.01) + 0.2)
-        return AsyncEmbedding(self, TableInfo.from_record(record))
+        return AsyncEmbedding(self, TableInfo.from_record(await self._lookup(name, timeout)))
 
     async def get(self, name: str, timeout: float | None = None) -> AsyncVariable:
         """The variable ``name`` without creating it, waiting (up to ``timeout``) until it exists."""
-        limit = self.timeout if timeout is None else float(timeout)
-        record = await self._catalog_call("lookup", {"name": name, "wait": limit > 0}, timeout=max(limit, 0.01) + 0.2)
-        info = VarInfo.from_record(record)
+        info = VarInfo.from_record(await self._lookup(name, timeout))
         self._infos[name] = info
         return AsyncVariable(self, info)
 
