@@ -8,7 +8,9 @@ from .optim import SyncReplicas
 from .ring import AsyncRing, Ring
 from .training.hooks import Hook, LoggingHook, ProgressHook, StopAtStep, SummaryHook
 from .training.monitored import MonitoredTrainingSession
-from .training.strategy import LocalStrategy, ParameterServerStrategy, RingAllReduceStrategy
+from .training.parameter_server import ParameterServerStrategy
+from .training.ring_allreduce import RingAllReduceStrategy
+from .training.strategy import LocalStrategy
 from .placement import GreedyLoadBalancing, RoundRobin, device, placement
 from .ps.partition import fixed_size_partitioner, min_max_variable_partitioner
 from .server import AsyncServer, Server

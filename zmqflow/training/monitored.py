@@ -23,7 +23,9 @@ from ..server import Server
 from ..services.health import wait_for_tasks
 from ..session import Session
 from .hooks import Hook, ProgressHook, StopAtStep
-from .strategy import LocalStrategy, ParameterServerStrategy, RingAllReduceStrategy, Strategy
+from .parameter_server import ParameterServerStrategy
+from .ring_allreduce import RingAllReduceStrategy
+from .strategy import LocalStrategy, Strategy
 
 __all__ = ["MonitoredTrainingSession"]
 
@@ -79,7 +81,7 @@ class MonitoredTrainingSession:
             self.num_workers = len(members)
             self.worker_index = members.index(self.task) if self.task in members else 0
         self.hooks: list[Hook] = list(hooks)
-        if progress and self.is_chief and any(isinstance(h, StopAtStep) for h in self.hooks):
+        if progress and (self.task is None or self.task == self.chief_task) and any(isinstance(h, StopAtStep) for h in self.hooks):
             self.hooks.append(ProgressHook())
         self.step = 0
         self.recovering = False  # True while a ps shard is being recovered
@@ -92,7 +94,9 @@ class MonitoredTrainingSession:
     # identity ---------------------------------------------------------------------------
     @property
     def is_chief(self) -> bool:
-        return self.task is None or self.task == self.chief_task
+        """Whether this task holds the chief's duties now (create, checkpoint, recover): the
+        configured chief, or the member its strategy elected when the chief is gone."""
+        return self.task is None or self.task == self.strategy.acting_chief()
 
     @property
     def task_name(self) -> str:

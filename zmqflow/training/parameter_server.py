@@ -1,0 +1,138 @@
+"""Parameters on the ps shards, pushed and pulled by every worker, recovered when a shard dies."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from .. import checkpoint as _ckpt
+from .. import optim as _optim
+from ..cluster import TaskId
+from ..errors import DeadlineExceeded, NotFound, Unavailable
+from ..services.catalog import shard_tasks
+from ..services.health import wait_for_tasks
+from .strategy import Strategy
+
+__all__ = ["ParameterServerStrategy"]
+
+_STEP = "global_step"
+# What a dead or restarted-empty shard looks like to a worker.
+_SHARD_GONE = (Unavailable, NotFound, DeadlineExceeded)
+
+log = logging.getLogger("zmqflow.training")
+
+
+class ParameterServerStrategy(Strategy):
+    """Parameters on the ps shards. ``sync=False``: each push applies on arrival (the global step
+    counts every worker's updates). ``sync=True``: SyncReplicas over every worker, one step per
+    round of gradients, stale ones dropped."""
+
+    def __init__(self, sync: bool = False, partitioner: Any = None, recovery_timeout: float = 300.0):
+        self.sync = sync
+        self.recovery_timeout = recovery_timeout
+        self.partitioner = partitioner
+        self.name = "sync-ps" if sync else "ps"
+
+    def create(self, params: dict[str, np.ndarray], optimizer: Any, restore: str | None = None) -> int:
+        mon = self.mon
+        sess = mon.session
+        opt = optimizer
+        if self.sync and optimizer is not None:
+            opt = _optim.SyncReplicas(optimizer, replicas_to_aggregate=mon.num_workers, total_num_replicas=mon.num_workers,
+                                      drop_dead_replicas=True)
+        self.names = list(params)
+        if mon.is_chief:
+            live = {v["name"] for v in sess.variables()}
+            restored = set(live)
+            if restore and not (set(self.names) & live):
+                _ckpt.restore(sess, restore)
+                restored = {v["name"] for v in sess.variables()}
+            elif restore:  # a chief that comes back finds live state: it takes its role, restores nothing
+                log.warning("%s: parameters are live on the shards; not restoring %s over them", mon.task_name, restore)
+                mon.restored_from = None
+            for name, value in params.items():
+                if name not in restored:
+                    sess.variable(name, np.asarray(value), optimizer=opt, partitioner=self.partitioner)
+            if _STEP not in restored:
+                sess.variable(_STEP, np.zeros((), np.int64))
+        self.vars = {n: sess.get(n, timeout=mon.wait_timeout) for n in self.names}
+        self.step_var = sess.get(_STEP, timeout=mon.wait_timeout)
+        return int(sess.global_step()) if self.sync else int(self.step_var.read())
+
+    def save(self, directory: str, step: int, keep: int) -> str:
+        return _ckpt.save(self.mon.session, directory, step=step, keep=keep)
+
+    def needs(self) -> list[TaskId]:
+        return shard_tasks(self.mon.spec)
+
+    def params(self) -> dict[str, np.ndarray]:
+        return self._surviving(lambda: self.mon.session.pull(self.names))
+
+    def apply(self, grads: dict[str, np.ndarray]) -> int:
+        return self._surviving(lambda: self._apply(grads))
+
+    def _apply(self, grads: dict[str, np.ndarray]) -> int:
+        sess = self.mon.session
+        if self.sync:
+            step = sess.push(grads)
+            return int(step if step is not None else sess.step)
+        sess.push(grads)
+        self.step_var.assign_add(np.ones((), np.int64))
+        return int(self.step_var.read())
+
+    def _surviving(self, fn: Any) -> Any:
+        """Run ``fn``; when a shard is gone (or came back empty), recover and run it again. The chief
+        waits for every shard, restores them all from the latest checkpoint so they agree on one
+        step, and logs the steps lost; the other workers wait (``mon.recovering``) until the
+        variables are back, then carry on from the restored step."""
+        deadline = time.monotonic() + self.recovery_timeout
+        delay = 0.05
+        while True:
+            try:
+                out = fn()
+            except _SHARD_GONE as exc:
+                mon = self.mon
+                if time.monotonic() > deadline or (mon.is_chief and not mon.checkpoint_dir):
+                    raise
+                if not mon.recovering:
+                    log.warning("%s: a ps shard failed (%s); recovering", mon.task_name, exc)
+                    mon.recovering = True
+                try:
+                    if mon.is_chief:
+                        self._restore_shards(deadline)
+                    self._reattach(deadline)
+                except _SHARD_GONE:
+                    time.sleep(delay)  # the shard is not back yet: try again shortly
+                    delay = min(2 * delay, 1.0)
+                continue
+            if self.mon.recovering:
+                self.mon.recovering = False
+                log.warning("%s: recovered; training resumes at step %d", self.mon.task_name, self.mon.step)
+            return out
+
+    def _restore_shards(self, deadline: float) -> None:
+        mon = self.mon
+        path = _ckpt.latest(mon.checkpoint_dir)
+        if path is None:
+            raise Unavailable("a ps shard failed and there is no checkpoint to recover from")
+        mon.server.loop_thread.call(
+            wait_for_tasks(mon.server.async_server.client, mon.spec, max(1.0, deadline - time.monotonic()),
+                           shard_tasks(mon.spec)),
+            timeout=max(1.0, deadline - time.monotonic()) + 5,
+        )
+        before = mon.step
+        step = _ckpt.restore(mon.session, path)
+        log.warning("%s: restored every shard from %s at step %d; %d step(s) lost", mon.task_name, path, step,
+                    max(0, before - step))
+        mon.step = step
+
+    def _reattach(self, deadline: float) -> None:
+        """Fresh handles (placements may have changed) and the global step, once the chief has restored."""
+        mon, sess = self.mon, self.mon.session
+        limit = max(1.0, deadline - time.monotonic())
+        self.vars = {n: sess.get(n, timeout=limit) for n in self.names}
+        self.step_var = sess.get(_STEP, timeout=limit)
+        mon.step = int(sess.global_step()) if self.sync else int(self.step_var.read())
