@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import time
@@ -33,10 +34,15 @@ from .variables import create_parts
 if TYPE_CHECKING:
     from .session import AsyncSession, Session
 
-__all__ = ["save", "restore", "latest", "checkpoints", "async_save", "async_restore", "save_store", "restore_store"]
+__all__ = ["save", "restore", "recover", "latest", "checkpoints", "async_save", "async_restore", "async_recover",
+           "save_store", "restore_store"]
 
 FORMAT = 1
 _MANIFEST = re.compile(r"^checkpoint-(\d+)\.json$")
+# What a save writes before its manifest (shard files, temporaries): the step is in the name.
+_WRITTEN = re.compile(r"^(?:step(\d{10})-.*\.npz|checkpoint-(\d{10})\.json)(?:\.tmp-\d+)?$")
+
+log = logging.getLogger("zmqflow.checkpoint")
 
 
 def _manifest_name(step: int) -> str:
@@ -90,7 +96,9 @@ async def async_save(sess: "AsyncSession", directory: str, *, step: int | None =
 
 
 def _prune(directory: str, keep: int) -> None:
-    """Keep the newest ``keep`` checkpoints: remove a manifest first, then its files."""
+    """Keep the newest ``keep`` checkpoints: remove a manifest first, then its files. Files no
+    manifest names, from saves older than the newest checkpoint, are what a save that crashed
+    before its manifest left behind: they go too."""
     found = checkpoints(directory)
     needed: set[str] = set()
     for path in found[-keep:] if keep > 0 else found:
@@ -106,7 +114,27 @@ def _prune(directory: str, keep: int) -> None:
                     os.remove(os.path.join(directory, f))
                 except FileNotFoundError:
                     pass
+    _remove_unfinished(directory, checkpoints(directory))
     fsync_dir(directory)
+
+
+def _remove_unfinished(directory: str, found: list[str]) -> None:
+    if not found:
+        return
+    newest = int(_MANIFEST.match(os.path.basename(found[-1])).group(1))  # type: ignore[union-attr]
+    named: set[str] = set()
+    for path in found:
+        with open(path) as fh:
+            named |= {s["file"] for s in json.load(fh)["shards"]}
+    named |= {os.path.basename(p) for p in found}
+    for name in os.listdir(directory):
+        m = _WRITTEN.match(name)
+        # strictly older than the newest checkpoint: a save in progress now writes a newer step
+        if m and name not in named and int(m.group(1) or m.group(2)) < newest:
+            try:
+                os.remove(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
 
 
 async def _global_step(sess: "AsyncSession") -> int:
@@ -148,6 +176,28 @@ async def async_restore(sess: "AsyncSession", path: str) -> int:
             await _restore_variable(sess, record, pieces)
     sess.step = int(manifest["step"])
     return int(manifest["step"])
+
+
+async def async_recover(sess: "AsyncSession", path: str) -> int:
+    """Restore onto a running cluster whose shards hold newer or partial state (a shard died and
+    came back empty). Every shard is fenced first, so no worker reads or pushes a half-restored
+    state; parts the catalog does not place on a shard (left over when the catalog itself was
+    lost) are dropped; then the checkpoint is restored and the fences lifted. On failure the
+    shards stay fenced: the caller recovers again, and nobody trains on mixed state meanwhile."""
+    tasks = shard_tasks(await sess.cluster())
+    epochs = await asyncio.gather(*(sess._call_task(t, "ps", "fence") for t in tasks))
+    records = await sess._catalog_call("records", {"pending": True})
+    swept = await asyncio.gather(*(sess._call_task(t, "ps", "sweep", {"keep": _placed(records, str(t))}) for t in tasks))
+    dropped = [label for labels in swept for label in labels]
+    if dropped:
+        log.warning("dropped %d part(s) no longer in the catalog: %s", len(dropped), ", ".join(dropped))
+    step = await async_restore(sess, path)
+    await asyncio.gather(*(sess._call_task(t, "ps", "unfence", {"epoch": e}) for t, e in zip(tasks, epochs)))
+    return step
+
+
+def _placed(records: list[dict[str, Any]], task: str) -> list[list[Any]]:
+    return [[r["name"], i] for r in records for i, part in enumerate(r["parts"]) if part["task"] == task]
 
 
 def _slots(saved: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -225,6 +275,11 @@ def save(sess: "Session", directory: str, *, step: int | None = None, keep: int 
 def restore(sess: "Session", path: str) -> int:
     """Restore the latest checkpoint in a directory (or a given manifest); returns its step."""
     return sess._run(async_restore(sess._async, path), 600)
+
+
+def recover(sess: "Session", path: str) -> int:
+    """Fence every shard, restore the checkpoint at ``path`` onto them, lift the fences; returns its step."""
+    return sess._run(async_recover(sess._async, path), 600)
 
 
 def save_store(store: Any, directory: str, step: int, keep: int = 5) -> str:

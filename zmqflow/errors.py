@@ -13,6 +13,7 @@ __all__ = [
     "AddressInUse",
     "ClusterNotReady",
     "Unavailable",
+    "Recovering",
     "DeadlineExceeded",
     "NotFound",
     "InvalidArgument",
@@ -70,6 +71,13 @@ class Unavailable(ZmqflowError, ConnectionError):
     """The peer is known to be gone or could not be reached."""
 
     code = "UNAVAILABLE"
+
+
+class Recovering(Unavailable):
+    """The ps shard is being restored from a checkpoint (fenced): retry once recovery ends.
+    ``epoch`` numbers the shard's recoveries."""
+
+    code = "RECOVERING"
 
 
 class DeadlineExceeded(ZmqflowError, TimeoutError):

@@ -71,6 +71,14 @@ class SyncState:
         self.step += 1
         return dense, sparse
 
+    def discard(self) -> int:
+        """Drop what has arrived for the current step without applying it (a recovery replaces
+        the state it was computed on); the step stays. Returns how many gradients were dropped."""
+        n = len(self.contributors)
+        self._dense, self._sparse, self.contributors = {}, [], []
+        self.dropped += n
+        return n
+
     def missing(self, expected: list[str]) -> list[str]:
         """Which of ``expected`` have not pushed for the current step."""
         return [w for w in expected if w not in self.contributors]

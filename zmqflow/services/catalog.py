@@ -75,5 +75,6 @@ class CatalogService(Service):
         return self.catalog.uninitialized([str(n) for n in names])
 
     @op
-    def records(self, ctx: CallContext) -> list[dict[str, Any]]:
-        return [r for r in self.catalog.records.values() if r["ready"]]
+    def records(self, ctx: CallContext, pending: bool = False) -> list[dict[str, Any]]:
+        """Every ready record; with ``pending``, also those whose creator is still writing parts."""
+        return [r for r in self.catalog.records.values() if r["ready"] or pending]

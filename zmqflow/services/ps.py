@@ -15,13 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DeadlineExceeded, InvalidArgument
+from ..errors import DeadlineExceeded, InvalidArgument, Recovering
 from ..ps.embedding import HashTable
 from ..ps.store import PartKey, ShardStore, part_label
-from .snapshots import SnapshotOps
-from .tables import TableOps
 from ..ps.sync import READY, STALE
 from ..rpc import CallContext, Service, op
+from ..rpc.service import Op
+from .fence import FenceOps
+from .snapshots import SnapshotOps
+from .tables import TableOps
 
 __all__ = ["PsService"]
 
@@ -32,7 +34,7 @@ log = logging.getLogger(__name__)
 _SYNC_MARGIN = 0.25
 
 
-class PsService(Service, TableOps, SnapshotOps):
+class PsService(Service, TableOps, SnapshotOps, FenceOps):
     name = "ps"
 
     def __init__(self, replicas: list[str] | None = None, reachable: Callable[[bytes], bool] | None = None):
@@ -45,17 +47,25 @@ class PsService(Service, TableOps, SnapshotOps):
         self.replicas = list(replicas or [])
         self._advanced: dict[PartKey, asyncio.Event] = defaultdict(asyncio.Event)
 
+    def find_op(self, name: str) -> Op:
+        self.check_fence(name)
+        return super().find_op(name)
+
     @op
     def status(self, ctx: CallContext) -> dict[str, Any]:
         return {
+            **self.fence_state(),
             "variables": len(self.store.parts),
             "bytes": self.store.nbytes + sum(t.nbytes for t in self.tables.values()),
-            "global_step": self.global_step(ctx),
+            "global_step": self._step(),
             "tables": {part_label(k): t.stats() for k, t in self.tables.items()},
         }
 
     @op
     def global_step(self, ctx: CallContext) -> int:
+        return self._step()
+
+    def _step(self) -> int:
         steps = [p.sync.step for p in self.store.parts.values() if p.sync is not None]
         return max(steps, default=0)
 
@@ -140,7 +150,11 @@ class PsService(Service, TableOps, SnapshotOps):
     async def _wait_step(self, ctx: CallContext, key: PartKey, mine: int) -> None:
         p = self.store.get(*key)
         loop = asyncio.get_running_loop()
+        epoch = self.epoch
         while p.sync is not None and p.sync.step <= mine:
+            if self.epoch != epoch:  # a recovery began: this step will never complete as it was
+                raise Recovering(f"step {mine} of {part_label(key)} was abandoned: the shard is being restored "
+                                 f"from a checkpoint (recovery epoch {self.epoch})", epoch=self.epoch)
             event = self._advanced[key]
             remaining = None if ctx.deadline is None else ctx.deadline - loop.time() - _SYNC_MARGIN
             if remaining is not None and remaining <= 0:

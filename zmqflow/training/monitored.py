@@ -174,7 +174,8 @@ class MonitoredTrainingSession:
 
     # lifecycle --------------------------------------------------------------------------
     def close(self) -> None:
-        if self._created and self.checkpoint_dir and self.is_chief and self.step != self._saved_step:
+        if self._created and self.checkpoint_dir and self.is_chief and self.step != self._saved_step \
+                and not _saved_already(self.checkpoint_dir, self.step):
             self.save_checkpoint()
         for hook in self.hooks:
             hook.end(self)
@@ -189,6 +190,13 @@ class MonitoredTrainingSession:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _saved_already(directory: str, step: int) -> bool:
+    """Whether the newest checkpoint is of ``step``: a chief that took over as the first one left
+    (sync training) must not write the same final step again."""
+    path = checkpoint.latest(directory)
+    return path is not None and os.path.basename(path) == checkpoint._manifest_name(step)
 
 
 def _env_has_cluster() -> bool:

@@ -14,6 +14,8 @@ from ..cluster import TaskId
 from ..errors import DeadlineExceeded, NotFound, Unavailable
 from ..services.catalog import shard_tasks
 from ..services.health import wait_for_tasks
+from ..ring import default_members
+from .members import MemberWatch
 from .strategy import Strategy
 
 __all__ = ["ParameterServerStrategy"]
@@ -44,6 +46,10 @@ class ParameterServerStrategy(Strategy):
             opt = _optim.SyncReplicas(optimizer, replicas_to_aggregate=mon.num_workers, total_num_replicas=mon.num_workers,
                                       drop_dead_replicas=True)
         self.names = list(params)
+        if self.sync and mon.server is not None and mon.task in (members := default_members(mon.spec)):
+            lower = members[:members.index(mon.task)]
+            if lower:
+                self._watch = MemberWatch(mon.server, lower)
         if mon.is_chief:
             live = {v["name"] for v in sess.variables()}
             restored = set(live)
@@ -69,10 +75,10 @@ class ParameterServerStrategy(Strategy):
         return shard_tasks(self.mon.spec)
 
     def params(self) -> dict[str, np.ndarray]:
-        return self._surviving(lambda: self.mon.session.pull(self.names))
+        return self._surviving(lambda: self.mon.session.pull(self.names), retry=True)
 
     def apply(self, grads: dict[str, np.ndarray]) -> int:
-        return self._surviving(lambda: self._apply(grads))
+        return self._surviving(lambda: self._apply(grads), retry=False)
 
     def _apply(self, grads: dict[str, np.ndarray]) -> int:
         sess = self.mon.session
@@ -83,56 +89,90 @@ class ParameterServerStrategy(Strategy):
         self.step_var.assign_add(np.ones((), np.int64))
         return int(self.step_var.read())
 
-    def _surviving(self, fn: Any) -> Any:
-        """Run ``fn``; when a shard is gone (or came back empty), recover and run it again. The chief
-        waits for every shard, restores them all from the latest checkpoint so they agree on one
-        step, and logs the steps lost; the other workers wait (``mon.recovering``) until the
-        variables are back, then carry on from the restored step."""
-        deadline = time.monotonic() + self.recovery_timeout
-        delay = 0.05
+    # recovery from a lost ps shard -------------------------------------------------------
+    def _surviving(self, fn: Any, *, retry: bool) -> Any:
+        """Run ``fn``; when a shard is gone (or came back empty, or is being restored), recover.
+        A read (``retry``) runs again on the recovered state; a push does not: its gradients were
+        computed on a state the restore replaced, so the step is dropped and the restored step
+        returned (the loop's next ``params`` reads the restored values)."""
         while True:
             try:
                 out = fn()
             except _SHARD_GONE as exc:
-                mon = self.mon
-                if time.monotonic() > deadline or (mon.is_chief and not mon.checkpoint_dir):
-                    raise
-                if not mon.recovering:
-                    log.warning("%s: a ps shard failed (%s); recovering", mon.task_name, exc)
-                    mon.recovering = True
-                try:
-                    if mon.is_chief:
-                        self._restore_shards(deadline)
-                    self._reattach(deadline)
-                except _SHARD_GONE:
-                    time.sleep(delay)  # the shard is not back yet: try again shortly
-                    delay = min(2 * delay, 1.0)
+                self._recover(exc)
+                if not retry:
+                    return self.mon.step
                 continue
-            if self.mon.recovering:
-                self.mon.recovering = False
-                log.warning("%s: recovered; training resumes at step %d", self.mon.task_name, self.mon.step)
             return out
+
+    def _recover(self, exc: Exception) -> None:
+        """The chief waits for every shard, restores them all from the latest checkpoint under a
+        fence (so they agree on one step and no one trains on half-restored state) and logs the
+        steps lost; the other workers wait, visibly (``mon.recovering``), until the shards answer
+        again, then carry on from the restored step."""
+        mon = self.mon
+        if mon.is_chief and not (mon.checkpoint_dir and _ckpt.latest(mon.checkpoint_dir)):
+            raise Unavailable(f"{mon.task_name}: a ps shard failed ({exc}) and there is no checkpoint to recover "
+                              f"from{'' if mon.checkpoint_dir else ' (no checkpoint_dir)'}") from exc
+        deadline = time.monotonic() + self.recovery_timeout
+        if not mon.recovering:
+            log.warning("%s: a ps shard failed (%s); recovering", mon.task_name, exc)
+            mon.recovering = True
+        delay = 0.05
+        while True:
+            try:
+                if mon.is_chief:
+                    self._restore_shards(deadline)
+                step = self._reattach(deadline)
+                if step == self._reattach(deadline):  # twice the same: no restore ran in between
+                    break
+            except _SHARD_GONE:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(delay)  # not back yet, or being restored: try again shortly
+                delay = min(2 * delay, 1.0)
+        mon.recovering = False
+        log.warning("%s: recovered; training resumes at step %d", mon.task_name, mon.step)
 
     def _restore_shards(self, deadline: float) -> None:
         mon = self.mon
         path = _ckpt.latest(mon.checkpoint_dir)
-        if path is None:
-            raise Unavailable("a ps shard failed and there is no checkpoint to recover from")
         mon.server.loop_thread.call(
             wait_for_tasks(mon.server.async_server.client, mon.spec, max(1.0, deadline - time.monotonic()),
                            shard_tasks(mon.spec)),
             timeout=max(1.0, deadline - time.monotonic()) + 5,
         )
         before = mon.step
-        step = _ckpt.restore(mon.session, path)
+        step = _ckpt.recover(mon.session, path)
         log.warning("%s: restored every shard from %s at step %d; %d step(s) lost", mon.task_name, path, step,
                     max(0, before - step))
-        mon.step = step
+        mon.step = mon._saved_step = step
 
-    def _reattach(self, deadline: float) -> None:
+    def _reattach(self, deadline: float) -> int:
         """Fresh handles (placements may have changed) and the global step, once the chief has restored."""
         mon, sess = self.mon, self.mon.session
         limit = max(1.0, deadline - time.monotonic())
         self.vars = {n: sess.get(n, timeout=limit) for n in self.names}
         self.step_var = sess.get(_STEP, timeout=limit)
         mon.step = int(sess.global_step()) if self.sync else int(self.step_var.read())
+        return mon.step
+
+    # who is chief -------------------------------------------------------------------------
+    def acting_chief(self) -> TaskId | None:
+        """Sync training needs a chief to checkpoint and recover: when the configured one is gone
+        the lowest-index live worker takes its duties, and hands them back when it returns."""
+        mon = self.mon
+        watch = getattr(self, "_watch", None)
+        if watch is None:
+            return mon.chief_task
+        acting = next((t for t in watch.members if t not in watch.down), mon.task)
+        if acting != getattr(self, "_acting", mon.chief_task):
+            log.warning("%s: %s now holds the chief's duties (down: %s)", mon.task_name, acting,
+                        ", ".join(map(str, sorted(watch.down, key=watch.members.index))) or "none")
+            self._acting = acting
+        return acting
+
+    def close(self) -> None:
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.stop()

@@ -1,0 +1,83 @@
+"""The fence a ps shard raises while it is restored from a checkpoint.
+
+Recovery must not mix old and new state: a worker that pushes or pulls while some parts are
+restored and others are not would train on a state no checkpoint ever held. So the chief fences
+every shard first; a fenced shard refuses data ops with ``Recovering`` (a kind of
+``Unavailable``: workers wait and retry) and fails the sync pushes waiting on it, while the
+restore's own ops (create, restore_part, emb_restore, sweep) go through. Each fence bumps the
+shard's recovery epoch, and only the matching ``unfence`` lifts it, so a late unfence from an
+older recovery cannot open a newer one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ..errors import InvalidArgument, Recovering
+from ..ps.embedding import HashTable
+from ..ps.store import PartKey, ShardStore, part_label
+from ..rpc import CallContext, op
+
+__all__ = ["FenceOps", "FENCED_OPS"]
+
+# Ops that read or change training state: refused while the shard is fenced.
+FENCED_OPS = frozenset({"pull", "assign", "scatter", "push", "global_step",
+                        "emb_lookup", "emb_push", "emb_evict", "emb_export"})
+
+
+class FenceOps:
+    """Mixed into the ps service, which provides ``store``, ``tables`` and ``_advanced``."""
+
+    store: ShardStore
+    tables: dict[PartKey, HashTable]
+    _table_specs: dict[PartKey, tuple]
+    _advanced: dict[PartKey, asyncio.Event]
+    epoch: int = 0
+    fenced: bool = False
+
+    def check_fence(self, name: str) -> None:
+        if self.fenced and name in FENCED_OPS:
+            raise Recovering(f"ps.{name} refused: this shard is being restored from a checkpoint "
+                             f"(recovery epoch {self.epoch}); retry when recovery ends", epoch=self.epoch)
+
+    @op
+    def fence(self, ctx: CallContext) -> int:
+        """Refuse data ops until ``unfence``; wake the sync pushes waiting here (they fail with
+        ``Recovering``, and their pending gradients are dropped). Returns the new epoch."""
+        self.epoch += 1
+        self.fenced = True
+        for p in self.store.parts.values():
+            if p.sync is not None:
+                p.sync.discard()  # gradients of a step that will never complete as it was
+        for event in self._advanced.values():
+            event.set()
+        self._advanced.clear()
+        return self.epoch
+
+    @op
+    def unfence(self, ctx: CallContext, epoch: int) -> bool:
+        """Lift the fence of recovery ``epoch``; False when a newer recovery holds it."""
+        if int(epoch) != self.epoch:
+            return False
+        self.fenced = False
+        return True
+
+    @op
+    def sweep(self, ctx: CallContext, keep: list) -> list[str]:
+        """Drop every part and table not in ``keep`` (``[[name, part], ...]``, what the catalog
+        places here): parts a lost catalog no longer knows would otherwise hold memory forever."""
+        if not isinstance(keep, list) or not all(
+                isinstance(k, list) and len(k) == 2 and isinstance(k[0], str) and isinstance(k[1], int) for k in keep):
+            raise InvalidArgument(f"ps.sweep: keep must be a list of [name, part] pairs, got {keep!r}")
+        wanted = {(k[0], k[1]) for k in keep}
+        dropped = [key for key in list(self.store.parts) if key not in wanted]
+        dropped += [key for key in list(self.tables) if key not in wanted]
+        for key in dropped:
+            self.store.parts.pop(key, None)
+            self.tables.pop(key, None)
+            self._table_specs.pop(key, None)
+        return [part_label(k) for k in dropped]
+
+    def fence_state(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "fenced": self.fenced}
