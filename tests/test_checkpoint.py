@@ -160,9 +160,25 @@ def test_a_crash_during_a_write_leaves_the_previous_checkpoint(tmp_path, procs, 
         with zf.Session(worker2.target) as sess:
             assert checkpoint.restore(sess, ckpt) == 1
             np.testing.assert_array_equal(sess.get("v").read(), np.ones(4))
+            left = set(os.listdir(ckpt)) - _named(ckpt)
+            assert left, "the crashed save left files that no complete checkpoint names"
+            third = checkpoint.save(sess, ckpt, step=3)
+        # the next save prunes what the crashed one left behind; both complete checkpoints stay
+        assert checkpoint.checkpoints(ckpt) == [first, third]
+        assert set(os.listdir(ckpt)) == _named(ckpt), sorted(os.listdir(ckpt))
     finally:
         for s in [worker2, *servers2]:
             s.stop()
+
+
+def _named(directory: str) -> set[str]:
+    """The manifests of complete checkpoints and the shard files they name."""
+    out = set()
+    for path in checkpoint.checkpoints(directory):
+        out.add(os.path.basename(path))
+        with open(path) as fh:
+            out |= {s["file"] for s in json.load(fh)["shards"]}
+    return out
 
 
 def test_monitored_session_saves_and_the_next_run_restores(tmp_path):

@@ -139,6 +139,7 @@ _BY_CODE: dict[str, type[ZmqflowError]] = {
         AddressInUse,
         ClusterNotReady,
         Unavailable,
+        Recovering,
         DeadlineExceeded,
         NotFound,
         InvalidArgument,

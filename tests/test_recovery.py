@@ -1,0 +1,156 @@
+"""Recovery of ps shards: the fence around a restore, orphaned parts, and a killed shard mid-training
+whose result must equal an uninterrupted run from the same checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import zmqflow as zf
+from zmqflow import checkpoint, errors
+from zmqflow.testing import async_wait_until, local_cluster
+
+from .conftest import ZMQFLOW, arun
+
+
+def test_a_fenced_shard_refuses_data_ops_and_fails_waiting_sync_pushes():
+    async def main():
+        async with local_cluster({"ps": 1, "worker": 1}, timeout=10) as servers:
+            ps = servers["ps:0"].service("ps")
+            async with zf.AsyncSession(servers["worker:0"].target, name="worker:0") as sess:
+                v = await sess.variable("v", np.zeros(3), optimizer=zf.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=2))
+                waiting = asyncio.ensure_future(v.push(np.ones(3), step=0))  # one of two replicas: it waits
+                await async_wait_until(lambda: ps.store.get("v", 0).sync.contributors, 5, what="the push to arrive")
+                epoch = await sess._call_task(zf.TaskId("ps", 0), "ps", "fence")
+                assert epoch == 1
+                with pytest.raises(errors.Recovering, match="step 0 of v.*abandoned.*recovery epoch 1"):
+                    await waiting
+                assert ps.store.get("v", 0).sync.contributors == [] and ps.store.get("v", 0).sync.step == 0
+                for call in (v.read(), v.push(np.ones(3), step=0), sess.global_step()):
+                    with pytest.raises(errors.Recovering, match=r"ps\.\w+ refused: this shard is being restored"):
+                        await call
+                status = await sess._call_task(zf.TaskId("ps", 0), "ps", "status")
+                assert status["fenced"] and status["epoch"] == 1
+                # a stale unfence (an older recovery's) does not lift a newer fence
+                assert await sess._call_task(zf.TaskId("ps", 0), "ps", "unfence", {"epoch": 0}) is False
+                with pytest.raises(errors.Recovering):
+                    await v.read()
+                assert await sess._call_task(zf.TaskId("ps", 0), "ps", "unfence", {"epoch": 1}) is True
+                np.testing.assert_array_equal(await v.read(), np.zeros(3))  # nothing of the abandoned step applied
+
+    arun(main())
+
+
+def test_sweep_drops_what_the_catalog_does_not_place_and_checks_its_input_first():
+    async def main():
+        async with local_cluster({"ps": 2, "worker": 1}, timeout=10) as servers:
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                await sess.variable("a", np.zeros(2))
+                await sess.variable("b", np.zeros(2))
+                ps0 = servers["ps:0"].service("ps")
+                ps0.store.create("orphan", 0, [2], [0, 2], "float64")  # a part no catalog record names
+                t = zf.TaskId("ps", 0)
+                for bad in ([["a"]], "a", [[1, 0]], [["a", "0"]]):
+                    with pytest.raises(errors.InvalidArgument, match="keep must be a list of"):
+                        await sess._call_task(t, "ps", "sweep", {"keep": bad})
+                assert ("orphan", 0) in ps0.store.parts  # refused input changed nothing
+                records = await sess._catalog_call("records", {"pending": True})
+                keep = checkpoint._placed(records, "ps:0")
+                assert await sess._call_task(t, "ps", "sweep", {"keep": keep}) == ["orphan"]
+                assert ("orphan", 0) not in ps0.store.parts
+                assert sorted(k for k, _ in ps0.store.parts) == sorted(k for k, _ in keep)
+
+    arun(main())
+
+
+STEPS, SAVE_EVERY, KILL_AT = 60, 20, 30
+
+TRAIN = textwrap.dedent(
+    """
+    import os, sys, numpy as np, zmqflow as zf
+    from zmqflow.testing import wait_until
+    ckpt, out, pause = sys.argv[1], sys.argv[2], sys.argv[3]
+    W = np.linspace(-1, 1, 18).reshape(6, 3)
+
+    def batch(worker, step):
+        rng = np.random.default_rng(1000 * worker + step)
+        x = rng.standard_normal((16, 6))
+        return x, x @ W + 0.5 + 0.1 * rng.standard_normal((16, 3))
+
+    strategy = zf.ParameterServerStrategy(sync=True)
+    with zf.MonitoredTrainingSession(strategy, checkpoint_dir=ckpt, save_checkpoint_steps=%d,
+                                     hooks=[zf.StopAtStep(%d)], progress=False) as mon:
+        rng = np.random.default_rng(0)
+        mon.create({"w": rng.standard_normal((6, 3)), "b": np.zeros(3)}, optimizer=zf.optim.Momentum(0.05, 0.9))
+        print("started at step", mon.step, flush=True)
+        while not mon.should_stop():
+            p = mon.params()
+            x, y = batch(mon.worker_index, mon.step)  # the step the params belong to (the restored one after a recovery)
+            err = x @ p["w"] + p["b"] - y
+            mon.apply({"w": 2 * x.T @ err / len(x), "b": 2 * err.mean(0)})
+            if mon.is_chief and mon.step == %d and pause != "-" and not os.path.exists(pause + ".done"):
+                open(pause + ".done", "w").close()
+                print("paused at step", mon.step, flush=True)
+                wait_until(lambda: os.path.exists(pause), 60, what="the test to kill a shard")
+        final = mon.params()
+        np.savez(os.path.join(out, mon.task_name + ".npz"), **final)
+        print("finished at step", mon.step, flush=True)
+    """ % (SAVE_EVERY, STEPS, KILL_AT)
+)
+
+
+def _train(tmp_path, procs, name: str, ckpt: str, pause: str = "-", *extra: str):
+    out = tmp_path / name
+    out.mkdir()
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    cfile = tmp_path / f"{name}.json"
+    p = procs([*ZMQFLOW, "launch", "--workers", "2", "--ps", "2", *extra, "--cluster-out", str(cfile), "--",
+               sys.executable, str(script), ckpt, str(out), pause])
+    return p, out, cfile
+
+
+@pytest.mark.parametrize("victim", ["ps:1", "ps:0"])
+def test_a_killed_shard_recovers_to_what_an_uninterrupted_run_from_the_checkpoint_computes(tmp_path, procs, victim):
+    """kill -9 a shard mid-training (ps:0 also holds the catalog); the run finishes at the right step
+    and its parameters equal, bit for bit, a run that restarts from the restored checkpoint."""
+    pause = str(tmp_path / "killed")
+    ckpt = str(tmp_path / "ckpt")
+    p, out, cfile = _train(tmp_path, procs, "interrupted", ckpt, pause, "--restart", "on-failure")
+    p.wait_for_line(f"[worker:0] paused at step {KILL_AT}", 60)
+    status = procs([*ZMQFLOW, "status", "--cluster", str(cfile), "--json"])
+    assert status.wait(30) == 0, status.output
+    pid = next(r["pid"] for r in json.loads(status.output)["tasks"] if r["task"] == victim)
+    os.kill(pid, signal.SIGKILL)
+    open(pause, "w").close()
+    assert p.wait(120) == 0, p.output
+    assert f"restarting {victim}" in p.output
+    restored = p.wait_for_line("restored every shard from", 1)
+    path = re.search(r"from (\S+) at step (\d+); (\d+) step\(s\) lost", restored)
+    assert path and int(path.group(2)) == KILL_AT - KILL_AT % SAVE_EVERY and int(path.group(3)) == KILL_AT % SAVE_EVERY, restored
+    for w in ("worker:0", "worker:1"):
+        assert f"[{w}] finished at step {STEPS}" in p.output, p.output
+    # the reference: a fresh cluster that starts from the checkpoint the recovery restored
+    ref_ckpt = tmp_path / "ref_ckpt"
+    ref_ckpt.mkdir()
+    with open(path.group(1)) as fh:
+        for shard in json.load(fh)["shards"]:
+            shutil.copy(os.path.join(ckpt, shard["file"]), ref_ckpt)
+    shutil.copy(path.group(1), ref_ckpt)
+    ref, ref_out, _ = _train(tmp_path, procs, "reference", str(ref_ckpt))
+    assert ref.wait(120) == 0, ref.output
+    assert f"[worker:0] started at step {path.group(2)}" in ref.output
+    for w in ("worker:0", "worker:1"):
+        got, want = np.load(out / f"{w}.npz"), np.load(ref_out / f"{w}.npz")
+        for name in ("w", "b"):
+            assert got[name].dtype == np.float64
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{w} {name}")
