@@ -1,4 +1,5 @@
-"""The ring service: a mailbox where a rank's left neighbour deposits chunks, and aborts.
+"""The ring service: a mailbox where a rank's left neighbour deposits chunks, aborts, and the
+membership rendezvous (``status``, ``join``: see :mod:`.rendezvous`).
 
 Deposits may arrive before this rank has started the matching call (the left is ahead); they
 wait in the mailbox, keyed by ring, call sequence number, phase, step and chunk. An abort (a
@@ -14,6 +15,7 @@ import numpy as np
 
 from ..errors import InvalidArgument, ZmqflowError, error_class
 from ..rpc import CallContext, Service, op
+from .rendezvous import Rendezvous
 
 __all__ = ["RingService", "BoxKey"]
 
@@ -27,6 +29,8 @@ class RingService(Service):
         super().__init__()
         self.boxes: dict[BoxKey, asyncio.Future] = {}
         self.aborted: dict[tuple[str, int], ZmqflowError] = {}
+        self.retired: set[str] = set()
+        self.rendezvous = Rendezvous()
 
     def _box(self, key: BoxKey) -> asyncio.Future:
         fut = self.boxes.get(key)
@@ -37,7 +41,7 @@ class RingService(Service):
     @op
     def deposit(self, ctx: CallContext, ring: str, seq: int, phase: str, step: int, chunk: int, src: int,
                 meta: list, data: np.ndarray) -> bool:
-        if (ring, seq) in self.aborted:
+        if (ring, seq) in self.aborted or ring in self.retired:
             return False
         fut = self._box((ring, int(seq), phase, int(step), int(chunk)))
         if fut.done():
@@ -49,6 +53,19 @@ class RingService(Service):
     def abort(self, ctx: CallContext, ring: str, seq: int, code: str, message: str, details: dict | None = None) -> bool:
         self.fail(ring, int(seq), error_class(code)(message, **(details or {})))
         return True
+
+    @op
+    def status(self, ctx: CallContext) -> dict:
+        """This rank's ring generation, its members, and whether its training is over."""
+        return self.rendezvous.status()
+
+    @op
+    def join(self, ctx: CallContext, task: str, generation: int, step: int, target: int) -> Any:
+        """Ask this rank, as coordinator, for a place in the next generation; answers once it forms."""
+        return self.rendezvous.join(task, generation, step, target)
+
+    async def stop(self) -> None:
+        self.rendezvous.close()
 
     def fail(self, ring: str, seq: int, exc: ZmqflowError) -> None:
         """Fail every pending take of one call (first failure wins)."""
@@ -77,3 +94,15 @@ class RingService(Service):
                 fut.cancel()
             elif not fut.cancelled():
                 fut.exception()  # retrieved: no "never retrieved" warning
+
+    def retire(self, ring: str) -> None:
+        """A ring generation is over: drop its boxes and refuse its chunks from now on."""
+        self.retired.add(ring)
+        for key in [k for k in self.boxes if k[0] == ring]:
+            fut = self.boxes.pop(key)
+            if not fut.done():
+                fut.cancel()
+            elif not fut.cancelled():
+                fut.exception()
+        for key in [k for k in self.aborted if k[0] == ring]:
+            del self.aborted[key]

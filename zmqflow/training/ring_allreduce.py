@@ -1,64 +1,169 @@
-"""Every worker keeps a replica; gradients are averaged around the peer ring."""
+"""Every worker keeps a replica; gradients are averaged around a peer ring that re-forms.
+
+The ring is elastic: when a rank dies mid-allreduce the survivors' call fails (``Unavailable``
+naming it, within seconds), they agree on a new generation of the live members and adopt the
+most advanced replica among them, then carry on; the failed step's gradient is dropped. A rank
+that restarts joins through the current leader, which counts it into the next allreduce (one
+extra element, in the gradients' last bucket), so every rank re-forms at the same step.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import numpy as np
 
 from .. import checkpoint as _ckpt
 from ..cluster import TaskId
-from ..ring import Ring, default_members
+from ..errors import ClusterNotReady, DeadlineExceeded, Unavailable
+from ..ring import ElasticRing, Formation, default_members
 from .strategy import Strategy, _LocalParams
 
 __all__ = ["RingAllReduceStrategy"]
 
+log = logging.getLogger("zmqflow.training")
+
+# What a dead, silent or vanished member looks like to a ring call.
+_RING_GONE = (Unavailable, DeadlineExceeded, ClusterNotReady)
+
 
 class RingAllReduceStrategy(Strategy):
     """Every worker keeps a replica; gradients are averaged around the peer ring and the same
-    optimizer is applied locally, so replicas stay identical. The chief's initial values are
-    broadcast first."""
+    optimizer is applied locally, so replicas stay identical. At each formation of the ring (the
+    first, and every re-form after a death or a rejoin) the holder's replica (the chief's, restored
+    or initial, at first; then the most advanced live one) is broadcast to every member."""
 
     name = "ring"
 
-    def __init__(self, bucket_bytes: int | None = None):
+    def __init__(self, bucket_bytes: int | None = None, *, join_window: float = 10.0, recovery_timeout: float = 300.0):
         self.bucket_bytes = bucket_bytes
+        self.join_window = join_window
+        self.recovery_timeout = recovery_timeout
+        self.elastic: ElasticRing | None = None
+        self.formed_at_step = 0
+        self.step = 0
 
-    def create(self, params: dict[str, np.ndarray], optimizer: Any, restore: str | None = None) -> int:
-        mon = self.mon
-        kwargs = {} if self.bucket_bytes is None else {"bucket_bytes": self.bucket_bytes}
-        self.ring = Ring(mon.server, default_members(mon.spec), **kwargs)
-        chief = self.ring.members.index(mon.chief_task)
-        self.local = _LocalParams()
-        self.local.create(params, optimizer)
-        step, saved = _ckpt.restore_store(restore) if restore else (-1, {})
-        if restore:
-            self.local.load(saved)
-        # the chief's replica (restored, or its initial values) becomes everyone's: values, slots, steps
-        self.step = int(self.ring.broadcast(np.array([step], np.int64), root=chief)[0])
-        for name in self.local.names:
-            p = self.local.store.get(name)
-            p.value[...] = self.ring.broadcast(p.value.copy(), root=chief)
-            if self.step >= 0:
-                for k in p.slots:
-                    p.slots[k][...] = self.ring.broadcast(p.slots[k].copy(), root=chief)
-                if p.steps is not None:
-                    p.steps[...] = self.ring.broadcast(p.steps.copy(), root=chief)
-        self.step = max(self.step, 0)
-        return self.step
+    # membership -------------------------------------------------------------------------
+    @property
+    def generation(self) -> int:
+        return self.elastic.generation if self.elastic else 0
 
-    def save(self, directory: str, step: int, keep: int) -> str:
-        return _ckpt.save_store(self.local.store, directory, step, keep)
+    @property
+    def members(self) -> list[TaskId]:
+        return self.elastic.members if self.elastic else []
+
+    def acting_chief(self) -> TaskId | None:
+        """The leader of the current generation: checkpoints move to a survivor when the chief
+        dies, and back when it rejoins."""
+        leader = self.elastic.leader if self.elastic else None
+        return leader if leader is not None else self.mon.chief_task
 
     def needs(self) -> list[TaskId]:
-        return default_members(self.mon.spec)
+        return []  # the rendezvous waits for the members itself, or joins the live ring without the dead
+
+    # creation ---------------------------------------------------------------------------
+    def create(self, params: dict[str, np.ndarray], optimizer: Any, restore: str | None = None) -> int:
+        mon = self.mon
+        self.local = _LocalParams()
+        self.local.create(params, optimizer)
+        claim = 0 if mon.task == mon.chief_task else -1  # the chief's initial values win a first formation
+        if restore:
+            claim, saved = _ckpt.restore_store(restore)
+            self.local.load(saved)
+        kwargs = {} if self.bucket_bytes is None else {"bucket_bytes": self.bucket_bytes}
+        self.elastic = ElasticRing(mon.server, default_members(mon.spec), join_window=self.join_window, **kwargs)
+        self._claim = claim
+        formation = self._form(mon.wait_timeout)
+        if restore and formation.holder != str(mon.task):
+            log.warning("%s: the ring's replicas are live (step %d); not restoring %s over them", mon.task_name,
+                        self.step, restore)
+            mon.restored_from = None
+        return self.step
+
+    def _form(self, timeout: float) -> Formation:
+        """Join the next generation and adopt the holder's replica; again if a member dies meanwhile."""
+        assert self.elastic is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            formation = self.elastic.form(self._claim, max(1.0, deadline - time.monotonic()))
+            try:
+                self._adopt_state(self.elastic.holder_rank)
+            except _RING_GONE as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("%s: ring generation %d failed while sharing state (%s); re-forming", self.mon.task_name,
+                            formation.generation, exc)
+                continue
+            self.formed_at_step = self.step
+            return formation
+
+    def _adopt_state(self, root: int) -> None:
+        """The holder's values, optimizer slots, per-row steps and step, committed only once all arrived."""
+        assert self.elastic is not None and self.elastic.ring is not None
+        ring = self.elastic.ring
+        step = int(ring.broadcast(np.array([self._claim], np.int64), root=root)[0])
+        received = {}
+        for name in self.local.names:
+            received[name] = [ring.broadcast(a.copy(), root=root) for a in _state_arrays(self.local.store.get(name))]
+        for name, arrays in received.items():
+            for mine, theirs in zip(_state_arrays(self.local.store.get(name)), arrays):
+                mine[...] = theirs
+        self.step = max(step, 0)
+        self._claim = self.step
+
+    # training ---------------------------------------------------------------------------
+    def save(self, directory: str, step: int, keep: int) -> str:
+        return _ckpt.save_store(self.local.store, directory, step, keep)
 
     def params(self) -> dict[str, np.ndarray]:
         return self.local.params()
 
     def apply(self, grads: dict[str, np.ndarray]) -> int:
+        """Allreduce the mean (plus the leader's count of waiting joiners), apply it locally. A
+        failed allreduce re-forms the ring and returns the adopted step, the gradient dropped."""
+        assert self.elastic is not None and self.elastic.ring is not None
         names = list(grads)
-        mean = self.ring.allreduce([np.asarray(grads[n]) for n in names], op="mean")
-        self.local.apply(dict(zip(names, mean)))
+        arrays = [np.asarray(grads[n]) for n in names]
+        size = len(self.elastic.members)
+        flag = np.array([self.elastic.joiners() * size], arrays[-1].dtype if arrays else np.float64)
+        try:
+            reduced = self.elastic.ring.allreduce([*arrays, flag], op="mean")
+        except _RING_GONE as exc:
+            self._recover(exc)
+            return self.step
+        self.local.apply(dict(zip(names, reduced[:-1])))
         self.step += 1
+        self._claim = self.step
+        waiting = int(reduced[-1].reshape(-1)[0])
+        if waiting:
+            self._reform(f"{waiting} rank(s) waiting to join")
         return self.step
+
+    def _recover(self, exc: Exception) -> None:
+        mon = self.mon
+        log.warning("%s: ring generation %d failed (%s); re-forming with the live members", mon.task_name,
+                    self.generation, exc)
+        mon.recovering = True
+        try:
+            self._reform("recovered")
+        finally:
+            mon.recovering = False
+
+    def _reform(self, why: str) -> None:
+        started, before = time.monotonic(), self.step
+        formation = self._form(self.recovery_timeout)
+        log.warning("%s: ring re-formed as generation %d with %s in %.2fs (%s); state of %s at step %d%s",
+                    self.mon.task_name, formation.generation, ", ".join(formation.members), time.monotonic() - started,
+                    why, formation.holder, self.step, "" if self.step == before else f" (this replica was at {before})")
+
+    def close(self) -> None:
+        if self.elastic is not None:
+            self.elastic.close()
+
+
+def _state_arrays(p: Any) -> list[np.ndarray]:
+    """A parameter's replica state in a fixed order: value, slots by name, per-row steps."""
+    out = [p.value, *(p.slots[k] for k in sorted(p.slots))]
+    return out + ([p.steps] if p.steps is not None else [])

@@ -1,0 +1,231 @@
+"""The ring's membership rendezvous: which ranks form the next generation, and whose state wins.
+
+Every task's ring service holds a :class:`Rendezvous`: the generation its rank is in and the
+members of it. To (re)form, a rank reads every live member's ``ring.status`` and sends
+``ring.join`` to the coordinator: the lowest-index rank of the newest generation (before the
+first formation, of all the members, once every one answers). The coordinator gathers the joins
+of every member of its generation it believes alive plus any newcomer, then answers them all with
+the next generation: its number, its members in ring order, and the holder (the joiner with the
+most advanced replica; ties go to the lowest index) whose state every member then adopts. A
+member that does not join within the window is left out and joins later as a newcomer. Newcomers
+waiting at the coordinator are counted (``waiting``), so the running ranks can agree, through
+their next allreduce, to re-form at one step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..cluster import ClusterSpec, TaskId
+from ..errors import DeadlineExceeded, InvalidArgument, Unavailable, ZmqflowError
+from ..rpc import RpcClient
+
+__all__ = ["Formation", "Rendezvous", "join_next_generation"]
+
+_POLL_S = 0.02
+_STATUS_TIMEOUT = 1.0
+_JOIN_TRY_S = 30.0  # a newcomer asks again this often, in case it asked the wrong rank
+
+
+@dataclass(frozen=True)
+class Formation:
+    """One generation of the ring: its number, its members in ring order, and the member whose
+    replica (at ``step``) every other adopts."""
+
+    generation: int
+    members: list[str]
+    holder: str
+    step: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"generation": self.generation, "members": list(self.members), "holder": self.holder, "step": self.step}
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> "Formation":
+        return cls(int(body["generation"]), [str(m) for m in body["members"]], str(body["holder"]), int(body["step"]))
+
+
+@dataclass
+class _Join:
+    task: str
+    generation: int
+    step: int
+
+
+@dataclass(eq=False)
+class _Round:
+    done: asyncio.Future
+    joins: dict[str, _Join] = field(default_factory=dict)
+    started: float | None = None  # when the first member of the generation joined: the window opens
+
+
+class Rendezvous:
+    """One rank's view of the ring's membership, and the coordinator's side of the rendezvous.
+    Lives on the server's loop; ``waiting`` is a plain int other threads may read."""
+
+    def __init__(self) -> None:
+        self.task = ""
+        self.universe: list[str] = []
+        self.window = 10.0
+        self.generation = 0
+        self.members: list[str] = []
+        self.closed = False
+        self.waiting = 0
+        self._alive: Callable[[str], bool] = lambda task: True
+        self._ready: asyncio.Event | None = None
+        self._round: _Round | None = None
+
+    def configure(self, task: str, universe: Sequence[str], alive: Callable[[str], bool], window: float) -> None:
+        """Called on the loop by the rank's elastic ring before it joins; joins wait for it."""
+        self.task, self.universe, self._alive, self.window = task, list(universe), alive, float(window)
+        self.closed = False
+        self._ready_event().set()
+
+    def _ready_event(self) -> asyncio.Event:
+        if self._ready is None:
+            self._ready = asyncio.Event()
+        return self._ready
+
+    def alive(self, task: str) -> bool:
+        return task == self.task or self._alive(task)
+
+    def status(self) -> dict[str, Any]:
+        return {"generation": self.generation, "members": list(self.members), "closed": self.closed}
+
+    def view(self) -> list[str]:
+        """The members this rank expects at a rendezvous: its generation's, or all before the first."""
+        return self.members if self.generation else self.universe
+
+    def adopt(self, formation: Formation) -> None:
+        if formation.generation > self.generation:
+            self.generation, self.members = formation.generation, list(formation.members)
+
+    def close(self) -> None:
+        """This rank's training is over: refuse joins, fail the ones waiting."""
+        self.closed = True
+        if self._round is not None and not self._round.done.done():
+            self._round.done.set_exception(Unavailable(f"{self.task}: its ring has finished", task=self.task))
+
+    # the coordinator -------------------------------------------------------------------
+    async def join(self, task: str, generation: int, step: int, target: int) -> dict[str, Any]:
+        await self._ready_event().wait()
+        if self.closed:
+            raise Unavailable(f"{self.task}: its ring has finished; it takes no joins", task=self.task)
+        if self.generation < target:  # restarted, or left behind: it cannot speak for generation `target`
+            raise Unavailable(f"{self.task} is at ring generation {self.generation}, behind {target}; ask again",
+                              task=self.task)
+        if task not in self.universe:
+            raise InvalidArgument(f"{task} is not a ring member ({', '.join(self.universe)})")
+        rnd = self._open()
+        rnd.joins[task] = _Join(task, int(generation), int(step))
+        if rnd.started is None and task in self.view():
+            rnd.started = asyncio.get_running_loop().time()
+        return await asyncio.shield(rnd.done)
+
+    def _open(self) -> _Round:
+        if self._round is None:
+            self._round = _Round(asyncio.get_running_loop().create_future())
+            self._round.done.add_done_callback(_retrieve)
+            asyncio.ensure_future(self._gather(self._round))
+        return self._round
+
+    async def _gather(self, rnd: _Round) -> None:
+        """Close the round once every live member has joined (or its window ends), then answer all."""
+        loop = asyncio.get_running_loop()
+        try:
+            while not rnd.done.done():
+                if rnd.started is None and not any(self.alive(t) for t in rnd.joins):
+                    raise Unavailable(f"ring rendezvous at {self.task}: every rank waiting to join is gone", task=self.task)
+                self.waiting = sum(1 for t in rnd.joins if t not in self.view() and self.alive(t))
+                expected = {t for t in {*self.view(), *rnd.joins} if self.alive(t)}
+                if self.task in rnd.joins and expected <= rnd.joins.keys():
+                    break
+                if rnd.started is not None and loop.time() > rnd.started + self.window:
+                    if self.task not in rnd.joins:
+                        raise DeadlineExceeded(f"ring rendezvous at {self.task}: the coordinator itself did not join "
+                                               f"within {self.window:g}s", task=self.task)
+                    break  # the missing members are left out; they can join the next generation
+                await asyncio.sleep(_POLL_S)
+            if not rnd.done.done():
+                rnd.done.set_result(self._close_round(rnd).to_wire())
+        except ZmqflowError as exc:
+            if not rnd.done.done():
+                rnd.done.set_exception(exc)
+        finally:
+            self.waiting = 0
+            if self._round is rnd:
+                self._round = None
+
+    def _close_round(self, rnd: _Round) -> Formation:
+        order = {t: i for i, t in enumerate(self.universe)}
+        joined = [j for j in rnd.joins.values() if self.alive(j.task)]
+        holder = min(joined, key=lambda j: (-j.step, order[j.task]))
+        generation = max(self.generation, *(j.generation for j in joined)) + 1
+        formation = Formation(generation, sorted((j.task for j in joined), key=order.__getitem__), holder.task, holder.step)
+        self.adopt(formation)
+        return formation
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # a round failed with no one left waiting: no "never retrieved" warning
+
+
+# the joiner ---------------------------------------------------------------------------
+async def join_next_generation(client: RpcClient, spec: ClusterSpec, state: Rendezvous, step: int,
+                               timeout: float) -> Formation:
+    """Join the ring's next generation through its coordinator; returns it once formed. ``step``
+    is how far this rank's replica is (-1: it holds none worth keeping)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    last = "no member answered"
+    delay = 0.05
+    while (remaining := deadline - loop.time()) > 0:
+        views = await _survey(client, spec, state, min(_STATUS_TIMEOUT, remaining))
+        coordinator, target, last = _coordinator(state, views)
+        if coordinator is not None:
+            body = {"task": state.task, "generation": state.generation, "step": int(step), "target": target}
+            try:
+                reply = await client.call(_endpoint(spec, coordinator), "ring", "join", body,
+                                          timeout=max(0.05, min(deadline - loop.time(), _JOIN_TRY_S)), name=coordinator)
+            except (Unavailable, DeadlineExceeded) as exc:
+                last = str(exc)
+            else:
+                formation = Formation.from_wire(reply)
+                state.adopt(formation)
+                return formation
+        await asyncio.sleep(max(0.0, min(delay, deadline - loop.time())))
+        delay = min(2 * delay, 0.5)
+    raise DeadlineExceeded(f"{state.task}: no ring generation formed within {timeout:g}s; last: {last}", task=state.task)
+
+
+async def _survey(client: RpcClient, spec: ClusterSpec, state: Rendezvous, timeout: float) -> dict[str, dict[str, Any]]:
+    """The ring status of every other member this rank does not know to be down."""
+    others = [t for t in state.universe if t != state.task and state.alive(t)]
+    calls = [client.call(_endpoint(spec, t), "ring", "status", timeout=timeout, name=t) for t in others]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    return {t: r for t, r in zip(others, results) if isinstance(r, dict)}
+
+
+def _coordinator(state: Rendezvous, views: dict[str, dict[str, Any]]) -> tuple[str | None, int, str]:
+    """(coordinator, its generation, why none) from the others' status and this rank's own."""
+    closed = sorted(t for t, v in views.items() if v.get("closed"))
+    gens = {t: int(v["generation"]) for t, v in views.items() if not v.get("closed")}
+    gens[state.task] = state.generation
+    target = max(gens.values())
+    if target == 0:
+        if closed:
+            raise Unavailable(f"the ring has finished ({', '.join(closed)} closed); {state.task} has no ring to join",
+                              task=closed[0])
+        missing = [t for t in state.universe if t not in gens]
+        if missing:  # before the first formation every member must be there to agree on one coordinator
+            return None, 0, f"waiting for {', '.join(missing)} to answer"
+    order = state.universe.index
+    return min((t for t, g in gens.items() if g == target), key=order), target, ""
+
+
+def _endpoint(spec: ClusterSpec, task: str) -> str:
+    return spec.address(TaskId.parse(task)).endpoint
