@@ -17,7 +17,7 @@ import pytest
 
 import zmqflow as zf
 from zmqflow import checkpoint, errors
-from zmqflow.testing import async_wait_until, local_cluster
+from zmqflow.testing import async_wait_until, free_port, local_cluster
 
 from .conftest import ZMQFLOW, arun
 
@@ -154,3 +154,71 @@ def test_a_killed_shard_recovers_to_what_an_uninterrupted_run_from_the_checkpoin
         for name in ("w", "b"):
             assert got[name].dtype == np.float64
             np.testing.assert_array_equal(got[name], want[name], err_msg=f"{w} {name}")
+
+
+CHIEF_DIES_SYNC = textwrap.dedent(
+    """
+    import os, sys, numpy as np, zmqflow as zf
+    marker = os.path.join(sys.argv[1], os.environ["ZMQFLOW_TASK"] + ".started")
+    first_run = not os.path.exists(marker)
+    open(marker, "a").close()
+    with zf.MonitoredTrainingSession(zf.ParameterServerStrategy(sync=True), checkpoint_dir=os.path.join(sys.argv[1], "ckpt"),
+                                     save_checkpoint_steps=5, hooks=[zf.StopAtStep(40)], progress=False) as mon:
+        mon.create({"w": np.zeros(2)}, optimizer=zf.optim.SGD(0.1))
+        print("joined", "first" if first_run else "again", "chief" if mon.is_chief else "worker", flush=True)
+        while not mon.should_stop():
+            mon.apply({"w": np.ones(2)})
+            if first_run and mon.task_name == "worker:0" and mon.step == 10:
+                os._exit(1)  # the chief dies: its checkpoint duty must not die with it
+        print("finished at step", mon.step, "chief" if mon.is_chief else "worker", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_in_sync_training_the_next_worker_takes_over_the_chiefs_duties(tmp_path, procs, restart):
+    script = tmp_path / "chief_sync.py"
+    script.write_text(CHIEF_DIES_SYNC)
+    policy = ["--restart", "on-failure"] if restart else []
+    p = procs([*ZMQFLOW, "launch", "--workers", "2", "--ps", "1", *policy, "--", sys.executable, str(script), str(tmp_path)])
+    code = p.wait(120)
+    steps = [int(re.search(r"checkpoint-(\d+)", c).group(1)) for c in checkpoint.checkpoints(str(tmp_path / "ckpt"))]
+    assert steps[-1] == 40, steps
+    if restart:  # the chief comes back, finds live state, takes its role and restores nothing
+        assert code == 0, p.output
+        assert "[worker:0] joined again chief" in p.output and "not restoring" in p.output
+        assert "[worker:0] finished at step 40" in p.output and "[worker:1] finished at step 40" in p.output
+    else:  # the survivor finishes alone and checkpoints every 5 steps after the chief is gone
+        assert code == 1, p.output
+        assert "worker:1: worker:1 holds the chief's duties (the last step averaged worker:1)" in p.output
+        assert "[worker:1] finished at step 40 chief" in p.output
+        assert steps == [20, 25, 30, 35, 40], steps  # written by worker:1 (the last five kept)
+
+
+def test_sync_pushes_name_the_replicas_each_step_averaged():
+    """What moves the chief's duties: every pusher of a step hears the same list of replicas."""
+    async def main():
+        spec = zf.ClusterSpec({"ps": [f"127.0.0.1:{free_port()}"], "worker": [f"127.0.0.1:{free_port()}" for _ in range(2)]})
+        async with local_cluster(spec, timeout=10) as servers:
+            target = servers["ps:0"].target
+            a, b = zf.AsyncSession(target, name="worker:0"), zf.AsyncSession(target, name="worker:1")
+            opt = zf.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=2, drop_dead_replicas=True)
+            v = await a.variable("v", np.zeros(2), optimizer=opt)
+            await b.get("v")
+            await asyncio.gather(a.push({"v": np.ones(2)}), b.push({"v": np.ones(2)}))
+            assert a.replicas == b.replicas == ["worker:0", "worker:1"]
+            await a.close()  # worker:0 is gone: its connection drops
+            for _ in range(3):
+                assert await b.push({"v": np.ones(2)}) is not None
+            assert b.replicas == ["worker:1"]
+            again = zf.AsyncSession(target, name="worker:0")  # it comes back, and contributes again
+            again.step = b.step
+            # its first push may find the step already completed without it (stale); from the next, it counts
+            await asyncio.gather(again.push({"v": np.ones(2)}), b.push({"v": np.ones(2)}))
+            await asyncio.gather(again.push({"v": np.ones(2)}), b.push({"v": np.ones(2)}))
+            assert again.replicas == b.replicas == ["worker:0", "worker:1"]
+            np.testing.assert_array_equal(await v.read(), np.full(2, -6.0))  # six steps, each the mean of ones
+            await again.close()
+            await b.close()
+
+    arun(main())

@@ -55,6 +55,7 @@ class AsyncSession:
         # who pushes: sync replicas count gradients per pusher and name the ones that are missing
         self.name = name or (str(tid) if tid is not None else f"session-{uuid.uuid4().hex[:8]}")
         self.step = 0
+        self.replicas: list[str] = []  # who contributed to the last synchronous step this session pushed
         self._client: RpcClient | None = None
         self._infos: dict[str, VarInfo] = {}
 
@@ -143,6 +144,8 @@ class AsyncSession:
         result = await _push(self, infos, self.step if step is None else step)
         if result["step"] is not None:
             self.step = result["step"]
+        if result["replicas"] is not None:
+            self.replicas = result["replicas"]
         return result["step"]
 
     async def global_step(self) -> int:
@@ -207,6 +210,11 @@ class Session:
     @property
     def step(self) -> int:
         return self._async.step
+
+    @property
+    def replicas(self) -> list[str]:
+        """The replicas whose gradients the last synchronous step this session pushed averaged."""
+        return self._async.replicas
 
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
         limit = (self._async.timeout if timeout is None else timeout) + _WAIT_MARGIN

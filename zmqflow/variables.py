@@ -305,7 +305,9 @@ async def push(sess: "AsyncSession", grads: Mapping[VarInfo, Any], step: int | N
         calls.append(sess._call_task(task, "ps", "push", body))
     results = await _all(calls)
     steps = [r["step"] for r in results if r.get("step") is not None]
-    return {"step": max(steps) if steps else None, "stale": any(r.get("stale") for r in results)}
+    replicas = [r["replicas"] for r in results if isinstance(r.get("replicas"), list)]
+    return {"step": max(steps) if steps else None, "stale": any(r.get("stale") for r in results),
+            "replicas": sorted({str(x) for rs in replicas for x in rs}) if replicas else None}
 
 
 class AsyncVariable:

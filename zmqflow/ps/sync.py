@@ -27,6 +27,7 @@ class SyncState:
         self._dense: dict[tuple[int, int], np.ndarray] = {}  # row range -> summed gradient
         self._sparse: list[tuple[np.ndarray, np.ndarray]] = []
         self.contributors: list[str] = []
+        self.last_contributors: list[str] = []  # whose gradients the last applied step averaged
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -67,6 +68,7 @@ class SyncState:
             idx = np.concatenate([i for i, _ in self._sparse])
             vals = np.concatenate([v for _, v in self._sparse])
             sparse = (idx, (vals / n).astype(vals.dtype, copy=False))
+        self.last_contributors = self.contributors
         self._dense, self._sparse, self.contributors = {}, [], []
         self.step += 1
         return dense, sparse

@@ -41,6 +41,7 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
         super().__init__()
         self._reachable = reachable
         self._pushers: dict[str, bytes] = {}  # replica name -> the routing id it last pushed from
+        self._gone: set[str] = set()  # replicas whose steps were completed without them
         self.store = ShardStore()
         self.tables: dict[PartKey, HashTable] = {}
         self._table_specs: dict[PartKey, tuple] = {}
@@ -102,7 +103,9 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
     @op
     async def push(self, ctx: CallContext, dense: list | None = None, sparse: list | None = None, step: int | None = None) -> dict[str, Any]:
         """Apply gradients: ``dense`` as ``[[name, part, start, stop, grad], ...]``, ``sparse`` as
-        ``[[name, part, indices, rows], ...]``. Async parts apply at once; sync parts wait for their step."""
+        ``[[name, part, indices, rows], ...]``. Async parts apply at once; sync parts wait for their step,
+        and the answer names the replicas whose gradients that step averaged (every pusher of the
+        step hears the same)."""
         by_part: dict[PartKey, dict[str, Any]] = defaultdict(lambda: {"dense": {}, "sparse": None})
         for it in dense or []:
             name, part, start, stop, grad = _item(it, 5, "push")
@@ -126,6 +129,7 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
                 raise InvalidArgument(f"variable {p.label} is synchronous: pushes must carry the pusher's step")
             mine = min(int(step), p.sync.step)
             self._pushers[ctx.source or "anonymous"] = ctx.peer
+            self._gone.discard(ctx.source or "anonymous")
             outcome = p.sync.offer(int(step), ctx.source or "anonymous", grads["dense"], grads["sparse"])
             if outcome == STALE:
                 stale = True
@@ -133,12 +137,15 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
                 mean_dense, mean_sparse = p.sync.take()
                 self._apply(key, mean_dense, mean_sparse)
                 self._advanced.pop(key, asyncio.Event()).set()
+            elif p.sync.drop_dead and set(p.sync.missing(self.replicas)) <= self._gone and self._drop_dead(key):
+                pass  # every replica still missing is one already known gone: no need to wait for it
             else:
                 waits.append((key, mine))
         for key, mine in waits:
             await self._wait_step(ctx, key, mine)
-        steps = [self.store.get(*k).sync.step for k in by_part if self.store.get(*k).sync is not None]
-        return {"step": max(steps) if steps else None, "stale": stale}
+        syncs = [s for k in by_part if (s := self.store.get(*k).sync) is not None]
+        return {"step": max(s.step for s in syncs) if syncs else None, "stale": stale,
+                "replicas": sorted({r for s in syncs for r in s.last_contributors}) if syncs else None}
 
     def _apply(self, key: PartKey, dense: dict, sparse: Any) -> None:
         for (a, b), grad in dense.items():
@@ -171,21 +178,25 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
                     self._drop_dead(key)
                 continue
 
-    def _drop_dead(self, key: PartKey) -> None:
-        """Finish the pending step when every replica that has not pushed is known to be gone."""
+    def _drop_dead(self, key: PartKey) -> bool:
+        """Finish the pending step when every replica that has not pushed is known to be gone
+        (their connections are checked again each time: a restarted replica is taken back)."""
         p = self.store.get(*key)
         sync = p.sync
         if sync is None or not sync.contributors or self._reachable is None:
-            return
+            return False
         missing = sync.missing(self.replicas)
         gone = [m for m in missing if m in self._pushers and not self._reachable(self._pushers[m])]
         if not missing or len(gone) < len(missing):
-            return
-        log.warning("%s: step %d completes with %d of %d replicas; gone: %s", p.label, sync.step,
-                    len(sync.contributors), sync.replicas_to_aggregate, ", ".join(gone))
+            return False
+        if not set(gone) <= self._gone:  # said once per replica lost, not on every step without it
+            log.warning("%s: step %d completes with %d of %d replicas; gone: %s", p.label, sync.step,
+                        len(sync.contributors), sync.replicas_to_aggregate, ", ".join(gone))
+            self._gone |= set(gone)
         mean_dense, mean_sparse = sync.take()
         self._apply(key, mean_dense, mean_sparse)
         self._advanced.pop(key, asyncio.Event()).set()
+        return True
 
     def _check_rows(self, name: str, part: int, start: int | None, stop: int | None, value: Any, what: str) -> None:
         p = self.store.get(name, part)

@@ -15,7 +15,6 @@ from ..errors import DeadlineExceeded, NotFound, Unavailable
 from ..services.catalog import shard_tasks
 from ..services.health import wait_for_tasks
 from ..ring import default_members
-from .members import MemberWatch
 from .strategy import Strategy
 
 __all__ = ["ParameterServerStrategy"]
@@ -38,6 +37,11 @@ class ParameterServerStrategy(Strategy):
         self.partitioner = partitioner
         self.name = "sync-ps" if sync else "ps"
 
+    def bind(self, mon: Any) -> None:
+        super().bind(mon)
+        self._members = default_members(mon.spec) if mon.spec is not None else []
+        self._acting = mon.chief_task
+
     def create(self, params: dict[str, np.ndarray], optimizer: Any, restore: str | None = None) -> int:
         mon = self.mon
         sess = mon.session
@@ -46,10 +50,6 @@ class ParameterServerStrategy(Strategy):
             opt = _optim.SyncReplicas(optimizer, replicas_to_aggregate=mon.num_workers, total_num_replicas=mon.num_workers,
                                       drop_dead_replicas=True)
         self.names = list(params)
-        if self.sync and mon.server is not None and mon.task in (members := default_members(mon.spec)):
-            lower = members[:members.index(mon.task)]
-            if lower:
-                self._watch = MemberWatch(mon.server, lower)
         if mon.is_chief:
             live = {v["name"] for v in sess.variables()}
             restored = set(live)
@@ -159,20 +159,15 @@ class ParameterServerStrategy(Strategy):
 
     # who is chief -------------------------------------------------------------------------
     def acting_chief(self) -> TaskId | None:
-        """Sync training needs a chief to checkpoint and recover: when the configured one is gone
-        the lowest-index live worker takes its duties, and hands them back when it returns."""
+        """Sync training needs a chief to checkpoint and recover. Every push of a step hears which
+        replicas that step averaged, so all workers agree on the lowest-index one of them: the
+        configured chief while it contributes, the next live worker when it is gone, and the chief
+        again from the first step it contributes to after coming back."""
         mon = self.mon
-        watch = getattr(self, "_watch", None)
-        if watch is None:
-            return mon.chief_task
-        acting = next((t for t in watch.members if t not in watch.down), mon.task)
-        if acting != getattr(self, "_acting", mon.chief_task):
-            log.warning("%s: %s now holds the chief's duties (down: %s)", mon.task_name, acting,
-                        ", ".join(map(str, sorted(watch.down, key=watch.members.index))) or "none")
+        replicas = set(mon.session.replicas) if self.sync and mon.session is not None else set()
+        acting = next((t for t in self._members if str(t) in replicas), mon.chief_task) if replicas else mon.chief_task
+        if acting != self._acting:
+            log.warning("%s: %s holds the chief's duties (the last step averaged %s)", mon.task_name, acting,
+                        ", ".join(sorted(replicas)))
             self._acting = acting
         return acting
-
-    def close(self) -> None:
-        watch = getattr(self, "_watch", None)
-        if watch is not None:
-            watch.stop()
