@@ -22,8 +22,17 @@ from .conftest import ZMQFLOW, arun
 W = [f"worker:{i}" for i in range(3)]
 
 
-async def _start(spec, task: str) -> AsyncServer:
-    return await AsyncServer(spec, task, default_timeout=10).start()
+async def _start(spec, task: str, timeout: float = 10.0) -> AsyncServer:
+    """Start a task's server; on an address just released, poll until the kernel lets it go."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            return await AsyncServer(spec, task, default_timeout=10).start()
+        except errors.AddressInUse:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.02)
 
 
 async def _sum_everywhere(rings: list[AsyncElasticRing]) -> list[np.ndarray]:
@@ -64,6 +73,34 @@ def test_rendezvous_leaves_a_stopped_rank_out_and_takes_it_back_fresh():
             late = AsyncElasticRing(servers["worker:2"], join_window=5)
             with pytest.raises(errors.Unavailable, match="the ring has finished"):
                 await late.form(-1, 20)
+        finally:
+            for s in servers.values():
+                await s.stop()
+
+    arun(main(), timeout=60)
+
+
+
+def test_a_member_that_does_not_join_in_time_is_left_out_and_a_fresh_rank_never_coordinates():
+    async def main():
+        spec = make_spec({"worker": 3}, "tcp")
+        servers = {t: await _start(spec, t) for t in W}
+        try:
+            rings = [AsyncElasticRing(servers[t], join_window=0.3) for t in W]
+            started = asyncio.get_running_loop().time()
+            first = await asyncio.gather(rings[0].form(0, 20), rings[1].form(-1, 20))  # worker:2 is alive but silent
+            assert {(f.generation, tuple(f.members)) for f in first} == {(1, tuple(W[:2]))}
+            assert asyncio.get_running_loop().time() - started < 5
+            # worker:2 holds no generation: it may not coordinate generation 1's successor
+            with pytest.raises(errors.Unavailable, match="worker:2 is at ring generation 0, behind 1"):
+                await servers["worker:0"].call("worker:2", "ring", "join",
+                                               {"task": "worker:0", "generation": 1, "step": 0, "target": 1})
+            status = await servers["worker:2"].call("worker:0", "ring", "status")
+            assert status == {"generation": 1, "members": W[:2], "closed": False}
+            late = asyncio.ensure_future(rings[2].form(-1, 20))  # it joins through the leader, at a step boundary
+            await async_wait_until(lambda: rings[0].joiners() == 1, 10, what="the leader counting worker:2")
+            again = await asyncio.gather(rings[0].form(3, 20), rings[1].form(3, 20), late)
+            assert {(f.generation, tuple(f.members), f.holder) for f in again} == {(2, tuple(W), "worker:0")}
         finally:
             for s in servers.values():
                 await s.stop()

@@ -379,10 +379,12 @@ class AsyncElasticRing:
     """A ring whose membership re-forms. ``form(step)`` joins the next generation (blocking until
     the coordinator closes it) and leaves ``ring`` an :class:`AsyncRing` over its members; the
     caller then copies the holder's state to everyone. All ranks of ``members`` (by default the
-    chief and the workers) share one ring service rendezvous per task."""
+    chief and the workers) share one ring service rendezvous per task. A member that does not join
+    within ``join_window`` seconds of the first (``first_join_window`` before the first formation)
+    is left out, and joins the next generation."""
 
     def __init__(self, server: AsyncServer, members: Sequence["TaskId | str"] | None = None, *, name: str = "elastic",
-                 join_window: float = DEFAULT_JOIN_WINDOW, **ring_kwargs: Any):
+                 join_window: float = DEFAULT_JOIN_WINDOW, first_join_window: float | None = None, **ring_kwargs: Any):
         self.server = server
         self.universe = [TaskId.parse(m) for m in members] if members is not None else default_members(server.spec)
         if server.task not in self.universe:
@@ -395,7 +397,7 @@ class AsyncElasticRing:
         self.formation: Formation | None = None
         self.state: Rendezvous = server.service("ring").rendezvous
         self.state.configure(str(server.task), list(endpoints), lambda t: client.peer_state(endpoints[t]) != "down",
-                             join_window)
+                             join_window, first_join_window)
 
     async def form(self, step: int, timeout: float) -> Formation:
         """Join the next generation; ``step`` is how far this replica is (-1: none worth keeping)."""

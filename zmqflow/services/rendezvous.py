@@ -7,7 +7,8 @@ first formation, of all the members, once every one answers). The coordinator ga
 of every member of its generation it believes alive plus any newcomer, then answers them all with
 the next generation: its number, its members in ring order, and the holder (the joiner with the
 most advanced replica; ties go to the lowest index) whose state every member then adopts. A
-member that does not join within the window is left out and joins later as a newcomer. Newcomers
+member that does not join within the window (a longer one before the first formation, when ranks
+may still be loading) is left out and joins later as a newcomer. Newcomers
 waiting at the coordinator are counted (``waiting``), so the running ranks can agree, through
 their next allreduce, to re-form at one step boundary.
 """
@@ -70,6 +71,7 @@ class Rendezvous:
         self.task = ""
         self.universe: list[str] = []
         self.window = 10.0
+        self.first_window = 10.0
         self.generation = 0
         self.members: list[str] = []
         self.closed = False
@@ -78,9 +80,11 @@ class Rendezvous:
         self._ready: asyncio.Event | None = None
         self._round: _Round | None = None
 
-    def configure(self, task: str, universe: Sequence[str], alive: Callable[[str], bool], window: float) -> None:
+    def configure(self, task: str, universe: Sequence[str], alive: Callable[[str], bool], window: float,
+                  first_window: float | None = None) -> None:
         """Called on the loop by the rank's elastic ring before it joins; joins wait for it."""
         self.task, self.universe, self._alive, self.window = task, list(universe), alive, float(window)
+        self.first_window = max(self.window, float(first_window if first_window is not None else window))
         self.closed = False
         self._ready_event().set()
 
@@ -143,10 +147,11 @@ class Rendezvous:
                 expected = {t for t in {*self.view(), *rnd.joins} if self.alive(t)}
                 if self.task in rnd.joins and expected <= rnd.joins.keys():
                     break
-                if rnd.started is not None and loop.time() > rnd.started + self.window:
+                window = self.window if self.generation else self.first_window
+                if rnd.started is not None and loop.time() > rnd.started + window:
                     if self.task not in rnd.joins:
                         raise DeadlineExceeded(f"ring rendezvous at {self.task}: the coordinator itself did not join "
-                                               f"within {self.window:g}s", task=self.task)
+                                               f"within {window:g}s", task=self.task)
                     break  # the missing members are left out; they can join the next generation
                 await asyncio.sleep(_POLL_S)
             if not rnd.done.done():

@@ -73,7 +73,8 @@ class RingAllReduceStrategy(Strategy):
             claim, saved = _ckpt.restore_store(restore)
             self.local.load(saved)
         kwargs = {} if self.bucket_bytes is None else {"bucket_bytes": self.bucket_bytes}
-        self.elastic = ElasticRing(mon.server, default_members(mon.spec), join_window=self.join_window, **kwargs)
+        self.elastic = ElasticRing(mon.server, default_members(mon.spec), join_window=self.join_window,
+                                   first_join_window=mon.wait_timeout, **kwargs)
         self._claim = claim
         formation = self._form(mon.wait_timeout)
         if restore and formation.holder != str(mon.task):
