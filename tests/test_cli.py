@@ -204,7 +204,7 @@ def test_launch_rejects_a_cluster_and_generation_flags_together(tmp_path, procs)
 def test_bench_commands_are_listed(procs):
     p = procs([*ZMQFLOW, "bench", "--help"])
     assert p.wait(30) == 0
-    for name in ("transport", "ps", "embedding"):
+    for name in ("transport", "ps", "embedding", "allreduce", "recovery"):
         assert name in p.output
 
 

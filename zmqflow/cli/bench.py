@@ -53,3 +53,13 @@ def allreduce(quick: bool, json_out: str | None) -> None:
     from ..bench.allreduce import format_table, run
 
     click.echo(format_table(run(quick=quick, json_out=json_out)))
+
+
+@bench.command("recovery")
+@click.option("--quick", is_flag=True, help="One run per case instead of five.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Append JSON lines here.")
+def recovery(quick: bool, json_out: str | None) -> None:
+    """How long sync training stops when a ps shard is killed, beside a bare process restart."""
+    from ..bench.recovery import format_table, run
+
+    click.echo(format_table(run(quick=quick, json_out=json_out)))
