@@ -108,6 +108,25 @@ def test_a_member_that_does_not_join_in_time_is_left_out_and_a_fresh_rank_never_
     arun(main(), timeout=60)
 
 
+
+def test_the_lone_survivor_of_two_goes_on_once_the_other_is_confirmed_gone():
+    async def main():
+        spec = make_spec({"worker": 2}, "tcp")
+        servers = {t: await _start(spec, t) for t in W[:2]}
+        try:
+            rings = [AsyncElasticRing(servers[t], join_window=5) for t in W[:2]]
+            await asyncio.gather(rings[0].form(0, 20), rings[1].form(-1, 20))
+            await servers["worker:0"].stop()  # the leader goes; one of two is no majority, so it asks first
+            alone = await rings[1].form(4, 20)
+            assert (alone.generation, alone.members, alone.holder) == (2, ["worker:1"], "worker:1")
+            np.testing.assert_array_equal(await rings[1].ring.allreduce(np.ones(2)), np.ones(2))
+        finally:
+            for s in servers.values():
+                await s.stop()
+
+    arun(main(), timeout=60)
+
+
 # A training script for real processes. It stops by an event every rank sees at the same step
 # (a generation of `size` members, at least `generation`, has trained 20 steps), not by time.
 ELASTIC = textwrap.dedent(
@@ -200,6 +219,30 @@ def test_a_killed_chief_hands_the_ring_over_and_rejoins_after_its_restart(tmp_pa
     finals = [p.wait_for_line(f"[{t}] finished at step", 1) for t in W]
     assert len({line.split("] ", 1)[1] for line in finals}) == 1, finals  # same step, generation 3, 3 members
     assert "members 3" in finals[0]
+    results = _finals(tmp_path, W)
+    for task, got in zip(W[1:], results[1:]):
+        for name in got:
+            np.testing.assert_array_equal(got[name], results[0][name], err_msg=f"{task} {name}")
+
+
+def test_a_frozen_rank_is_left_out_and_rejoins_when_it_resumes_without_a_ring_of_its_own(tmp_path, procs):
+    """SIGSTOP: its peers drop it at their heartbeat timeout; on SIGCONT it sees every peer as down
+    for a moment, yet must not form a ring alone (it holds no majority, and its peers answer)."""
+    script = tmp_path / "elastic.py"
+    script.write_text(ELASTIC)
+    p = procs([*ZMQFLOW, "launch", "--workers", "3", "--", sys.executable, str(script), str(tmp_path), "3", "3"])
+    pid = _pid(p, "worker:2")
+    p.wait_for_line("[worker:2] step 30 ", 90)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        stopped_at = time.monotonic()
+        _assert_raised_within_5s(p, ["worker:0", "worker:1"], "worker:2", stopped_at)
+        p.wait_for_line("[worker:0] worker:0: ring re-formed as generation 2 with worker:0, worker:1 ", 30)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert p.wait(120) == 0, p.output
+    assert "[worker:2] worker:2: ring re-formed as generation 3 with worker:0, worker:1, worker:2" in p.output
+    assert "generation 2 with worker:2 " not in p.output
     results = _finals(tmp_path, W)
     for task, got in zip(W[1:], results[1:]):
         for name in got:

@@ -389,14 +389,12 @@ class AsyncElasticRing:
         self.universe = [TaskId.parse(m) for m in members] if members is not None else default_members(server.spec)
         if server.task not in self.universe:
             raise ConfigError(f"task {server.task} is not a member of the ring ({', '.join(map(str, self.universe))})")
-        endpoints = {str(t): server.spec.address(t).endpoint for t in self.universe}
-        client = server.client
         self.name = name
         self.ring_kwargs = ring_kwargs
         self.ring: AsyncRing | None = None
         self.formation: Formation | None = None
         self.state: Rendezvous = server.service("ring").rendezvous
-        self.state.configure(str(server.task), list(endpoints), lambda t: client.peer_state(endpoints[t]) != "down",
+        self.state.configure(str(server.task), [str(t) for t in self.universe], server.client, server.spec,
                              join_window, first_join_window)
 
     async def form(self, step: int, timeout: float) -> Formation:

@@ -16,7 +16,7 @@ their next allreduce, to re-form at one step boundary.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +61,8 @@ class _Round:
     done: asyncio.Future
     joins: dict[str, _Join] = field(default_factory=dict)
     started: float | None = None  # when the first member of the generation joined: the window opens
+    probed: set[str] = field(default_factory=set)  # members left out whose status was asked
+    answering: set[str] = field(default_factory=set)  # ... and that answered: alive after all
 
 
 class Rendezvous:
@@ -76,14 +78,17 @@ class Rendezvous:
         self.members: list[str] = []
         self.closed = False
         self.waiting = 0
-        self._alive: Callable[[str], bool] = lambda task: True
+        self._client: RpcClient | None = None
+        self._spec: ClusterSpec | None = None
         self._ready: asyncio.Event | None = None
         self._round: _Round | None = None
 
-    def configure(self, task: str, universe: Sequence[str], alive: Callable[[str], bool], window: float,
+    def configure(self, task: str, universe: Sequence[str], client: RpcClient, spec: ClusterSpec, window: float,
                   first_window: float | None = None) -> None:
-        """Called on the loop by the rank's elastic ring before it joins; joins wait for it."""
-        self.task, self.universe, self._alive, self.window = task, list(universe), alive, float(window)
+        """Called on the loop by the rank's elastic ring before it joins; joins wait for it. ``client``
+        is the task's own: its connections tell which members are down."""
+        self.task, self.universe, self.window = task, list(universe), float(window)
+        self._client, self._spec = client, spec
         self.first_window = max(self.window, float(first_window if first_window is not None else window))
         self.closed = False
         self._ready_event().set()
@@ -94,7 +99,10 @@ class Rendezvous:
         return self._ready
 
     def alive(self, task: str) -> bool:
-        return task == self.task or self._alive(task)
+        """Not known to be down: this rank's connection to ``task`` has not dropped (or is back)."""
+        if task == self.task:
+            return True
+        return self._client is None or self._client.peer_state(_endpoint(self._spec, task)) != "down"
 
     def status(self) -> dict[str, Any]:
         return {"generation": self.generation, "members": list(self.members), "closed": self.closed}
@@ -144,15 +152,15 @@ class Rendezvous:
                 if rnd.started is None and not any(self.alive(t) for t in rnd.joins):
                     raise Unavailable(f"ring rendezvous at {self.task}: every rank waiting to join is gone", task=self.task)
                 self.waiting = sum(1 for t in rnd.joins if t not in self.view() and self.alive(t))
-                expected = {t for t in {*self.view(), *rnd.joins} if self.alive(t)}
-                if self.task in rnd.joins and expected <= rnd.joins.keys():
-                    break
                 window = self.window if self.generation else self.first_window
-                if rnd.started is not None and loop.time() > rnd.started + window:
-                    if self.task not in rnd.joins:
-                        raise DeadlineExceeded(f"ring rendezvous at {self.task}: the coordinator itself did not join "
-                                               f"within {window:g}s", task=self.task)
-                    break  # the missing members are left out; they can join the next generation
+                late = rnd.started is not None and loop.time() > rnd.started + window
+                if self.task in rnd.joins:
+                    expected = {t for t in {*self.view(), *rnd.joins} if self._present(rnd, t)}
+                    if (late or expected <= rnd.joins.keys()) and await self._quorate(rnd, late):
+                        break  # members still missing are left out; they can join the next generation
+                elif late:
+                    raise DeadlineExceeded(f"ring rendezvous at {self.task}: the coordinator itself did not join "
+                                           f"within {window:g}s", task=self.task)
                 await asyncio.sleep(_POLL_S)
             if not rnd.done.done():
                 rnd.done.set_result(self._close_round(rnd).to_wire())
@@ -164,9 +172,40 @@ class Rendezvous:
             if self._round is rnd:
                 self._round = None
 
+    def _present(self, rnd: _Round, task: str) -> bool:
+        return self.alive(task) or task in rnd.answering
+
+    async def _quorate(self, rnd: _Round, late: bool) -> bool:
+        """Whether the round may close: it keeps a majority of this generation's members, or every
+        member it leaves out is confirmed gone. A rank that was frozen (SIGSTOP, a long pause) sees
+        every peer as down for a moment; this keeps it from forming a ring of its own while the
+        others train on."""
+        view = self.view()
+        kept = [t for t in view if t in rnd.joins and self._present(rnd, t)]
+        if 2 * len(kept) > len(view) or len(kept) == len(view):
+            return True
+        unasked = [t for t in view if t not in kept and t not in rnd.probed]
+        for t, status in zip(unasked, await asyncio.gather(*(self._status_of(t) for t in unasked))):
+            rnd.probed.add(t)
+            if status is None or status.get("closed"):
+                continue
+            if int(status["generation"]) > self.generation:
+                raise Unavailable(f"ring rendezvous at {self.task}: {t} is alive at generation {status['generation']}, "
+                                  f"ahead of {self.generation}; join through it", task=t)
+            rnd.answering.add(t)
+        return late or all(t in rnd.joins for t in rnd.answering)
+
+    async def _status_of(self, task: str) -> dict[str, Any] | None:
+        """``task``'s ring status, asked now whatever the connection's state; None if it does not answer."""
+        assert self._client is not None and self._spec is not None
+        try:
+            return await self._client.call(_endpoint(self._spec, task), "ring", "status", timeout=_STATUS_TIMEOUT, name=task)
+        except ZmqflowError:
+            return None
+
     def _close_round(self, rnd: _Round) -> Formation:
         order = {t: i for i, t in enumerate(self.universe)}
-        joined = [j for j in rnd.joins.values() if self.alive(j.task)]
+        joined = [j for j in rnd.joins.values() if self._present(rnd, j.task)]
         holder = min(joined, key=lambda j: (-j.step, order[j.task]))
         generation = max(self.generation, *(j.generation for j in joined)) + 1
         formation = Formation(generation, sorted((j.task for j in joined), key=order.__getitem__), holder.task, holder.step)
