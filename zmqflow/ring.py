@@ -399,7 +399,7 @@ class AsyncElasticRing:
 
     async def form(self, step: int, timeout: float) -> Formation:
         """Join the next generation; ``step`` is how far this replica is (-1: none worth keeping)."""
-        formation = await join_next_generation(self.server.client, self.server.spec, self.state, step, timeout)
+        formation = await join_next_generation(self.state, step, timeout)
         old = self.ring
         self.ring = AsyncRing(self.server, formation.members, name=f"{self.name}/g{formation.generation}", **self.ring_kwargs)
         self.formation = formation

@@ -78,17 +78,16 @@ class Rendezvous:
         self.members: list[str] = []
         self.closed = False
         self.waiting = 0
-        self._client: RpcClient | None = None
-        self._spec: ClusterSpec | None = None
+        self.client: RpcClient | None = None  # this task's own: its connections tell who is down
+        self.spec: ClusterSpec | None = None
         self._ready: asyncio.Event | None = None
         self._round: _Round | None = None
 
     def configure(self, task: str, universe: Sequence[str], client: RpcClient, spec: ClusterSpec, window: float,
                   first_window: float | None = None) -> None:
-        """Called on the loop by the rank's elastic ring before it joins; joins wait for it. ``client``
-        is the task's own: its connections tell which members are down."""
+        """Called on the loop by the rank's elastic ring before it joins; joins wait for it."""
         self.task, self.universe, self.window = task, list(universe), float(window)
-        self._client, self._spec = client, spec
+        self.client, self.spec = client, spec
         self.first_window = max(self.window, float(first_window if first_window is not None else window))
         self.closed = False
         self._ready_event().set()
@@ -102,7 +101,7 @@ class Rendezvous:
         """Not known to be down: this rank's connection to ``task`` has not dropped (or is back)."""
         if task == self.task:
             return True
-        return self._client is None or self._client.peer_state(_endpoint(self._spec, task)) != "down"
+        return self.client is None or self.client.peer_state(_endpoint(self.spec, task)) != "down"
 
     def status(self) -> dict[str, Any]:
         return {"generation": self.generation, "members": list(self.members), "closed": self.closed}
@@ -197,9 +196,9 @@ class Rendezvous:
 
     async def _status_of(self, task: str) -> dict[str, Any] | None:
         """``task``'s ring status, asked now whatever the connection's state; None if it does not answer."""
-        assert self._client is not None and self._spec is not None
+        assert self.client is not None and self.spec is not None
         try:
-            return await self._client.call(_endpoint(self._spec, task), "ring", "status", timeout=_STATUS_TIMEOUT, name=task)
+            return await self.client.call(_endpoint(self.spec, task), "ring", "status", timeout=_STATUS_TIMEOUT, name=task)
         except ZmqflowError:
             return None
 
@@ -219,16 +218,17 @@ def _retrieve(fut: asyncio.Future) -> None:
 
 
 # the joiner ---------------------------------------------------------------------------
-async def join_next_generation(client: RpcClient, spec: ClusterSpec, state: Rendezvous, step: int,
-                               timeout: float) -> Formation:
+async def join_next_generation(state: Rendezvous, step: int, timeout: float) -> Formation:
     """Join the ring's next generation through its coordinator; returns it once formed. ``step``
     is how far this rank's replica is (-1: it holds none worth keeping)."""
+    client, spec = state.client, state.spec
+    assert client is not None and spec is not None, "configure() the rendezvous first"
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     last = "no member answered"
     delay = 0.05
     while (remaining := deadline - loop.time()) > 0:
-        views = await _survey(client, spec, state, min(_STATUS_TIMEOUT, remaining))
+        views = await _survey(state, min(_STATUS_TIMEOUT, remaining))
         coordinator, target, last = _coordinator(state, views)
         if coordinator is not None:
             body = {"task": state.task, "generation": state.generation, "step": int(step), "target": target}
@@ -246,10 +246,11 @@ async def join_next_generation(client: RpcClient, spec: ClusterSpec, state: Rend
     raise DeadlineExceeded(f"{state.task}: no ring generation formed within {timeout:g}s; last: {last}", task=state.task)
 
 
-async def _survey(client: RpcClient, spec: ClusterSpec, state: Rendezvous, timeout: float) -> dict[str, dict[str, Any]]:
+async def _survey(state: Rendezvous, timeout: float) -> dict[str, dict[str, Any]]:
     """The ring status of every other member this rank does not know to be down."""
+    assert state.client is not None and state.spec is not None
     others = [t for t in state.universe if t != state.task and state.alive(t)]
-    calls = [client.call(_endpoint(spec, t), "ring", "status", timeout=timeout, name=t) for t in others]
+    calls = [state.client.call(_endpoint(state.spec, t), "ring", "status", timeout=timeout, name=t) for t in others]
     results = await asyncio.gather(*calls, return_exceptions=True)
     return {t: r for t, r in zip(others, results) if isinstance(r, dict)}
 
