@@ -98,43 +98,49 @@ async def async_save(sess: "AsyncSession", directory: str, *, step: int | None =
 def _prune(directory: str, keep: int) -> None:
     """Keep the newest ``keep`` checkpoints: remove a manifest first, then its files. Files no
     manifest names, from saves older than the newest checkpoint, are what a save that crashed
-    before its manifest left behind: they go too."""
+    before its manifest left behind: they go too. Another process pruning the same directory at
+    the same time (a chief handing over) may remove a file first; that is not an error."""
     found = checkpoints(directory)
     needed: set[str] = set()
     for path in found[-keep:] if keep > 0 else found:
-        with open(path) as fh:
-            needed |= {s["file"] for s in json.load(fh)["shards"]}
+        needed |= _files_of(path)
     for path in found[:-keep] if keep > 0 else []:
-        with open(path) as fh:
-            files = [s["file"] for s in json.load(fh)["shards"]]
-        os.remove(path)
-        for f in files:
-            if f not in needed:
-                try:
-                    os.remove(os.path.join(directory, f))
-                except FileNotFoundError:
-                    pass
+        files = _files_of(path)
+        _remove(path)
+        for f in files - needed:
+            _remove(os.path.join(directory, f))
     _remove_unfinished(directory, checkpoints(directory))
     fsync_dir(directory)
+
+
+def _files_of(manifest: str) -> set[str]:
+    """The shard files a manifest names (none if it has gone meanwhile)."""
+    try:
+        with open(manifest) as fh:
+            return {s["file"] for s in json.load(fh)["shards"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 def _remove_unfinished(directory: str, found: list[str]) -> None:
     if not found:
         return
     newest = int(_MANIFEST.match(os.path.basename(found[-1])).group(1))  # type: ignore[union-attr]
-    named: set[str] = set()
+    named = {os.path.basename(p) for p in found}
     for path in found:
-        with open(path) as fh:
-            named |= {s["file"] for s in json.load(fh)["shards"]}
-    named |= {os.path.basename(p) for p in found}
+        named |= _files_of(path)
     for name in os.listdir(directory):
         m = _WRITTEN.match(name)
         # strictly older than the newest checkpoint: a save in progress now writes a newer step
         if m and name not in named and int(m.group(1) or m.group(2)) < newest:
-            try:
-                os.remove(os.path.join(directory, name))
-            except FileNotFoundError:
-                pass
+            _remove(os.path.join(directory, name))
 
 
 async def _global_step(sess: "AsyncSession") -> int:

@@ -86,6 +86,7 @@ class RpcClient:
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
         self._closed = False
+        self._senders: set[asyncio.Task] = set()  # sends waiting for a connection; cancelled on close
 
     # connections ------------------------------------------------------------------------
     def peer(self, endpoint: str, name: str | None = None) -> Peer:
@@ -177,7 +178,9 @@ class RpcClient:
             pending.sent = True
             self._count_out(frames)
         else:
-            self._loop.create_task(self._send_later(rid, peer, frames, timeout))
+            task = self._loop.create_task(self._send_later(rid, peer, frames, timeout))
+            self._senders.add(task)
+            task.add_done_callback(self._senders.discard)
         return fut
 
     def _retry_inproc(self, peer: Peer, rid: int) -> bool:
@@ -279,6 +282,8 @@ class RpcClient:
         if self._closed:
             return
         self._closed = True
+        for task in list(self._senders):
+            task.cancel()
         for rid, pending in list(self._pending.items()):
             self._finish(rid, exc=Unavailable(f"client closed during {pending.what}", task=pending.peer.name))
         for peer in self._peers.values():
