@@ -40,7 +40,7 @@ __all__ = ["save", "restore", "recover", "latest", "checkpoints", "async_save", 
 FORMAT = 1
 _MANIFEST = re.compile(r"^checkpoint-(\d+)\.json$")
 # What a save writes before its manifest (shard files, temporaries): the step is in the name.
-_WRITTEN = re.compile(r"^(?:step(\d{10})-.*\.npz|checkpoint-(\d{10})\.json)(?:\.tmp-\d+)?$")
+_WRITTEN = re.compile(r"^(?:step(\d{10})-.*\.npz|checkpoint-(\d{10})\.json)(?:\.tmp-[\d-]+)?$")
 
 log = logging.getLogger("zmqflow.checkpoint")
 

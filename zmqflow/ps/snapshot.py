@@ -9,6 +9,8 @@ the directory is fsynced: a crash at any moment leaves either the old file or th
 from __future__ import annotations
 
 import os
+import threading
+
 import numpy as np
 
 from ..errors import InvalidArgument
@@ -71,7 +73,7 @@ def fsync_dir(directory: str) -> None:
 def write_atomic(path: str, arrays: dict[str, np.ndarray] | None = None, text: str | None = None) -> None:
     """Write ``arrays`` (as npz) or ``text`` to ``path`` so that a crash leaves the old or the new file."""
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"  # two writers (threads too) never share one
     with open(tmp, "wb") as fh:
         if arrays is not None:
             np.savez(fh, **arrays)
