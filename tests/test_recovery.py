@@ -50,6 +50,29 @@ def test_a_fenced_shard_refuses_data_ops_and_fails_waiting_sync_pushes():
     arun(main())
 
 
+def test_a_client_that_used_the_shard_before_a_recovery_is_refused_once_after_it():
+    """A request sent before the fence may arrive after the unfence; the shard refuses each earlier
+    client's first data op after the recovery (requests on a connection arrive in order)."""
+    async def main():
+        async with local_cluster({"ps": 1, "worker": 1}, timeout=10) as servers:
+            target, ps0 = servers["worker:0"].target, zf.TaskId("ps", 0)
+            async with zf.AsyncSession(target) as user, zf.AsyncSession(target) as restorer:
+                v = await user.variable("v", np.zeros(2))
+                await v.read()
+                epoch = await restorer._call_task(ps0, "ps", "fence")
+                assert await restorer._call_task(ps0, "ps", "unfence", {"epoch": epoch})
+                np.testing.assert_array_equal(await (await restorer.get("v")).read(), np.zeros(2))  # the restorer knows
+                async with zf.AsyncSession(target) as fresh:
+                    np.testing.assert_array_equal(await (await fresh.get("v")).read(), np.zeros(2))  # so does a new client
+                with pytest.raises(errors.Recovering, match="first request since this shard was restored"):
+                    await v.assign_add(np.ones(2))
+                np.testing.assert_array_equal(await v.read(), np.zeros(2))  # the refused write changed nothing
+                await v.assign_add(np.ones(2))  # and from the second request on, it is served
+                np.testing.assert_array_equal(await v.read(), np.ones(2))
+
+    arun(main())
+
+
 def test_sweep_drops_what_the_catalog_does_not_place_and_checks_its_input_first():
     async def main():
         async with local_cluster({"ps": 2, "worker": 1}, timeout=10) as servers:

@@ -103,6 +103,7 @@ class RpcServer:
             service = self.services.get(msg.service)
             if service is None:
                 raise NotFound(f"task {self.name} has no service {msg.service!r} (services: {', '.join(sorted(self.services))})")
+            service.admit(ctx)
             call = service.find_op(msg.op).bind(msg.service, msg.op, ctx, msg.body)
             result = call()
         except Exception as exc:

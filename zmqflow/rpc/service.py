@@ -83,6 +83,9 @@ class Service:
             raise NotFound(f"service {self.name!r} has no op {name!r} (ops: {', '.join(sorted(self.ops))})")
         return found
 
+    def admit(self, ctx: CallContext) -> None:
+        """Called before every call is dispatched; raise to refuse it (a shard being restored does)."""
+
     @op
     def ping(self, ctx: CallContext) -> dict[str, Any]:
         return {"service": self.name}

@@ -7,6 +7,12 @@ every shard first; a fenced shard refuses data ops with ``Recovering`` (a kind o
 restore's own ops (create, restore_part, emb_restore, sweep) go through. Each fence bumps the
 shard's recovery epoch, and only the matching ``unfence`` lifts it, so a late unfence from an
 older recovery cannot open a newer one.
+
+A request sent before the fence can still be on its way after the unfence (it was in a socket
+buffer all along). Requests on one connection arrive in order, so the shard refuses the first
+data op after the recovery from every client that used it before the fence and has not been
+refused since: whatever that client sent before was computed on the state the restore
+replaced. Fresh clients, and the one that lifted the fence, are not refused.
 """
 
 from __future__ import annotations
@@ -36,10 +42,23 @@ class FenceOps:
     epoch: int = 0
     fenced: bool = False
 
-    def check_fence(self, name: str) -> None:
-        if self.fenced and name in FENCED_OPS:
+    def _fence_init(self) -> None:
+        self._used: set[bytes] = set()  # clients that used data ops since the last fence
+        self._behind: set[bytes] = set()  # clients whose next data op is refused: they have not heard
+
+    def check_fence(self, name: str, peer: bytes) -> None:
+        if name not in FENCED_OPS:
+            return
+        if self.fenced:
+            self._behind.discard(peer)  # it hears now; what it sent before arrived before this
             raise Recovering(f"ps.{name} refused: this shard is being restored from a checkpoint "
                              f"(recovery epoch {self.epoch}); retry when recovery ends", epoch=self.epoch)
+        if peer in self._behind:
+            self._behind.discard(peer)
+            raise Recovering(f"ps.{name} refused: the first request since this shard was restored (recovery epoch "
+                             f"{self.epoch}); it may have been computed on the state the restore replaced: read "
+                             f"again", epoch=self.epoch)
+        self._used.add(peer)
 
     @op
     def fence(self, ctx: CallContext) -> int:
@@ -47,6 +66,8 @@ class FenceOps:
         ``Recovering``, and their pending gradients are dropped). Returns the new epoch."""
         self.epoch += 1
         self.fenced = True
+        self._behind |= self._used
+        self._used = set()
         for p in self.store.parts.values():
             if p.sync is not None:
                 p.sync.discard()  # gradients of a step that will never complete as it was
@@ -61,6 +82,7 @@ class FenceOps:
         if int(epoch) != self.epoch:
             return False
         self.fenced = False
+        self._behind.discard(ctx.peer)  # the restorer knows: its earlier requests were all answered
         return True
 
     @op

@@ -20,7 +20,6 @@ from ..ps.embedding import HashTable
 from ..ps.store import PartKey, ShardStore, part_label
 from ..ps.sync import READY, STALE
 from ..rpc import CallContext, Service, op
-from ..rpc.service import Op
 from .fence import FenceOps
 from .snapshots import SnapshotOps
 from .tables import TableOps
@@ -39,6 +38,7 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
 
     def __init__(self, replicas: list[str] | None = None, reachable: Callable[[bytes], bool] | None = None):
         super().__init__()
+        self._fence_init()
         self._reachable = reachable
         self._pushers: dict[str, bytes] = {}  # replica name -> the routing id it last pushed from
         self._gone: set[str] = set()  # replicas whose steps were completed without them
@@ -48,9 +48,8 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
         self.replicas = list(replicas or [])
         self._advanced: dict[PartKey, asyncio.Event] = defaultdict(asyncio.Event)
 
-    def find_op(self, name: str) -> Op:
-        self.check_fence(name)
-        return super().find_op(name)
+    def admit(self, ctx: CallContext) -> None:
+        self.check_fence(ctx.op, ctx.peer)
 
     @op
     def status(self, ctx: CallContext) -> dict[str, Any]:
