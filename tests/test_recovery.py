@@ -17,6 +17,7 @@ import pytest
 
 import zmqflow as zf
 from zmqflow import checkpoint, errors
+from zmqflow.cli.status import cluster_status, format_status
 from zmqflow.testing import async_wait_until, free_port, local_cluster
 
 from .conftest import ZMQFLOW, arun
@@ -40,12 +41,17 @@ def test_a_fenced_shard_refuses_data_ops_and_fails_waiting_sync_pushes():
                         await call
                 status = await sess._call_task(zf.TaskId("ps", 0), "ps", "status")
                 assert status["fenced"] and status["epoch"] == 1
+                # what `zmqflow status` shows an operator
+                rows = await cluster_status(servers["ps:0"].spec, 5)
+                assert rows[0]["state"] == {"ps": "recovering (epoch 1)"}
+                assert "recovering (epoch 1)" in format_status(rows).splitlines()[1]
                 # a stale unfence (an older recovery's) does not lift a newer fence
                 assert await sess._call_task(zf.TaskId("ps", 0), "ps", "unfence", {"epoch": 0}) is False
                 with pytest.raises(errors.Recovering):
                     await v.read()
                 assert await sess._call_task(zf.TaskId("ps", 0), "ps", "unfence", {"epoch": 1}) is True
                 np.testing.assert_array_equal(await v.read(), np.zeros(3))  # nothing of the abandoned step applied
+                assert (await cluster_status(servers["ps:0"].spec, 5))[0]["state"] == {"ps": "restored (epoch 1)"}
 
     arun(main())
 
@@ -100,7 +106,8 @@ STEPS, SAVE_EVERY, KILL_AT = 60, 20, 30
 TRAIN = textwrap.dedent(
     """
     import os, sys, numpy as np, zmqflow as zf
-    from zmqflow.testing import wait_until
+    from zmqflow.cli.status import cluster_status, format_status
+from zmqflow.testing import wait_until
     ckpt, out, pause = sys.argv[1], sys.argv[2], sys.argv[3]
     W = np.linspace(-1, 1, 18).reshape(6, 3)
 

@@ -87,6 +87,10 @@ class AsyncServer:
     def service_names(self) -> list[str]:
         return list(self._services)
 
+    def service_states(self) -> dict[str, str]:
+        """What each service has to say about its state (a shard recovering, a ring's generation)."""
+        return {name: s for name, svc in self._services.items() if (s := svc.state())}
+
     def service(self, name: str) -> Service:
         try:
             return self._services[name]

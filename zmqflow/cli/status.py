@@ -44,7 +44,7 @@ def _size(n: int) -> str:
 
 
 def format_status(rows: list[dict[str, Any]]) -> str:
-    header = ["TASK", "ADDRESS", "UP", "ROLES", "PID", "UPTIME", "MSGS IN/OUT", "BYTES IN/OUT", "ERRORS"]
+    header = ["TASK", "ADDRESS", "UP", "ROLES", "PID", "UPTIME", "MSGS IN/OUT", "BYTES IN/OUT", "ERRORS", "STATE"]
     table = [header]
     for r in rows:
         if r["reachable"]:
@@ -53,9 +53,10 @@ def format_status(rows: list[dict[str, Any]]) -> str:
                 r["task"], r["address"], "yes", ",".join(r.get("roles", [])), str(r.get("pid", "")),
                 f"{r.get('uptime_s', 0):.1f}s", f"{c.get('msgs_in', 0)}/{c.get('msgs_out', 0)}",
                 f"{_size(c.get('bytes_in', 0))}/{_size(c.get('bytes_out', 0))}", str(c.get("errors", 0)),
+                "; ".join(r.get("state", {}).values()) or "-",
             ])
         else:
-            table.append([r["task"], r["address"], "NO", "-", "-", "-", "-", "-", "-"])
+            table.append([r["task"], r["address"], "NO", "-", "-", "-", "-", "-", "-", "down"])
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)
 

@@ -83,6 +83,10 @@ class Service:
             raise NotFound(f"service {self.name!r} has no op {name!r} (ops: {', '.join(sorted(self.ops))})")
         return found
 
+    def state(self) -> str | None:
+        """A few words on a state an operator should see in ``zmqflow status`` (None: nothing to say)."""
+        return None
+
     def admit(self, ctx: CallContext) -> None:
         """Called before every call is dispatched; raise to refuse it (a shard being restored does)."""
 

@@ -32,6 +32,8 @@ class TaskRuntime(Protocol):
 
     def service_names(self) -> list[str]: ...
 
+    def service_states(self) -> dict[str, str]: ...
+
 
 class MasterService(Service):
     name = "master"
@@ -53,6 +55,7 @@ class MasterService(Service):
             "index": rt.task.index,
             "address": rt.target,
             "roles": rt.service_names(),
+            "state": rt.service_states(),
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "uptime_s": round(time.monotonic() - rt.started_at, 3),

@@ -48,6 +48,11 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
         self.replicas = list(replicas or [])
         self._advanced: dict[PartKey, asyncio.Event] = defaultdict(asyncio.Event)
 
+    def state(self) -> str | None:
+        if self.fenced:
+            return f"recovering (epoch {self.epoch})"
+        return f"restored (epoch {self.epoch})" if self.epoch else None
+
     def admit(self, ctx: CallContext) -> None:
         self.check_fence(ctx.op, ctx.peer)
 

@@ -54,6 +54,10 @@ class RingService(Service):
         self.fail(ring, int(seq), error_class(code)(message, **(details or {})))
         return True
 
+    def state(self) -> str | None:
+        g = self.rendezvous.generation
+        return f"ring generation {g} of {len(self.rendezvous.members)}" if g else None
+
     @op
     def status(self, ctx: CallContext) -> dict:
         """This rank's ring generation, its members, and whether its training is over."""
