@@ -25,7 +25,7 @@ import numpy as np
 
 from .embedding import create_table_parts
 from .ps.embedding import hash_owner
-from .errors import InvalidArgument, NotFound
+from .errors import InvalidArgument, NotFound, Recovering
 from .ps.partition import fixed_size_partitioner
 from .ps.snapshot import crash_point, fsync_dir, read_arrays, write_atomic
 from .services.catalog import shard_tasks
@@ -34,7 +34,7 @@ from .variables import create_parts
 if TYPE_CHECKING:
     from .session import AsyncSession, Session
 
-__all__ = ["save", "restore", "recover", "latest", "checkpoints", "async_save", "async_restore", "async_recover",
+__all__ = ["save", "restore", "recover", "fenced", "async_fenced", "latest", "checkpoints", "async_save", "async_restore", "async_recover",
            "save_store", "restore_store"]
 
 FORMAT = 1
@@ -160,12 +160,17 @@ def _open_manifest(path: str) -> tuple[str, str, dict[str, Any]]:
         if found is None:
             raise NotFound(f"no complete checkpoint in {path!r}")
         path = found
-    with open(path) as fh:
-        return path, os.path.dirname(os.path.abspath(path)), json.load(fh)
+    try:
+        with open(path) as fh:
+            return path, os.path.dirname(os.path.abspath(path)), json.load(fh)
+    except FileNotFoundError:
+        raise NotFound(f"no checkpoint at {path!r}") from None
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"cannot read checkpoint manifest {path!r}: {exc}") from None
 
 
-async def async_restore(sess: "AsyncSession", path: str) -> int:
-    """Put the checkpoint at ``path`` (a manifest, or a directory: its latest) back; returns its step."""
+def _load(path: str) -> tuple[dict[str, Any], dict[tuple[str, int], tuple[dict[str, Any], dict[str, np.ndarray]]]]:
+    """(manifest, {(name, part): (entry, arrays)}), every file read and checked before anything changes."""
     path, directory, manifest = _open_manifest(path)
     if manifest.get("format") != FORMAT:
         raise InvalidArgument(f"checkpoint {path!r} has format {manifest.get('format')!r}; this version reads {FORMAT}")
@@ -175,6 +180,15 @@ async def async_restore(sess: "AsyncSession", path: str) -> int:
         for entry in shard["entries"]:
             pieces[(entry["name"], entry["part"])] = (entry, {k[len(entry["key"]) + 1:]: v for k, v in arrays.items()
                                                               if k.startswith(entry["key"] + ".")})
+    return manifest, pieces
+
+
+async def async_restore(sess: "AsyncSession", path: str) -> int:
+    """Put the checkpoint at ``path`` (a manifest, or a directory: its latest) back; returns its step."""
+    return await _put_back(sess, *_load(path))
+
+
+async def _put_back(sess: "AsyncSession", manifest: dict[str, Any], pieces: dict) -> int:
     for record in manifest["records"]:
         if record.get("table") and record["table"]["kind"] == "hash":
             await _restore_table(sess, record, pieces)
@@ -186,20 +200,45 @@ async def async_restore(sess: "AsyncSession", path: str) -> int:
 
 async def async_recover(sess: "AsyncSession", path: str) -> int:
     """Restore onto a running cluster whose shards hold newer or partial state (a shard died and
-    came back empty). Every shard is fenced first, so no worker reads or pushes a half-restored
-    state; parts the catalog does not place on a shard (left over when the catalog itself was
-    lost) are dropped; then the checkpoint is restored and the fences lifted. On failure the
-    shards stay fenced: the caller recovers again, and nobody trains on mixed state meanwhile."""
+    came back empty). The checkpoint is read first; then every shard is fenced, so no worker
+    reads or pushes a half-restored state; every part the checkpoint holds is dropped and made
+    afresh (a hash table's rows added since would otherwise survive the restore), as is every
+    part the catalog does not place on a shard (left over when the catalog itself was lost);
+    then the checkpoint is restored and the fences lifted. On failure the shards stay fenced:
+    the caller recovers again, and nobody trains on mixed state meanwhile."""
+    manifest, pieces = _load(path)
     tasks = shard_tasks(await sess.cluster())
     epochs = await asyncio.gather(*(sess._call_task(t, "ps", "fence") for t in tasks))
     records = await sess._catalog_call("records", {"pending": True})
-    swept = await asyncio.gather(*(sess._call_task(t, "ps", "sweep", {"keep": _placed(records, str(t))}) for t in tasks))
-    dropped = [label for labels in swept for label in labels]
-    if dropped:
-        log.warning("dropped %d part(s) no longer in the catalog: %s", len(dropped), ", ".join(dropped))
-    step = await async_restore(sess, path)
-    await asyncio.gather(*(sess._call_task(t, "ps", "unfence", {"epoch": e}) for t, e in zip(tasks, epochs)))
+    restored = {r["name"] for r in manifest["records"]}
+    kept = [r for r in records if r["name"] not in restored]
+    swept = await asyncio.gather(*(sess._call_task(t, "ps", "sweep", {"keep": _placed(kept, str(t))}) for t in tasks))
+    stale = sorted({label for labels in swept for label in labels if label.split(" (part")[0] not in restored})
+    if stale:
+        log.warning("dropped %d part(s) no longer in the catalog: %s", len(stale), ", ".join(stale))
+    step = await _put_back(sess, manifest, pieces)
+    lifted = await asyncio.gather(*(sess._call_task(t, "ps", "unfence", {"epoch": e}) for t, e in zip(tasks, epochs)))
+    if not all(lifted):
+        late = [str(t) for t, ok in zip(tasks, lifted) if not ok]
+        raise Recovering(f"another recovery fenced {', '.join(late)} while this one restored step {step}", tasks=late)
+    missing = await _missing_parts(sess, tasks, kept)
+    if missing:
+        log.warning("not in checkpoint %s and lost with a shard (created since): %s", path, ", ".join(missing))
     return step
+
+
+async def async_fenced(sess: "AsyncSession") -> list[str]:
+    """The shards a recovery has fenced (and not lifted yet)."""
+    tasks = shard_tasks(await sess.cluster())
+    states = await asyncio.gather(*(sess._call_task(t, "ps", "status") for t in tasks))
+    return [str(t) for t, st in zip(tasks, states) if st.get("fenced")]
+
+
+async def _missing_parts(sess: "AsyncSession", tasks: list[Any], records: list[dict[str, Any]]) -> list[str]:
+    held = await asyncio.gather(*(sess._call_task(t, "ps", "variables") for t in tasks))
+    have = {(str(t), v["name"], v["part"]) for t, vs in zip(tasks, held) for v in vs}
+    return [f"{r['name']} part {i} on {p['task']}" for r in records for i, p in enumerate(r["parts"])
+            if not (r.get("table") and r["table"]["kind"] == "hash") and (p["task"], r["name"], i) not in have]
 
 
 def _placed(records: list[dict[str, Any]], task: str) -> list[list[Any]]:
@@ -281,6 +320,11 @@ def save(sess: "Session", directory: str, *, step: int | None = None, keep: int 
 def restore(sess: "Session", path: str) -> int:
     """Restore the latest checkpoint in a directory (or a given manifest); returns its step."""
     return sess._run(async_restore(sess._async, path), 600)
+
+
+def fenced(sess: "Session") -> list[str]:
+    """The shards a recovery has fenced and not lifted (its restorer died): recover them again."""
+    return sess._run(async_fenced(sess._async))
 
 
 def recover(sess: "Session", path: str) -> int:

@@ -84,7 +84,9 @@ def _once(victim: str) -> dict[str, Any]:
             job.wait_for("paused", 120)
             status = subprocess.run([*zmqflow, "status", "--cluster", cfile, "--json"], capture_output=True, text=True,
                                     timeout=60)
-            pid = next(r["pid"] for r in json.loads(status.stdout)["tasks"] if r["task"] == victim)
+            pid = next((r.get("pid") for r in json.loads(status.stdout)["tasks"] if r["task"] == victim), None)
+            if pid is None:
+                raise RuntimeError(f"zmqflow status did not report {victim}: {status.stdout or status.stderr}")
             killed = time.monotonic()
             os.kill(pid, signal.SIGKILL)
             open(pause, "w").close()
@@ -94,9 +96,13 @@ def _once(victim: str) -> dict[str, Any]:
             if job.proc.wait(120) != 0:
                 raise RuntimeError(f"the training job failed after {victim} was killed")
         finally:
-            if job.proc.poll() is None:
-                job.proc.kill()
-                job.proc.wait()
+            if job.proc.poll() is None:  # the launcher stops its tasks (their own sessions) on SIGTERM
+                job.proc.terminate()
+                try:
+                    job.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    job.proc.kill()
+                    job.proc.wait()
     return {"victim": victim, "restart_s": serving - killed, "chief_s": chief - killed,
             "all_s": max(chief, other) - killed}
 

@@ -28,7 +28,7 @@ from ..rpc import CallContext, op
 __all__ = ["FenceOps", "FENCED_OPS"]
 
 # Ops that read or change training state: refused while the shard is fenced.
-FENCED_OPS = frozenset({"pull", "assign", "scatter", "push", "global_step",
+FENCED_OPS = frozenset({"pull", "assign", "scatter", "push", "global_step", "save",
                         "emb_lookup", "emb_push", "emb_evict", "emb_export"})
 
 
@@ -39,6 +39,7 @@ class FenceOps:
     tables: dict[PartKey, HashTable]
     _table_specs: dict[PartKey, tuple]
     _advanced: dict[PartKey, asyncio.Event]
+    _reachable: Any
     epoch: int = 0
     fenced: bool = False
 
@@ -52,12 +53,12 @@ class FenceOps:
         if self.fenced:
             self._behind.discard(peer)  # it hears now; what it sent before arrived before this
             raise Recovering(f"ps.{name} refused: this shard is being restored from a checkpoint "
-                             f"(recovery epoch {self.epoch}); retry when recovery ends", epoch=self.epoch)
+                             f"(recovery epoch {self.epoch}); retry when recovery ends", epoch=self.epoch, fenced=True)
         if peer in self._behind:
             self._behind.discard(peer)
             raise Recovering(f"ps.{name} refused: the first request since this shard was restored (recovery epoch "
                              f"{self.epoch}); it may have been computed on the state the restore replaced: read "
-                             f"again", epoch=self.epoch)
+                             f"again", epoch=self.epoch, fenced=False)
         self._used.add(peer)
 
     @op
@@ -66,7 +67,8 @@ class FenceOps:
         ``Recovering``, and their pending gradients are dropped). Returns the new epoch."""
         self.epoch += 1
         self.fenced = True
-        self._behind |= self._used
+        # clients still connected (the others can send nothing more): bounded by the live ones
+        self._behind = {p for p in self._behind | self._used if self._reachable is None or self._reachable(p)}
         self._used = set()
         for p in self.store.parts.values():
             if p.sync is not None:
@@ -79,7 +81,9 @@ class FenceOps:
     @op
     def unfence(self, ctx: CallContext, epoch: int) -> bool:
         """Lift the fence of recovery ``epoch``; False when a newer recovery holds it."""
-        if int(epoch) != self.epoch:
+        if not isinstance(epoch, int) or isinstance(epoch, bool):
+            raise InvalidArgument(f"ps.unfence: epoch must be an integer, got {epoch!r}")
+        if epoch != self.epoch:
             return False
         self.fenced = False
         self._behind.discard(ctx.peer)  # the restorer knows: its earlier requests were all answered
@@ -89,6 +93,8 @@ class FenceOps:
     def sweep(self, ctx: CallContext, keep: list) -> list[str]:
         """Drop every part and table not in ``keep`` (``[[name, part], ...]``, what the catalog
         places here): parts a lost catalog no longer knows would otherwise hold memory forever."""
+        if not self.fenced:
+            raise InvalidArgument("ps.sweep drops parts: it runs only on a fenced shard (ps.fence first)")
         if not isinstance(keep, list) or not all(
                 isinstance(k, list) and len(k) == 2 and isinstance(k[0], str) and isinstance(k[1], int) for k in keep):
             raise InvalidArgument(f"ps.sweep: keep must be a list of [name, part] pairs, got {keep!r}")

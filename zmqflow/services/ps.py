@@ -110,6 +110,8 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
         ``[[name, part, indices, rows], ...]``. Async parts apply at once; sync parts wait for their step,
         and the answer names the replicas whose gradients that step averaged (every pusher of the
         step hears the same)."""
+        # admitted before a fence that ran while this waited to start: it must not land after it
+        self.check_fence("push", ctx.peer)
         by_part: dict[PartKey, dict[str, Any]] = defaultdict(lambda: {"dense": {}, "sparse": None})
         for it in dense or []:
             name, part, start, stop, grad = _item(it, 5, "push")
@@ -184,7 +186,8 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
 
     def _drop_dead(self, key: PartKey) -> bool:
         """Finish the pending step when every replica that has not pushed is known to be gone
-        (their connections are checked again each time: a restarted replica is taken back)."""
+        (checked on the connection each last pushed from: a restarted replica counts again from
+        its first push)."""
         p = self.store.get(*key)
         sync = p.sync
         if sync is None or not sync.contributors or self._reachable is None:

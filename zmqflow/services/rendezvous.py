@@ -82,6 +82,7 @@ class Rendezvous:
         self.spec: ClusterSpec | None = None
         self._ready: asyncio.Event | None = None
         self._round: _Round | None = None
+        self._gatherer: asyncio.Future | None = None
 
     def configure(self, task: str, universe: Sequence[str], client: RpcClient, spec: ClusterSpec, window: float,
                   first_window: float | None = None) -> None:
@@ -117,11 +118,16 @@ class Rendezvous:
     def close(self) -> None:
         """This rank's training is over: refuse joins, fail the ones waiting."""
         self.closed = True
+        if self._gatherer is not None:
+            self._gatherer.cancel()
         if self._round is not None and not self._round.done.done():
             self._round.done.set_exception(Unavailable(f"{self.task}: its ring has finished", task=self.task))
 
     # the coordinator -------------------------------------------------------------------
     async def join(self, task: str, generation: int, step: int, target: int) -> dict[str, Any]:
+        for name, value in (("generation", generation), ("step", step), ("target", target)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidArgument(f"ring.join: {name} must be an integer, got {value!r}")
         await self._ready_event().wait()
         if self.closed:
             raise Unavailable(f"{self.task}: its ring has finished; it takes no joins", task=self.task)
@@ -140,7 +146,7 @@ class Rendezvous:
         if self._round is None:
             self._round = _Round(asyncio.get_running_loop().create_future())
             self._round.done.add_done_callback(_retrieve)
-            asyncio.ensure_future(self._gather(self._round))
+            self._gatherer = asyncio.ensure_future(self._gather(self._round))
         return self._round
 
     async def _gather(self, rnd: _Round) -> None:
@@ -163,9 +169,10 @@ class Rendezvous:
                 await asyncio.sleep(_POLL_S)
             if not rnd.done.done():
                 rnd.done.set_result(self._close_round(rnd).to_wire())
-        except ZmqflowError as exc:
+        except Exception as exc:  # a round that fails must still answer every joiner waiting on it
             if not rnd.done.done():
-                rnd.done.set_exception(exc)
+                rnd.done.set_exception(exc if isinstance(exc, ZmqflowError) else Unavailable(
+                    f"ring rendezvous at {self.task} failed: {exc!r}", task=self.task))
         finally:
             self.waiting = 0
             if self._round is rnd:
@@ -188,7 +195,7 @@ class Rendezvous:
             rnd.probed.add(t)
             if status is None or status.get("closed"):
                 continue
-            if int(status["generation"]) > self.generation:
+            if status["generation"] > self.generation:
                 raise Unavailable(f"ring rendezvous at {self.task}: {t} is alive at generation {status['generation']}, "
                                   f"ahead of {self.generation}; join through it", task=t)
             rnd.answering.add(t)
@@ -198,9 +205,10 @@ class Rendezvous:
         """``task``'s ring status, asked now whatever the connection's state; None if it does not answer."""
         assert self.client is not None and self.spec is not None
         try:
-            return await self.client.call(_endpoint(self.spec, task), "ring", "status", timeout=_STATUS_TIMEOUT, name=task)
+            status = await self.client.call(_endpoint(self.spec, task), "ring", "status", timeout=_STATUS_TIMEOUT, name=task)
         except ZmqflowError:
             return None
+        return status if _well_formed(status) else None
 
     def _close_round(self, rnd: _Round) -> Formation:
         order = {t: i for i, t in enumerate(self.universe)}
@@ -239,8 +247,11 @@ async def join_next_generation(state: Rendezvous, step: int, timeout: float) -> 
                 last = str(exc)
             else:
                 formation = Formation.from_wire(reply)
-                state.adopt(formation)
-                return formation
+                if state.task in formation.members:
+                    state.adopt(formation)
+                    return formation
+                # left out (the coordinator saw it down, or it came too late): the next generation takes it
+                last = f"left out of ring generation {formation.generation}"
         await asyncio.sleep(max(0.0, min(delay, deadline - loop.time())))
         delay = min(2 * delay, 0.5)
     raise DeadlineExceeded(f"{state.task}: no ring generation formed within {timeout:g}s; last: {last}", task=state.task)
@@ -252,7 +263,13 @@ async def _survey(state: Rendezvous, timeout: float) -> dict[str, dict[str, Any]
     others = [t for t in state.universe if t != state.task and state.alive(t)]
     calls = [state.client.call(_endpoint(state.spec, t), "ring", "status", timeout=timeout, name=t) for t in others]
     results = await asyncio.gather(*calls, return_exceptions=True)
-    return {t: r for t, r in zip(others, results) if isinstance(r, dict)}
+    return {t: r for t, r in zip(others, results) if _well_formed(r)}
+
+
+def _well_formed(status: Any) -> bool:
+    """A ring status as this version sends it; anything else counts as no answer."""
+    return isinstance(status, dict) and isinstance(status.get("generation"), int) and not isinstance(
+        status.get("generation"), bool)
 
 
 def _coordinator(state: Rendezvous, views: dict[str, dict[str, Any]]) -> tuple[str | None, int, str]:

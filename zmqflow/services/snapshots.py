@@ -61,7 +61,7 @@ class SnapshotOps:
         if steps is not None and p.steps is not None:
             p.steps[...] = steps
         if sync_step is not None and p.sync is not None:
-            p.sync.take()  # drop what was pending for the old step
+            p.sync.discard()  # drop what was pending for the old step
             p.sync.step = int(sync_step)
         return True
 

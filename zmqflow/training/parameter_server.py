@@ -11,7 +11,7 @@ import numpy as np
 from .. import checkpoint as _ckpt
 from .. import optim as _optim
 from ..cluster import TaskId
-from ..errors import DeadlineExceeded, NotFound, Unavailable
+from ..errors import DeadlineExceeded, NotFound, Recovering, Unavailable
 from ..services.catalog import shard_tasks
 from ..services.health import wait_for_tasks
 from ..ring import default_members
@@ -20,6 +20,8 @@ from .strategy import Strategy
 __all__ = ["ParameterServerStrategy"]
 
 _STEP = "global_step"
+# How long a fence may stay up before the chief takes the restore over (its restorer died).
+FENCE_GRACE_S = 15.0
 # What a dead or restarted-empty shard looks like to a worker.
 _SHARD_GONE = (Unavailable, NotFound, DeadlineExceeded)
 
@@ -41,6 +43,7 @@ class ParameterServerStrategy(Strategy):
         super().bind(mon)
         self._members = default_members(mon.spec) if mon.spec is not None else []
         self._acting = mon.chief_task
+        self._joined_live = False  # the chief came back to live parameters: it waits to be counted in a step
 
     def create(self, params: dict[str, np.ndarray], optimizer: Any, restore: str | None = None) -> int:
         mon = self.mon
@@ -51,6 +54,7 @@ class ParameterServerStrategy(Strategy):
                                       drop_dead_replicas=True)
         self.names = list(params)
         if mon.is_chief:
+            self._lift_orphaned_fence()
             live = {v["name"] for v in sess.variables()}
             restored = set(live)
             if restore and not (set(self.names) & live):
@@ -59,6 +63,7 @@ class ParameterServerStrategy(Strategy):
             elif restore:  # a chief that comes back finds live state: it takes its role, restores nothing
                 log.warning("%s: parameters are live on the shards; not restoring %s over them", mon.task_name, restore)
                 mon.restored_from = None
+            self._joined_live = bool(set(self.names) & live)
             for name, value in params.items():
                 if name not in restored:
                     sess.variable(name, np.asarray(value), optimizer=opt, partitioner=self.partitioner)
@@ -66,10 +71,23 @@ class ParameterServerStrategy(Strategy):
                 sess.variable(_STEP, np.zeros((), np.int64))
         self.vars = {n: sess.get(n, timeout=mon.wait_timeout) for n in self.names}
         self.step_var = sess.get(_STEP, timeout=mon.wait_timeout)
-        return int(sess.global_step()) if self.sync else int(self.step_var.read())
+        return self._surviving(lambda: int(sess.global_step()) if self.sync else int(self.step_var.read()), retry=True)
 
-    def save(self, directory: str, step: int, keep: int) -> str:
-        return _ckpt.save(self.mon.session, directory, step=step, keep=keep)
+    def _lift_orphaned_fence(self) -> None:
+        """A chief that died mid-recovery left shards fenced: this one restores them again."""
+        fenced = _ckpt.fenced(self.mon.session)
+        if fenced:
+            self._recover(Recovering(f"{', '.join(fenced)} still fenced by a recovery that did not finish", fenced=True),
+                          restore=True)
+
+    def save(self, directory: str, step: int, keep: int) -> str | None:
+        """Checkpoint the shards; a shard lost meanwhile is recovered and this checkpoint skipped."""
+        try:
+            return _ckpt.save(self.mon.session, directory, step=step, keep=keep)
+        except _SHARD_GONE as exc:
+            log.warning("%s: checkpoint at step %d not written: %s", self.mon.task_name, step, exc)
+            self._recover(exc)
+            return None
 
     def needs(self) -> list[TaskId]:
         return shard_tasks(self.mon.spec)
@@ -105,13 +123,16 @@ class ParameterServerStrategy(Strategy):
                 continue
             return out
 
-    def _recover(self, exc: Exception) -> None:
+    def _recover(self, exc: Exception, restore: bool | None = None) -> None:
         """The chief waits for every shard, restores them all from the latest checkpoint under a
         fence (so they agree on one step and no one trains on half-restored state) and logs the
         steps lost; the other workers wait, visibly (``mon.recovering``), until the shards answer
-        again, then carry on from the restored step."""
+        again, then carry on from the restored step. ``Recovering`` means someone else restores
+        (or has restored): the chief waits too, unless the fence outlives ``FENCE_GRACE_S``."""
         mon = self.mon
-        if mon.is_chief and not (mon.checkpoint_dir and _ckpt.latest(mon.checkpoint_dir)):
+        if restore is None:
+            restore = not isinstance(exc, Recovering)
+        if mon.is_chief and restore and not (mon.checkpoint_dir and _ckpt.latest(mon.checkpoint_dir)):
             raise Unavailable(f"{mon.task_name}: a ps shard failed ({exc}) and there is no checkpoint to recover "
                               f"from{'' if mon.checkpoint_dir else ' (no checkpoint_dir)'}") from exc
         deadline = time.monotonic() + self.recovery_timeout
@@ -119,16 +140,23 @@ class ParameterServerStrategy(Strategy):
             log.warning("%s: a ps shard failed (%s); recovering", mon.task_name, exc)
             mon.recovering = True
         delay = 0.05
+        fenced_since = time.monotonic()
         while True:
             try:
-                if mon.is_chief:
+                if mon.is_chief and restore:
                     self._restore_shards(deadline)
+                    restore = False
                 step = self._reattach(deadline)
                 if step == self._reattach(deadline):  # twice the same: no restore ran in between
                     break
-            except _SHARD_GONE:
+            except _SHARD_GONE as again:
                 if time.monotonic() > deadline:
                     raise
+                if not isinstance(again, Recovering) or not again.details.get("fenced"):
+                    fenced_since = time.monotonic()
+                    restore = restore or not isinstance(again, Recovering)
+                elif time.monotonic() - fenced_since > FENCE_GRACE_S:
+                    restore = True  # its restorer is gone: take the restore over
                 time.sleep(delay)  # not back yet, or being restored: try again shortly
                 delay = min(2 * delay, 1.0)
         mon.recovering = False
@@ -165,8 +193,11 @@ class ParameterServerStrategy(Strategy):
         again from the first step it contributes to after coming back."""
         mon = self.mon
         replicas = set(mon.session.replicas) if self.sync and mon.session is not None else set()
-        acting = next((t for t in self._members if str(t) in replicas), mon.chief_task) if replicas else mon.chief_task
-        if acting != self._acting:
+        if replicas:
+            acting = next((t for t in self._members if str(t) in replicas), mon.chief_task)
+        else:  # no step heard yet: the chief, unless it came back to live parameters (a survivor acts)
+            acting = None if self.sync and self._joined_live else mon.chief_task
+        if acting != self._acting and acting is not None:
             log.warning("%s: %s holds the chief's duties (the last step averaged %s)", mon.task_name, acting,
                         ", ".join(sorted(replicas)))
             self._acting = acting
