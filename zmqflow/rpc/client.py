@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = 30.0
 # After a connection drops, calls wait this long for the reconnect before failing fast
 # (twice the longest reconnect interval, so one reconnect attempt always fits).
-RECONNECT_GRACE = 2 * DEFAULT_OPTIONS.reconnect_ivl_max_ms / 1000
+RECONNECT_GRACE = 2.0  # a call to a peer down for less than this waits for it to come back (a quick restart)
 _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 
 CONNECTING, UP, DOWN = "connecting", "up", "down"
