@@ -9,6 +9,7 @@ without awaiting, so it is atomic on the shard.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,14 @@ class Part:
     def nbytes(self) -> int:
         return self.value.nbytes + sum(s.nbytes for s in self.slots.values())
 
+    def own(self) -> None:
+        """Call before writing ``value`` in place. Pulls send views of ``value`` zero-copy, and
+        until ZeroMQ has sent them their frames hold references to it; a write then would tear
+        the bytes on the wire, so it goes to a fresh copy instead (copy-on-write). The count is
+        exact: ``value`` owns its memory, and every view of it refers to it, not to another view."""
+        if sys.getrefcount(self.value) > _OWN_REFS:
+            self.value = self.value.copy()
+
     def describe(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -76,6 +85,15 @@ class Part:
             "sync": None if self.sync is None else self.sync.describe(),
             "bytes": self.nbytes,
         }
+
+
+def _own_refs() -> int:
+    """References ``Part.own`` sees on a value nothing else holds (measured: it varies by Python)."""
+    probe = Part("", 0, (1,), (0, 1), np.dtype("float64"), np.zeros(1), None)
+    return sys.getrefcount(probe.value)
+
+
+_OWN_REFS = _own_refs()
 
 
 class ShardStore:
@@ -146,16 +164,31 @@ class ShardStore:
 
     # reads and writes -------------------------------------------------------------------
     def read(self, name: str, part: int = 0, start: int | None = None, stop: int | None = None) -> np.ndarray:
-        """A copy of rows ``[start, stop)`` (part-local): what goes on the wire must not change under it."""
+        """A copy of rows ``[start, stop)`` (part-local)."""
         p = self.get(name, part)
         a, b = _local_range(p, start, stop)
         return p.value.copy() if not p.full_shape else p.value[a:b].copy()
 
+    def view(self, name: str, part: int = 0, start: int | None = None, stop: int | None = None) -> np.ndarray:
+        """A read-only view of rows ``[start, stop)``, to send zero-copy: writes made while it is
+        alive go to a copy of the part (``Part.own``), so its bytes never change under it."""
+        p = self.get(name, part)
+        a, b = _local_range(p, start, stop)
+        if p.value.base is not None:  # views must refer to ``value`` itself for ``own`` to count them
+            p.value = p.value.copy()
+        v = p.value[...] if not p.full_shape else p.value[a:b]
+        v.flags.writeable = False
+        return v
+
     def assign(self, name: str, part: int, value: np.ndarray, mode: str = "set", start: int | None = None, stop: int | None = None) -> None:
         p = self.get(name, part)
         a, b = _local_range(p, start, stop)
+        if mode not in ("set", "add", "sub"):
+            raise InvalidArgument(f"unknown assign mode {mode!r}")
+        x = _check_array(value, p.value.shape if not p.full_shape else (b - a, *p.full_shape[1:]), p.dtype,
+                         f"{mode} of {p.label}")
+        p.own()
         target = p.value if not p.full_shape else p.value[a:b]
-        x = _check_array(value, target.shape, p.dtype, f"{mode} of {p.label}")
         if mode == "set":
             target[...] = x
         elif mode == "add":
@@ -169,6 +202,9 @@ class ShardStore:
         """Rows by part-local index: ``add`` sums duplicates; ``update`` keeps the last."""
         p = self.get(name, part)
         idx, x = self._sparse_args(p, indices, rows, f"scatter_{mode} of {p.label}")
+        if mode not in ("add", "update"):
+            raise InvalidArgument(f"unknown scatter mode {mode!r}")
+        p.own()
         if mode == "add":
             uniq, summed = unique_sum(idx, x)
             p.value[uniq] += summed
@@ -184,6 +220,7 @@ class ShardStore:
         a, b = _local_range(p, start, stop)
         shape = p.value.shape if not p.full_shape else (b - a, *p.full_shape[1:])
         g = _check_array(grad, shape, p.dtype, f"gradient of {p.label}")
+        p.own()
         if p.optimizer is None:
             if not p.full_shape:
                 p.value += g
@@ -198,6 +235,7 @@ class ShardStore:
         p = self.get(name, part)
         idx, x = self._sparse_args(p, indices, rows, f"sparse gradient of {p.label}")
         uniq, summed = unique_sum(idx, x)
+        p.own()
         if p.optimizer is None:
             p.value[uniq] += summed
             return

@@ -86,8 +86,9 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
 
     @op
     def pull(self, ctx: CallContext, items: list) -> list[np.ndarray]:
-        """Copies of ``[[name, part, start, stop], ...]``, in order."""
-        return [self.store.read(*_item(it, 4, "pull")) for it in items]
+        """Read-only views of ``[[name, part, start, stop], ...]``, in order, sent zero-copy (a write
+        meanwhile goes to a copy of the part: ``Part.own``)."""
+        return [self.store.view(*_item(it, 4, "pull")) for it in items]
 
     @op
     def assign(self, ctx: CallContext, items: list, mode: str = "set") -> int:

@@ -55,6 +55,7 @@ class SnapshotOps:
             _same(v, p.slots[k], f"{p.label} slot {k!r}")
         if steps is not None and p.steps is not None:
             _same(steps, p.steps, f"{p.label} steps")
+        p.own()
         p.value[...] = value
         for k, v in slots.items():
             p.slots[k][...] = v
