@@ -710,3 +710,26 @@ def test_catalog_bad_arguments():
     with pytest.raises(InvalidArgument, match="'random'"):
         cat.declare("w", [2], "float32", [[0, 2]], [8], policy="random")
     assert cat.records == {} and cat.bytes == {"ps:0": 0}
+
+
+def test_a_write_while_a_view_is_out_goes_to_a_copy_and_only_then():
+    """Pulls send views zero-copy; bytes still on the wire must not change under them."""
+    store = ShardStore()
+    store.create("w", 0, [4, 2], [0, 4], "float64", value=np.zeros((4, 2)))
+    p = store.get("w", 0)
+    first = id(p.value)
+    store.apply_dense("w", 0, np.ones((4, 2)))
+    assert id(p.value) == first  # nothing out: written in place, no copy
+    out = store.view("w", 0, 1, 3).reshape(-1).view(np.uint8)  # what the codec hands ZeroMQ
+    with pytest.raises(ValueError):
+        store.view("w", 0)[0, 0] = 5.0  # views are read-only
+    for write in (lambda: store.apply_dense("w", 0, np.ones((4, 2))), lambda: store.assign("w", 0, np.ones((4, 2)), "add"),
+                  lambda: store.scatter("w", 0, np.array([1]), np.ones((1, 2))),
+                  lambda: store.apply_sparse("w", 0, np.array([2]), np.ones((1, 2)))):
+        write()
+        np.testing.assert_array_equal(out.view(np.float64), np.ones(4))  # the bytes on the wire stay put
+    np.testing.assert_array_equal(p.value, [[3, 3], [4, 4], [4, 4], [3, 3]])
+    del out
+    second = id(p.value)
+    store.apply_dense("w", 0, np.ones((4, 2)))
+    assert id(p.value) == second  # the view is gone: in place again
