@@ -105,12 +105,20 @@ class RingAllReduceStrategy(Strategy):
         assert self.elastic is not None and self.elastic.ring is not None
         ring = self.elastic.ring
         step = int(ring.broadcast(np.array([self._claim], np.int64), root=root)[0])
-        received = {}
-        for name in self.local.names:
-            received[name] = [ring.broadcast(a.copy(), root=root) for a in _state_arrays(self.local.store.get(name))]
-        for name, arrays in received.items():
-            for mine, theirs in zip(_state_arrays(self.local.store.get(name)), arrays):
-                mine[...] = theirs
+        mine = [a for name in self.local.names for a in _state_arrays(self.local.store.get(name))]
+        # one broadcast per dtype, of every array of it end to end, not one ring call per array
+        by_dtype: dict[np.dtype, list[int]] = {}
+        for i, a in enumerate(mine):
+            by_dtype.setdefault(a.dtype, []).append(i)
+        received: list[tuple[list[int], np.ndarray]] = []
+        for dtype, idx in by_dtype.items():
+            fused = np.concatenate([mine[i].reshape(-1) for i in idx]) if idx else np.zeros(0, dtype)
+            received.append((idx, ring.broadcast(fused, root=root)))
+        for idx, fused in received:  # committed only once everything has arrived
+            start = 0
+            for i in idx:
+                mine[i][...] = fused[start:start + mine[i].size].reshape(mine[i].shape)
+                start += mine[i].size
         self.step = max(step, 0)
         self._claim = self.step
 
