@@ -270,3 +270,35 @@ def test_ring_strategy_restores_the_chiefs_replica_on_every_rank(tmp_path):
         expected = mon.params()["w"]
     for task, w in finals.items():
         np.testing.assert_allclose(w, expected, rtol=0, atol=1e-12, err_msg=task)
+
+
+def test_two_writers_saving_into_one_directory_at_once_leave_valid_checkpoints(tmp_path):
+    """A chief handing over (or a paused one resuming) may save beside its successor."""
+    import threading
+
+    from zmqflow.ps.store import ShardStore
+
+    stores = []
+    for k in range(2):
+        store = ShardStore()
+        store.create("w", 0, [3], [0, 3], "float64", value=np.full(3, float(k)))
+        stores.append(store)
+    errors: list[BaseException] = []
+
+    def writer(k: int) -> None:
+        try:
+            for step in range(1, 25):
+                checkpoint.save_store(stores[k], str(tmp_path), step, keep=2)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    found = checkpoint.checkpoints(str(tmp_path))
+    assert found and os.path.basename(found[-1]) == "checkpoint-0000000024.json"
+    step, saved = checkpoint.restore_store(found[-1])
+    assert step == 24 and saved["w"]["value"].tolist() in ([0.0] * 3, [1.0] * 3)
