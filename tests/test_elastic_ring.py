@@ -22,17 +22,8 @@ from .conftest import ZMQFLOW, arun
 W = [f"worker:{i}" for i in range(3)]
 
 
-async def _start(spec, task: str, timeout: float = 10.0) -> AsyncServer:
-    """Start a task's server; on an address just released, poll until the kernel lets it go."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        try:
-            return await AsyncServer(spec, task, default_timeout=10).start()
-        except errors.AddressInUse:
-            if loop.time() > deadline:
-                raise
-            await asyncio.sleep(0.02)
+async def _start(spec, task: str) -> AsyncServer:
+    return await AsyncServer(spec, task, default_timeout=10).start()
 
 
 async def _sum_everywhere(rings: list[AsyncElasticRing]) -> list[np.ndarray]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,7 +31,11 @@ log = logging.getLogger(__name__)
 
 # How long a reply may wait for room in a slow client's pipe when the request had no deadline.
 REPLY_GRACE = 5.0
-INPROC_REBIND_S = 1.0
+# libzmq releases an address a moment after its socket closes (its I/O thread does it), so a
+# server restarted in the same process may find its address still taken: it retries this long.
+# Inproc names always; other addresses only when this process released them just now.
+REBIND_S = 1.0
+_released: dict[str, float] = {}  # endpoint -> when this process closed a server bound to it
 
 
 class RpcServer:
@@ -61,9 +66,10 @@ class RpcServer:
     async def start(self) -> None:
         sock = context().socket(zmq.ROUTER)
         apply_router(sock, self.options)
-        # libzmq releases an inproc name shortly after its socket closes: a restart in the same
-        # process may find it still taken for a moment.
-        until = self._loop.time() + (INPROC_REBIND_S if self.bind_endpoint.startswith("inproc://") else 0.0)
+        released = _released.get(self.bind_endpoint)
+        rebind = self.bind_endpoint.startswith("inproc://") or (
+            released is not None and time.monotonic() - released < REBIND_S)
+        until = self._loop.time() + (REBIND_S if rebind else 0.0)
         while True:
             try:
                 sock.bind(self.bind_endpoint)
@@ -196,3 +202,7 @@ class RpcServer:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._channel is not None:
             self._channel.close()
+            now = time.monotonic()
+            for endpoint in [e for e, t in _released.items() if now - t >= REBIND_S]:
+                del _released[endpoint]
+            _released[self.bind_endpoint] = now
