@@ -116,6 +116,38 @@ class Proc:
 ZMQFLOW = [sys.executable, "-m", "zmqflow"]
 
 
+def launch_script(procs: Any, path: Any, text: str, *args: Any, workers: int, ps: int | None = None,
+                  restart: bool = False, cluster_out: Any = None) -> "Proc":
+    """Write ``text`` to the script ``path`` and run it on every worker under ``zmqflow launch``."""
+    path.write_text(text)
+    cmd = [*ZMQFLOW, "launch", "--workers", str(workers)]
+    if ps is not None:
+        cmd += ["--ps", str(ps)]
+    if restart:
+        cmd += ["--restart", "on-failure"]
+    if cluster_out is not None:
+        cmd += ["--cluster-out", str(cluster_out)]
+    return procs([*cmd, "--", sys.executable, str(path), *map(str, args)])
+
+
+def run_in_threads(target: Any, n: int, timeout: float = 60.0) -> None:
+    """``target(i)`` for i in range(n), each in its own thread; fails with what any of them raised."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            target(i)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors, errors
+
+
 @pytest.fixture
 def procs():
     """Processes started by a test; every one is killed at the end, whatever happened."""

@@ -14,7 +14,7 @@ import zmqflow as zf
 from zmqflow import checkpoint
 from zmqflow.testing import make_spec
 
-from .conftest import Proc
+from .conftest import Proc, run_in_threads
 
 SPARSE_IDS = np.array([1, 7, 7, 2**40])
 
@@ -230,35 +230,26 @@ def test_local_strategy_checkpoints(tmp_path):
 
 
 def test_ring_strategy_restores_the_chiefs_replica_on_every_rank(tmp_path):
-    import threading
-
     ckpt = str(tmp_path / "ckpt")
 
     def run(steps: int) -> dict[str, np.ndarray]:
         spec = make_spec({"worker": 2}, "tcp")
         servers = [zf.Server(spec, f"worker:{i}") for i in range(2)]
         finals: dict[str, np.ndarray] = {}
-        errors: list[BaseException] = []
 
         def rank(i: int) -> None:
-            try:
-                with zf.MonitoredTrainingSession(zf.RingAllReduceStrategy(), server=servers[i], checkpoint_dir=ckpt,
-                                                 save_checkpoint_steps=3, hooks=[zf.StopAtStep(steps)], progress=False) as mon:
-                    mon.create({"w": np.zeros(2)}, optimizer=zf.optim.Adam(0.1))
-                    while not mon.should_stop():
-                        mon.apply({"w": np.full(2, 1.0 + i)})  # the mean is 1.5 on every rank
-                    finals[str(mon.task)] = mon.params()["w"]
-            except BaseException as exc:  # surfaced below
-                errors.append(exc)
+            with zf.MonitoredTrainingSession(zf.RingAllReduceStrategy(), server=servers[i], checkpoint_dir=ckpt,
+                                             save_checkpoint_steps=3, hooks=[zf.StopAtStep(steps)], progress=False) as mon:
+                mon.create({"w": np.zeros(2)}, optimizer=zf.optim.Adam(0.1))
+                while not mon.should_stop():
+                    mon.apply({"w": np.full(2, 1.0 + i)})  # the mean is 1.5 on every rank
+                finals[str(mon.task)] = mon.params()["w"]
 
-        threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        for s in servers:
-            s.stop()
-        assert not errors, errors
+        try:
+            run_in_threads(rank, 2)
+        finally:
+            for s in servers:
+                s.stop()
         return finals
 
     run(6)
@@ -274,8 +265,6 @@ def test_ring_strategy_restores_the_chiefs_replica_on_every_rank(tmp_path):
 
 def test_two_writers_saving_into_one_directory_at_once_leave_valid_checkpoints(tmp_path):
     """A chief handing over (or a paused one resuming) may save beside its successor."""
-    import threading
-
     from zmqflow.ps.store import ShardStore
 
     stores = []
@@ -283,21 +272,12 @@ def test_two_writers_saving_into_one_directory_at_once_leave_valid_checkpoints(t
         store = ShardStore()
         store.create("w", 0, [3], [0, 3], "float64", value=np.full(3, float(k)))
         stores.append(store)
-    errors: list[BaseException] = []
 
     def writer(k: int) -> None:
-        try:
-            for step in range(1, 25):
-                checkpoint.save_store(stores[k], str(tmp_path), step, keep=2)
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+        for step in range(1, 25):
+            checkpoint.save_store(stores[k], str(tmp_path), step, keep=2)
 
-    threads = [threading.Thread(target=writer, args=(k,)) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    run_in_threads(writer, 2)
     found = checkpoint.checkpoints(str(tmp_path))
     assert found and os.path.basename(found[-1]) == "checkpoint-0000000024.json"
     step, saved = checkpoint.restore_store(found[-1])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import textwrap
 import time
 
@@ -17,7 +16,7 @@ from zmqflow.ring import AsyncElasticRing
 from zmqflow.server import AsyncServer
 from zmqflow.testing import async_wait_until, make_spec
 
-from .conftest import ZMQFLOW, arun
+from .conftest import arun, launch_script
 
 W = [f"worker:{i}" for i in range(3)]
 
@@ -171,9 +170,7 @@ def _finals(tmp_path, tasks: list[str]) -> list[dict[str, np.ndarray]]:
 
 
 def test_a_rank_killed_mid_allreduce_makes_the_others_raise_within_5s_and_reform(tmp_path, procs):
-    script = tmp_path / "elastic.py"
-    script.write_text(ELASTIC)
-    p = procs([*ZMQFLOW, "launch", "--workers", "3", "--", sys.executable, str(script), str(tmp_path), "2", "2"])
+    p = launch_script(procs, tmp_path / "elastic.py", ELASTIC, tmp_path, 2, 2, workers=3)
     pid = _pid(p, "worker:2")
     p.wait_for_line("[worker:2] step 30 ", 90)
     os.kill(pid, signal.SIGKILL)
@@ -191,10 +188,7 @@ def test_a_rank_killed_mid_allreduce_makes_the_others_raise_within_5s_and_reform
 
 
 def test_a_killed_chief_hands_the_ring_over_and_rejoins_after_its_restart(tmp_path, procs):
-    script = tmp_path / "elastic.py"
-    script.write_text(ELASTIC)
-    p = procs([*ZMQFLOW, "launch", "--workers", "3", "--restart", "on-failure", "--",
-               sys.executable, str(script), str(tmp_path), "3", "3"])
+    p = launch_script(procs, tmp_path / "elastic.py", ELASTIC, tmp_path, 3, 3, workers=3, restart=True)
     pid = _pid(p, "worker:0")
     p.wait_for_line("[worker:0] step 30 ", 90)
     os.kill(pid, signal.SIGKILL)
@@ -219,9 +213,7 @@ def test_a_killed_chief_hands_the_ring_over_and_rejoins_after_its_restart(tmp_pa
 def test_a_frozen_rank_is_left_out_and_rejoins_when_it_resumes_without_a_ring_of_its_own(tmp_path, procs):
     """SIGSTOP: its peers drop it at their heartbeat timeout; on SIGCONT it sees every peer as down
     for a moment, yet must not form a ring alone (it holds no majority, and its peers answer)."""
-    script = tmp_path / "elastic.py"
-    script.write_text(ELASTIC)
-    p = procs([*ZMQFLOW, "launch", "--workers", "3", "--", sys.executable, str(script), str(tmp_path), "3", "3"])
+    p = launch_script(procs, tmp_path / "elastic.py", ELASTIC, tmp_path, 3, 3, workers=3)
     pid = _pid(p, "worker:2")
     p.wait_for_line("[worker:2] step 30 ", 90)
     os.kill(pid, signal.SIGSTOP)

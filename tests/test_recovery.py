@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import sys
 import textwrap
 
 import numpy as np
@@ -21,7 +20,7 @@ from zmqflow.cli.status import cluster_status, format_status
 from zmqflow.rpc import CallContext
 from zmqflow.testing import async_wait_until, free_port, local_cluster, make_spec
 
-from .conftest import ZMQFLOW, arun
+from .conftest import ZMQFLOW, arun, launch_script
 
 
 def test_a_fenced_shard_refuses_data_ops_and_fails_waiting_sync_pushes():
@@ -194,14 +193,12 @@ TRAIN = textwrap.dedent(
 )
 
 
-def _train(tmp_path, procs, name: str, ckpt: str, pause: str = "-", *extra: str):
+def _train(tmp_path, procs, name: str, ckpt: str, pause: str = "-", restart: bool = False):
     out = tmp_path / name
     out.mkdir()
-    script = tmp_path / "train.py"
-    script.write_text(TRAIN)
     cfile = tmp_path / f"{name}.json"
-    p = procs([*ZMQFLOW, "launch", "--workers", "2", "--ps", "2", *extra, "--cluster-out", str(cfile), "--",
-               sys.executable, str(script), ckpt, str(out), pause])
+    p = launch_script(procs, tmp_path / "train.py", TRAIN, ckpt, out, pause, workers=2, ps=2, restart=restart,
+                      cluster_out=cfile)
     return p, out, cfile
 
 
@@ -211,7 +208,7 @@ def test_a_killed_shard_recovers_to_what_an_uninterrupted_run_from_the_checkpoin
     and its parameters equal, bit for bit, a run that restarts from the restored checkpoint."""
     pause = str(tmp_path / "killed")
     ckpt = str(tmp_path / "ckpt")
-    p, out, cfile = _train(tmp_path, procs, "interrupted", ckpt, pause, "--restart", "on-failure")
+    p, out, cfile = _train(tmp_path, procs, "interrupted", ckpt, pause, restart=True)
     p.wait_for_line(f"[worker:0] paused at step {KILL_AT}", 60)
     status = procs([*ZMQFLOW, "status", "--cluster", str(cfile), "--json"])
     assert status.wait(30) == 0, status.output
@@ -263,10 +260,7 @@ CHIEF_DIES_SYNC = textwrap.dedent(
 
 @pytest.mark.parametrize("restart", [False, True])
 def test_in_sync_training_the_next_worker_takes_over_the_chiefs_duties(tmp_path, procs, restart):
-    script = tmp_path / "chief_sync.py"
-    script.write_text(CHIEF_DIES_SYNC)
-    policy = ["--restart", "on-failure"] if restart else []
-    p = procs([*ZMQFLOW, "launch", "--workers", "2", "--ps", "1", *policy, "--", sys.executable, str(script), str(tmp_path)])
+    p = launch_script(procs, tmp_path / "chief_sync.py", CHIEF_DIES_SYNC, tmp_path, workers=2, ps=1, restart=restart)
     code = p.wait(120)
     steps = [int(re.search(r"checkpoint-(\d+)", c).group(1)) for c in checkpoint.checkpoints(str(tmp_path / "ckpt"))]
     assert steps[-1] == 40, steps

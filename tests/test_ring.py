@@ -16,7 +16,7 @@ import zmqflow as zf
 from zmqflow import errors
 from zmqflow.testing import local_cluster
 
-from .conftest import ZMQFLOW, arun
+from .conftest import arun, launch_script
 
 SIZES = (0, 1, 7, 1000, 1_000_003)
 DTYPES = ("float16", "float32", "float64", "int32", "int64")
@@ -64,10 +64,8 @@ WORKER = textwrap.dedent(
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_allreduce_equals_numpy_across_processes(tmp_path, procs, n):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
     root = str(__import__("pathlib").Path(__file__).resolve().parent.parent)
-    p = procs([*ZMQFLOW, "launch", "--workers", str(n), "--", sys.executable, str(script), str(tmp_path), root])
+    p = launch_script(procs, tmp_path / "worker.py", WORKER, tmp_path, root, workers=n)
     assert p.wait(240) == 0, p.output
     results = [np.load(tmp_path / f"rank{r}.npz") for r in range(n)]
     for size, dtype, op in cases():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import textwrap
 
 import numpy as np
@@ -11,7 +10,7 @@ import pytest
 
 import zmqflow as zf
 
-from .conftest import ZMQFLOW
+from .conftest import ZMQFLOW, launch_script
 
 LR, STEPS, WORKERS = 0.1, 12, 2
 
@@ -60,11 +59,8 @@ def reference() -> np.ndarray:
 
 
 def _run(tmp_path, procs, strategy: str, ps: int) -> dict[str, np.ndarray]:
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
     root = str(__import__("pathlib").Path(__file__).resolve().parent.parent)
-    p = procs([*ZMQFLOW, "launch", "--workers", str(WORKERS), "--ps", str(ps), "--", sys.executable, str(script), strategy,
-               str(tmp_path), root])
+    p = launch_script(procs, tmp_path / "train.py", SCRIPT, strategy, tmp_path, root, workers=WORKERS, ps=ps)
     assert p.wait(120) == 0, p.output
     return {f"worker:{i}": np.load(tmp_path / f"worker:{i}.npy") for i in range(WORKERS)}
 
@@ -155,10 +151,7 @@ SYNC_CRASH = textwrap.dedent(
 
 @pytest.mark.parametrize("restart", [False, True])
 def test_sync_ps_goes_on_without_a_dead_worker_and_takes_it_back(tmp_path, procs, restart):
-    script = tmp_path / "sync_crash.py"
-    script.write_text(SYNC_CRASH)
-    policy = ["--restart", "on-failure"] if restart else []
-    p = procs([*ZMQFLOW, "launch", "--workers", "2", "--ps", "1", *policy, "--", sys.executable, str(script), str(tmp_path)])
+    p = launch_script(procs, tmp_path / "sync_crash.py", SYNC_CRASH, tmp_path, workers=2, ps=1, restart=restart)
     code = p.wait(120)
     assert "[worker:0] finished at step 30" in p.output, p.output
     if restart:  # the restarted worker rejoins the synchronous steps where they are, and trains on
@@ -190,10 +183,7 @@ CHIEF_DIES = textwrap.dedent(
 
 
 def test_a_chief_that_comes_back_takes_its_role_without_restoring_over_live_state(tmp_path, procs):
-    script = tmp_path / "chief.py"
-    script.write_text(CHIEF_DIES)
-    p = procs([*ZMQFLOW, "launch", "--workers", "2", "--ps", "1", "--restart", "on-failure", "--",
-               sys.executable, str(script), str(tmp_path)])
+    p = launch_script(procs, tmp_path / "chief.py", CHIEF_DIES, tmp_path, workers=2, ps=1, restart=True)
     assert p.wait(120) == 0, p.output
     assert "restarting worker:0" in p.output
     assert "[worker:0] joined again live" in p.output  # the returning chief did not restore a checkpoint
