@@ -147,7 +147,7 @@ def test_sweep_drops_what_the_catalog_does_not_place_and_checks_its_input_first(
                 assert ("orphan", 0) in ps0.store.parts  # refused input changed nothing
                 records = await sess._catalog_call("records", {"pending": True})
                 keep = checkpoint._placed(records, "ps:0")
-                assert await sess._call_task(t, "ps", "sweep", {"keep": keep}) == ["orphan"]
+                assert await sess._call_task(t, "ps", "sweep", {"keep": keep}) == [["orphan", 0]]
                 assert ("orphan", 0) not in ps0.store.parts
                 assert sorted(k for k, _ in ps0.store.parts) == sorted(k for k, _ in keep)
                 with pytest.raises(errors.InvalidArgument, match="epoch must be an integer"):

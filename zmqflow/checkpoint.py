@@ -28,6 +28,7 @@ from .ps.embedding import hash_owner
 from .errors import InvalidArgument, NotFound, Recovering
 from .ps.partition import fixed_size_partitioner
 from .ps.snapshot import crash_point, fsync_dir, read_arrays, write_atomic
+from .ps.store import part_label
 from .services.catalog import shard_tasks
 from .variables import create_parts
 
@@ -51,6 +52,12 @@ def _manifest_name(step: int) -> str:
 
 def checkpoints(directory: str) -> list[str]:
     """Manifests in ``directory`` whose shard files all exist, oldest first."""
+    return [path for path, _ in _complete(directory)]
+
+
+def _complete(directory: str) -> list[tuple[str, set[str]]]:
+    """(manifest, the shard files it names) for every complete checkpoint, oldest first; each
+    manifest read once."""
     try:
         names = sorted(n for n in os.listdir(directory) if _MANIFEST.match(n))
     except FileNotFoundError:
@@ -60,11 +67,11 @@ def checkpoints(directory: str) -> list[str]:
         path = os.path.join(directory, name)
         try:
             with open(path) as fh:
-                manifest = json.load(fh)
-        except (OSError, ValueError):
-            continue
-        if all(os.path.exists(os.path.join(directory, s["file"])) for s in manifest.get("shards", [])):
-            out.append(path)
+                files = {s["file"] for s in json.load(fh).get("shards", [])}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # half-written, or removed meanwhile by another process pruning
+        if all(os.path.exists(os.path.join(directory, f)) for f in files):
+            out.append((path, files))
     return out
 
 
@@ -100,26 +107,15 @@ def _prune(directory: str, keep: int) -> None:
     manifest names, from saves older than the newest checkpoint, are what a save that crashed
     before its manifest left behind: they go too. Another process pruning the same directory at
     the same time (a chief handing over) may remove a file first; that is not an error."""
-    found = checkpoints(directory)
-    needed: set[str] = set()
-    for path in found[-keep:] if keep > 0 else found:
-        needed |= _files_of(path)
-    for path in found[:-keep] if keep > 0 else []:
-        files = _files_of(path)
+    found = _complete(directory)
+    kept = found[-keep:] if keep > 0 else found
+    needed = {f for _, files in kept for f in files}
+    for path, files in found[:-keep] if keep > 0 else []:
         _remove(path)
         for f in files - needed:
             _remove(os.path.join(directory, f))
-    _remove_unfinished(directory, checkpoints(directory))
+    _remove_unfinished(directory, kept)
     fsync_dir(directory)
-
-
-def _files_of(manifest: str) -> set[str]:
-    """The shard files a manifest names (none if it has gone meanwhile)."""
-    try:
-        with open(manifest) as fh:
-            return {s["file"] for s in json.load(fh)["shards"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        return set()
 
 
 def _remove(path: str) -> None:
@@ -129,13 +125,11 @@ def _remove(path: str) -> None:
         pass
 
 
-def _remove_unfinished(directory: str, found: list[str]) -> None:
-    if not found:
+def _remove_unfinished(directory: str, kept: list[tuple[str, set[str]]]) -> None:
+    if not kept:
         return
-    newest = int(_MANIFEST.match(os.path.basename(found[-1])).group(1))  # type: ignore[union-attr]
-    named = {os.path.basename(p) for p in found}
-    for path in found:
-        named |= _files_of(path)
+    newest = int(_MANIFEST.match(os.path.basename(kept[-1][0])).group(1))  # type: ignore[union-attr]
+    named = {os.path.basename(path) for path, _ in kept} | {f for _, files in kept for f in files}
     for name in os.listdir(directory):
         m = _WRITTEN.match(name)
         # strictly older than the newest checkpoint: a save in progress now writes a newer step
@@ -213,7 +207,7 @@ async def async_recover(sess: "AsyncSession", path: str) -> int:
     restored = {r["name"] for r in manifest["records"]}
     kept = [r for r in records if r["name"] not in restored]
     swept = await asyncio.gather(*(sess._call_task(t, "ps", "sweep", {"keep": _placed(kept, str(t))}) for t in tasks))
-    stale = sorted({label for labels in swept for label in labels if label.split(" (part")[0] not in restored})
+    stale = sorted({part_label((name, part)) for dropped in swept for name, part in dropped if name not in restored})
     if stale:
         log.warning("dropped %d part(s) no longer in the catalog: %s", len(stale), ", ".join(stale))
     step = await _put_back(sess, manifest, pieces)

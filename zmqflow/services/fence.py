@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import InvalidArgument, Recovering
 from ..ps.embedding import HashTable
-from ..ps.store import PartKey, ShardStore, part_label
+from ..ps.store import PartKey, ShardStore
 from ..rpc import CallContext, op
 
 __all__ = ["FenceOps", "FENCED_OPS"]
@@ -90,9 +90,10 @@ class FenceOps:
         return True
 
     @op
-    def sweep(self, ctx: CallContext, keep: list) -> list[str]:
+    def sweep(self, ctx: CallContext, keep: list) -> list[list[Any]]:
         """Drop every part and table not in ``keep`` (``[[name, part], ...]``, what the catalog
-        places here): parts a lost catalog no longer knows would otherwise hold memory forever."""
+        places here): parts a lost catalog no longer knows would otherwise hold memory forever.
+        Returns the dropped ``[name, part]`` pairs."""
         if not self.fenced:
             raise InvalidArgument("ps.sweep drops parts: it runs only on a fenced shard (ps.fence first)")
         if not isinstance(keep, list) or not all(
@@ -105,7 +106,7 @@ class FenceOps:
             self.store.parts.pop(key, None)
             self.tables.pop(key, None)
             self._table_specs.pop(key, None)
-        return [part_label(k) for k in dropped]
+        return [[name, part] for name, part in dropped]
 
     def fence_state(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "fenced": self.fenced}
