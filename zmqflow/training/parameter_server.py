@@ -71,7 +71,7 @@ class ParameterServerStrategy(Strategy):
                 sess.variable(_STEP, np.zeros((), np.int64))
         self.vars = {n: sess.get(n, timeout=mon.wait_timeout) for n in self.names}
         self.step_var = sess.get(_STEP, timeout=mon.wait_timeout)
-        return self._surviving(lambda: int(sess.global_step()) if self.sync else int(self.step_var.read()), retry=True)
+        return self._surviving(self._read_step, retry=True)
 
     def _lift_orphaned_fence(self) -> None:
         """A chief that died mid-recovery left shards fenced: this one restores them again."""
@@ -182,8 +182,12 @@ class ParameterServerStrategy(Strategy):
         limit = max(1.0, deadline - time.monotonic())
         self.vars = {n: sess.get(n, timeout=limit) for n in self.names}
         self.step_var = sess.get(_STEP, timeout=limit)
-        mon.step = int(sess.global_step()) if self.sync else int(self.step_var.read())
+        mon.step = self._read_step()
         return mon.step
+
+    def _read_step(self) -> int:
+        """The global step: the shards' sync step, or the ``global_step`` variable in async mode."""
+        return int(self.mon.session.global_step()) if self.sync else int(self.step_var.read())
 
     # who is chief -------------------------------------------------------------------------
     def acting_chief(self) -> TaskId | None:
