@@ -40,10 +40,10 @@ class FenceOps:
     _table_specs: dict[PartKey, tuple]
     _advanced: dict[PartKey, asyncio.Event]
     _reachable: Any
-    epoch: int = 0
-    fenced: bool = False
 
     def _fence_init(self) -> None:
+        self.epoch = 0  # recoveries this shard has been through
+        self.fenced = False
         self._used: set[bytes] = set()  # clients that used data ops since the last fence
         self._behind: set[bytes] = set()  # clients whose next data op is refused: they have not heard
 
