@@ -51,15 +51,21 @@ def _zf_rank(spec_json: str, rank: int, sizes: Sequence[int], quick: bool, out: 
         for size in sizes:
             x = np.ones(size // 4, np.float32)
             ring.allreduce(x)  # warm up
-            times = []
-            for _ in range(_reps(size, quick)):
-                ring.barrier()
-                t = time.perf_counter()
-                ring.allreduce(x)
-                times.append(time.perf_counter() - t)
+            median = _median_time(lambda: ring.allreduce(x), ring.barrier, _reps(size, quick))
             if rank == 0:
-                out.put(("zf", size, statistics.median(times)))
+                out.put(("zf", size, median))
         ring.barrier()
+
+
+def _median_time(reduce: Any, barrier: Any, reps: int) -> float:
+    """Median seconds of ``reps`` calls of ``reduce``, every rank starting each from a barrier."""
+    times = []
+    for _ in range(reps):
+        barrier()
+        t = time.perf_counter()
+        reduce()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def _gloo_rank(port: int, rank: int, world: int, sizes: Sequence[int], quick: bool, out: Any) -> None:
@@ -71,15 +77,10 @@ def _gloo_rank(port: int, rank: int, world: int, sizes: Sequence[int], quick: bo
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     for size in sizes:
         x = torch.ones(size // 4, dtype=torch.float32)
-        dist.all_reduce(x)
-        times = []
-        for _ in range(_reps(size, quick)):
-            dist.barrier()
-            t = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - t)
+        dist.all_reduce(x)  # warm up
+        median = _median_time(lambda: dist.all_reduce(x), dist.barrier, _reps(size, quick))
         if rank == 0:
-            out.put(("gloo", size, statistics.median(times)))
+            out.put(("gloo", size, median))
     dist.barrier()
     dist.destroy_process_group()
 
