@@ -265,7 +265,7 @@ def test_ring_strategy_restores_the_chiefs_replica_on_every_rank(tmp_path):
 
 def test_two_writers_saving_into_one_directory_at_once_leave_valid_checkpoints(tmp_path):
     """A chief handing over (or a paused one resuming) may save beside its successor."""
-    from zmqflow.ps.store import ShardStore
+    from zmqflow.state.store import ShardStore
 
     stores = []
     for k in range(2):

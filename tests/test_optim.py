@@ -16,8 +16,8 @@ import pytest
 from zmqflow import optim
 from zmqflow.errors import InvalidArgument
 from zmqflow.optim import SGD, Adagrad, Adam, Momentum, SyncReplicas
-from zmqflow.ps.store import ShardStore
-from zmqflow.ps.sync import SyncState
+from zmqflow.state.store import ShardStore
+from zmqflow.state.sync import SyncState
 
 TOL = dict(rtol=1e-12, atol=1e-12)
 STEPS = 10

@@ -8,19 +8,19 @@ import re
 import numpy as np
 import pytest
 
-from zmqflow import init
+from zmqflow.state import init
 from zmqflow.errors import InvalidArgument, NotFound, VariableConflict
-from zmqflow.optim import Adam, Momentum
-from zmqflow.ps.catalog import Catalog
-from zmqflow.ps.partition import (
+from zmqflow.state.optim import Adam, Momentum
+from zmqflow.state.catalog import Catalog
+from zmqflow.state.partition import (
     Partitioner,
     fixed_size_partitioner,
     min_max_variable_partitioner,
     num_partitions,
     row_splits,
 )
-from zmqflow.ps.store import ShardStore
-from zmqflow.ps.sync import PENDING, READY, STALE, SyncState
+from zmqflow.state.store import ShardStore
+from zmqflow.state.sync import PENDING, READY, STALE, SyncState
 
 F32, F64 = np.dtype("float32"), np.dtype("float64")
 

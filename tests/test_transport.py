@@ -13,7 +13,7 @@ import zmq
 import zmqflow as zf
 from zmqflow import errors, wire
 from zmqflow.rpc import RpcClient
-from zmqflow.session import AsyncSession
+from zmqflow.client.session import AsyncSession
 from zmqflow.testing import TRANSPORTS, async_wait_until, local_cluster, make_spec
 from zmqflow.transport.context import context
 from zmqflow.wire.codec import Limits

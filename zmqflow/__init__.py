@@ -2,21 +2,22 @@
 
 from .version import __version__
 
-from . import checkpoint, errors, init, optim
+from . import errors, init, optim
+from .client import checkpoint
 from .cluster import Address, ClusterSpec, TaskId
-from .optim import SyncReplicas
-from .ring import AsyncRing, Ring
+from .state.optim import SyncReplicas
+from .client.ring import AsyncRing, Ring
 from .training.hooks import Hook, LoggingHook, ProgressHook, StopAtStep, SummaryHook
 from .training.monitored import MonitoredTrainingSession
 from .training.parameter_server import ParameterServerStrategy
 from .training.ring_allreduce import RingAllReduceStrategy
 from .training.strategy import LocalStrategy
-from .placement import GreedyLoadBalancing, RoundRobin, device, placement
-from .ps.partition import fixed_size_partitioner, min_max_variable_partitioner
-from .server import AsyncServer, Server
-from .embedding import AsyncEmbedding
-from .session import AsyncSession, Embedding, Session, Variable
-from .variables import AsyncVariable
+from .client.placement import GreedyLoadBalancing, RoundRobin, device, placement
+from .state.partition import fixed_size_partitioner, min_max_variable_partitioner
+from .server.task import AsyncServer, Server
+from .client.embedding import AsyncEmbedding
+from .client.session import AsyncSession, Embedding, Session, Variable
+from .client.variables import AsyncVariable
 
 __all__ = [
     "__version__",

@@ -20,7 +20,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["Address", "TaskId", "ClusterSpec", "KNOWN_ROLES", "resolve", "load_config"]
+__all__ = ["Address", "TaskId", "ClusterSpec", "KNOWN_ROLES", "resolve", "load_config", "shard_tasks", "catalog_task"]
 
 KNOWN_ROLES = ("chief", "worker", "ps", "evaluator")
 _JOB_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]*$")
@@ -372,3 +372,13 @@ def resolve(
             return spec, None
         raise ConfigError(f"unknown task {tid} (job {tid.job!r} index {tid.index}); cluster has {spec.describe()}")
     return spec, tid
+
+
+def shard_tasks(spec: ClusterSpec) -> list[TaskId]:
+    """Where variables live: every ps task, or the first task of a cluster without a ps job."""
+    ps = [TaskId("ps", i) for i in spec.task_indices("ps")]
+    return ps or [spec.tasks[0]]
+
+
+def catalog_task(spec: ClusterSpec) -> TaskId:
+    return shard_tasks(spec)[0]

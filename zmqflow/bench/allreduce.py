@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..testing import free_port
+from ..ports import free_port
 from ..transport.memory import keep_big_blocks
 from .procs import align, script_main
 
@@ -42,8 +42,8 @@ def _reps(size: int, quick: bool) -> int:
 def _zf_rank(spec_json: str, rank: int, sizes: Sequence[int], quick: bool, out: Any) -> None:
     keep_big_blocks()
     from ..cluster import ClusterSpec
-    from ..ring import Ring
-    from ..server import Server
+    from ..client.ring import Ring
+    from ..server.task import Server
 
     with Server(ClusterSpec.from_json(spec_json), f"worker:{rank}") as server:
         ring = Ring(server, timeout=120)
@@ -89,10 +89,10 @@ def _ps_rank(spec_json: str, rank: int, sizes: Sequence[int], quick: bool, out: 
     """The PS way to the same result: push the gradient, pull the variable (sync, all workers)."""
     keep_big_blocks()
     from ..cluster import ClusterSpec
-    from ..optim import SGD, SyncReplicas
-    from ..ring import Ring
-    from ..server import Server
-    from ..session import Session
+    from ..state.optim import SGD, SyncReplicas
+    from ..client.ring import Ring
+    from ..server.task import Server
+    from ..client.session import Session
 
     spec = ClusterSpec.from_json(spec_json)
     n = spec.num_tasks("worker")
@@ -204,7 +204,7 @@ def _ps_server(spec_json: str) -> None:
 
     from .. import loop as zf_loop
     from ..cluster import ClusterSpec
-    from ..server import AsyncServer
+    from ..server.task import AsyncServer
 
     async def main() -> None:
         async with AsyncServer(ClusterSpec.from_json(spec_json), "ps:0") as s:

@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import init, optim
+from ..state import init, optim
 from .. import loop as zf_loop
 from ..cluster import ClusterSpec
-from ..session import AsyncSession
-from ..testing import free_port
+from ..client.session import AsyncSession
+from ..ports import free_port
 from ..transport.memory import keep_big_blocks
 from .procs import Procs, align, script_main, rss_bytes, zf_task_process
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from .. import loop as zf_loop
 from ..cluster import ClusterSpec
-from ..server import AsyncServer
+from ..server.task import AsyncServer
 from ..transport.memory import keep_big_blocks
 
 __all__ = ["Procs", "zf_task_process", "rss_bytes", "align", "script_main"]

@@ -25,9 +25,9 @@ import zmq
 
 from .. import loop as zf_loop
 from ..cluster import ClusterSpec
-from ..session import AsyncSession
-from ..testing import free_port
-from ..variables import SLICE_BYTES
+from ..client.session import AsyncSession
+from ..ports import free_port
+from ..client.variables import SLICE_BYTES
 from ..transport.memory import keep_big_blocks
 from .procs import Procs, align, script_main, zf_task_process
 

@@ -53,7 +53,7 @@ import zmq
 
 from .. import loop as zf_loop
 from ..rpc import RpcClient
-from ..server import AsyncServer, Server
+from ..server.task import AsyncServer, Server
 from ..transport.context import context
 from ..transport.memory import keep_big_blocks
 

@@ -30,7 +30,7 @@ STOP_GRACE = 5.0
 
 def generate_cluster(workers: int, ps: int, chief: bool, host: str = "127.0.0.1") -> ClusterSpec:
     """A cluster on free loopback ports: ``chief`` (optional), ``worker`` and ``ps`` jobs."""
-    from ..testing import free_port
+    from ..ports import free_port
 
     jobs: dict[str, list[str]] = {}
     if chief:

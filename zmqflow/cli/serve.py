@@ -11,7 +11,7 @@ import click
 from ..cluster import ClusterSpec, TaskId, resolve
 from ..errors import AddressInUse, ConfigError, ZmqflowError
 from ..loop import run
-from ..server import AsyncServer
+from ..server.task import AsyncServer
 from ..transport.memory import keep_big_blocks
 from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, LOG_LEVELS, fail, setup_logging
 

@@ -13,7 +13,7 @@ from ..cluster import ClusterSpec, resolve
 from ..errors import ConfigError
 from ..loop import run
 from ..rpc import RpcClient
-from ..services import probe
+from ..rpc.health import probe
 from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, fail
 
 __all__ = ["status", "cluster_status", "format_status"]

@@ -15,13 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from .. import checkpoint
+from ..client import checkpoint
 from ..cluster import ClusterSpec, TaskId, resolve
 from ..errors import ConfigError
-from ..ring import default_members
-from ..server import Server
-from ..services.health import wait_for_tasks
-from ..session import Session
+from ..client.ring import default_members
+from ..server.task import Server
+from ..rpc.health import wait_for_tasks
+from ..client.session import Session
 from .hooks import Hook, ProgressHook, StopAtStep
 from .parameter_server import ParameterServerStrategy
 from .ring_allreduce import RingAllReduceStrategy

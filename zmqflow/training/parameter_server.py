@@ -8,13 +8,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import checkpoint as _ckpt
-from .. import optim as _optim
-from ..cluster import TaskId
+from ..client import checkpoint as _ckpt
+from ..state import optim as _optim
+from ..cluster import TaskId, shard_tasks
 from ..errors import DeadlineExceeded, NotFound, Recovering, Unavailable
-from ..services.catalog import shard_tasks
-from ..services.health import wait_for_tasks
-from ..ring import default_members
+from ..rpc.health import wait_for_tasks
+from ..client.ring import default_members
 from .strategy import Strategy
 
 __all__ = ["ParameterServerStrategy"]

@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import checkpoint as _ckpt
+from ..client import checkpoint as _ckpt
 from ..cluster import TaskId
 from ..errors import ClusterNotReady, DeadlineExceeded, Unavailable
-from ..ring import ElasticRing, Formation, default_members
+from ..client.ring import ElasticRing, Formation, default_members
 from .strategy import Strategy, _LocalParams
 
 __all__ = ["RingAllReduceStrategy"]

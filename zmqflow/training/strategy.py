@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import checkpoint as _ckpt
+from ..client import checkpoint as _ckpt
 from ..cluster import TaskId
-from ..ps.store import ShardStore
+from ..state.store import ShardStore
 from ..wire.dtypes import dtype_name
 
 if TYPE_CHECKING:

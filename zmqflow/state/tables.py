@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import init as _init
-from .. import optim as _optim
+from . import init as _init
+from . import optim as _optim
 from ..errors import InvalidArgument
 
 __all__ = ["static_owner", "static_part_rows", "hash_owner", "HashTable"]

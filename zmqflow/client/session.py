@@ -13,11 +13,10 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from .cluster import Address, ClusterSpec, TaskId, load_config
-from .errors import ConfigError, InvalidArgument
-from .loop import LoopThread
-from .rpc import DEFAULT_TIMEOUT, RpcClient
-from .services.catalog import catalog_task, shard_tasks
+from ..cluster import Address, ClusterSpec, TaskId, catalog_task, load_config, shard_tasks
+from ..errors import ConfigError, InvalidArgument
+from ..loop import LoopThread
+from ..rpc import DEFAULT_TIMEOUT, RpcClient
 from .embedding import AsyncEmbedding, TableInfo, declare_embedding
 from .variables import AsyncVariable, VarInfo, declare
 from .variables import pull as _pull

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .embedding import create_table_parts
-from .ps.embedding import hash_owner
-from .errors import InvalidArgument, NotFound, Recovering
-from .ps.partition import fixed_size_partitioner
-from .ps.snapshot import crash_point, fsync_dir, read_arrays, write_atomic
-from .ps.store import part_label
-from .services.catalog import shard_tasks
+from ..state.tables import hash_owner
+from ..errors import InvalidArgument, NotFound, Recovering
+from ..state.partition import fixed_size_partitioner
+from ..state.snapshot import crash_point, fsync_dir, read_arrays, write_atomic
+from ..state.store import part_label
+from ..cluster import shard_tasks
 from .variables import create_parts
 
 if TYPE_CHECKING:
@@ -328,7 +328,7 @@ def recover(sess: "Session", path: str) -> int:
 
 def save_store(store: Any, directory: str, step: int, keep: int = 5) -> str:
     """Checkpoint a replica held in this process (a ``ShardStore``): one file, then the manifest."""
-    from .ps.snapshot import part_arrays
+    from ..state.snapshot import part_arrays
 
     os.makedirs(directory, exist_ok=True)
     arrays: dict[str, np.ndarray] = {}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..splits import even_splits
+from .splits import even_splits
 
 __all__ = ["Step", "segments", "chunks", "scatter_reduce", "allgather", "RS", "AG"]
 

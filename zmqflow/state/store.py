@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import init as _init
-from .. import optim as _optim
+from . import init as _init
+from . import optim as _optim
 from ..errors import InvalidArgument, NotFound, VariableConflict
 from ..wire.dtypes import dtype_from_name
 from .sparse import unique_sum

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import init as _init
-from . import optim as _optim
-from .cluster import TaskId
-from .errors import InvalidArgument
+from ..state import init as _init
+from ..state import optim as _optim
+from ..cluster import TaskId
+from ..errors import InvalidArgument
 from .placement import current_device, current_policy
-from .ps.partition import num_partitions, row_splits
-from .wire.dtypes import dtype_from_name, dtype_name
+from ..state.partition import num_partitions, row_splits
+from ..wire.dtypes import dtype_from_name, dtype_name
 
 if TYPE_CHECKING:  # the session drives variables; variables never import it at run time
     from .session import AsyncSession

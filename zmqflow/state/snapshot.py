@@ -14,7 +14,7 @@ import threading
 import numpy as np
 
 from ..errors import InvalidArgument
-from .embedding import HashTable
+from .tables import HashTable
 from .store import Part
 
 __all__ = ["part_arrays", "table_arrays", "write_atomic", "read_arrays", "fsync_dir", "crash_point"]

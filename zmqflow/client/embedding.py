@@ -15,16 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import init as _init
-from . import optim as _optim
-from .cluster import TaskId
-from .errors import InvalidArgument
+from ..state import init as _init
+from ..state import optim as _optim
+from ..cluster import TaskId, shard_tasks
+from ..errors import InvalidArgument
 from .placement import current_device, current_policy
-from .ps.embedding import hash_owner, static_owner, static_part_rows
-from .ps.partition import Partitioner
-from .ps.sparse import unique_sum
-from .services.catalog import shard_tasks
-from .wire.dtypes import dtype_from_name, dtype_name
+from ..state.tables import hash_owner, static_owner, static_part_rows
+from ..state.partition import Partitioner
+from ..state.sparse import unique_sum
+from ..wire.dtypes import dtype_from_name, dtype_name
 
 if TYPE_CHECKING:
     from .session import AsyncSession

@@ -10,22 +10,12 @@ import asyncio
 from collections import defaultdict
 from typing import Any
 
-from ..cluster import ClusterSpec, TaskId
-from ..errors import InvalidArgument, NotFound
-from ..ps.catalog import Catalog
-from ..rpc import CallContext, Service, op
+from ...cluster import ClusterSpec, TaskId, shard_tasks
+from ...errors import InvalidArgument, NotFound
+from ...state.catalog import Catalog
+from ...rpc import CallContext, Service, op
 
-__all__ = ["CatalogService", "catalog_task", "shard_tasks"]
-
-
-def shard_tasks(spec: ClusterSpec) -> list[TaskId]:
-    """Where variables live: every ps task, or the first task of a cluster without a ps job."""
-    ps = [TaskId("ps", i) for i in spec.task_indices("ps")]
-    return ps or [spec.tasks[0]]
-
-
-def catalog_task(spec: ClusterSpec) -> TaskId:
-    return shard_tasks(spec)[0]
+__all__ = ["CatalogService"]
 
 
 class CatalogService(Service):

@@ -20,10 +20,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from ..errors import InvalidArgument, Recovering
-from ..ps.embedding import HashTable
-from ..ps.store import PartKey, ShardStore
-from ..rpc import CallContext, op
+from ...errors import InvalidArgument, Recovering
+from ...state.tables import HashTable
+from ...state.store import PartKey, ShardStore
+from ...rpc import CallContext, op
 
 __all__ = ["FenceOps", "FENCED_OPS"]
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidArgument, ZmqflowError, error_class
-from ..rpc import CallContext, Service, op
+from ...errors import InvalidArgument, ZmqflowError, error_class
+from ...rpc import CallContext, Service, op
 from .rendezvous import Rendezvous
 
 __all__ = ["RingService", "BoxKey"]

@@ -6,7 +6,7 @@ import asyncio
 
 from ..cluster import ClusterSpec, TaskId
 from ..errors import ClusterNotReady, ZmqflowError
-from ..rpc import RpcClient
+from .client import RpcClient
 
 __all__ = ["wait_for_tasks", "probe"]
 

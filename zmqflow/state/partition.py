@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgument
-from ..splits import even_splits
+from .splits import even_splits
 
 __all__ = [
     "Partitioner",

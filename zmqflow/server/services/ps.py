@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DeadlineExceeded, InvalidArgument, Recovering
-from ..ps.embedding import HashTable
-from ..ps.store import PartKey, ShardStore, part_label
-from ..ps.sync import READY, STALE
-from ..rpc import CallContext, Service, op
+from ...errors import DeadlineExceeded, InvalidArgument, Recovering
+from ...state.tables import HashTable
+from ...state.store import PartKey, ShardStore, part_label
+from ...state.sync import READY, STALE
+from ...rpc import CallContext, Service, op
 from .fence import FenceOps
 from .snapshots import SnapshotOps
 from .tables import TableOps

@@ -7,11 +7,11 @@ import socket
 import time
 from typing import Any, Protocol
 
-from ..cluster import ClusterSpec, TaskId
-from ..version import __version__
-from ..rpc import CallContext, Counters, RpcClient, Service, op
-from ..wire import VERSION
-from .health import wait_for_tasks
+from ...cluster import ClusterSpec, TaskId
+from ...version import __version__
+from ...rpc import CallContext, Counters, RpcClient, Service, op
+from ...wire import VERSION
+from ...rpc.health import wait_for_tasks
 
 __all__ = ["MasterService", "TaskRuntime"]
 

@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidArgument
-from ..ps.embedding import HashTable
-from ..ps.snapshot import part_arrays, table_arrays, write_atomic
-from ..ps.store import PartKey, ShardStore
-from ..rpc import CallContext, op
+from ...errors import InvalidArgument
+from ...state.tables import HashTable
+from ...state.snapshot import part_arrays, table_arrays, write_atomic
+from ...state.store import PartKey, ShardStore
+from ...rpc import CallContext, op
 
 __all__ = ["SnapshotOps"]
 

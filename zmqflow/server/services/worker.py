@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidArgument, NotFound
-from ..rpc import CallContext, Service, op
+from ...errors import InvalidArgument, NotFound
+from ...rpc import CallContext, Service, op
 
 __all__ = ["WorkerService"]
 

@@ -22,16 +22,16 @@ from typing import Any
 
 import numpy as np
 
-from .cluster import ClusterSpec, TaskId
-from .collective.reduce import OPS, backend_for, finish_mean, is_cupy
-from .collective.reduce import _cp
-from .collective.schedule import RS, Step, chunk_range, chunks, scatter_reduce, segments
-from .collective.schedule import allgather as allgather_steps
-from .errors import CollectiveMismatch, ConfigError, DeadlineExceeded, InvalidArgument, Unavailable, ZmqflowError
-from .server import AsyncServer, Server
-from .services.health import wait_for_tasks
-from .services.rendezvous import Formation, Rendezvous, join_next_generation
-from .wire.dtypes import dtype_name
+from ..cluster import ClusterSpec, TaskId
+from ..state.reduce import OPS, backend_for, finish_mean, is_cupy
+from ..state.reduce import _cp
+from ..state.ring_schedule import RS, Step, chunk_range, chunks, scatter_reduce, segments
+from ..state.ring_schedule import allgather as allgather_steps
+from ..errors import CollectiveMismatch, ConfigError, DeadlineExceeded, InvalidArgument, Unavailable, ZmqflowError
+from ..server.task import AsyncServer, Server
+from ..rpc.health import wait_for_tasks
+from ..server.services.rendezvous import Formation, Rendezvous, join_next_generation
+from ..wire.dtypes import dtype_name
 
 __all__ = ["Ring", "AsyncRing", "ElasticRing", "AsyncElasticRing", "Formation", "default_members"]
 

@@ -1,8 +1,7 @@
 """Services hosted by every task (master, worker) and by ps tasks (ps)."""
 
-from .health import probe, wait_for_tasks
 from .master import MasterService, TaskRuntime
 from .ps import PsService
 from .worker import WorkerService
 
-__all__ = ["MasterService", "PsService", "TaskRuntime", "WorkerService", "probe", "wait_for_tasks"]
+__all__ = ["MasterService", "PsService", "TaskRuntime", "WorkerService"]

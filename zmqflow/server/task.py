@@ -14,16 +14,17 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from .cluster import ClusterSpec, TaskId, resolve
-from .errors import NotFound
-from .loop import LoopThread
-from .rpc import DEFAULT_TIMEOUT, Counters, RpcClient, RpcServer, Service
-from .services import MasterService, PsService, WorkerService, wait_for_tasks
-from .services.catalog import CatalogService, shard_tasks
+from ..cluster import ClusterSpec, TaskId, resolve, shard_tasks
+from ..errors import NotFound
+from ..loop import LoopThread
+from ..rpc import DEFAULT_TIMEOUT, Counters, RpcClient, RpcServer, Service
+from ..rpc.health import wait_for_tasks
+from .services import MasterService, PsService, WorkerService
+from .services.catalog import CatalogService
 from .services.ring import RingService
-from .transport.options import DEFAULT_OPTIONS, SocketOptions
-from .wire import Limits
-from .wire.codec import DEFAULT_LIMITS
+from ..transport.options import DEFAULT_OPTIONS, SocketOptions
+from ..wire import Limits
+from ..wire.codec import DEFAULT_LIMITS
 
 __all__ = ["AsyncServer", "Server"]
 

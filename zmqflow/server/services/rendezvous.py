@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cluster import ClusterSpec, TaskId
-from ..errors import DeadlineExceeded, InvalidArgument, Unavailable, ZmqflowError
-from ..rpc import RpcClient
+from ...cluster import ClusterSpec, TaskId
+from ...errors import DeadlineExceeded, InvalidArgument, Unavailable, ZmqflowError
+from ...rpc import RpcClient
 
 __all__ = ["Formation", "Rendezvous", "join_next_generation"]
 

@@ -11,7 +11,7 @@ import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .cluster import TaskId
+from ..cluster import TaskId
 
 __all__ = ["device", "placement", "RoundRobin", "GreedyLoadBalancing", "current_device", "current_policy"]
 

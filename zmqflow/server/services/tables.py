@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidArgument, VariableConflict
-from ..ps.embedding import HashTable
-from ..ps.store import PartKey, ShardStore
-from ..rpc import CallContext, op
-from ..wire.dtypes import dtype_from_name
+from ...errors import InvalidArgument, VariableConflict
+from ...state.tables import HashTable
+from ...state.store import PartKey, ShardStore
+from ...rpc import CallContext, op
+from ...wire.dtypes import dtype_from_name
 
 __all__ = ["TableOps"]
 

@@ -1,0 +1,1 @@
+"""The client side: sessions, handles on variables and tables, placement, checkpoints, the ring."""

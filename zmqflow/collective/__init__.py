@@ -1,1 +1,0 @@
-"""Ring collectives, sans-IO: segment and chunk schedules, reductions, buffer backends."""

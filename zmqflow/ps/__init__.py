@@ -1,1 +1,0 @@
-"""Parameter-server shards: the variable store, sync accumulation, the catalog of names."""

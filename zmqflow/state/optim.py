@@ -1,0 +1,175 @@
+"""Server-side optimizers (``zf.optim``): a spec that travels, and the numpy update a shard runs.
+
+Updates work on a variable viewed as rows (axis 0) and act on any subset of rows in place, so a
+shard applies a dense push slice by slice and a sparse push to the touched rows only, with the
+slots of exactly those rows. Adam keeps its step count per row: a dense push advances every row
+(plain Adam), a sparse push advances only the rows it touches (lazy Adam).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..errors import InvalidArgument
+
+__all__ = ["Optimizer", "SGD", "Momentum", "Adagrad", "Adam", "SyncReplicas", "from_spec"]
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """Base: ``update`` changes ``param`` rows in place from ``grad`` rows and their slots."""
+
+    kind: ClassVar[str] = ""
+    slot_names: ClassVar[tuple[str, ...]] = ()
+    learning_rate: float = 0.01
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": self.kind, **asdict(self)}
+
+    def slot_init(self, name: str) -> float:
+        return 0.0
+
+    def update(self, param: np.ndarray, grad: np.ndarray, slots: dict[str, np.ndarray], t: np.ndarray) -> np.ndarray:
+        """New rows for ``param``; ``slots`` are updated in place; ``t`` is each row's step (from 1)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class SGD(Optimizer):
+    kind: ClassVar[str] = "sgd"
+
+    def update(self, param, grad, slots, t):
+        param -= self.learning_rate * grad
+        return param
+
+
+@dataclass(frozen=True)
+class Momentum(Optimizer):
+    kind: ClassVar[str] = "momentum"
+    slot_names: ClassVar[tuple[str, ...]] = ("momentum",)
+    momentum: float = 0.9
+    nesterov: bool = False
+
+    def update(self, param, grad, slots, t):
+        m = slots["momentum"]
+        m *= self.momentum
+        m += grad
+        if self.nesterov:
+            param -= self.learning_rate * (grad + self.momentum * m)
+        else:
+            param -= self.learning_rate * m
+        return param
+
+
+@dataclass(frozen=True)
+class Adagrad(Optimizer):
+    kind: ClassVar[str] = "adagrad"
+    slot_names: ClassVar[tuple[str, ...]] = ("accumulator",)
+    initial_accumulator_value: float = 0.1
+
+    def slot_init(self, name: str) -> float:
+        return self.initial_accumulator_value
+
+    def update(self, param, grad, slots, t):
+        acc = slots["accumulator"]
+        acc += grad * grad
+        param -= self.learning_rate * grad / np.sqrt(acc)
+        return param
+
+
+@dataclass(frozen=True)
+class Adam(Optimizer):
+    kind: ClassVar[str] = "adam"
+    slot_names: ClassVar[tuple[str, ...]] = ("m", "v")
+    learning_rate: float = 0.001
+    beta1: float = 0.9
+    beta2: float = 0.999
+    epsilon: float = 1e-8
+
+    def update(self, param, grad, slots, t):
+        m, v = slots["m"], slots["v"]
+        m *= self.beta1
+        m += (1 - self.beta1) * grad
+        v *= self.beta2
+        v += (1 - self.beta2) * grad * grad
+        tt = t.reshape((-1,) + (1,) * (param.ndim - 1)).astype(np.float64)
+        lr_t = self.learning_rate * np.sqrt(1 - self.beta2**tt) / (1 - self.beta1**tt)
+        param -= (lr_t * m / (np.sqrt(v) + self.epsilon)).astype(param.dtype, copy=False)
+        return param
+
+
+@dataclass(frozen=True)
+class SyncReplicas:
+    """Synchronous replicas, as TF's SyncReplicasOptimizer: the mean of ``replicas_to_aggregate``
+    gradients per global step is applied with ``optimizer``; stale gradients are dropped."""
+
+    optimizer: Optimizer = field(default_factory=SGD)
+    replicas_to_aggregate: int = 1
+    total_num_replicas: int | None = None
+    # When a replica that pushed before is gone (its connection dropped), finish the step with the
+    # gradients of the live ones instead of failing the others with DeadlineExceeded.
+    drop_dead_replicas: bool = False
+
+    def __post_init__(self) -> None:
+        _count(self.replicas_to_aggregate, "replicas_to_aggregate")
+        if self.total_num_replicas is not None:
+            _count(self.total_num_replicas, "total_num_replicas")
+        if self.replicas_to_aggregate < 1:
+            raise InvalidArgument(f"replicas_to_aggregate must be >= 1, got {self.replicas_to_aggregate}")
+        total = self.total_num_replicas
+        if total is not None and total < self.replicas_to_aggregate:
+            raise InvalidArgument(f"total_num_replicas {total} < replicas_to_aggregate {self.replicas_to_aggregate}")
+
+    def spec(self) -> dict[str, Any]:
+        return {
+            "kind": "sync_replicas",
+            "optimizer": self.optimizer.spec(),
+            "replicas_to_aggregate": self.replicas_to_aggregate,
+            "total_num_replicas": self.total_num_replicas,
+            "drop_dead_replicas": self.drop_dead_replicas,
+        }
+
+
+def _count(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidArgument(f"SyncReplicas: {name} must be an integer, got {value!r}")
+    return value
+
+
+_CLASSES: dict[str, type[Optimizer]] = {c.kind: c for c in (SGD, Momentum, Adagrad, Adam)}
+
+
+def from_spec(spec: Any) -> Optimizer | SyncReplicas | None:
+    """Rebuild an optimizer from its spec (None stays None: plain assign_add of the gradient)."""
+    if spec is None or isinstance(spec, (Optimizer, SyncReplicas)):
+        return spec
+    if not isinstance(spec, dict):
+        raise InvalidArgument(f"optimizer spec must be a map, got {type(spec).__name__}")
+    kind = spec.get("kind")
+    if kind == "sync_replicas":
+        inner = from_spec(spec.get("optimizer"))
+        if not isinstance(inner, Optimizer):
+            raise InvalidArgument("SyncReplicas needs an optimizer to wrap")
+        return SyncReplicas(inner, _count(spec.get("replicas_to_aggregate", 1), "replicas_to_aggregate"),
+                            None if spec.get("total_num_replicas") is None else _count(spec["total_num_replicas"], "total_num_replicas"),
+                            bool(spec.get("drop_dead_replicas", False)))
+    cls = _CLASSES.get(kind)  # type: ignore[arg-type]
+    if cls is None:
+        raise InvalidArgument(f"unknown optimizer {kind!r}; known: {', '.join(sorted(_CLASSES))}, sync_replicas")
+    values = {}
+    for f in fields(cls):
+        if f.name not in spec:
+            continue
+        value = spec[f.name]
+        if isinstance(f.default, bool):
+            ok = isinstance(value, bool)
+        else:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok:
+            raise InvalidArgument(f"{kind} optimizer: {f.name} must be a {type(f.default).__name__}, got {value!r}")
+        values[f.name] = value
+    return cls(**values)
