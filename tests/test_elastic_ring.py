@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from zmqflow import errors
-from zmqflow.client.ring import AsyncElasticRing
+from zmqflow.client.elastic_ring import AsyncElasticRing
 from zmqflow.server import AsyncServer
 from zmqflow.testing import async_wait_until, make_spec
 

@@ -31,7 +31,7 @@ def test_a_fenced_shard_refuses_data_ops_and_fails_waiting_sync_pushes():
                 v = await sess.variable("v", np.zeros(3), optimizer=zf.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=2))
                 waiting = asyncio.ensure_future(v.push(np.ones(3), step=0))  # one of two replicas: it waits
                 await async_wait_until(lambda: ps.store.get("v", 0).sync.contributors, 5, what="the push to arrive")
-                epoch = await sess._call_task(zf.TaskId("ps", 0), "ps", "fence")
+                epoch = await sess.call_task(zf.TaskId("ps", 0), "ps", "fence")
                 assert epoch == 1
                 with pytest.raises(errors.Recovering, match="step 0 of v.*abandoned.*recovery epoch 1"):
                     await waiting
@@ -39,17 +39,17 @@ def test_a_fenced_shard_refuses_data_ops_and_fails_waiting_sync_pushes():
                 for call in (v.read(), v.push(np.ones(3), step=0), sess.global_step()):
                     with pytest.raises(errors.Recovering, match=r"ps\.\w+ refused: this shard is being restored"):
                         await call
-                status = await sess._call_task(zf.TaskId("ps", 0), "ps", "status")
+                status = await sess.call_task(zf.TaskId("ps", 0), "ps", "status")
                 assert status["fenced"] and status["epoch"] == 1
                 # what `zmqflow status` shows an operator
                 rows = await cluster_status(servers["ps:0"].spec, 5)
                 assert rows[0]["state"] == {"ps": "recovering (epoch 1)"}
                 assert "recovering (epoch 1)" in format_status(rows).splitlines()[1]
                 # a stale unfence (an older recovery's) does not lift a newer fence
-                assert await sess._call_task(zf.TaskId("ps", 0), "ps", "unfence", {"epoch": 0}) is False
+                assert await sess.call_task(zf.TaskId("ps", 0), "ps", "unfence", {"epoch": 0}) is False
                 with pytest.raises(errors.Recovering):
                     await v.read()
-                assert await sess._call_task(zf.TaskId("ps", 0), "ps", "unfence", {"epoch": 1}) is True
+                assert await sess.call_task(zf.TaskId("ps", 0), "ps", "unfence", {"epoch": 1}) is True
                 np.testing.assert_array_equal(await v.read(), np.zeros(3))  # nothing of the abandoned step applied
                 assert (await cluster_status(servers["ps:0"].spec, 5))[0]["state"] == {"ps": "restored (epoch 1)"}
 
@@ -65,8 +65,8 @@ def test_a_client_that_used_the_shard_before_a_recovery_is_refused_once_after_it
             async with zf.AsyncSession(target) as user, zf.AsyncSession(target) as restorer:
                 v = await user.variable("v", np.zeros(2))
                 await v.read()
-                epoch = await restorer._call_task(ps0, "ps", "fence")
-                assert await restorer._call_task(ps0, "ps", "unfence", {"epoch": epoch})
+                epoch = await restorer.call_task(ps0, "ps", "fence")
+                assert await restorer.call_task(ps0, "ps", "unfence", {"epoch": epoch})
                 np.testing.assert_array_equal(await (await restorer.get("v")).read(), np.zeros(2))  # the restorer knows
                 async with zf.AsyncSession(target) as fresh:
                     np.testing.assert_array_equal(await (await fresh.get("v")).read(), np.zeros(2))  # so does a new client
@@ -138,21 +138,21 @@ def test_sweep_drops_what_the_catalog_does_not_place_and_checks_its_input_first(
                 ps0.store.create("orphan", 0, [2], [0, 2], "float64")  # a part no catalog record names
                 t = zf.TaskId("ps", 0)
                 with pytest.raises(errors.InvalidArgument, match="runs only on a fenced shard"):
-                    await sess._call_task(t, "ps", "sweep", {"keep": []})  # unfenced: it would drop live parts
+                    await sess.call_task(t, "ps", "sweep", {"keep": []})  # unfenced: it would drop live parts
                 assert ("orphan", 0) in ps0.store.parts and ("a", 0) in ps0.store.parts
-                epoch = await sess._call_task(t, "ps", "fence")
+                epoch = await sess.call_task(t, "ps", "fence")
                 for bad in ([["a"]], "a", [[1, 0]], [["a", "0"]]):
                     with pytest.raises(errors.InvalidArgument, match="keep must be a list of"):
-                        await sess._call_task(t, "ps", "sweep", {"keep": bad})
+                        await sess.call_task(t, "ps", "sweep", {"keep": bad})
                 assert ("orphan", 0) in ps0.store.parts  # refused input changed nothing
-                records = await sess._catalog_call("records", {"pending": True})
+                records = await sess.call_catalog("records", {"pending": True})
                 keep = checkpoint._placed(records, "ps:0")
-                assert await sess._call_task(t, "ps", "sweep", {"keep": keep}) == [["orphan", 0]]
+                assert await sess.call_task(t, "ps", "sweep", {"keep": keep}) == [["orphan", 0]]
                 assert ("orphan", 0) not in ps0.store.parts
                 assert sorted(k for k, _ in ps0.store.parts) == sorted(k for k, _ in keep)
                 with pytest.raises(errors.InvalidArgument, match="epoch must be an integer"):
-                    await sess._call_task(t, "ps", "unfence", {"epoch": "1"})
-                assert await sess._call_task(t, "ps", "unfence", {"epoch": epoch})
+                    await sess.call_task(t, "ps", "unfence", {"epoch": "1"})
+                assert await sess.call_task(t, "ps", "unfence", {"epoch": epoch})
 
     arun(main())
 

@@ -9,7 +9,7 @@ import pytest
 
 import zmqflow as zf
 from zmqflow import errors
-from zmqflow.client.session import Session
+from zmqflow import Session
 from zmqflow.testing import make_spec
 
 

@@ -16,7 +16,8 @@ from .client.placement import GreedyLoadBalancing, RoundRobin, device, placement
 from .state.partition import fixed_size_partitioner, min_max_variable_partitioner
 from .server.task import AsyncServer, Server
 from .client.embedding import AsyncEmbedding
-from .client.session import AsyncSession, Embedding, Session, Variable
+from .client.blocking import Embedding, Session, Variable
+from .client.session import AsyncSession
 from .client.variables import AsyncVariable
 
 __all__ = [

@@ -92,7 +92,7 @@ def _ps_rank(spec_json: str, rank: int, sizes: Sequence[int], quick: bool, out: 
     from ..state.optim import SGD, SyncReplicas
     from ..client.ring import Ring
     from ..server.task import Server
-    from ..client.session import Session
+    from ..client.blocking import Session
 
     spec = ClusterSpec.from_json(spec_json)
     n = spec.num_tasks("worker")

@@ -33,9 +33,10 @@ from ..cluster import shard_tasks
 from .variables import create_parts
 
 if TYPE_CHECKING:
-    from .session import AsyncSession, Session
+    from .blocking import Session
+    from .session import AsyncSession
 
-__all__ = ["save", "restore", "recover", "fenced", "async_fenced", "latest", "checkpoints", "async_save", "async_restore", "async_recover",
+__all__ = ["save", "restore", "recover", "fenced", "manifest_name", "async_fenced", "latest", "checkpoints", "async_save", "async_restore", "async_recover",
            "save_store", "restore_store"]
 
 FORMAT = 1
@@ -46,7 +47,7 @@ _WRITTEN = re.compile(r"^(?:step(\d{10})-.*\.npz|checkpoint-(\d{10})\.json)(?:\.
 log = logging.getLogger("zmqflow.checkpoint")
 
 
-def _manifest_name(step: int) -> str:
+def manifest_name(step: int) -> str:
     return f"checkpoint-{step:010d}.json"
 
 
@@ -86,17 +87,17 @@ async def async_save(sess: "AsyncSession", directory: str, *, step: int | None =
     spec = await sess.cluster()
     if step is None:
         step = await _global_step(sess)
-    records = await sess._catalog_call("records", {})
+    records = await sess.call_catalog("records", {})
     tag = f"step{step:010d}-{int(time.time() * 1000)}"
     shards = await asyncio.gather(*(
-        sess._call_task(t, "ps", "save", {"directory": os.path.abspath(directory), "file": f"{tag}-{t.job}{t.index}.npz"})
+        sess.call_task(t, "ps", "save", {"directory": os.path.abspath(directory), "file": f"{tag}-{t.job}{t.index}.npz"})
         for t in shard_tasks(spec)
     ))
     for task, shard in zip(shard_tasks(spec), shards):
         shard["task"] = str(task)
     crash_point("before-manifest")
     manifest = {"format": FORMAT, "step": int(step), "time": time.time(), "records": records, "shards": shards}
-    path = os.path.join(directory, _manifest_name(int(step)))
+    path = os.path.join(directory, manifest_name(int(step)))
     write_atomic(path, text=json.dumps(manifest, indent=1))
     _prune(directory, keep)
     return path
@@ -202,16 +203,16 @@ async def async_recover(sess: "AsyncSession", path: str) -> int:
     the caller recovers again, and nobody trains on mixed state meanwhile."""
     manifest, pieces = _load(path)
     tasks = shard_tasks(await sess.cluster())
-    epochs = await asyncio.gather(*(sess._call_task(t, "ps", "fence") for t in tasks))
-    records = await sess._catalog_call("records", {"pending": True})
+    epochs = await asyncio.gather(*(sess.call_task(t, "ps", "fence") for t in tasks))
+    records = await sess.call_catalog("records", {"pending": True})
     restored = {r["name"] for r in manifest["records"]}
     kept = [r for r in records if r["name"] not in restored]
-    swept = await asyncio.gather(*(sess._call_task(t, "ps", "sweep", {"keep": _placed(kept, str(t))}) for t in tasks))
+    swept = await asyncio.gather(*(sess.call_task(t, "ps", "sweep", {"keep": _placed(kept, str(t))}) for t in tasks))
     stale = sorted({part_label((name, part)) for dropped in swept for name, part in dropped if name not in restored})
     if stale:
         log.warning("dropped %d part(s) no longer in the catalog: %s", len(stale), ", ".join(stale))
     step = await _put_back(sess, manifest, pieces)
-    lifted = await asyncio.gather(*(sess._call_task(t, "ps", "unfence", {"epoch": e}) for t, e in zip(tasks, epochs)))
+    lifted = await asyncio.gather(*(sess.call_task(t, "ps", "unfence", {"epoch": e}) for t, e in zip(tasks, epochs)))
     if not all(lifted):
         late = [str(t) for t, ok in zip(tasks, lifted) if not ok]
         raise Recovering(f"another recovery fenced {', '.join(late)} while this one restored step {step}", tasks=late)
@@ -224,12 +225,12 @@ async def async_recover(sess: "AsyncSession", path: str) -> int:
 async def async_fenced(sess: "AsyncSession") -> list[str]:
     """The shards a recovery has fenced (and not lifted yet)."""
     tasks = shard_tasks(await sess.cluster())
-    states = await asyncio.gather(*(sess._call_task(t, "ps", "status") for t in tasks))
+    states = await asyncio.gather(*(sess.call_task(t, "ps", "status") for t in tasks))
     return [str(t) for t, st in zip(tasks, states) if st.get("fenced")]
 
 
 async def _missing_parts(sess: "AsyncSession", tasks: list[Any], records: list[dict[str, Any]]) -> list[str]:
-    held = await asyncio.gather(*(sess._call_task(t, "ps", "variables") for t in tasks))
+    held = await asyncio.gather(*(sess.call_task(t, "ps", "variables") for t in tasks))
     have = {(str(t), v["name"], v["part"]) for t, vs in zip(tasks, held) for v in vs}
     return [f"{r['name']} part {i} on {p['task']}" for r in records for i, p in enumerate(r["parts"])
             if not (r.get("table") and r["table"]["kind"] == "hash") and (p["task"], r["name"], i) not in have]
@@ -280,7 +281,7 @@ async def _restore_variable(sess: "AsyncSession", record: dict[str, Any], pieces
             "steps": saved.get("steps"),
             "sync_step": int(saved["sync_step"]) if "sync_step" in saved else None,
         }
-        calls.append(sess._call_task(task, "ps", "restore_part", body))
+        calls.append(sess.call_task(task, "ps", "restore_part", body))
     await asyncio.gather(*calls)
 
 
@@ -299,7 +300,7 @@ async def _restore_table(sess: "AsyncSession", record: dict[str, Any], pieces: d
     calls = []
     for p, task in enumerate(emb.info.tasks):
         m = owner == p
-        calls.append(sess._call_task(task, "ps", "emb_restore", {
+        calls.append(sess.call_task(task, "ps", "emb_restore", {
             "name": record["name"], "part": p, "ids": ids[m], "values": values[m],
             "slots": {k: v[m] for k, v in slots.items()}, "steps": steps[m],
         }))
@@ -308,22 +309,22 @@ async def _restore_table(sess: "AsyncSession", record: dict[str, Any], pieces: d
 
 def save(sess: "Session", directory: str, *, step: int | None = None, keep: int = 5) -> str:
     """Write a checkpoint of every shard into ``directory``; returns its manifest's path."""
-    return sess._run(async_save(sess._async, directory, step=step, keep=keep), 600)
+    return sess.run_on_loop(async_save(sess.async_session, directory, step=step, keep=keep), 600)
 
 
 def restore(sess: "Session", path: str) -> int:
     """Restore the latest checkpoint in a directory (or a given manifest); returns its step."""
-    return sess._run(async_restore(sess._async, path), 600)
+    return sess.run_on_loop(async_restore(sess.async_session, path), 600)
 
 
 def fenced(sess: "Session") -> list[str]:
     """The shards a recovery has fenced and not lifted (its restorer died): recover them again."""
-    return sess._run(async_fenced(sess._async))
+    return sess.run_on_loop(async_fenced(sess.async_session))
 
 
 def recover(sess: "Session", path: str) -> int:
     """Fence every shard, restore the checkpoint at ``path`` onto them, lift the fences; returns its step."""
-    return sess._run(async_recover(sess._async, path), 600)
+    return sess.run_on_loop(async_recover(sess.async_session, path), 600)
 
 
 def save_store(store: Any, directory: str, step: int, keep: int = 5) -> str:
@@ -344,7 +345,7 @@ def save_store(store: Any, directory: str, step: int, keep: int = 5) -> str:
     crash_point("before-manifest")
     manifest = {"format": FORMAT, "step": int(step), "time": time.time(), "records": records,
                 "shards": [{"task": "local", "file": file, "entries": entries}]}
-    path = os.path.join(directory, _manifest_name(int(step)))
+    path = os.path.join(directory, manifest_name(int(step)))
     write_atomic(path, text=json.dumps(manifest, indent=1))
     _prune(directory, keep)
     return path

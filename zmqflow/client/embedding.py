@@ -11,7 +11,7 @@ import asyncio
 import datetime
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -19,14 +19,13 @@ from ..state import init as _init
 from ..state import optim as _optim
 from ..cluster import TaskId, shard_tasks
 from ..errors import InvalidArgument
+from .port import SessionPort
 from .placement import current_device, current_policy
 from ..state.tables import hash_owner, static_owner, static_part_rows
 from ..state.partition import Partitioner
 from ..state.sparse import unique_sum
 from ..wire.dtypes import dtype_from_name, dtype_name
 
-if TYPE_CHECKING:
-    from .session import AsyncSession
 
 __all__ = ["TableInfo", "AsyncEmbedding", "declare_embedding", "create_table_parts", "COMBINERS"]
 
@@ -69,7 +68,7 @@ class TableInfo:
         return local + sum(self.part_rows[:part])
 
 
-async def declare_embedding(sess: "AsyncSession", name: str, num_embeddings: int | None, dim: int, *,
+async def declare_embedding(sess: SessionPort, name: str, num_embeddings: int | None, dim: int, *,
                             partitions: Any = None, partition_strategy: str = "mod", dtype: Any = "float32",
                             initializer: Any = None, optimizer: Any = None, min_frequency: int = 1,
                             capacity: int | None = None) -> TableInfo:
@@ -106,7 +105,7 @@ async def declare_embedding(sess: "AsyncSession", name: str, num_embeddings: int
         "capacity": capacity,
     }
     device = current_device()
-    record = await sess._catalog_call("declare", {
+    record = await sess.call_catalog("declare", {
         "name": name,
         "shape": [num_embeddings or 0, dim],
         "dtype": dtype_name(dt),
@@ -121,15 +120,15 @@ async def declare_embedding(sess: "AsyncSession", name: str, num_embeddings: int
     info = TableInfo.from_record(record)
     if not record["ready"]:
         await create_table_parts(sess, info, record)
-        await sess._catalog_call("mark_ready", {"name": name})
+        await sess.call_catalog("mark_ready", {"name": name})
     return info
 
 
-async def create_table_parts(sess: "AsyncSession", info: TableInfo, record: dict[str, Any]) -> None:
+async def create_table_parts(sess: SessionPort, info: TableInfo, record: dict[str, Any]) -> None:
     """Create every part of a table on its shard (get-or-create: parts that exist are kept)."""
     t = record["table"]
     await asyncio.gather(*(
-        sess._call_task(task, "ps", "emb_create", {
+        sess.call_task(task, "ps", "emb_create", {
             "name": info.name, "part": p, "kind": t["kind"], "dim": info.dim, "dtype": dtype_name(info.dtype),
             "rows": info.part_rows[p], "num_embeddings": info.num_embeddings, "num_parts": info.parts,
             "optimizer": record.get("optimizer"), "initializer": record.get("initializer"),
@@ -142,7 +141,7 @@ async def create_table_parts(sess: "AsyncSession", info: TableInfo, record: dict
 class AsyncEmbedding:
     """A handle on an embedding table; every method is a coroutine."""
 
-    def __init__(self, session: "AsyncSession", info: TableInfo):
+    def __init__(self, session: SessionPort, info: TableInfo):
         self._session = session
         self.info = info
 
@@ -174,7 +173,7 @@ class AsyncEmbedding:
             body = {"name": self.name, "part": p, "ids": np.require(local[mask], requirements="C"), **(extra or {})}
             if rows is not None:
                 body["grads"] = np.require(rows[mask], requirements="C")
-            calls.append(self._session._call_task(self.info.tasks[p], "ps", op, body))
+            calls.append(self._session.call_task(self.info.tasks[p], "ps", op, body))
         results = await asyncio.gather(*calls)
         return [(mask, r) for (_, mask), r in zip(masks, results)]
 
@@ -229,7 +228,7 @@ class AsyncEmbedding:
 
     async def stats(self) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(
-            self._session._call_task(t, "ps", "emb_stats", {"name": self.name, "part": p}) for p, t in enumerate(self.info.tasks)
+            self._session.call_task(t, "ps", "emb_stats", {"name": self.name, "part": p}) for p, t in enumerate(self.info.tasks)
         )))
 
     async def size(self) -> int:
@@ -249,7 +248,7 @@ class AsyncEmbedding:
         if older_than_steps is None and older_than_seconds is None:
             raise InvalidArgument("evict needs older_than, older_than_steps or older_than_seconds")
         counts = await asyncio.gather(*(
-            self._session._call_task(t, "ps", "emb_evict", {"name": self.name, "part": p, "older_than_step": older_than_steps,
+            self._session.call_task(t, "ps", "emb_evict", {"name": self.name, "part": p, "older_than_step": older_than_steps,
                                                             "older_than_seconds": older_than_seconds})
             for p, t in enumerate(self.info.tasks)
         ))
@@ -260,7 +259,7 @@ class AsyncEmbedding:
         for p, task in enumerate(self.info.tasks):
             start = 0
             while True:
-                got = await self._session._call_task(task, "ps", "emb_export", {"name": self.name, "part": p, "start": start, "limit": page})
+                got = await self._session.call_task(task, "ps", "emb_export", {"name": self.name, "part": p, "start": start, "limit": page})
                 if len(got["ids"]):
                     yield self.info.global_ids(p, got["ids"]), got["rows"]
                 if not got["more"]:

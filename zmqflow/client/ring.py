@@ -3,14 +3,10 @@
 ``Ring(server)`` joins the ring of the cluster's ``chief`` and ``worker`` tasks (or ``members``)
 through this task's in-process server: chunks go to the right neighbour's ``ring`` service and
 arrive from the left one's. Tensors are fused into buckets (~25 MB); each bucket is one ring call
-whose chunks (~1 MB) are pipelined: chunk k is reduced while chunk k+1 is on the wire. Every
+whose chunks (4 MB) are pipelined: chunk k is reduced while chunk k+1 is on the wire. Every
 chunk carries the call's sequence number, op, dtype and shapes; a rank that sees a mismatch
 aborts the call on every rank with ``CollectiveMismatch`` naming both sides. A member that dies
 makes the others raise ``Unavailable`` naming it within seconds; a silent one ``DeadlineExceeded``.
-
-``ElasticRing`` (and ``AsyncElasticRing``) re-form: each generation of members, agreed through
-the ring services' rendezvous (:mod:`zmqflow.services.rendezvous`), gets a fresh ring named by its
-generation, so chunks of an old generation never mix into a new one.
 """
 
 from __future__ import annotations
@@ -23,21 +19,18 @@ from typing import Any
 import numpy as np
 
 from ..cluster import ClusterSpec, TaskId
-from ..state.reduce import OPS, backend_for, finish_mean, is_cupy
-from ..state.reduce import _cp
+from ..state.reduce import OPS, array_module, as_array, backend_for, finish_mean, is_cupy, write_back
 from ..state.ring_schedule import RS, Step, chunk_range, chunks, scatter_reduce, segments
 from ..state.ring_schedule import allgather as allgather_steps
 from ..errors import CollectiveMismatch, ConfigError, DeadlineExceeded, InvalidArgument, Unavailable, ZmqflowError
 from ..server.task import AsyncServer, Server
 from ..rpc.health import wait_for_tasks
-from ..server.services.rendezvous import Formation, Rendezvous, join_next_generation
 from ..wire.dtypes import dtype_name
 
-__all__ = ["Ring", "AsyncRing", "ElasticRing", "AsyncElasticRing", "Formation", "default_members"]
+__all__ = ["Ring", "AsyncRing", "default_members", "DEFAULT_BUCKET_BYTES", "DEFAULT_CHUNK_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 25 << 20
 DEFAULT_CHUNK_BYTES = 4 << 20
-DEFAULT_JOIN_WINDOW = 10.0
 _WATCH_S = 0.05
 
 
@@ -100,12 +93,12 @@ class AsyncRing:
         if op not in OPS:
             raise InvalidArgument(f"op must be one of {', '.join(OPS)}, got {op!r}")
         single = not isinstance(arrays, (list, tuple))
-        items = [_as_array(a) for a in ([arrays] if single else list(arrays))]
+        items = [as_array(a) for a in ([arrays] if single else list(arrays))]
         deadline = self._deadline(timeout)
         results: list[Any] = [None] * len(items)
         for bucket in self._buckets([a for a, _ in items]):
             arrays_in = [items[i][0] for i in bucket]
-            xp = _xp(arrays_in[0])
+            xp = array_module(arrays_in[0])
             fused = xp.concatenate([a.reshape(-1) for a in arrays_in]) if arrays_in else xp.zeros(0)
             await self._allreduce_buffer(fused, op, _meta("allreduce", op, arrays_in), deadline)
             start = 0
@@ -113,13 +106,13 @@ class AsyncRing:
                 a, original = items[i]
                 part = fused[start:start + a.size].reshape(a.shape)
                 start += a.size
-                results[i] = _write_back(original, part)
+                results[i] = write_back(original, part)
         return results[0] if single else results
 
     async def allgather(self, array: Any, *, timeout: float | None = None) -> Any:
         """Every rank's ``array`` (same shape and dtype everywhere), stacked: shape ``(size, *shape)``."""
-        a, _ = _as_array(array)
-        xp = _xp(a)
+        a, _ = as_array(array)
+        xp = array_module(a)
         buf = xp.zeros((self.size, a.size), dtype=a.dtype)
         buf[self.rank] = a.reshape(-1)
         flat = buf.reshape(-1)
@@ -131,13 +124,13 @@ class AsyncRing:
         """``root``'s array on every rank (others pass an array of the same shape and dtype)."""
         if not 0 <= root < self.size:
             raise InvalidArgument(f"root must be a rank in [0, {self.size}), got {root}")
-        a, original = _as_array(array)
+        a, original = as_array(array)
         buf = a.reshape(-1).copy()
         dist = (self.rank - root) % self.size
         steps = [Step("bc", 0, 0, 0)]
         await self._run(buf, steps, "none", _meta("broadcast", "none", [a], root), self._deadline(timeout),
                         receive=dist > 0, send=dist < self.size - 1, whole=True)
-        return _write_back(original, buf.reshape(a.shape))
+        return write_back(original, buf.reshape(a.shape))
 
     async def barrier(self, *, timeout: float | None = None) -> None:
         """Return once every rank has reached its barrier."""
@@ -305,35 +298,6 @@ def _describe(meta: Any) -> str:
     return f"{kind}({op}) of {count} {dtype} tensor(s), {total} elements, shapes #{crc:08x}{root}"
 
 
-def _xp(a: Any) -> Any:
-    return _cp if is_cupy(a) else np
-
-
-def _as_array(x: Any) -> tuple[Any, Any]:
-    """(array to reduce, what to return for it): numpy and cupy arrays as they are; other
-    frameworks' tensors through DLPack, zero-copy, with the result written back into them."""
-    if isinstance(x, np.ndarray) or is_cupy(x):
-        return x, None
-    if hasattr(x, "__dlpack__"):
-        try:
-            return np.from_dlpack(x), x
-        except (RuntimeError, BufferError, TypeError):
-            if _cp is not None:  # pragma: no cover - GPU only
-                return _cp.from_dlpack(x), x
-            raise InvalidArgument(f"cannot read a {type(x).__name__} through DLPack without copying") from None
-    if isinstance(x, (int, float, list, tuple)):
-        return np.asarray(x), None
-    raise InvalidArgument(f"collectives take numpy or cupy arrays (or DLPack tensors), got {type(x).__name__}")
-
-
-def _write_back(original: Any, result: Any) -> Any:
-    if original is None:
-        return result
-    view, _ = _as_array(original)
-    view[...] = result
-    return original
-
-
 class Ring:
     """The blocking ring on a :class:`Server` (its loop thread runs the collectives).
     ``Ring(async_server)`` gives an :class:`AsyncRing` instead."""
@@ -348,7 +312,7 @@ class Ring:
         self._async = AsyncRing(server.async_server, members, **kwargs)
 
     @classmethod
-    def _over(cls, server: Server, ring: AsyncRing) -> "Ring":
+    def over(cls, server: Server, ring: AsyncRing) -> "Ring":
         """The blocking face of an existing AsyncRing."""
         out = object.__new__(cls)
         out._server, out._async = server, ring
@@ -373,99 +337,3 @@ class Ring:
 
     def barrier(self, *, timeout: float | None = None) -> None:
         self._call(self._async.barrier(timeout=timeout), timeout)
-
-
-class AsyncElasticRing:
-    """A ring whose membership re-forms. ``form(step)`` joins the next generation (blocking until
-    the coordinator closes it) and leaves ``ring`` an :class:`AsyncRing` over its members; the
-    caller then copies the holder's state to everyone. All ranks of ``members`` (by default the
-    chief and the workers) share one ring service rendezvous per task. A member that does not join
-    within ``join_window`` seconds of the first (``first_join_window`` before the first formation)
-    is left out, and joins the next generation."""
-
-    def __init__(self, server: AsyncServer, members: Sequence["TaskId | str"] | None = None, *, name: str = "elastic",
-                 join_window: float = DEFAULT_JOIN_WINDOW, first_join_window: float | None = None, **ring_kwargs: Any):
-        self.server = server
-        self.universe = [TaskId.parse(m) for m in members] if members is not None else default_members(server.spec)
-        if server.task not in self.universe:
-            raise ConfigError(f"task {server.task} is not a member of the ring ({', '.join(map(str, self.universe))})")
-        self.name = name
-        self.ring_kwargs = ring_kwargs
-        self.ring: AsyncRing | None = None
-        self.formation: Formation | None = None
-        self.state: Rendezvous = server.service("ring").rendezvous
-        self.state.configure(str(server.task), [str(t) for t in self.universe], server.client, server.spec,
-                             join_window, first_join_window)
-
-    async def form(self, step: int, timeout: float) -> Formation:
-        """Join the next generation; ``step`` is how far this replica is (-1: none worth keeping)."""
-        formation = await join_next_generation(self.state, step, timeout)
-        old = self.ring
-        self.ring = AsyncRing(self.server, formation.members, name=f"{self.name}/g{formation.generation}", **self.ring_kwargs)
-        self.formation = formation
-        if old is not None:
-            self.server.service("ring").retire(old.name)
-        return formation
-
-    @property
-    def generation(self) -> int:
-        return self.formation.generation if self.formation else 0
-
-    @property
-    def members(self) -> list[TaskId]:
-        return [TaskId.parse(m) for m in self.formation.members] if self.formation else []
-
-    @property
-    def leader(self) -> TaskId | None:
-        """The lowest-index member of the current generation: its coordinator."""
-        return TaskId.parse(self.formation.members[0]) if self.formation else None
-
-    @property
-    def holder_rank(self) -> int:
-        """The rank whose state the others adopt after this formation."""
-        assert self.formation is not None
-        return self.formation.members.index(self.formation.holder)
-
-    def joiners(self) -> int:
-        """Ranks waiting to join, as the leader counts them (0 on the other ranks)."""
-        return self.state.waiting if self.leader == self.server.task else 0
-
-    def close(self) -> None:
-        """Training is over here: refuse joins and drop the last generation's boxes."""
-        self.state.close()
-        if self.ring is not None:
-            self.server.service("ring").retire(self.ring.name)
-
-
-class ElasticRing:
-    """The blocking :class:`AsyncElasticRing` on a :class:`Server`; ``ring`` is a blocking :class:`Ring`."""
-
-    def __init__(self, server: Server, members: Sequence["TaskId | str"] | None = None, **kwargs: Any):
-        self._server = server
-
-        async def make() -> AsyncElasticRing:  # the rendezvous state belongs to the loop thread
-            return AsyncElasticRing(server.async_server, members, **kwargs)
-
-        self._async: AsyncElasticRing = server.loop_thread.call(make(), timeout=10.0)
-        self.ring: Ring | None = None
-
-    generation = property(lambda self: self._async.generation)
-    members = property(lambda self: self._async.members)
-    leader = property(lambda self: self._async.leader)
-    holder_rank = property(lambda self: self._async.holder_rank)
-    formation = property(lambda self: self._async.formation)
-
-    def form(self, step: int, timeout: float) -> Formation:
-        formation = self._server.loop_thread.call(self._async.form(step, timeout), timeout=timeout + 5.0)
-        assert self._async.ring is not None
-        self.ring = Ring._over(self._server, self._async.ring)
-        return formation
-
-    def joiners(self) -> int:
-        return self._async.joiners()  # reads one int the loop thread keeps current
-
-    def close(self) -> None:
-        async def close() -> None:
-            self._async.close()
-
-        self._server.loop_thread.call(close(), timeout=10.0)

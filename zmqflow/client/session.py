@@ -1,8 +1,9 @@
 """Client sessions: talk to a cluster through one of its tasks, from any Python process.
 
-``AsyncSession`` holds its own connections on the caller's loop; ``Session`` runs one on a
-background loop for scripts and notebooks. A session is pointed at a target (``server.target``
-or ``"tcp://host:port"``) or at a task of a cluster spec.
+``AsyncSession`` holds its own connections on the caller's loop (its blocking twin ``Session``
+is in :mod:`.blocking`). A session is pointed at a target (``server.target`` or
+``"tcp://host:port"``) or at a task of a cluster spec. Handles reach it only through
+:class:`.port.SessionPort`.
 """
 
 from __future__ import annotations
@@ -15,16 +16,15 @@ from typing import Any
 
 from ..cluster import Address, ClusterSpec, TaskId, catalog_task, load_config, shard_tasks
 from ..errors import ConfigError, InvalidArgument
-from ..loop import LoopThread
 from ..rpc import DEFAULT_TIMEOUT, RpcClient
 from .embedding import AsyncEmbedding, TableInfo, declare_embedding
 from .variables import AsyncVariable, VarInfo, declare
 from .variables import pull as _pull
 from .variables import push as _push
 
-__all__ = ["AsyncSession", "Session", "Variable", "Embedding"]
+__all__ = ["AsyncSession", "WAIT_MARGIN"]
 
-_WAIT_MARGIN = 5.0
+WAIT_MARGIN = 5.0  # what a blocking caller waits beyond the call's own deadline
 
 
 def _target_endpoint(target: str | None, cluster: Any, task: "TaskId | str | None") -> tuple[str, ClusterSpec | None, TaskId | None]:
@@ -64,11 +64,13 @@ class AsyncSession:
             self._client = RpcClient(identity=f"{self.name}-{uuid.uuid4().hex[:8]}", source=self.name, default_timeout=self.timeout)
         return self._client
 
-    async def _call_task(self, task: TaskId, service: str, op: str, body: Any = None) -> Any:
+    async def call_task(self, task: TaskId, service: str, op: str, body: Any = None) -> Any:
+        """``service.op`` on ``task`` of this session's cluster."""
         spec = self._spec or await self.cluster()
         return await self.client.call(spec.address(task).endpoint, service, op, body, name=str(task))
 
-    async def _catalog_call(self, op: str, body: Any, timeout: float | None = None) -> Any:
+    async def call_catalog(self, op: str, body: Any, timeout: float | None = None) -> Any:
+        """``catalog.op`` on the task that holds the catalog."""
         spec = await self.cluster()
         task = catalog_task(spec)
         return await self.client.call(spec.address(task).endpoint, "catalog", op, body, timeout=timeout, name=str(task))
@@ -99,7 +101,7 @@ class AsyncSession:
     async def _lookup(self, name: str, timeout: float | None) -> dict[str, Any]:
         """The catalog's record of ``name``, waiting up to ``timeout`` (0: not at all) for its creator."""
         limit = self.timeout if timeout is None else float(timeout)
-        return await self._catalog_call("lookup", {"name": name, "wait": limit > 0}, timeout=max(limit, 0.01) + 0.2)
+        return await self.call_catalog("lookup", {"name": name, "wait": limit > 0}, timeout=max(limit, 0.01) + 0.2)
 
     async def get_embedding(self, name: str, timeout: float | None = None) -> AsyncEmbedding:
         """An existing table by name, waiting (up to ``timeout``) until it exists."""
@@ -112,13 +114,13 @@ class AsyncSession:
         return AsyncVariable(self, info)
 
     async def uninitialized(self, names: list[str]) -> list[str]:
-        return await self._catalog_call("uninitialized", {"names": list(names)})
+        return await self.call_catalog("uninitialized", {"names": list(names)})
 
     async def variables(self) -> list[dict[str, Any]]:
         """Every variable of the cluster: name, shape, dtype and each part's task and rows."""
         return [
             {k: r[k] for k in ("name", "shape", "dtype", "parts", "optimizer")}
-            for r in await self._catalog_call("records", {})
+            for r in await self.call_catalog("records", {})
         ]
 
     async def _info(self, var: "str | AsyncVariable") -> VarInfo:
@@ -149,7 +151,7 @@ class AsyncSession:
 
     async def global_step(self) -> int:
         spec = await self.cluster()
-        steps = await asyncio.gather(*(self._call_task(t, "ps", "global_step") for t in shard_tasks(spec)))
+        steps = await asyncio.gather(*(self.call_task(t, "ps", "global_step") for t in shard_tasks(spec)))
         self.step = max(steps, default=0)
         return self.step
 
@@ -180,7 +182,7 @@ class AsyncSession:
     async def wait_for_cluster(self, timeout: float = 30.0) -> None:
         """Return when every task of the cluster answers; else ClusterNotReady naming the others."""
         await self.client.call(
-            self.endpoint, "master", "wait_for_cluster", {"timeout": float(timeout)}, timeout=timeout + _WAIT_MARGIN
+            self.endpoint, "master", "wait_for_cluster", {"timeout": float(timeout)}, timeout=timeout + WAIT_MARGIN
         )
 
     async def close(self) -> None:
@@ -193,166 +195,3 @@ class AsyncSession:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-class Session:
-    """The blocking twin of :class:`AsyncSession`, for scripts and notebooks."""
-
-    def __init__(self, target: str | None = None, **kwargs: Any):
-        self._async = AsyncSession(target, **kwargs)
-        self._thread = LoopThread(name="zmqflow-session")
-
-    @property
-    def name(self) -> str:
-        return self._async.name
-
-    @property
-    def step(self) -> int:
-        return self._async.step
-
-    @property
-    def replicas(self) -> list[str]:
-        """The replicas whose gradients the last synchronous step this session pushed averaged."""
-        return self._async.replicas
-
-    def _run(self, coro: Any, timeout: float | None = None) -> Any:
-        limit = (self._async.timeout if timeout is None else timeout) + _WAIT_MARGIN
-        return self._thread.call(coro, timeout=limit)
-
-    def call(self, service: str, op: str, body: Any = None, *, task: "TaskId | str | None" = None, timeout: float | None = None) -> Any:
-        return self._run(self._async.call(service, op, body, task=task, timeout=timeout), timeout)
-
-    def cluster(self) -> ClusterSpec:
-        return self._run(self._async.cluster())
-
-    def status(self, task: "TaskId | str | None" = None) -> dict[str, Any]:
-        return self._run(self._async.status(task))
-
-    def wait_for_cluster(self, timeout: float = 30.0) -> None:
-        self._run(self._async.wait_for_cluster(timeout), timeout)
-
-    def variable(self, name: str, initial_value: Any = None, **kwargs: Any) -> "Variable":
-        return Variable(self, self._run(self._async.variable(name, initial_value, **kwargs)))
-
-    def embedding(self, name: str, num_embeddings: int | None, dim: int, **kwargs: Any) -> "Embedding":
-        return Embedding(self, self._run(self._async.embedding(name, num_embeddings, dim, **kwargs)))
-
-    def get_embedding(self, name: str, timeout: float | None = None) -> "Embedding":
-        return Embedding(self, self._run(self._async.get_embedding(name, timeout), timeout))
-
-    def get(self, name: str, timeout: float | None = None) -> "Variable":
-        return Variable(self, self._run(self._async.get(name, timeout), timeout))
-
-    def uninitialized(self, names: list[str]) -> list[str]:
-        return self._run(self._async.uninitialized(names))
-
-    def variables(self) -> list[dict[str, Any]]:
-        return self._run(self._async.variables())
-
-    def pull(self, names: "list[str | Variable]") -> dict[str, Any]:
-        return self._run(self._async.pull([_unwrap(n) for n in names]))
-
-    def push(self, grads: "Mapping[str | Variable, Any]", step: int | None = None) -> int | None:
-        return self._run(self._async.push({_unwrap(k): v for k, v in grads.items()}, step=step))
-
-    def global_step(self) -> int:
-        return self._run(self._async.global_step())
-
-    def run(self, function: str, *args: Any, task: "TaskId | str", timeout: float | None = None, **kwargs: Any) -> Any:
-        return self._run(self._async.run(function, *args, task=task, timeout=timeout, **kwargs), timeout)
-
-    def close(self) -> None:
-        if self._thread.loop.is_closed():
-            return
-        self._thread.call(self._async.close(), timeout=5)
-        self._thread.stop()
-
-    def __enter__(self) -> "Session":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _unwrap(var: "str | Variable | AsyncVariable") -> "str | AsyncVariable":
-    return var.handle if isinstance(var, Variable) else var
-
-
-class Variable:
-    """A blocking handle on a variable; see :class:`AsyncVariable` for the semantics."""
-
-    def __init__(self, session: Session, handle: AsyncVariable):
-        self._session = session
-        self.handle = handle
-
-    name = property(lambda self: self.handle.name)
-    shape = property(lambda self: self.handle.shape)
-    dtype = property(lambda self: self.handle.dtype)
-    partitions = property(lambda self: self.handle.partitions)
-
-    def read(self) -> Any:
-        return self._session._run(self.handle.read())
-
-    def assign(self, x: Any) -> None:
-        self._session._run(self.handle.assign(x))
-
-    def assign_add(self, x: Any) -> None:
-        self._session._run(self.handle.assign_add(x))
-
-    def assign_sub(self, x: Any) -> None:
-        self._session._run(self.handle.assign_sub(x))
-
-    def scatter_add(self, indices: Any, rows: Any) -> None:
-        self._session._run(self.handle.scatter_add(indices, rows))
-
-    def scatter_update(self, indices: Any, rows: Any) -> None:
-        self._session._run(self.handle.scatter_update(indices, rows))
-
-    def push(self, grad: Any, *, step: int | None = None) -> int | None:
-        return self._session._run(self.handle.push(grad, step=step))
-
-    def __repr__(self) -> str:
-        return repr(self.handle).replace("AsyncVariable", "Variable")
-
-
-class Embedding:
-    """A blocking handle on an embedding table; see :class:`AsyncEmbedding` for the semantics."""
-
-    def __init__(self, session: Session, handle: AsyncEmbedding):
-        self._session = session
-        self.handle = handle
-
-    name = property(lambda self: self.handle.name)
-    dim = property(lambda self: self.handle.dim)
-    partitions = property(lambda self: self.handle.partitions)
-
-    def lookup(self, ids: Any, *, create: bool = True) -> Any:
-        return self._session._run(self.handle.lookup(ids, create=create))
-
-    def lookup_sparse(self, ids: Any, segment_ids: Any, weights: Any = None, combiner: str = "mean",
-                      num_segments: int | None = None) -> Any:
-        return self._session._run(self.handle.lookup_sparse(ids, segment_ids, weights, combiner, num_segments))
-
-    def push(self, ids: Any, grads: Any) -> int:
-        return self._session._run(self.handle.push(ids, grads))
-
-    def stats(self) -> list[dict[str, Any]]:
-        return self._session._run(self.handle.stats())
-
-    def size(self) -> int:
-        return self._session._run(self.handle.size())
-
-    def evict(self, older_than: Any = None, **kwargs: Any) -> int:
-        return self._session._run(self.handle.evict(older_than, **kwargs))
-
-    def export(self, page: int = 1 << 16) -> Any:
-        """``(ids, rows)`` pages, shard by shard."""
-        agen = self.handle.export(page)
-        while True:
-            try:
-                yield self._session._run(agen.__anext__())
-            except StopAsyncIteration:
-                return
-
-    def __repr__(self) -> str:
-        return repr(self.handle).replace("AsyncEmbedding", "Embedding")

@@ -14,7 +14,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -22,12 +22,11 @@ from ..state import init as _init
 from ..state import optim as _optim
 from ..cluster import TaskId
 from ..errors import InvalidArgument
+from .port import SessionPort
 from .placement import current_device, current_policy
 from ..state.partition import num_partitions, row_splits
 from ..wire.dtypes import dtype_from_name, dtype_name
 
-if TYPE_CHECKING:  # the session drives variables; variables never import it at run time
-    from .session import AsyncSession
 
 __all__ = ["SLICE_BYTES", "VarInfo", "AsyncVariable", "declare", "create_parts", "pull", "push", "assign", "scatter"]
 
@@ -123,7 +122,7 @@ def _as_array(x: Any, info: VarInfo, what: str) -> np.ndarray:
 
 
 async def declare(
-    sess: "AsyncSession",
+    sess: SessionPort,
     name: str,
     initial_value: Any = None,
     *,
@@ -158,7 +157,7 @@ async def declare(
     if value is None:
         init_spec = _init.from_spec(initializer if initializer is not None else _init.zeros()).spec()
     device = current_device()
-    record = await sess._catalog_call(
+    record = await sess.call_catalog(
         "declare",
         {
             "name": name,
@@ -175,11 +174,11 @@ async def declare(
     info = VarInfo.from_record(record)
     if not record["ready"]:
         await create_parts(sess, info, value)
-        await sess._catalog_call("mark_ready", {"name": name})
+        await sess.call_catalog("mark_ready", {"name": name})
     return info
 
 
-async def create_parts(sess: "AsyncSession", info: VarInfo, value: np.ndarray | None) -> None:
+async def create_parts(sess: SessionPort, info: VarInfo, value: np.ndarray | None) -> None:
     """Create every part on its shard (get-or-create: parts that exist are kept as they are)."""
     n = len(info.parts)
     calls = []
@@ -196,14 +195,14 @@ async def create_parts(sess: "AsyncSession", info: VarInfo, value: np.ndarray | 
         }
         if value is not None:
             body["value"] = value[r0:r1] if info.shape else value
-        calls.append(sess._call_task(task, "ps", "create", body))
+        calls.append(sess.call_task(task, "ps", "create", body))
     await asyncio.gather(*calls)
 
 
 # moving values ------------------------------------------------------------------------------
 
 
-async def pull(sess: "AsyncSession", infos: list[VarInfo]) -> dict[str, np.ndarray]:
+async def pull(sess: SessionPort, infos: list[VarInfo]) -> dict[str, np.ndarray]:
     outs = {info.name: np.empty(info.shape, dtype=info.dtype) for info in infos}
     where: dict[int, tuple[VarInfo, int, tuple[int | None, int | None]]] = {}
     items = []
@@ -218,7 +217,7 @@ async def pull(sess: "AsyncSession", infos: list[VarInfo]) -> dict[str, np.ndarr
     for task, batches in _bundle(items).items():
         for batch in batches:
             keys = [it[4] for it in batch]
-            requests.append((keys, sess._call_task(task, "ps", "pull", {"items": [it[:4] for it in batch]})))
+            requests.append((keys, sess.call_task(task, "ps", "pull", {"items": [it[:4] for it in batch]})))
     results = await _all([r for _, r in requests])
     for (keys, _), arrays in zip(requests, results):
         for key, arr in zip(keys, arrays):
@@ -228,7 +227,7 @@ async def pull(sess: "AsyncSession", infos: list[VarInfo]) -> dict[str, np.ndarr
     return outs
 
 
-async def assign(sess: "AsyncSession", info: VarInfo, x: Any, mode: str) -> None:
+async def assign(sess: SessionPort, info: VarInfo, x: Any, mode: str) -> None:
     x = _as_array(x, info, "value")
     items = []
     for p, (task, _, _) in enumerate(info.parts):
@@ -236,7 +235,7 @@ async def assign(sess: "AsyncSession", info: VarInfo, x: Any, mode: str) -> None
             rows = _rows_of(info, p, chunk, x)
             items.append((task, rows.nbytes, [info.name, p, chunk[0], chunk[1], rows]))
     await _all([
-        sess._call_task(task, "ps", "assign", {"items": batch, "mode": mode})
+        sess.call_task(task, "ps", "assign", {"items": batch, "mode": mode})
         for task, batches in _bundle(items).items() for batch in batches
     ])
 
@@ -267,15 +266,15 @@ def _split_sparse(info: VarInfo, indices: Any, rows: Any, what: str) -> list[tup
     return out
 
 
-async def scatter(sess: "AsyncSession", info: VarInfo, indices: Any, rows: Any, mode: str) -> None:
+async def scatter(sess: SessionPort, info: VarInfo, indices: Any, rows: Any, mode: str) -> None:
     parts = _split_sparse(info, indices, rows, f"scatter_{mode}")
     await _all([
-        sess._call_task(info.parts[p][0], "ps", "scatter", {"name": info.name, "part": p, "indices": i, "rows": r, "mode": mode})
+        sess.call_task(info.parts[p][0], "ps", "scatter", {"name": info.name, "part": p, "indices": i, "rows": r, "mode": mode})
         for p, i, r in parts
     ])
 
 
-async def push(sess: "AsyncSession", grads: Mapping[VarInfo, Any], step: int | None) -> dict[str, Any]:
+async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None) -> dict[str, Any]:
     """Dense gradients (arrays) or sparse ones (``(indices, rows)``) through each variable's optimizer."""
     async_items: list[tuple[TaskId, int, list[Any]]] = []
     sync_dense: dict[TaskId, list[list[Any]]] = defaultdict(list)
@@ -297,12 +296,12 @@ async def push(sess: "AsyncSession", grads: Mapping[VarInfo, Any], step: int | N
                     async_items.append((task, rows.nbytes, item))
     calls = []
     for task, batches in _bundle(async_items).items():
-        calls += [sess._call_task(task, "ps", "push", {"dense": b, "step": step}) for b in batches]
+        calls += [sess.call_task(task, "ps", "push", {"dense": b, "step": step}) for b in batches]
     for task, items in async_sparse.items():
-        calls.append(sess._call_task(task, "ps", "push", {"sparse": items, "step": step}))
+        calls.append(sess.call_task(task, "ps", "push", {"sparse": items, "step": step}))
     for task in set(sync_dense) | set(sync_sparse):
         body = {"dense": sync_dense.get(task, []), "sparse": sync_sparse.get(task, []), "step": step}
-        calls.append(sess._call_task(task, "ps", "push", body))
+        calls.append(sess.call_task(task, "ps", "push", body))
     results = await _all(calls)
     steps = [r["step"] for r in results if r.get("step") is not None]
     replicas = [r["replicas"] for r in results if isinstance(r.get("replicas"), list)]
@@ -313,7 +312,7 @@ async def push(sess: "AsyncSession", grads: Mapping[VarInfo, Any], step: int | N
 class AsyncVariable:
     """A handle on a variable found by name; every method is a coroutine."""
 
-    def __init__(self, session: "AsyncSession", info: VarInfo):
+    def __init__(self, session: SessionPort, info: VarInfo):
         self._session = session
         self.info = info
 

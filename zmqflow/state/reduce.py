@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import InvalidArgument
 
-__all__ = ["OPS", "NumpyBackend", "CupyBackend", "backend_for", "finish_mean"]
+__all__ = ["OPS", "NumpyBackend", "CupyBackend", "backend_for", "finish_mean", "is_cupy", "array_module", "as_array", "write_back"]
 
 OPS = ("sum", "mean", "min", "max")
 _UFUNC = {"sum": "add", "mean": "add", "min": "minimum", "max": "maximum"}  # mean divides at the end
@@ -99,3 +99,34 @@ def finish_mean(buf: Any, n: int) -> None:
         buf[...] = xp.trunc(buf / n).astype(buf.dtype)
     else:
         raise InvalidArgument(f"mean of {buf.dtype} is not defined")
+
+
+def array_module(a: Any) -> Any:
+    """cupy for a cupy array, numpy for anything else."""
+    return _cp if is_cupy(a) else np
+
+
+def as_array(x: Any) -> tuple[Any, Any]:
+    """(array to reduce, what to return for it): numpy and cupy arrays as they are; other
+    frameworks' tensors through DLPack, zero-copy, with the result written back into them."""
+    if isinstance(x, np.ndarray) or is_cupy(x):
+        return x, None
+    if hasattr(x, "__dlpack__"):
+        try:
+            return np.from_dlpack(x), x
+        except (RuntimeError, BufferError, TypeError):
+            if _cp is not None:  # pragma: no cover - GPU only
+                return _cp.from_dlpack(x), x
+            raise InvalidArgument(f"cannot read a {type(x).__name__} through DLPack without copying") from None
+    if isinstance(x, (int, float, list, tuple)):
+        return np.asarray(x), None
+    raise InvalidArgument(f"collectives take numpy or cupy arrays (or DLPack tensors), got {type(x).__name__}")
+
+
+def write_back(original: Any, result: Any) -> Any:
+    """``result`` into the tensor ``as_array`` read through DLPack (or ``result`` when there was none)."""
+    if original is None:
+        return result
+    view, _ = as_array(original)
+    view[...] = result
+    return original

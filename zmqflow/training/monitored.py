@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from ..client.ring import default_members
 from ..server.task import Server
 from ..rpc.health import wait_for_tasks
-from ..client.session import Session
+from ..client.blocking import Session
 from .hooks import Hook, ProgressHook, StopAtStep
 from .parameter_server import ParameterServerStrategy
 from .ring_allreduce import RingAllReduceStrategy
@@ -196,7 +196,7 @@ def _saved_already(directory: str, step: int) -> bool:
     """Whether the newest checkpoint is of ``step``: a chief that took over as the first one left
     (sync training) must not write the same final step again."""
     path = checkpoint.latest(directory)
-    return path is not None and os.path.basename(path) == checkpoint._manifest_name(step)
+    return path is not None and os.path.basename(path) == checkpoint.manifest_name(step)
 
 
 def _env_has_cluster() -> bool:

@@ -18,7 +18,8 @@ import numpy as np
 from ..client import checkpoint as _ckpt
 from ..cluster import TaskId
 from ..errors import ClusterNotReady, DeadlineExceeded, Unavailable
-from ..client.ring import ElasticRing, Formation, default_members
+from ..client.elastic_ring import ElasticRing, Formation
+from ..client.ring import default_members
 from .strategy import Strategy, _LocalParams
 
 __all__ = ["RingAllReduceStrategy"]

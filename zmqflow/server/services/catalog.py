@@ -10,7 +10,7 @@ import asyncio
 from collections import defaultdict
 from typing import Any
 
-from ...cluster import ClusterSpec, TaskId, shard_tasks
+from ...cluster import ClusterSpec, shard_tasks
 from ...errors import InvalidArgument, NotFound
 from ...state.catalog import Catalog
 from ...rpc import CallContext, Service, op

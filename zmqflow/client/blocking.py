@@ -1,0 +1,190 @@
+"""Blocking twins of the async session and its handles, for scripts and notebooks.
+
+``Session`` runs an :class:`AsyncSession` on a background loop; ``Variable`` and ``Embedding``
+wrap the async handles and reach the loop only through :class:`.port.LoopPort`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Mapping
+from typing import Any, TypeVar
+
+from ..cluster import ClusterSpec, TaskId
+from ..loop import LoopThread
+from .embedding import AsyncEmbedding
+from .port import LoopPort
+from .session import WAIT_MARGIN, AsyncSession
+from .variables import AsyncVariable
+
+__all__ = ["Session", "Variable", "Embedding"]
+
+T = TypeVar("T")
+
+
+class Session:
+    """The blocking twin of :class:`AsyncSession`, for scripts and notebooks."""
+
+    def __init__(self, target: str | None = None, **kwargs: Any):
+        self._async = AsyncSession(target, **kwargs)
+        self._thread = LoopThread(name="zmqflow-session")
+
+    @property
+    def name(self) -> str:
+        return self._async.name
+
+    @property
+    def step(self) -> int:
+        return self._async.step
+
+    @property
+    def replicas(self) -> list[str]:
+        """The replicas whose gradients the last synchronous step this session pushed averaged."""
+        return self._async.replicas
+
+    @property
+    def async_session(self) -> AsyncSession:
+        """The session this one drives on its background loop (for the ``async_*`` functions)."""
+        return self._async
+
+    def run_on_loop(self, coro: Awaitable[T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the session's loop and wait: its deadline (the session's by default) plus a margin."""
+        limit = (self._async.timeout if timeout is None else timeout) + WAIT_MARGIN
+        return self._thread.call(coro, timeout=limit)
+
+    def call(self, service: str, op: str, body: Any = None, *, task: "TaskId | str | None" = None, timeout: float | None = None) -> Any:
+        return self.run_on_loop(self._async.call(service, op, body, task=task, timeout=timeout), timeout)
+
+    def cluster(self) -> ClusterSpec:
+        return self.run_on_loop(self._async.cluster())
+
+    def status(self, task: "TaskId | str | None" = None) -> dict[str, Any]:
+        return self.run_on_loop(self._async.status(task))
+
+    def wait_for_cluster(self, timeout: float = 30.0) -> None:
+        self.run_on_loop(self._async.wait_for_cluster(timeout), timeout)
+
+    def variable(self, name: str, initial_value: Any = None, **kwargs: Any) -> "Variable":
+        return Variable(self, self.run_on_loop(self._async.variable(name, initial_value, **kwargs)))
+
+    def embedding(self, name: str, num_embeddings: int | None, dim: int, **kwargs: Any) -> "Embedding":
+        return Embedding(self, self.run_on_loop(self._async.embedding(name, num_embeddings, dim, **kwargs)))
+
+    def get_embedding(self, name: str, timeout: float | None = None) -> "Embedding":
+        return Embedding(self, self.run_on_loop(self._async.get_embedding(name, timeout), timeout))
+
+    def get(self, name: str, timeout: float | None = None) -> "Variable":
+        return Variable(self, self.run_on_loop(self._async.get(name, timeout), timeout))
+
+    def uninitialized(self, names: list[str]) -> list[str]:
+        return self.run_on_loop(self._async.uninitialized(names))
+
+    def variables(self) -> list[dict[str, Any]]:
+        return self.run_on_loop(self._async.variables())
+
+    def pull(self, names: "list[str | Variable]") -> dict[str, Any]:
+        return self.run_on_loop(self._async.pull([_unwrap(n) for n in names]))
+
+    def push(self, grads: "Mapping[str | Variable, Any]", step: int | None = None) -> int | None:
+        return self.run_on_loop(self._async.push({_unwrap(k): v for k, v in grads.items()}, step=step))
+
+    def global_step(self) -> int:
+        return self.run_on_loop(self._async.global_step())
+
+    def run(self, function: str, *args: Any, task: "TaskId | str", timeout: float | None = None, **kwargs: Any) -> Any:
+        return self.run_on_loop(self._async.run(function, *args, task=task, timeout=timeout, **kwargs), timeout)
+
+    def close(self) -> None:
+        if self._thread.loop.is_closed():
+            return
+        self._thread.call(self._async.close(), timeout=5)
+        self._thread.stop()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _unwrap(var: "str | Variable | AsyncVariable") -> "str | AsyncVariable":
+    return var.handle if isinstance(var, Variable) else var
+
+
+class Variable:
+    """A blocking handle on a variable; see :class:`AsyncVariable` for the semantics."""
+
+    def __init__(self, session: LoopPort, handle: AsyncVariable):
+        self._session = session
+        self.handle = handle
+
+    name = property(lambda self: self.handle.name)
+    shape = property(lambda self: self.handle.shape)
+    dtype = property(lambda self: self.handle.dtype)
+    partitions = property(lambda self: self.handle.partitions)
+
+    def read(self) -> Any:
+        return self._session.run_on_loop(self.handle.read())
+
+    def assign(self, x: Any) -> None:
+        self._session.run_on_loop(self.handle.assign(x))
+
+    def assign_add(self, x: Any) -> None:
+        self._session.run_on_loop(self.handle.assign_add(x))
+
+    def assign_sub(self, x: Any) -> None:
+        self._session.run_on_loop(self.handle.assign_sub(x))
+
+    def scatter_add(self, indices: Any, rows: Any) -> None:
+        self._session.run_on_loop(self.handle.scatter_add(indices, rows))
+
+    def scatter_update(self, indices: Any, rows: Any) -> None:
+        self._session.run_on_loop(self.handle.scatter_update(indices, rows))
+
+    def push(self, grad: Any, *, step: int | None = None) -> int | None:
+        return self._session.run_on_loop(self.handle.push(grad, step=step))
+
+    def __repr__(self) -> str:
+        return repr(self.handle).replace("AsyncVariable", "Variable")
+
+
+class Embedding:
+    """A blocking handle on an embedding table; see :class:`AsyncEmbedding` for the semantics."""
+
+    def __init__(self, session: LoopPort, handle: AsyncEmbedding):
+        self._session = session
+        self.handle = handle
+
+    name = property(lambda self: self.handle.name)
+    dim = property(lambda self: self.handle.dim)
+    partitions = property(lambda self: self.handle.partitions)
+
+    def lookup(self, ids: Any, *, create: bool = True) -> Any:
+        return self._session.run_on_loop(self.handle.lookup(ids, create=create))
+
+    def lookup_sparse(self, ids: Any, segment_ids: Any, weights: Any = None, combiner: str = "mean",
+                      num_segments: int | None = None) -> Any:
+        return self._session.run_on_loop(self.handle.lookup_sparse(ids, segment_ids, weights, combiner, num_segments))
+
+    def push(self, ids: Any, grads: Any) -> int:
+        return self._session.run_on_loop(self.handle.push(ids, grads))
+
+    def stats(self) -> list[dict[str, Any]]:
+        return self._session.run_on_loop(self.handle.stats())
+
+    def size(self) -> int:
+        return self._session.run_on_loop(self.handle.size())
+
+    def evict(self, older_than: Any = None, **kwargs: Any) -> int:
+        return self._session.run_on_loop(self.handle.evict(older_than, **kwargs))
+
+    def export(self, page: int = 1 << 16) -> Any:
+        """``(ids, rows)`` pages, shard by shard."""
+        agen = self.handle.export(page)
+        while True:
+            try:
+                yield self._session.run_on_loop(agen.__anext__())
+            except StopAsyncIteration:
+                return
+
+    def __repr__(self) -> str:
+        return repr(self.handle).replace("AsyncEmbedding", "Embedding")
