@@ -27,7 +27,7 @@ from .embedding import create_table_parts
 from ..state.tables import hash_owner
 from ..errors import InvalidArgument, NotFound, Recovering
 from ..state.partition import fixed_size_partitioner
-from ..state.snapshot import crash_point, fsync_dir, read_arrays, write_atomic
+from ..state.snapshot import TEMP_SUFFIX, abandoned_temporary, crash_point, fsync_dir, read_arrays, write_atomic
 from ..state.store import part_label
 from ..cluster import shard_tasks
 from .variables import create_parts
@@ -42,7 +42,7 @@ __all__ = ["save", "restore", "recover", "fenced", "manifest_name", "async_fence
 FORMAT = 1
 _MANIFEST = re.compile(r"^checkpoint-(\d+)\.json$")
 # What a save writes before its manifest (shard files, temporaries): the step is in the name.
-_WRITTEN = re.compile(r"^(?:step(\d{10})-.*\.npz|checkpoint-(\d{10})\.json)(?:\.tmp-[\d-]+)?$")
+_WRITTEN = re.compile(r"^(?:step(\d{10})-.*\.npz|checkpoint-(\d{10})\.json)(?P<tmp>" + TEMP_SUFFIX + ")?$")
 
 log = logging.getLogger("zmqflow.checkpoint")
 
@@ -133,9 +133,13 @@ def _remove_unfinished(directory: str, kept: list[tuple[str, set[str]]]) -> None
     named = {os.path.basename(path) for path, _ in kept} | {f for _, files in kept for f in files}
     for name in os.listdir(directory):
         m = _WRITTEN.match(name)
-        # strictly older than the newest checkpoint: a save in progress now writes a newer step
-        if m and name not in named and int(m.group(1) or m.group(2)) < newest:
-            _remove(os.path.join(directory, name))
+        # strictly older than the newest checkpoint: a save in progress now writes a newer step, or
+        # is a writer beside this one (a chief handing over): its temporaries stay while it lives
+        if not m or name in named or int(m.group(1) or m.group(2)) >= newest:
+            continue
+        path = os.path.join(directory, name)
+        if m["tmp"] is None or abandoned_temporary(path):
+            _remove(path)
 
 
 async def _global_step(sess: "AsyncSession") -> int:

@@ -9,7 +9,10 @@ the directory is fsynced: a crash at any moment leaves either the old file or th
 from __future__ import annotations
 
 import os
+import re
+import socket
 import threading
+import time
 
 import numpy as np
 
@@ -17,7 +20,15 @@ from ..errors import InvalidArgument
 from .tables import HashTable
 from .store import Part
 
-__all__ = ["part_arrays", "table_arrays", "write_atomic", "read_arrays", "fsync_dir", "crash_point"]
+__all__ = ["part_arrays", "table_arrays", "write_atomic", "read_arrays", "fsync_dir", "crash_point", "TEMP_SUFFIX",
+           "abandoned_temporary"]
+
+# ``<final name>.tmp-<host>-<pid>-<thread>``: who writes a temporary, so that a pruner can tell a
+# writer still at work (another thread or process saving beside it) from one that died.
+TEMP_SUFFIX = r"\.tmp-(?P<host>[A-Za-z0-9_.-]+?)-(?P<pid>\d+)-(?P<tid>\d+)"
+_TEMP = re.compile(TEMP_SUFFIX + "$")
+# A temporary written on another host is taken for abandoned only once it is this old.
+FOREIGN_TEMP_GRACE_S = 600.0
 
 
 _passes: dict[str, int] = {}
@@ -73,7 +84,7 @@ def fsync_dir(directory: str) -> None:
 def write_atomic(path: str, arrays: dict[str, np.ndarray] | None = None, text: str | None = None) -> None:
     """Write ``arrays`` (as npz) or ``text`` to ``path`` so that a crash leaves the old or the new file."""
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"  # two writers (threads too) never share one
+    tmp = f"{path}.tmp-{_HOST}-{os.getpid()}-{threading.get_ident()}"  # two writers (threads too) never share one
     with open(tmp, "wb") as fh:
         if arrays is not None:
             np.savez(fh, **arrays)
@@ -92,3 +103,29 @@ def read_arrays(path: str) -> dict[str, np.ndarray]:
             return {k: data[k] for k in data.files}
     except (OSError, ValueError) as exc:
         raise InvalidArgument(f"cannot read checkpoint file {path!r}: {exc}") from None
+
+
+_HOST = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
+
+
+def abandoned_temporary(path: str) -> bool:
+    """Whether ``path`` is a temporary whose writer is gone: on this host, its process no longer
+    exists; on another, it has not been touched for ``FOREIGN_TEMP_GRACE_S``. Not a temporary: False."""
+    m = _TEMP.search(os.path.basename(path))
+    if m is None:
+        return False
+    if m["host"] != _HOST:
+        try:
+            return time.time() - os.path.getmtime(path) > FOREIGN_TEMP_GRACE_S
+        except FileNotFoundError:
+            return False
+    pid = int(m["pid"])
+    if pid == os.getpid():
+        return False  # this process's own writers finish or fail by themselves
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, someone else's
+    return False
