@@ -1,8 +1,17 @@
-"""Benchmarks that measure zmqflow against the raw libraries it is built on.
+"""Benchmarks that measure zmqflow against the raw libraries it is built on, in the same run.
 
-``zmqflow.bench.transport``: tensor throughput and request/reply latency of zmqflow's RPC path
-against a raw pyzmq DEALER/ROUTER baseline over inproc, ipc and tcp loopback, with numpy
-memcpy as the physical reference. Run ``python -m zmqflow.bench.transport --quick``.
+Each benchmark has ``run(quick=..., json_out=...)`` and ``format_table(result)`` (what
+``zmqflow bench <name>`` calls) and runs as ``python -m zmqflow.bench.<name>``:
+
+* :mod:`.transport`: tensor throughput and request/reply latency of zmqflow's RPC path against a
+  raw pyzmq DEALER/ROUTER over inproc, ipc and tcp loopback, with numpy memcpy as the reference.
+* :mod:`.ps`: pull and push of a whole model over 1-4 ps shards, and scalar updates, vs raw pyzmq.
+* :mod:`.embedding`: sharded lookups and pushes vs numpy ``take``; the memory of a big table.
+* :mod:`.allreduce`: the ring vs gloo (with torch), memcpy, and PS push/pull.
+* :mod:`.recovery`: how long sync training stops when a ps shard is killed, vs a bare restart.
+
+Shared by them: :mod:`.procs` (server processes), :mod:`.stats` (timing and statistics),
+:mod:`.machine` (what it ran on, how busy it was), :mod:`.report` (tables and JSON lines).
 """
 
 __all__: list[str] = []

@@ -14,10 +14,7 @@ Run ``zmqflow bench allreduce [--quick] [--json FILE]``.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
-import statistics
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,24 +22,27 @@ import numpy as np
 
 from ..ports import free_port
 from ..transport.memory import keep_big_blocks
-from .procs import align, script_main
+from .procs import Procs, run_to_end, spawn_queue, zf_task_process
+from .report import KiB, MiB, align, cell, script_main, size_label, write_jsonl
+from .stats import median_seconds, memcpy_gbps
 
-__all__ = ["run", "format_table"]
+__all__ = ["format_table", "run"]
 
-KB, MB = 1 << 10, 1 << 20
-SIZES = (KB, 64 * KB, MB, 16 * MB, 64 * MB)
-QUICK_SIZES = (KB, 64 * KB, MB, 16 * MB)
+SIZES = (KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB)
+QUICK_SIZES = (KiB, 64 * KiB, MiB, 16 * MiB)
 
 
 def _reps(size: int, quick: bool) -> int:
-    base = 20 if size <= MB else 6
+    """Timed calls per size: 20 up to 1 MB, 6 above (halved with --quick, 3 at least)."""
+    base = 20 if size <= MiB else 6
     return max(3, base // (2 if quick else 1))
 
 
 def _zf_rank(spec_json: str, rank: int, sizes: Sequence[int], quick: bool, out: Any) -> None:
+    """Process entry: one rank of the ring; rank 0 puts ("zf", size, median seconds) on ``out``."""
     keep_big_blocks()
-    from ..cluster import ClusterSpec
     from ..client.ring import Ring
+    from ..cluster import ClusterSpec
     from ..server.task import Server
 
     with Server(ClusterSpec.from_json(spec_json), f"worker:{rank}") as server:
@@ -51,24 +51,14 @@ def _zf_rank(spec_json: str, rank: int, sizes: Sequence[int], quick: bool, out: 
         for size in sizes:
             x = np.ones(size // 4, np.float32)
             ring.allreduce(x)  # warm up
-            median = _median_time(lambda: ring.allreduce(x), ring.barrier, _reps(size, quick))
+            median = median_seconds(lambda: ring.allreduce(x), _reps(size, quick), before=ring.barrier)
             if rank == 0:
                 out.put(("zf", size, median))
         ring.barrier()
 
 
-def _median_time(reduce: Any, barrier: Any, reps: int) -> float:
-    """Median seconds of ``reps`` calls of ``reduce``, every rank starting each from a barrier."""
-    times = []
-    for _ in range(reps):
-        barrier()
-        t = time.perf_counter()
-        reduce()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def _gloo_rank(port: int, rank: int, world: int, sizes: Sequence[int], quick: bool, out: Any) -> None:
+    """Process entry: one rank of torch.distributed's gloo; rank 0 puts ("gloo", size, seconds) on ``out``."""
     keep_big_blocks()
     import torch
     import torch.distributed as dist
@@ -78,7 +68,7 @@ def _gloo_rank(port: int, rank: int, world: int, sizes: Sequence[int], quick: bo
     for size in sizes:
         x = torch.ones(size // 4, dtype=torch.float32)
         dist.all_reduce(x)  # warm up
-        median = _median_time(lambda: dist.all_reduce(x), dist.barrier, _reps(size, quick))
+        median = median_seconds(lambda: dist.all_reduce(x), _reps(size, quick), before=dist.barrier)
         if rank == 0:
             out.put(("gloo", size, median))
     dist.barrier()
@@ -88,11 +78,11 @@ def _gloo_rank(port: int, rank: int, world: int, sizes: Sequence[int], quick: bo
 def _ps_rank(spec_json: str, rank: int, sizes: Sequence[int], quick: bool, out: Any) -> None:
     """The PS way to the same result: push the gradient, pull the variable (sync, all workers)."""
     keep_big_blocks()
-    from ..cluster import ClusterSpec
-    from ..state.optim import SGD, SyncReplicas
     from ..client.ring import Ring
-    from ..server.task import Server
     from ..client.blocking import Session
+    from ..cluster import ClusterSpec
+    from ..server.task import Server
+    from ..state.optim import SGD, SyncReplicas
 
     spec = ClusterSpec.from_json(spec_json)
     n = spec.num_tasks("worker")
@@ -107,52 +97,22 @@ def _ps_rank(spec_json: str, rank: int, sizes: Sequence[int], quick: bool, out: 
             var = var or sess.get(name)
             g = np.ones(size // 4, np.float32)
             sess.global_step()
-            var.push(g)
-            var.read()
-            times = []
-            for _ in range(_reps(size, quick)):
-                ring.barrier()
-                t = time.perf_counter()
+
+            def push_pull() -> None:
                 var.push(g)
                 var.read()
-                times.append(time.perf_counter() - t)
+
+            push_pull()  # warm up
+            median = median_seconds(push_pull, _reps(size, quick), before=ring.barrier)
             if rank == 0:
-                out.put(("ps", size, statistics.median(times)))
+                out.put(("ps", size, median))
         ring.barrier()
 
 
-def _spawn(ctx: Any, target: Any, argsets: list[tuple], timeout: float) -> None:
-    procs = [ctx.Process(target=target, args=a, daemon=True) for a in argsets]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(1.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    bad = [p.exitcode for p in procs if p.exitcode != 0]
-    if bad:
-        raise RuntimeError(f"a benchmark rank failed (exit codes {bad})")
-
-
-def _memcpy_s(size: int) -> float:
-    a = np.ones(size // 4, np.float32)
-    b = np.empty_like(a)
-    np.copyto(b, a)
-    times = []
-    for _ in range(10):
-        t = time.perf_counter()
-        np.copyto(b, a)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def run(quick: bool = False, ranks: Sequence[int] = (2, 3), json_out: str | None = None, echo: Any = print) -> list[dict[str, Any]]:
+    """One row per rank count x size: the ring, gloo (``None`` without torch), PS and memcpy."""
     keep_big_blocks()
     sizes = QUICK_SIZES if quick else SIZES
-    ctx = multiprocessing.get_context("spawn")
     try:
         import torch  # noqa: F401
 
@@ -161,20 +121,19 @@ def run(quick: bool = False, ranks: Sequence[int] = (2, 3), json_out: str | None
         have_torch = False
     rows = []
     for n in ranks:
-        out = ctx.Queue()
+        out = spawn_queue()
         workers = [f"127.0.0.1:{free_port()}" for _ in range(n)]
-        _spawn(ctx, _zf_rank, [(json.dumps({"worker": workers}), r, sizes, quick, out) for r in range(n)], 900)
+        run_to_end(_zf_rank, [(json.dumps({"worker": workers}), r, sizes, quick, out) for r in range(n)], 900)
         if have_torch:
             port = free_port()
-            _spawn(ctx, _gloo_rank, [(port, r, n, sizes, quick, out) for r in range(n)], 900)
+            run_to_end(_gloo_rank, [(port, r, n, sizes, quick, out) for r in range(n)], 900)
         ps_spec = json.dumps({"ps": [f"127.0.0.1:{free_port()}"], "worker": [f"127.0.0.1:{free_port()}" for _ in range(n)]})
-        ps_server = ctx.Process(target=_ps_server, args=(ps_spec,), daemon=True)
-        ps_server.start()
+        ps_server = Procs()
         try:
-            _spawn(ctx, _ps_rank, [(ps_spec, r, sizes, quick, out) for r in range(n)], 900)
+            ps_server.start(zf_task_process, ps_spec, "ps:0")
+            run_to_end(_ps_rank, [(ps_spec, r, sizes, quick, out) for r in range(n)], 900)
         finally:
-            ps_server.kill()
-            ps_server.join()
+            ps_server.close()
         got: dict[tuple[str, int], float] = {}
         while not out.empty():
             kind, size, seconds = out.get()
@@ -187,38 +146,18 @@ def run(quick: bool = False, ranks: Sequence[int] = (2, 3), json_out: str | None
                 row[f"{kind}_ms"] = None if s is None else s * 1e3
                 row[f"{kind}_algbw"] = None if s is None else size / s / 1e9
                 row[f"{kind}_busbw"] = None if s is None else size / s / 1e9 * factor
-            row["memcpy_gbps"] = size / _memcpy_s(size) / 1e9
+            row["memcpy_gbps"] = memcpy_gbps(size, copies=1, batches=10)
             row["busbw_vs_gloo"] = (row["zf_busbw"] / row["gloo_busbw"]) if row["gloo_busbw"] else None
             rows.append(row)
             echo(f"{n} ranks {_label(size)}: ring {row['zf_ms']:.2f} ms"
                  + (f", gloo {row['gloo_ms']:.2f} ms" if row["gloo_ms"] else "") + f", ps {row['ps_ms']:.2f} ms")
     if json_out:
-        with open(json_out, "a") as fh:
-            for row in rows:
-                fh.write(json.dumps({"bench": "allreduce", "cpus": os.cpu_count(), **row}) + "\n")
+        write_jsonl(json_out, ({"bench": "allreduce", "cpus": os.cpu_count(), **row} for row in rows))
     return rows
 
 
-def _ps_server(spec_json: str) -> None:
-    keep_big_blocks()
-
-    from .. import loop as zf_loop
-    from ..cluster import ClusterSpec
-    from ..server.task import AsyncServer
-
-    async def main() -> None:
-        async with AsyncServer(ClusterSpec.from_json(spec_json), "ps:0") as s:
-            await s.join()
-
-    zf_loop.run(main())
-
-
 def _label(size: int) -> str:
-    return f"{size // MB} MB" if size >= MB else f"{size // KB} KB"
-
-
-def _fmt(x: Any, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
+    return size_label(size, "KB", "MB")
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -226,9 +165,9 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [head]
     for r in rows:
         lines.append([
-            str(r["ranks"]), _label(r["bytes"]), _fmt(r["zf_ms"], ".2f"), _fmt(r["zf_algbw"], ".3f"), _fmt(r["zf_busbw"], ".3f"),
-            _fmt(r["gloo_ms"], ".2f"), _fmt(r["gloo_busbw"], ".3f"), _fmt(r["busbw_vs_gloo"], ".2f"),
-            _fmt(r["ps_ms"], ".2f"), _fmt(r["memcpy_gbps"], ".1f"),
+            str(r["ranks"]), _label(r["bytes"]), cell(r["zf_ms"], ".2f"), cell(r["zf_algbw"], ".3f"), cell(r["zf_busbw"], ".3f"),
+            cell(r["gloo_ms"], ".2f"), cell(r["gloo_busbw"], ".3f"), cell(r["busbw_vs_gloo"], ".2f"),
+            cell(r["ps_ms"], ".2f"), cell(r["memcpy_gbps"], ".1f"),
         ])
     out = align(lines)
     out.append("GB/s; busbw = algbw x 2(n-1)/n. targets: ring busbw >= 1.0x gloo at >= 16 MB on 2 ranks, >= 0.5x at 64 KB")

@@ -12,23 +12,24 @@ Run ``zmqflow bench embedding [--quick] [--json FILE]``.
 
 from __future__ import annotations
 
-import json
 import statistics
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from ..state import init, optim
 from .. import loop as zf_loop
-from ..cluster import ClusterSpec
 from ..client.session import AsyncSession
+from ..cluster import ClusterSpec
 from ..ports import free_port
+from ..state import init, optim
 from ..transport.memory import keep_big_blocks
-from .procs import Procs, align, script_main, rss_bytes, zf_task_process
+from .machine import rss_bytes
+from .procs import Procs, zf_task_process
+from .report import align, script_main, write_jsonl
+from .stats import seconds, seconds_async
 
-__all__ = ["run", "format_table"]
+__all__ = ["format_table", "run"]
 
 DIM = 64
 BATCH = 4096
@@ -40,6 +41,7 @@ def zipf_ids(rng: np.random.Generator, n: int, rows: int, a: float = 1.2) -> np.
 
 
 def _cluster(shards: int, procs: Procs) -> ClusterSpec:
+    """``shards`` ps task servers, each in its own process, on tcp loopback."""
     spec = ClusterSpec({"ps": [f"127.0.0.1:{free_port()}" for _ in range(shards)]})
     for t in spec.tasks:
         procs.start(zf_task_process, spec.to_json(), str(t))
@@ -47,6 +49,7 @@ def _cluster(shards: int, procs: Procs) -> ClusterSpec:
 
 
 def _throughput(shards: int, rows: int, batches: int) -> dict[str, Any]:
+    """Lookups and pushes of ``batches`` batches over ``shards`` shards, beside numpy ``take``."""
     procs = Procs()
     try:
         spec = _cluster(shards, procs)
@@ -62,21 +65,13 @@ def _throughput(shards: int, rows: int, batches: int) -> dict[str, Any]:
                     await emb.push(ids, grads)
                 lookups, pushes = [], []
                 for ids in id_batches:
-                    t = time.perf_counter()
-                    await emb.lookup(ids)
-                    lookups.append(time.perf_counter() - t)
-                    t = time.perf_counter()
-                    await emb.push(ids, grads)
-                    pushes.append(time.perf_counter() - t)
+                    lookups.append(await seconds_async(lambda: emb.lookup(ids)))
+                    pushes.append(await seconds_async(lambda: emb.push(ids, grads)))
                 return lookups, pushes
 
         lookups, pushes = zf_loop.run(main())
         table = np.random.default_rng(1).standard_normal((rows, DIM), dtype=np.float32)
-        takes = []
-        for ids in id_batches:
-            t = time.perf_counter()
-            np.take(table, ids, axis=0)
-            takes.append(time.perf_counter() - t)
+        takes = [seconds(lambda: np.take(table, ids, axis=0)) for ids in id_batches]
         row = {
             "shards": shards,
             "rows": rows,
@@ -94,6 +89,7 @@ def _throughput(shards: int, rows: int, batches: int) -> dict[str, Any]:
 
 
 def _memory(rows: int, shards: int = 4) -> dict[str, Any]:
+    """Each shard's resident memory beside the bytes it holds, for a ``rows`` x DIM table."""
     procs = Procs()
     try:
         spec = _cluster(shards, procs)
@@ -126,6 +122,7 @@ def _memory(rows: int, shards: int = 4) -> dict[str, Any]:
 
 def run(quick: bool = False, shards: Sequence[int] = (1, 2, 4), json_out: str | None = None,
         memory_rows: int | None = None, echo: Any = print) -> dict[str, Any]:
+    """``{"throughput": [one row per shard count], "memory": {...}}``, appended to ``json_out``."""
     keep_big_blocks()
     rows, batches = (200_000, 20) if quick else (1_000_000, 50)
     out: dict[str, Any] = {"throughput": [], "memory": None}
@@ -137,10 +134,8 @@ def run(quick: bool = False, shards: Sequence[int] = (1, 2, 4), json_out: str | 
     out["memory"] = _memory(mem_rows)
     echo(f"memory: {mem_rows:,} x {DIM} float32 over 4 shards measured")
     if json_out:
-        with open(json_out, "a") as fh:
-            for row in out["throughput"]:
-                fh.write(json.dumps({"bench": "embedding", **row}) + "\n")
-            fh.write(json.dumps({"bench": "embedding_memory", **out["memory"]}) + "\n")
+        write_jsonl(json_out, [*({"bench": "embedding", **row} for row in out["throughput"]),
+                               {"bench": "embedding_memory", **out["memory"]}])
     return out
 
 

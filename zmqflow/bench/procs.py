@@ -1,9 +1,18 @@
-"""Benchmark helpers: task servers in spawned processes, stopped together."""
+"""Server processes for the benchmarks: spawned, told when to stop over a pipe, always reaped.
+
+Every benchmark server (a zmqflow task server or a raw pyzmq baseline) is a process entry
+``target(*args, conn)`` that answers ``("ready", value)`` or ``("error", message)`` on ``conn``
+and returns once ``conn`` becomes readable (a stop message, or EOF when the parent is gone), so a
+benchmark that dies leaves no server behind.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import loop as zf_loop
@@ -11,71 +20,118 @@ from ..cluster import ClusterSpec
 from ..server.task import AsyncServer
 from ..transport.memory import keep_big_blocks
 
-__all__ = ["Procs", "zf_task_process", "rss_bytes", "align", "script_main"]
+__all__ = ["Child", "Procs", "reap", "run_to_end", "spawn_queue", "zf_task_process"]
+
+_SPAWN = multiprocessing.get_context("spawn")  # no forked copies of this process's sockets and threads
 
 
-def zf_task_process(spec_json: str, task: str, ready: Any, stop: Any) -> None:
+def reap(proc: Any, grace: float = 10.0) -> None:
+    """Wait ``grace`` seconds for ``proc`` to exit, then terminate it, then kill it."""
+    proc.join(max(0.0, grace))
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+
+
+def zf_task_process(spec_json: str, task: str, conn: Any) -> None:
+    """Process entry: the zmqflow task server of ``task`` on ``zmqflow.loop.run``; answers its target."""
     keep_big_blocks()  # as `zmqflow serve` does
+    zf_loop.run(_serve(spec_json, task, conn))
 
-    async def main() -> None:
-        async with AsyncServer(ClusterSpec.from_json(spec_json), task):
-            ready.set()
-            await asyncio.get_running_loop().run_in_executor(None, stop.wait)
 
-    zf_loop.run(main())
+async def _serve(spec_json: str, task: str, conn: Any) -> None:
+    try:
+        server = AsyncServer(ClusterSpec.from_json(spec_json), task)
+        await server.start()
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_reader(conn.fileno(), stop.set)  # a stop message or EOF (parent gone)
+    try:
+        conn.send(("ready", server.target))
+        await stop.wait()
+    finally:
+        loop.remove_reader(conn.fileno())
+        await server.stop()
+
+
+class Child:
+    """One spawned server process and its pipe: started here, ``wait_ready`` for what it answers."""
+
+    def __init__(self, target: Callable[..., None], args: Sequence[Any], name: str):
+        self.name = name
+        self.conn, child_conn = _SPAWN.Pipe()
+        self.proc = _SPAWN.Process(target=target, args=(*args, child_conn), name=name, daemon=True)
+        self.proc.start()
+        child_conn.close()
+
+    def wait_ready(self, timeout: float = 60.0) -> Any:
+        """The value the server answered once ready; raises RuntimeError with its error if it failed."""
+        if not self.conn.poll(timeout):
+            raise RuntimeError(f"{self.name} did not start within {timeout:g}s")
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise RuntimeError(f"{self.name} exited (code {self.proc.exitcode}) before it was ready") from None
+        if status != "ready":
+            raise RuntimeError(f"{self.name}: {value}")
+        return value
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.conn.send(("stop", None))
+        reap(self.proc)
+        self.conn.close()
 
 
 class Procs:
-    def __init__(self) -> None:
-        self.mp = multiprocessing.get_context("spawn")
-        self.stop = self.mp.Event()
-        self.procs: list[Any] = []
+    """Servers started one after the other, each ready before the next; ``close`` stops them all."""
 
-    def start(self, target: Any, *args: Any) -> None:
-        ready = self.mp.Event()
-        p = self.mp.Process(target=target, args=(*args, ready, self.stop), daemon=True)
-        p.start()
-        self.procs.append(p)
-        if not ready.wait(60):
-            raise RuntimeError("a benchmark server did not start within 60 s")
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+
+    def start(self, target: Callable[..., None], *args: Any) -> Any:
+        """Start ``target(*args, conn)``; returns what it answered once ready."""
+        child = Child(target, args, f"benchmark server {len(self.children)}")
+        self.children.append(child)
+        return child.wait_ready()
 
     def close(self) -> None:
-        self.stop.set()
-        for p in self.procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        for child in self.children:
+            with contextlib.suppress(OSError, ValueError):
+                child.conn.send(("stop", None))  # all at once: they stop in parallel
+        for child in self.children:
+            child.stop()
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
+        return [c.proc.pid for c in self.children]
 
 
-def rss_bytes(pid: int) -> int:
-    """Resident memory of a process (Linux /proc), 0 where unknown."""
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+def run_to_end(target: Callable[..., None], argsets: Sequence[tuple], timeout: float) -> None:
+    """Run one process per argument tuple (every rank of a collective) and wait for all of them;
+    raises RuntimeError if any fails or is still running after ``timeout`` seconds."""
+    procs = [_SPAWN.Process(target=target, args=a, daemon=True) for a in argsets]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad:
+        raise RuntimeError(f"a benchmark rank failed (exit codes {bad})")
 
 
-def align(lines: list[list[str]]) -> list[str]:
-    """Rows of cells, right-aligned in columns."""
-    widths = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
-    return ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in lines]
-
-
-def script_main(doc: str | None, run: Any, format_table: Any) -> None:
-    """``python -m zmqflow.bench.<name> [--quick] [--json FILE]``."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json")
-    args = parser.parse_args()
-    print(format_table(run(quick=args.quick, json_out=args.json)))
+def spawn_queue() -> Any:
+    """A queue the processes of :func:`run_to_end` can put results on."""
+    return _SPAWN.Queue()

@@ -1,20 +1,20 @@
 """Parameter-server benchmark: pull and push of a whole model, and scalar update round trips.
 
-A model of ``nvars`` float32 variables (100 MB in all by default) lives on 1, 2 and 4 ps shards,
-each a separate process on tcp loopback; one client pulls every variable and pushes a gradient
-for every variable (no optimizer: the shard adds it in place). Beside it, in the same run, raw
-pyzmq moves the same bytes between the same number of processes: a DEALER per shard asking for
-(or sending) the same 4 MB slices, all in flight at once, to a ROUTER that answers each with a
-ready buffer (or an ack). Then scalar ``assign_add`` round trips per second against a raw pyzmq
-request/reply of a few bytes. Reported as ratios; targets: >= 0.7x raw GB/s for pull and push,
->= 0.5x raw round trips for scalar updates (reported, never asserted).
+A model of ``nvars`` float32 variables (100 MB in all by default, 20 MB with ``--quick``) lives
+on 1, 2 and 4 ps shards, each a separate process on tcp loopback; one client pulls every variable
+and pushes a gradient for every variable (no optimizer: the shard adds it in place). Beside it,
+in the same run, raw pyzmq moves the same bytes between the same number of processes: a DEALER
+per shard asking for (or sending) the same ``SLICE_BYTES`` (4 MiB) slices, all in flight at
+once, to a ROUTER that answers each with a ready buffer (or an ack). Then scalar ``assign_add``
+round trips per second against a raw pyzmq request/reply of a few bytes. Reported as ratios;
+targets: >= 0.7x raw GB/s for pull and push, >= 0.5x raw round trips for scalar updates
+(reported, never asserted).
 
-Run ``zmqflow bench ps [--quick] [--json FILE]``.
+Run ``zmqflow bench ps [--quick] [--shards N ...] [--json FILE]``.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Sequence
@@ -24,30 +24,33 @@ import numpy as np
 import zmq
 
 from .. import loop as zf_loop
-from ..cluster import ClusterSpec
 from ..client.session import AsyncSession
-from ..ports import free_port
 from ..client.variables import SLICE_BYTES
+from ..cluster import ClusterSpec
+from ..ports import free_port
 from ..transport.memory import keep_big_blocks
-from .procs import Procs, align, script_main, zf_task_process
+from .procs import Procs, zf_task_process
+from .report import align, script_main, write_jsonl
+from .stats import seconds, seconds_async
 
-__all__ = ["run", "format_table"]
+__all__ = ["format_table", "run"]
 
 MB = 1e6
 
 
-def _raw_ps_process(port: int, nbytes: int, ready: Any, stop: Any) -> None:
-    """Answers b"pull" with a slice of its buffer, anything else (a pushed slice) with an ack."""
+def _raw_ps_process(port: int, nbytes: int, conn: Any) -> None:
+    """Process entry (see :mod:`zmqflow.bench.procs`): a ROUTER that answers b"pull a,b" with
+    those bytes of its buffer, anything else (a pushed slice) with an ack."""
     keep_big_blocks()  # the same allocator as the zmqflow side
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.bind(f"tcp://127.0.0.1:{port}")
     buf = np.ones(max(nbytes, SLICE_BYTES) // 4, np.float32)
     view = buf.view(np.uint8)
-    ready.set()
+    conn.send(("ready", port))
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
-    while not stop.is_set():
+    while not conn.poll():  # a stop message or EOF (parent gone)
         if not poller.poll(100):
             continue
         ident, head, *rest = sock.recv_multipart(copy=False)
@@ -67,6 +70,7 @@ def _slices(total: int, shards: int) -> list[list[tuple[int, int]]]:
 
 
 def _raw_pull_push(socks: list[zmq.Socket], plan: list[list[tuple[int, int]]], payload: np.ndarray) -> tuple[float, float]:
+    """Seconds to pull every shard's slices, then to push them, each time all in flight at once."""
     view = payload.view(np.uint8)
     start = time.perf_counter()
     for sock, ranges in zip(socks, plan):
@@ -88,34 +92,38 @@ def _raw_pull_push(socks: list[zmq.Socket], plan: list[list[tuple[int, int]]], p
 
 
 def _raw_round_trips(sock: zmq.Socket, n: int) -> float:
-    start = time.perf_counter()
-    for _ in range(n):
-        sock.send(b"add 1")
-        sock.recv_multipart()
-    return n / (time.perf_counter() - start)
+    """Request/reply round trips per second of a few bytes, one in flight."""
+
+    def trips() -> None:
+        for _ in range(n):
+            sock.send(b"add 1")
+            sock.recv_multipart()
+
+    return n / seconds(trips)
 
 
 async def _zf_model(sess: AsyncSession, names: list[str], grads: dict[str, np.ndarray], reps: int) -> tuple[list[float], list[float]]:
+    """Seconds of each pull of every variable and of each push of a gradient for every variable."""
     pulls, pushes = [], []
     for _ in range(reps):
-        start = time.perf_counter()
-        await sess.pull(names)
-        pulls.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        await sess.push(grads)
-        pushes.append(time.perf_counter() - start)
+        pulls.append(await seconds_async(lambda: sess.pull(names)))
+        pushes.append(await seconds_async(lambda: sess.push(grads)))
     return pulls, pushes
 
 
 async def _zf_round_trips(sess: AsyncSession, n: int) -> float:
+    """Scalar ``assign_add`` calls per second, one in flight."""
     var = await sess.variable("scalar", 0.0)
-    start = time.perf_counter()
-    for _ in range(n):
-        await var.assign_add(1.0)
-    return n / (time.perf_counter() - start)
+
+    async def trips() -> None:
+        for _ in range(n):
+            await var.assign_add(1.0)
+
+    return n / await seconds_async(trips)
 
 
 def _measure(shards: int, model_bytes: int, nvars: int, reps: int, trips: int) -> dict[str, Any]:
+    """One row: zmqflow and raw pyzmq on ``shards`` server processes each, medians of ``reps``."""
     procs = Procs()
     ctx = zmq.Context()
     socks: list[zmq.Socket] = []
@@ -174,6 +182,7 @@ def _measure(shards: int, model_bytes: int, nvars: int, reps: int, trips: int) -
 
 def run(quick: bool = False, shards: Sequence[int] = (1, 2, 4), model_mb: int | None = None, nvars: int = 10,
         json_out: str | None = None, echo: Any = print) -> list[dict[str, Any]]:
+    """One row per shard count (each appended to ``json_out`` as it is measured)."""
     keep_big_blocks()  # for both clients, raw and zmqflow, in this process
     model_bytes = int((model_mb or (20 if quick else 100)) * MB)
     reps, trips = (3, 500) if quick else (5, 3000)
@@ -183,8 +192,7 @@ def run(quick: bool = False, shards: Sequence[int] = (1, 2, 4), model_mb: int | 
         echo(f"measured {n} shard(s): pull {row['pull_ratio']:.2f}x push {row['push_ratio']:.2f}x scalar {row['scalar_ratio']:.2f}x raw")
         rows.append(row)
         if json_out:
-            with open(json_out, "a") as fh:
-                fh.write(json.dumps({"bench": "ps", **row}) + "\n")
+            write_jsonl(json_out, [{"bench": "ps", **row}])
     return rows
 
 

@@ -15,13 +15,13 @@ def bench() -> None:
 @bench.command("transport")
 @click.option("--quick", is_flag=True, help="Fewer sizes and iterations (under a minute).")
 @click.option("--transport", "transports", multiple=True, type=click.Choice(["inproc", "ipc", "tcp"]), help="Repeatable; default all.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Append JSON lines here.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write JSON lines here (replacing the file).")
 def transport(quick: bool, transports: tuple[str, ...], json_out: str | None) -> None:
     """Tensor throughput and round-trip latency: zmqflow vs raw pyzmq vs memcpy."""
-    from ..bench.transport import format_table, run
+    from ..bench.transport import run
 
-    rows = run(quick=quick, transports=transports or ("inproc", "ipc", "tcp"), json_out=json_out)
-    click.echo(format_table(rows))
+    # run() reports as it goes and ends with the table itself
+    run(quick=quick, transports=transports or ("inproc", "ipc", "tcp"), json_out=json_out, echo=click.echo)
 
 
 @bench.command("ps")

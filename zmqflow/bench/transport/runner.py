@@ -1,0 +1,261 @@
+"""Runs the transport benchmark: both servers per transport, then for each size a warm-up and
+``plan.reps`` repetitions in which raw pyzmq and zmqflow alternate (the order flips every
+repetition), so drift in the machine's load falls on both sides alike."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import zmq
+
+from ... import loop as zf_loop
+from ...rpc import RpcClient
+from ...transport.context import context
+from ...transport.memory import keep_big_blocks
+from ..machine import OtherLoad, cpu_idle_fraction, machine_info
+from ..report import size_label, write_jsonl
+from ..stats import memcpy_gbps, percentile
+from . import raw_pyzmq, zmqflow_rpc
+from .plan import (
+    DEFAULT_SIZES,
+    FULL,
+    LAT_TARGET,
+    LAT_TARGET_MAX_BYTES,
+    QUICK,
+    QUICK_SIZES,
+    TPUT_TARGET,
+    TPUT_TARGET_MIN_BYTES,
+    TRANSPORTS,
+    Plan,
+    parse_size,
+    tensor,
+)
+from .report import DISTURBED_CPUS, format_table
+from .servers import servers
+
+__all__ = ["build_parser", "main", "run"]
+
+_MEMCPY_BATCHES = 5
+
+
+async def _both(raw: Callable[[], Any], zf: Callable[[], Awaitable[Any]], raw_first: bool) -> tuple[Any, Any]:
+    """One measurement of each side in the order asked, each after a collection, so neither pays
+    for the other's garbage; returns (raw, zmqflow)."""
+    out: dict[str, Any] = {}
+    for side in ("raw", "zf") if raw_first else ("zf", "raw"):
+        gc.collect()
+        out[side] = raw() if side == "raw" else await zf()
+    return out["raw"], out["zf"]
+
+
+async def _measure_size(
+    transport: str, client: RpcClient, zf_ep: str, raw: zmq.Socket, size: int, plan: Plan, memcpy: float | None
+) -> dict[str, Any]:
+    """One row: both sides checked, warmed up, then measured ``plan.reps`` times."""
+    arr = tensor(size)
+    window, n_tput, n_lat = plan.window(size), plan.tput_msgs(size), plan.lat_iters(size)
+    await zmqflow_rpc.check(client, zf_ep, arr)
+    raw_pyzmq.check(raw, arr)
+    # warm up both paths (allocator, page faults, pipes) before anything is timed
+    warm = max(2 * window, n_tput // 10)
+    raw_pyzmq.throughput(raw, arr, min(warm, n_tput), window)
+    await zmqflow_rpc.throughput(client, zf_ep, arr, min(warm, n_tput), window)
+    raw_pyzmq.latency(raw, arr, max(2, n_lat // 10))
+    await zmqflow_rpc.latency(client, zf_ep, arr, max(2, n_lat // 10))
+
+    load = OtherLoad()
+    zf_secs: list[float] = []
+    raw_secs: list[float] = []
+    zf_lat: list[float] = []
+    raw_lat: list[float] = []
+    for rep in range(plan.reps):
+        raw_first = rep % 2 == 0
+        r, z = await _both(
+            lambda: raw_pyzmq.throughput(raw, arr, n_tput, window),
+            lambda: zmqflow_rpc.throughput(client, zf_ep, arr, n_tput, window),
+            raw_first,
+        )
+        raw_secs.append(r)
+        zf_secs.append(z)
+        r, z = await _both(
+            lambda: raw_pyzmq.latency(raw, arr, n_lat), lambda: zmqflow_rpc.latency(client, zf_ep, arr, n_lat), not raw_first
+        )
+        raw_lat += r
+        zf_lat += z
+    row = _row(transport, size, window, n_tput, n_lat, plan.reps, zf_secs, raw_secs, zf_lat, raw_lat, memcpy)
+    row["other_cpu"] = load.cpus()
+    return row
+
+
+async def _measure_transport(
+    transport: str,
+    zf_ep: str,
+    raw_ep: str,
+    sizes: Sequence[int],
+    plan: Plan,
+    memcpy: dict[int, float],
+    say: Callable[[str], Any],
+) -> tuple[list[dict[str, Any]], bool]:
+    """Every size over one transport; returns the rows and whether the loop was uvloop's."""
+    loop = asyncio.get_running_loop()
+    uvloop_used = type(loop).__module__.startswith("uvloop")
+    client = RpcClient(identity=f"zfbench-{os.getpid()}", source="zfbench", loop=loop)
+    raw = context().socket(zmq.DEALER)
+    raw.linger = 0
+    rows: list[dict[str, Any]] = []
+    try:
+        raw.connect(raw_ep)
+        for size in sizes:
+            row = await _measure_size(transport, client, zf_ep, raw, size, plan, memcpy.get(size))
+            rows.append(row)
+            say(
+                f"  {transport:6} {size_label(size):>7}: zmqflow {row['zf_gbps']:.3g} GB/s"
+                f" vs raw {row['raw_gbps']:.3g} GB/s (x{row['tput_ratio']:.2f});"
+                f" p50 {row['zf_p50_us']:.0f} us vs {row['raw_p50_us']:.0f} us (x{row['lat_ratio']:.2f})"
+                + (f"; other CPU {row['other_cpu']:.2f}" if (row["other_cpu"] or 0) > DISTURBED_CPUS else "")
+            )
+    finally:
+        raw.close(0)
+        client.close()
+    return rows, uvloop_used
+
+
+def _row(
+    transport: str,
+    size: int,
+    window: int,
+    n_tput: int,
+    n_lat: int,
+    reps: int,
+    zf_secs: list[float],
+    raw_secs: list[float],
+    zf_lat: list[float],
+    raw_lat: list[float],
+    memcpy: float | None,
+) -> dict[str, Any]:
+    """Rates from the timings: throughput is the median over repetitions, latency percentiles are
+    over the samples of all of them."""
+    zf_rate = [n_tput / s for s in zf_secs]
+    raw_rate = [n_tput / s for s in raw_secs]
+    zf_mps, raw_mps = statistics.median(zf_rate), statistics.median(raw_rate)
+    row: dict[str, Any] = {
+        "transport": transport,
+        "size_bytes": size,
+        "size": size_label(size),
+        "window": window,
+        "tput_msgs": n_tput,
+        "lat_iters": n_lat,
+        "reps": reps,
+        "zf_msgs_per_s": zf_mps,
+        "zf_gbps": zf_mps * size / 1e9,
+        "raw_msgs_per_s": raw_mps,
+        "raw_gbps": raw_mps * size / 1e9,
+        "tput_ratio": zf_mps / raw_mps,
+        "zf_p50_us": percentile(zf_lat, 50),
+        "zf_p99_us": percentile(zf_lat, 99),
+        "raw_p50_us": percentile(raw_lat, 50),
+        "raw_p99_us": percentile(raw_lat, 99),
+        "memcpy_gbps": memcpy,
+        "zf_gbps_reps": [r * size / 1e9 for r in zf_rate],
+        "raw_gbps_reps": [r * size / 1e9 for r in raw_rate],
+    }
+    row["lat_ratio"] = row["zf_p50_us"] / row["raw_p50_us"]
+    row["lat_ratio_p99"] = row["zf_p99_us"] / row["raw_p99_us"]
+    row["target_tput_met"] = row["tput_ratio"] >= TPUT_TARGET if size >= TPUT_TARGET_MIN_BYTES else None
+    row["target_lat_met"] = row["lat_ratio"] <= LAT_TARGET if size <= LAT_TARGET_MAX_BYTES else None
+    return row
+
+
+def run(
+    quick: bool = False,
+    transports: Sequence[str] = TRANSPORTS,
+    sizes: Sequence[int] | None = None,
+    json_out: str | None = None,
+    echo: Callable[[str], Any] | None = print,
+) -> list[dict[str, Any]]:
+    """Run the benchmark; returns one row per transport x size (also written as JSON lines to
+    ``json_out``, replacing what it held). Progress and the final table go to ``echo`` (``None``:
+    silent)."""
+    say: Callable[[str], Any] = echo if echo is not None else (lambda _line: None)
+    keep_big_blocks()  # both clients, raw and zmqflow, share this process and its allocator
+    plan = QUICK if quick else FULL
+    transports = list(transports)
+    for t in transports:
+        if t not in TRANSPORTS:
+            raise ValueError(f"unknown transport {t!r} (choose from {', '.join(TRANSPORTS)})")
+    sizes = list(sizes) if sizes else list(QUICK_SIZES if quick else DEFAULT_SIZES)
+    for s in sizes:
+        tensor(s)  # validates
+    machine = machine_info()
+    machine["cpu_idle_before"] = idle = cpu_idle_fraction()
+    if idle is not None and idle < 0.8:
+        say(f"warning: the machine is busy before the benchmark starts ({100 * (1 - idle):.0f}% CPU in use); "
+            "numbers may be disturbed")
+    say(
+        f"zmqflow transport benchmark ({'quick' if quick else 'full'}): {machine['cpu_count']} CPUs, "
+        f"python {machine['python']}, pyzmq {machine['pyzmq']} (libzmq {machine['libzmq']}), "
+        f"uvloop {machine['uvloop'] or 'not installed'}; {plan.reps} repetitions"
+    )
+    t_start = time.perf_counter()
+    memcpy = {s: memcpy_gbps(s, plan.memcpy_copies(s, _MEMCPY_BATCHES), _MEMCPY_BATCHES) for s in sizes}
+    rows: list[dict[str, Any]] = []
+    uvloop_used = False
+    for transport in transports:
+        with servers(transport) as (zf_ep, raw_ep):
+            t_rows, used = zf_loop.run(_measure_transport(transport, zf_ep, raw_ep, sizes, plan, memcpy, say))
+        rows += t_rows
+        uvloop_used = uvloop_used or used
+    machine["uvloop_used"] = uvloop_used
+    elapsed = time.perf_counter() - t_start
+    for row in rows:
+        row["quick"] = quick
+        row["machine"] = machine
+    if json_out:
+        write_jsonl(json_out, rows, append=False)
+    say("")
+    say(format_table(rows))
+    say(f"({elapsed:.0f} s" + (f"; JSON lines in {json_out})" if json_out else ")"))
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m zmqflow.bench.transport",
+        description="zmqflow RPC throughput and latency against raw pyzmq over inproc, ipc and tcp loopback.",
+    )
+    p.add_argument("--quick", action="store_true", help="fewer sizes (no 64 MiB), repetitions and messages")
+    p.add_argument("--json", metavar="FILE", dest="json_out", help="write one JSON object per transport x size")
+    p.add_argument(
+        "--transport",
+        action="append",
+        metavar="NAME",
+        help="inproc, ipc or tcp (repeat or comma-separate; default: all)",
+    )
+    p.add_argument("--sizes", metavar="LIST", help="comma-separated tensor sizes in bytes, e.g. 64,4K,1M")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m zmqflow.bench.transport``; returns the exit status (2: bad arguments)."""
+    args = build_parser().parse_args(argv)
+    transports = TRANSPORTS
+    if args.transport:
+        transports = tuple(t.strip() for item in args.transport for t in item.split(",") if t.strip())
+    try:
+        sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()] if args.sizes else None
+        unknown = [t for t in transports if t not in TRANSPORTS]
+        if unknown:
+            raise ValueError(f"unknown transport {unknown[0]!r} (choose from {', '.join(TRANSPORTS)})")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    run(quick=args.quick, transports=transports, sizes=sizes, json_out=args.json_out)
+    return 0
