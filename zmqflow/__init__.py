@@ -6,6 +6,7 @@ from . import errors, init, optim
 from .client import checkpoint
 from .cluster import Address, ClusterSpec, TaskId
 from .state.optim import SyncReplicas
+from .client.elastic_ring import AsyncElasticRing, ElasticRing
 from .client.ring import AsyncRing, Ring
 from .training.hooks import Hook, LoggingHook, ProgressHook, StopAtStep, SummaryHook
 from .training.monitored import MonitoredTrainingSession
@@ -37,6 +38,8 @@ __all__ = [
     "AsyncEmbedding",
     "Ring",
     "AsyncRing",
+    "ElasticRing",
+    "AsyncElasticRing",
     "MonitoredTrainingSession",
     "LocalStrategy",
     "ParameterServerStrategy",
