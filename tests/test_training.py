@@ -188,3 +188,47 @@ def test_a_chief_that_comes_back_takes_its_role_without_restoring_over_live_stat
     assert "restarting worker:0" in p.output
     assert "[worker:0] joined again live" in p.output  # the returning chief did not restore a checkpoint
     assert "[worker:1] finished at step" in p.output and "[worker:0] finished at step" in p.output
+
+
+class _Run:
+    """Just what the TrainingRun protocol names: hooks need nothing more."""
+
+    def __init__(self, hooks):
+        self.step, self.is_chief, self.task_name, self.worker_index, self.num_workers = 0, True, "local", 0, 1
+        self.checkpoint_dir, self.hooks, self.stopped = None, hooks, False
+        self.strategy = type("S", (), {"name": "stub"})()
+
+    def params(self):
+        return {}
+
+    def timings(self):
+        return {}
+
+    def request_stop(self):
+        self.stopped = True
+
+
+def test_hooks_run_against_the_protocol_alone(capsys):
+    stop = zf.StopAtStep(num_steps=3)
+    progress = zf.ProgressHook()
+    run = _Run([stop, progress])  # satisfies zf.training.hooks.TrainingRun
+    run.step = 4
+    for hook in run.hooks:
+        hook.begin(run)
+    assert stop.last_step == 7 and progress.total == 7
+    run.step = 7
+    progress.after_step(run, 7, {"loss": 0.5})
+    assert stop.should_stop(run) and "step 7/7" in capsys.readouterr().out
+
+
+def test_a_hook_can_request_a_stop():
+    class StopOnNaN(zf.Hook):
+        def after_step(self, mon, step, metrics):
+            if metrics["loss"] != metrics["loss"]:
+                mon.request_stop()
+
+    with zf.MonitoredTrainingSession(hooks=[StopOnNaN()], progress=False) as mon:
+        mon.create({"w": np.zeros(1)}, optimizer=zf.optim.SGD(0.1))
+        while not mon.should_stop():
+            mon.apply({"w": np.ones(1)}, metrics={"loss": float("nan") if mon.step == 4 else 1.0})
+    assert mon.step == 5

@@ -89,6 +89,7 @@ class MonitoredTrainingSession:
         self.steps_done = 0
         self._started = time.perf_counter()
         self._created = False
+        self._stop_requested = False
         self.strategy.bind(self)
 
     # identity ---------------------------------------------------------------------------
@@ -160,7 +161,12 @@ class MonitoredTrainingSession:
         return path
 
     def should_stop(self) -> bool:
-        return self._created and any(h.should_stop(self) for h in self.hooks)
+        """Whether the loop should end: a hook asked for it (``request_stop``) or answers so now."""
+        return self._created and (self._stop_requested or any(h.should_stop(self) for h in self.hooks))
+
+    def request_stop(self) -> None:
+        """End the loop at the next ``should_stop()`` (for hooks, and for the script itself)."""
+        self._stop_requested = True
 
     def timings(self) -> dict[str, float]:
         """Wall time since ``create`` split into communication (params, apply) and the rest (compute)."""
