@@ -20,7 +20,7 @@ from ..cluster import TaskId
 from ..errors import ClusterNotReady, DeadlineExceeded, Unavailable
 from ..client.elastic_ring import ElasticRing, Formation
 from ..client.ring import default_members
-from .strategy import Strategy, _LocalParams
+from .strategy import LocalParams, Strategy
 
 __all__ = ["RingAllReduceStrategy"]
 
@@ -67,7 +67,7 @@ class RingAllReduceStrategy(Strategy):
     # creation ---------------------------------------------------------------------------
     def create(self, params: dict[str, np.ndarray], optimizer: Any, restore: str | None = None) -> int:
         mon = self.mon
-        self.local = _LocalParams()
+        self.local = LocalParams()
         self.local.create(params, optimizer)
         claim = 0 if mon.task == mon.chief_task else -1  # the chief's initial values win a first formation
         if restore:

@@ -20,7 +20,7 @@ from ..wire.dtypes import dtype_name
 if TYPE_CHECKING:
     from .monitored import MonitoredTrainingSession
 
-__all__ = ["Strategy", "LocalStrategy"]
+__all__ = ["LocalParams", "LocalStrategy", "Strategy"]
 
 class Strategy:
     name = "strategy"
@@ -58,7 +58,7 @@ class Strategy:
         pass
 
 
-class _LocalParams:
+class LocalParams:
     """Parameters held in this process, updated by the same optimizer code the shards run."""
 
     def __init__(self) -> None:
@@ -101,7 +101,7 @@ class LocalStrategy(Strategy):
     name = "local"
 
     def create(self, params: dict[str, np.ndarray], optimizer: Any, restore: str | None = None) -> int:
-        self.local = _LocalParams()
+        self.local = LocalParams()
         self.local.create(params, optimizer)
         self.step = 0
         if restore:
