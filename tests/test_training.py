@@ -190,6 +190,47 @@ def test_a_chief_that_comes_back_takes_its_role_without_restoring_over_live_stat
     assert "[worker:1] finished at step" in p.output and "[worker:0] finished at step" in p.output
 
 
+class _Recording(zf.LocalStrategy):
+    """A local strategy that records what it was bound to."""
+
+    def bind(self, ctx):
+        self.bound_to = ctx
+        super().bind(ctx)
+
+
+def test_strategies_are_bound_to_a_context_not_to_the_monitored_session(tmp_path):
+    from zmqflow.training.context import TrainingContext
+
+    strategy = _Recording()
+    with zf.MonitoredTrainingSession(strategy, checkpoint_dir=str(tmp_path), save_checkpoint_steps=2, progress=False) as mon:
+        ctx = strategy.bound_to
+        assert isinstance(ctx, TrainingContext) and not isinstance(ctx, zf.MonitoredTrainingSession)
+        assert (ctx.task, ctx.spec, ctx.session, ctx.is_chief, ctx.task_name) == (None, None, None, True, "local")
+        assert ctx.checkpoint_dir == str(tmp_path) and ctx.num_workers == 1 and ctx.worker_index == 0
+        mon.create({"w": np.zeros(2)}, optimizer=zf.optim.SGD(0.5))
+        for _ in range(3):
+            mon.apply({"w": np.ones(2)})
+        assert ctx.step == mon.step == 3 and ctx.saved_step == 2  # the session's checkpoint bookkeeping lives there
+    # a second run restores, and the context says from what
+    with zf.MonitoredTrainingSession(_Recording(), checkpoint_dir=str(tmp_path), progress=False) as again:
+        again.create({"w": np.zeros(2)}, optimizer=zf.optim.SGD(0.5))
+        assert again.step == 3 and again.restored_from is not None and again.restored_from.endswith("checkpoint-0000000003.json")
+        np.testing.assert_allclose(again.params()["w"], [-1.5, -1.5])
+
+
+def test_the_chiefs_duties_move_through_the_context():
+    from zmqflow.training.context import TrainingContext
+
+    members = [zf.TaskId("worker", 0), zf.TaskId("worker", 1)]
+    ctx = TrainingContext(spec=zf.ClusterSpec({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}), task=members[1],
+                          chief_task=members[0], members=members)
+    assert ctx.acting_chief == members[0] and not ctx.is_chief and ctx.worker_index == 1 and ctx.num_workers == 2
+    ctx.acting_chief = members[1]  # what a strategy does when the chief is gone
+    assert ctx.is_chief
+    ctx.acting_chief = None  # no one yet
+    assert not ctx.is_chief
+
+
 class _Run:
     """Just what the TrainingRun protocol names: hooks need nothing more."""
 
