@@ -188,3 +188,88 @@ def test_a_chief_that_comes_back_takes_its_role_without_restoring_over_live_stat
     assert "restarting worker:0" in p.output
     assert "[worker:0] joined again live" in p.output  # the returning chief did not restore a checkpoint
     assert "[worker:1] finished at step" in p.output and "[worker:0] finished at step" in p.output
+
+
+class _Recording(zf.LocalStrategy):
+    """A local strategy that records what it was bound to."""
+
+    def bind(self, ctx):
+        self.bound_to = ctx
+        super().bind(ctx)
+
+
+def test_strategies_are_bound_to_a_context_not_to_the_monitored_session(tmp_path):
+    from zmqflow.training.context import TrainingContext
+
+    strategy = _Recording()
+    with zf.MonitoredTrainingSession(strategy, checkpoint_dir=str(tmp_path), save_checkpoint_steps=2, progress=False) as mon:
+        ctx = strategy.bound_to
+        assert isinstance(ctx, TrainingContext) and not isinstance(ctx, zf.MonitoredTrainingSession)
+        assert (ctx.task, ctx.spec, ctx.session, ctx.is_chief, ctx.task_name) == (None, None, None, True, "local")
+        assert ctx.checkpoint_dir == str(tmp_path) and ctx.num_workers == 1 and ctx.worker_index == 0
+        mon.create({"w": np.zeros(2)}, optimizer=zf.optim.SGD(0.5))
+        for _ in range(3):
+            mon.apply({"w": np.ones(2)})
+        assert ctx.step == mon.step == 3 and ctx.saved_step == 2  # the session's checkpoint bookkeeping lives there
+    # a second run restores, and the context says from what
+    with zf.MonitoredTrainingSession(_Recording(), checkpoint_dir=str(tmp_path), progress=False) as again:
+        again.create({"w": np.zeros(2)}, optimizer=zf.optim.SGD(0.5))
+        assert again.step == 3 and again.restored_from is not None and again.restored_from.endswith("checkpoint-0000000003.json")
+        np.testing.assert_allclose(again.params()["w"], [-1.5, -1.5])
+
+
+def test_the_chiefs_duties_move_through_the_context():
+    from zmqflow.training.context import TrainingContext
+
+    members = [zf.TaskId("worker", 0), zf.TaskId("worker", 1)]
+    ctx = TrainingContext(spec=zf.ClusterSpec({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}), task=members[1],
+                          chief_task=members[0], members=members)
+    assert ctx.acting_chief == members[0] and not ctx.is_chief and ctx.worker_index == 1 and ctx.num_workers == 2
+    ctx.acting_chief = members[1]  # what a strategy does when the chief is gone
+    assert ctx.is_chief
+    ctx.acting_chief = None  # no one yet
+    assert not ctx.is_chief
+
+
+class _Run:
+    """Just what the TrainingRun protocol names: hooks need nothing more."""
+
+    def __init__(self, hooks):
+        self.step, self.is_chief, self.task_name, self.worker_index, self.num_workers = 0, True, "local", 0, 1
+        self.checkpoint_dir, self.hooks, self.stopped = None, hooks, False
+        self.strategy = type("S", (), {"name": "stub"})()
+
+    def params(self):
+        return {}
+
+    def timings(self):
+        return {}
+
+    def request_stop(self):
+        self.stopped = True
+
+
+def test_hooks_run_against_the_protocol_alone(capsys):
+    stop = zf.StopAtStep(num_steps=3)
+    progress = zf.ProgressHook()
+    run = _Run([stop, progress])  # satisfies zf.training.hooks.TrainingRun
+    run.step = 4
+    for hook in run.hooks:
+        hook.begin(run)
+    assert stop.last_step == 7 and progress.total == 7
+    run.step = 7
+    progress.after_step(run, 7, {"loss": 0.5})
+    assert stop.should_stop(run) and "step 7/7" in capsys.readouterr().out
+
+
+def test_a_hook_can_request_a_stop():
+    class StopOnNaN(zf.Hook):
+        def after_step(self, mon, step, metrics):
+            if metrics["loss"] != metrics["loss"]:
+                mon.request_stop()
+
+    with zf.MonitoredTrainingSession(hooks=[StopOnNaN()], progress=False) as mon:
+        mon.create({"w": np.zeros(1)}, optimizer=zf.optim.SGD(0.1))
+        while not mon.should_stop():
+            mon.apply({"w": np.ones(1)}, metrics={"loss": float("nan") if mon.step == 4 else 1.0})
+    assert mon.step == 5

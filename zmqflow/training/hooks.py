@@ -1,4 +1,9 @@
-"""Hooks run by :class:`MonitoredTrainingSession` around each step."""
+"""Hooks run around each step of a training run.
+
+Hooks see the run through :class:`TrainingRun`, the few things they read (and ``request_stop``),
+not through the monitored session's class: they are written, and tested, against that protocol
+alone, and the session is free to change everything else.
+"""
 
 from __future__ import annotations
 
@@ -7,29 +12,77 @@ import logging
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .monitored import MonitoredTrainingSession
+import numpy as np
 
-__all__ = ["Hook", "StopAtStep", "LoggingHook", "SummaryHook", "ProgressHook"]
+__all__ = ["Hook", "LoggingHook", "NamedStrategy", "ProgressHook", "StopAtStep", "SummaryHook", "TrainingRun"]
 
 log = logging.getLogger("zmqflow.training")
+
+
+class NamedStrategy(Protocol):
+    """What a hook may read of the strategy: its name, for display."""
+
+    @property
+    def name(self) -> str: ...
+
+
+class TrainingRun(Protocol):
+    """What hooks read of the run (``MonitoredTrainingSession`` is one)."""
+
+    @property
+    def step(self) -> int:
+        """The global step after the last ``apply``."""
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this task holds the chief's duties now (hooks that write files often check)."""
+
+    @property
+    def task_name(self) -> str:
+        """This task as logs and file names show it ("local" without a cluster)."""
+
+    @property
+    def worker_index(self) -> int: ...
+
+    @property
+    def num_workers(self) -> int: ...
+
+    @property
+    def checkpoint_dir(self) -> str | None:
+        """Where checkpoints go: the default home of a hook's files."""
+
+    @property
+    def strategy(self) -> NamedStrategy: ...
+
+    @property
+    def hooks(self) -> Sequence[Hook]:
+        """Every hook of the run, so one can read another's settings (the progress bar, the last step)."""
+
+    def params(self) -> dict[str, np.ndarray]:
+        """The current parameters (a pull on a ps cluster: not free)."""
+
+    def timings(self) -> dict[str, float]: ...
+
+    def request_stop(self) -> None:
+        """Stop the loop: ``should_stop()`` answers True from now on."""
 
 
 class Hook:
     """Override what you need: ``begin``, ``after_step``, ``should_stop``, ``end``."""
 
-    def begin(self, mon: "MonitoredTrainingSession") -> None:
+    def begin(self, mon: TrainingRun) -> None:
         pass
 
-    def after_step(self, mon: "MonitoredTrainingSession", step: int, metrics: dict[str, float]) -> None:
+    def after_step(self, mon: TrainingRun, step: int, metrics: dict[str, float]) -> None:
         pass
 
-    def should_stop(self, mon: "MonitoredTrainingSession") -> bool:
+    def should_stop(self, mon: TrainingRun) -> bool:
         return False
 
-    def end(self, mon: "MonitoredTrainingSession") -> None:
+    def end(self, mon: TrainingRun) -> None:
         pass
 
 
@@ -42,11 +95,11 @@ class StopAtStep(Hook):
         self.last_step = last_step
         self.num_steps = num_steps
 
-    def begin(self, mon: "MonitoredTrainingSession") -> None:
+    def begin(self, mon: TrainingRun) -> None:
         if self.num_steps is not None:
             self.last_step = mon.step + self.num_steps
 
-    def should_stop(self, mon: "MonitoredTrainingSession") -> bool:
+    def should_stop(self, mon: TrainingRun) -> bool:
         return self.last_step is not None and mon.step >= self.last_step
 
 
@@ -57,7 +110,7 @@ class LoggingHook(Hook):
         self.every = max(1, int(every_n_steps))
         self._last = (0, time.perf_counter())
 
-    def after_step(self, mon: "MonitoredTrainingSession", step: int, metrics: dict[str, float]) -> None:
+    def after_step(self, mon: TrainingRun, step: int, metrics: dict[str, float]) -> None:
         if step % self.every:
             return
         now = time.perf_counter()
@@ -76,7 +129,7 @@ class SummaryHook(Hook):
         self._writer: Any = None
         self._file: Any = None
 
-    def begin(self, mon: "MonitoredTrainingSession") -> None:
+    def begin(self, mon: TrainingRun) -> None:
         directory = self.output_dir or mon.checkpoint_dir or "summaries"
         os.makedirs(directory, exist_ok=True)
         try:
@@ -86,7 +139,7 @@ class SummaryHook(Hook):
         except ImportError:
             self._file = open(os.path.join(directory, f"summaries-{mon.task_name}.jsonl"), "a")
 
-    def after_step(self, mon: "MonitoredTrainingSession", step: int, metrics: dict[str, float]) -> None:
+    def after_step(self, mon: TrainingRun, step: int, metrics: dict[str, float]) -> None:
         if step % self.every or not metrics:
             return
         if self._writer is not None:
@@ -96,7 +149,7 @@ class SummaryHook(Hook):
             self._file.write(json.dumps({"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}) + "\n")
             self._file.flush()
 
-    def end(self, mon: "MonitoredTrainingSession") -> None:
+    def end(self, mon: TrainingRun) -> None:
         if self._writer is not None:
             self._writer.close()
         if self._file is not None:
@@ -112,7 +165,7 @@ class ProgressHook(Hook):
         self._task: Any = None
         self._next_pct = 10
 
-    def begin(self, mon: "MonitoredTrainingSession") -> None:
+    def begin(self, mon: TrainingRun) -> None:
         if self.total is None:
             self.total = next((h.last_step for h in mon.hooks if isinstance(h, StopAtStep)), None)
         if sys.stdout.isatty():
@@ -125,7 +178,7 @@ class ProgressHook(Hook):
             except ImportError:
                 self._bar = None
 
-    def after_step(self, mon: "MonitoredTrainingSession", step: int, metrics: dict[str, float]) -> None:
+    def after_step(self, mon: TrainingRun, step: int, metrics: dict[str, float]) -> None:
         if self._bar is not None:
             self._bar.update(self._task, completed=step)
             return
@@ -137,6 +190,6 @@ class ProgressHook(Hook):
                 print(f"[{'#' * filled}{'.' * (20 - filled)}] {pct:3d}%  step {step}/{self.total}  {shown}", flush=True)
                 self._next_pct = (pct // 10 + 1) * 10
 
-    def end(self, mon: "MonitoredTrainingSession") -> None:
+    def end(self, mon: TrainingRun) -> None:
         if self._bar is not None:
             self._bar.stop()

@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 
 from ..client import checkpoint
+from ..client.blocking import Session
+from ..client.ring import default_members
 from ..cluster import ClusterSpec, TaskId, resolve
 from ..errors import ConfigError
-from ..client.ring import default_members
 from ..server.task import Server
-from ..rpc.health import wait_for_tasks
-from ..client.blocking import Session
+from .context import TrainingContext
 from .hooks import Hook, ProgressHook, StopAtStep
 from .parameter_server import ParameterServerStrategy
 from .ring_allreduce import RingAllReduceStrategy
@@ -31,11 +31,14 @@ __all__ = ["MonitoredTrainingSession"]
 
 
 class MonitoredTrainingSession:
+    """Runs one training loop: builds the :class:`TrainingContext` its strategy works on, and
+    runs the hooks and the checkpoints around each step."""
+
     def __init__(
         self,
         strategy: Strategy | None = None,
-        cluster: "ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | None" = None,
-        task: "TaskId | str | None" = None,
+        cluster: ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+        task: TaskId | str | None = None,
         checkpoint_dir: str | None = None,
         hooks: Iterable[Hook] = (),
         *,
@@ -46,77 +49,114 @@ class MonitoredTrainingSession:
         save_checkpoint_secs: float | None = None,
         keep_checkpoints: int = 5,
     ):
-        self.checkpoint_dir = checkpoint_dir
         if checkpoint_dir and save_checkpoint_steps is None and save_checkpoint_secs is None:
             save_checkpoint_secs = 600.0  # TF's default cadence
         self.save_checkpoint_steps = save_checkpoint_steps
         self.save_checkpoint_secs = save_checkpoint_secs
         self.keep_checkpoints = keep_checkpoints
-        self._saved_step = -1
         self._saved_at = time.monotonic()
-        self.wait_timeout = wait_timeout
-        self.spec: ClusterSpec | None = None
-        self.task: TaskId | None = None
-        if server is not None:
-            self.spec, self.task = server.spec, server.task
-        elif cluster is not None or task is not None or _env_has_cluster():
-            self.spec, self.task = resolve(cluster, task)
-        if self.spec is None:
+        self._own_server = server is None
+        spec, me = _placement(cluster, task, server)
+        if spec is None:
             self.strategy = strategy or LocalStrategy()
             if not isinstance(self.strategy, LocalStrategy):
                 raise ConfigError(f"strategy {self.strategy.name!r} needs a cluster: pass cluster= and task=, or run under zmqflow launch")
-            self.server = None
-            self.session = None
-            self.chief_task = None
-            self.num_workers, self.worker_index = 1, 0
+            self.ctx = TrainingContext(wait_timeout=wait_timeout, checkpoint_dir=checkpoint_dir)
         else:
+            assert me is not None, "resolve() requires a task"
             if strategy is None:
-                strategy = ParameterServerStrategy() if self.spec.num_tasks("ps") else RingAllReduceStrategy()
+                strategy = ParameterServerStrategy() if spec.num_tasks("ps") else RingAllReduceStrategy()
             self.strategy = strategy
-            self.server = server or Server(self.spec, self.task)
-            self._own_server = server is None
-            self.session = Session(self.server.target, name=str(self.task))
-            members = default_members(self.spec)
-            self.chief_task = members[0] if members else None
-            self.num_workers = len(members)
-            self.worker_index = members.index(self.task) if self.task in members else 0
+            server = server or Server(spec, me)
+            members = default_members(spec)
+            self.ctx = TrainingContext(spec=spec, task=me, server=server, session=Session(server.target, name=str(me)),
+                                       chief_task=members[0] if members else None, members=members,
+                                       wait_timeout=wait_timeout, checkpoint_dir=checkpoint_dir)
         self.hooks: list[Hook] = list(hooks)
         if progress and (self.task is None or self.task == self.chief_task) and any(isinstance(h, StopAtStep) for h in self.hooks):
             self.hooks.append(ProgressHook())
-        self.step = 0
-        self.recovering = False  # True while a ps shard is being recovered
         self.comm_seconds = 0.0
         self.steps_done = 0
         self._started = time.perf_counter()
         self._created = False
-        self.strategy.bind(self)
+        self._stop_requested = False
+        self.strategy.bind(self.ctx)
 
-    # identity ---------------------------------------------------------------------------
+    # identity: read from the context the strategy shares ----------------------------------
+    @property
+    def spec(self) -> ClusterSpec | None:
+        """The cluster (None when training locally)."""
+        return self.ctx.spec
+
+    @property
+    def task(self) -> TaskId | None:
+        """This process's task (None when training locally)."""
+        return self.ctx.task
+
+    @property
+    def server(self) -> Server | None:
+        return self.ctx.server
+
+    @property
+    def session(self) -> Session | None:
+        return self.ctx.session
+
+    @property
+    def chief_task(self) -> TaskId | None:
+        """The configured chief (``is_chief`` says who holds its duties now)."""
+        return self.ctx.chief_task
+
+    @property
+    def checkpoint_dir(self) -> str | None:
+        return self.ctx.checkpoint_dir
+
+    @property
+    def wait_timeout(self) -> float:
+        return self.ctx.wait_timeout
+
+    @property
+    def num_workers(self) -> int:
+        return self.ctx.num_workers
+
+    @property
+    def worker_index(self) -> int:
+        return self.ctx.worker_index
+
+    @property
+    def task_name(self) -> str:
+        return self.ctx.task_name
+
+    @property
+    def step(self) -> int:
+        """The global step after the last ``apply`` (or the one ``create`` started from)."""
+        return self.ctx.step
+
+    @property
+    def recovering(self) -> bool:
+        """True while a lost ps shard or ring rank is being recovered."""
+        return self.ctx.recovering
+
+    @property
+    def restored_from(self) -> str | None:
+        """The checkpoint ``create`` restored from (None: a fresh start, or live state was found)."""
+        return self.ctx.restored_from
+
     @property
     def is_chief(self) -> bool:
         """Whether this task holds the chief's duties now (create, checkpoint, recover): the
         configured chief, or the member its strategy elected when the chief is gone."""
-        return self.task is None or self.task == self.strategy.acting_chief()
-
-    @property
-    def task_name(self) -> str:
-        return str(self.task) if self.task is not None else "local"
+        return self.ctx.is_chief
 
     # the loop ---------------------------------------------------------------------------
     def create(self, params: Mapping[str, Any], optimizer: Any = None) -> None:
         """The chief creates the parameters (with ``optimizer``); every other worker waits for them."""
-        if self.server is not None:
-            needed = self.strategy.needs()
-            self.server.loop_thread.call(
-                wait_for_tasks(self.server.async_server.client, self.spec, self.wait_timeout, needed),
-                timeout=self.wait_timeout + 5,
-            )
+        self.ctx.wait_for(self.strategy.needs(), self.wait_timeout)
         t = time.perf_counter()
         restore = checkpoint.latest(self.checkpoint_dir) if self.checkpoint_dir and self.is_chief else None
-        self.restored_from = restore  # the strategy clears it when live state made a restore needless
-        self.step = self.strategy.create({k: np.asarray(v) for k, v in params.items()}, optimizer, restore)
+        self.ctx.restored_from = restore  # the strategy clears it when live state made a restore needless
+        self.ctx.step = self.strategy.create({k: np.asarray(v) for k, v in params.items()}, optimizer, restore)
         self.comm_seconds += time.perf_counter() - t
-        self._saved_step = self.step if self.restored_from else -1
+        self.ctx.saved_step = self.step if self.restored_from else -1
         self._created = True
         for hook in self.hooks:
             hook.begin(self)
@@ -134,7 +174,7 @@ class MonitoredTrainingSession:
         the mean, then the optimizer locally). ``metrics`` go to the hooks. Returns the new step."""
         self._need_created()
         t = time.perf_counter()
-        self.step = self.strategy.apply({k: np.asarray(v) for k, v in grads.items()})
+        self.ctx.step = self.strategy.apply({k: np.asarray(v) for k, v in grads.items()})
         self.comm_seconds += time.perf_counter() - t
         self.steps_done += 1
         shown = {k: float(v) for k, v in (metrics or {}).items()}
@@ -145,7 +185,7 @@ class MonitoredTrainingSession:
         return self.step
 
     def _save_due(self) -> bool:
-        if not (self.checkpoint_dir and self.is_chief) or self.step == self._saved_step:
+        if not (self.checkpoint_dir and self.is_chief) or self.step == self.ctx.saved_step:
             return False
         if self.save_checkpoint_steps and self.step % self.save_checkpoint_steps == 0:
             return True
@@ -156,11 +196,16 @@ class MonitoredTrainingSession:
         if not (self.checkpoint_dir and self.is_chief):
             return None
         path = self.strategy.save(self.checkpoint_dir, self.step, self.keep_checkpoints)
-        self._saved_step, self._saved_at = self.step, time.monotonic()
+        self.ctx.saved_step, self._saved_at = self.step, time.monotonic()
         return path
 
     def should_stop(self) -> bool:
-        return self._created and any(h.should_stop(self) for h in self.hooks)
+        """Whether the loop should end: a hook asked for it (``request_stop``) or answers so now."""
+        return self._created and (self._stop_requested or any(h.should_stop(self) for h in self.hooks))
+
+    def request_stop(self) -> None:
+        """End the loop at the next ``should_stop()`` (for hooks, and for the script itself)."""
+        self._stop_requested = True
 
     def timings(self) -> dict[str, float]:
         """Wall time since ``create`` split into communication (params, apply) and the rest (compute)."""
@@ -174,7 +219,7 @@ class MonitoredTrainingSession:
 
     # lifecycle --------------------------------------------------------------------------
     def close(self) -> None:
-        if self._created and self.checkpoint_dir and self.is_chief and self.step != self._saved_step \
+        if self._created and self.checkpoint_dir and self.is_chief and self.step != self.ctx.saved_step \
                 and not _saved_already(self.checkpoint_dir, self.step):
             self.save_checkpoint()
         for hook in self.hooks:
@@ -185,11 +230,22 @@ class MonitoredTrainingSession:
         if self.server is not None and self._own_server:
             self.server.stop()
 
-    def __enter__(self) -> "MonitoredTrainingSession":
+    def __enter__(self) -> MonitoredTrainingSession:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _placement(cluster: ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | None, task: TaskId | str | None,
+               server: Server | None) -> tuple[ClusterSpec | None, TaskId | None]:
+    """The cluster and this task: ``server``'s, else from the arguments or the environment;
+    (None, None) to train locally."""
+    if server is not None:
+        return server.spec, server.task
+    if cluster is not None or task is not None or _env_has_cluster():
+        return resolve(cluster, task)
+    return None, None
 
 
 def _saved_already(directory: str, step: int) -> bool:

@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 
 from ..client import checkpoint as _ckpt
-from ..state import optim as _optim
+from ..client.blocking import Session
 from ..cluster import TaskId, shard_tasks
 from ..errors import DeadlineExceeded, NotFound, Recovering, Unavailable
-from ..rpc.health import wait_for_tasks
-from ..client.ring import default_members
+from ..state import optim as _optim
+from .context import TrainingContext
 from .strategy import Strategy
 
 __all__ = ["ParameterServerStrategy"]
@@ -38,21 +38,25 @@ class ParameterServerStrategy(Strategy):
         self.partitioner = partitioner
         self.name = "sync-ps" if sync else "ps"
 
-    def bind(self, mon: Any) -> None:
-        super().bind(mon)
-        self._members = default_members(mon.spec) if mon.spec is not None else []
-        self._acting = mon.chief_task
+    def bind(self, ctx: TrainingContext) -> None:
+        super().bind(ctx)
+        self._acting = ctx.chief_task  # who the log last named as holding the chief's duties
         self._joined_live = False  # the chief came back to live parameters: it waits to be counted in a step
 
+    @property
+    def _sess(self) -> Session:
+        assert self.ctx.session is not None, "the ps strategy needs a cluster"
+        return self.ctx.session
+
     def create(self, params: dict[str, np.ndarray], optimizer: Any, restore: str | None = None) -> int:
-        mon = self.mon
-        sess = mon.session
+        ctx = self.ctx
+        sess = self._sess
         opt = optimizer
         if self.sync and optimizer is not None:
-            opt = _optim.SyncReplicas(optimizer, replicas_to_aggregate=mon.num_workers, total_num_replicas=mon.num_workers,
+            opt = _optim.SyncReplicas(optimizer, replicas_to_aggregate=ctx.num_workers, total_num_replicas=ctx.num_workers,
                                       drop_dead_replicas=True)
         self.names = list(params)
-        if mon.is_chief:
+        if ctx.is_chief:
             self._lift_orphaned_fence()
             live = {v["name"] for v in sess.variables()}
             restored = set(live)
@@ -60,21 +64,22 @@ class ParameterServerStrategy(Strategy):
                 _ckpt.restore(sess, restore)
                 restored = {v["name"] for v in sess.variables()}
             elif restore:  # a chief that comes back finds live state: it takes its role, restores nothing
-                log.warning("%s: parameters are live on the shards; not restoring %s over them", mon.task_name, restore)
-                mon.restored_from = None
+                log.warning("%s: parameters are live on the shards; not restoring %s over them", ctx.task_name, restore)
+                ctx.restored_from = None
             self._joined_live = bool(set(self.names) & live)
+            self._elect_chief()
             for name, value in params.items():
                 if name not in restored:
                     sess.variable(name, np.asarray(value), optimizer=opt, partitioner=self.partitioner)
             if _STEP not in restored:
                 sess.variable(_STEP, np.zeros((), np.int64))
-        self.vars = {n: sess.get(n, timeout=mon.wait_timeout) for n in self.names}
-        self.step_var = sess.get(_STEP, timeout=mon.wait_timeout)
+        self.vars = {n: sess.get(n, timeout=ctx.wait_timeout) for n in self.names}
+        self.step_var = sess.get(_STEP, timeout=ctx.wait_timeout)
         return self._surviving(self._read_step, retry=True)
 
     def _lift_orphaned_fence(self) -> None:
         """A chief that died mid-recovery left shards fenced: this one restores them again."""
-        fenced = _ckpt.fenced(self.mon.session)
+        fenced = _ckpt.fenced(self._sess)
         if fenced:
             self._recover(Recovering(f"{', '.join(fenced)} still fenced by a recovery that did not finish", fenced=True),
                           restore=True)
@@ -82,25 +87,27 @@ class ParameterServerStrategy(Strategy):
     def save(self, directory: str, step: int, keep: int) -> str | None:
         """Checkpoint the shards; a shard lost meanwhile is recovered and this checkpoint skipped."""
         try:
-            return _ckpt.save(self.mon.session, directory, step=step, keep=keep)
+            return _ckpt.save(self._sess, directory, step=step, keep=keep)
         except _SHARD_GONE as exc:
-            log.warning("%s: checkpoint at step %d not written: %s", self.mon.task_name, step, exc)
+            log.warning("%s: checkpoint at step %d not written: %s", self.ctx.task_name, step, exc)
             self._recover(exc)
             return None
 
     def needs(self) -> list[TaskId]:
-        return shard_tasks(self.mon.spec)
+        assert self.ctx.spec is not None, "the ps strategy needs a cluster"
+        return shard_tasks(self.ctx.spec)
 
     def params(self) -> dict[str, np.ndarray]:
-        return self._surviving(lambda: self.mon.session.pull(self.names), retry=True)
+        return self._surviving(lambda: self._sess.pull(self.names), retry=True)
 
     def apply(self, grads: dict[str, np.ndarray]) -> int:
         return self._surviving(lambda: self._apply(grads), retry=False)
 
     def _apply(self, grads: dict[str, np.ndarray]) -> int:
-        sess = self.mon.session
+        sess = self._sess
         if self.sync:
             step = sess.push(grads)
+            self._elect_chief()  # the push heard which replicas this step averaged
             return int(step if step is not None else sess.step)
         sess.push(grads)
         self.step_var.assign_add(np.ones((), np.int64))
@@ -118,31 +125,31 @@ class ParameterServerStrategy(Strategy):
             except _SHARD_GONE as exc:
                 self._recover(exc)
                 if not retry:
-                    return self.mon.step
+                    return self.ctx.step
                 continue
             return out
 
     def _recover(self, exc: Exception, restore: bool | None = None) -> None:
         """The chief waits for every shard, restores them all from the latest checkpoint under a
         fence (so they agree on one step and no one trains on half-restored state) and logs the
-        steps lost; the other workers wait, visibly (``mon.recovering``), until the shards answer
+        steps lost; the other workers wait, visibly (``ctx.recovering``), until the shards answer
         again, then carry on from the restored step. ``Recovering`` means someone else restores
         (or has restored): the chief waits too, unless the fence outlives ``FENCE_GRACE_S``."""
-        mon = self.mon
+        ctx = self.ctx
         if restore is None:
             restore = not isinstance(exc, Recovering)
-        if mon.is_chief and restore and not (mon.checkpoint_dir and _ckpt.latest(mon.checkpoint_dir)):
-            raise Unavailable(f"{mon.task_name}: a ps shard failed ({exc}) and there is no checkpoint to recover "
-                              f"from{'' if mon.checkpoint_dir else ' (no checkpoint_dir)'}") from exc
+        if ctx.is_chief and restore and not (ctx.checkpoint_dir and _ckpt.latest(ctx.checkpoint_dir)):
+            raise Unavailable(f"{ctx.task_name}: a ps shard failed ({exc}) and there is no checkpoint to recover "
+                              f"from{'' if ctx.checkpoint_dir else ' (no checkpoint_dir)'}") from exc
         deadline = time.monotonic() + self.recovery_timeout
-        if not mon.recovering:
-            log.warning("%s: a ps shard failed (%s); recovering", mon.task_name, exc)
-            mon.recovering = True
+        if not ctx.recovering:
+            log.warning("%s: a ps shard failed (%s); recovering", ctx.task_name, exc)
+            ctx.recovering = True
         delay = 0.05
         fenced_since = time.monotonic()
         while True:
             try:
-                if mon.is_chief and restore:
+                if ctx.is_chief and restore:
                     self._restore_shards(deadline)
                     restore = False
                 step = self._reattach(deadline)
@@ -158,50 +165,51 @@ class ParameterServerStrategy(Strategy):
                     restore = True  # its restorer is gone: take the restore over
                 time.sleep(delay)  # not back yet, or being restored: try again shortly
                 delay = min(2 * delay, 1.0)
-        mon.recovering = False
-        log.warning("%s: recovered; training resumes at step %d", mon.task_name, mon.step)
+        ctx.recovering = False
+        log.warning("%s: recovered; training resumes at step %d", ctx.task_name, ctx.step)
 
     def _restore_shards(self, deadline: float) -> None:
-        mon = self.mon
-        path = _ckpt.latest(mon.checkpoint_dir)
-        mon.server.loop_thread.call(
-            wait_for_tasks(mon.server.async_server.client, mon.spec, max(1.0, deadline - time.monotonic()),
-                           shard_tasks(mon.spec)),
-            timeout=max(1.0, deadline - time.monotonic()) + 5,
-        )
-        before = mon.step
-        step = _ckpt.recover(mon.session, path)
-        log.warning("%s: restored every shard from %s at step %d; %d step(s) lost", mon.task_name, path, step,
+        """Restore every shard from the latest checkpoint; the global step goes back to its step,
+        which is on disk already (the monitored session must not write it again)."""
+        ctx = self.ctx
+        assert ctx.checkpoint_dir is not None
+        path = _ckpt.latest(ctx.checkpoint_dir)
+        assert path is not None, "recover checks for a checkpoint first"
+        ctx.wait_for(self.needs(), max(1.0, deadline - time.monotonic()))
+        before = ctx.step
+        step = _ckpt.recover(self._sess, path)
+        log.warning("%s: restored every shard from %s at step %d; %d step(s) lost", ctx.task_name, path, step,
                     max(0, before - step))
-        mon.step = mon._saved_step = step
+        ctx.step = ctx.saved_step = step
 
     def _reattach(self, deadline: float) -> int:
         """Fresh handles (placements may have changed) and the global step, once the chief has restored."""
-        mon, sess = self.mon, self.mon.session
+        sess = self._sess
         limit = max(1.0, deadline - time.monotonic())
         self.vars = {n: sess.get(n, timeout=limit) for n in self.names}
         self.step_var = sess.get(_STEP, timeout=limit)
-        mon.step = self._read_step()
-        return mon.step
+        self.ctx.step = self._read_step()
+        return self.ctx.step
 
     def _read_step(self) -> int:
         """The global step: the shards' sync step, or the ``global_step`` variable in async mode."""
-        return int(self.mon.session.global_step()) if self.sync else int(self.step_var.read())
+        return int(self._sess.global_step()) if self.sync else int(self.step_var.read())
 
     # who is chief -------------------------------------------------------------------------
-    def acting_chief(self) -> TaskId | None:
+    def _elect_chief(self) -> None:
         """Sync training needs a chief to checkpoint and recover. Every push of a step hears which
         replicas that step averaged, so all workers agree on the lowest-index one of them: the
         configured chief while it contributes, the next live worker when it is gone, and the chief
-        again from the first step it contributes to after coming back."""
-        mon = self.mon
-        replicas = set(mon.session.replicas) if self.sync and mon.session is not None else set()
+        again from the first step it contributes to after coming back. The choice goes to
+        ``ctx.acting_chief``."""
+        ctx = self.ctx
+        replicas = set(ctx.session.replicas) if self.sync and ctx.session is not None else set()
         if replicas:
-            acting = next((t for t in self._members if str(t) in replicas), mon.chief_task)
+            acting = next((t for t in ctx.members if str(t) in replicas), ctx.chief_task)
         else:  # no step heard yet: the chief, unless it came back to live parameters (a survivor acts)
-            acting = None if self.sync and self._joined_live else mon.chief_task
+            acting = None if self.sync and self._joined_live else ctx.chief_task
         if acting != self._acting and acting is not None:
-            log.warning("%s: %s holds the chief's duties (the last step averaged %s)", mon.task_name, acting,
+            log.warning("%s: %s holds the chief's duties (the last step averaged %s)", ctx.task_name, acting,
                         ", ".join(sorted(replicas)))
             self._acting = acting
-        return acting
+        ctx.acting_chief = acting

@@ -16,11 +16,10 @@ from typing import Any
 import numpy as np
 
 from ..client import checkpoint as _ckpt
+from ..client.elastic_ring import ElasticRing, Formation
 from ..cluster import TaskId
 from ..errors import ClusterNotReady, DeadlineExceeded, Unavailable
-from ..client.elastic_ring import ElasticRing, Formation
-from ..client.ring import default_members
-from .strategy import Strategy, _LocalParams
+from .strategy import LocalParams, Strategy
 
 __all__ = ["RingAllReduceStrategy"]
 
@@ -55,33 +54,28 @@ class RingAllReduceStrategy(Strategy):
     def members(self) -> list[TaskId]:
         return self.elastic.members if self.elastic else []
 
-    def acting_chief(self) -> TaskId | None:
-        """The leader of the current generation: checkpoints move to a survivor when the chief
-        dies, and back when it rejoins."""
-        leader = self.elastic.leader if self.elastic else None
-        return leader if leader is not None else self.mon.chief_task
-
     def needs(self) -> list[TaskId]:
         return []  # the rendezvous waits for the members itself, or joins the live ring without the dead
 
     # creation ---------------------------------------------------------------------------
     def create(self, params: dict[str, np.ndarray], optimizer: Any, restore: str | None = None) -> int:
-        mon = self.mon
-        self.local = _LocalParams()
+        ctx = self.ctx
+        self.local = LocalParams()
         self.local.create(params, optimizer)
-        claim = 0 if mon.task == mon.chief_task else -1  # the chief's initial values win a first formation
+        claim = 0 if ctx.task == ctx.chief_task else -1  # the chief's initial values win a first formation
         if restore:
             claim, saved = _ckpt.restore_store(restore)
             self.local.load(saved)
         kwargs = {} if self.bucket_bytes is None else {"bucket_bytes": self.bucket_bytes}
-        self.elastic = ElasticRing(mon.server, default_members(mon.spec), join_window=self.join_window,
-                                   first_join_window=mon.wait_timeout, **kwargs)
+        assert ctx.server is not None, "the ring needs this task's server"
+        self.elastic = ElasticRing(ctx.server, ctx.members, join_window=self.join_window,
+                                   first_join_window=ctx.wait_timeout, **kwargs)
         self._claim = claim
-        formation = self._form(mon.wait_timeout)
-        if restore and formation.holder != str(mon.task):
-            log.warning("%s: the ring's replicas are live (step %d); not restoring %s over them", mon.task_name,
+        formation = self._form(ctx.wait_timeout)
+        if restore and formation.holder != str(ctx.task):
+            log.warning("%s: the ring's replicas are live (step %d); not restoring %s over them", ctx.task_name,
                         self.step, restore)
-            mon.restored_from = None
+            ctx.restored_from = None
         return self.step
 
     def _form(self, timeout: float) -> Formation:
@@ -90,16 +84,23 @@ class RingAllReduceStrategy(Strategy):
         deadline = time.monotonic() + timeout
         while True:
             formation = self.elastic.form(self._claim, max(1.0, deadline - time.monotonic()))
+            self._hand_over_chief()
             try:
                 self._adopt_state(self.elastic.holder_rank)
             except _RING_GONE as exc:
                 if time.monotonic() > deadline:
                     raise
-                log.warning("%s: ring generation %d failed while sharing state (%s); re-forming", self.mon.task_name,
+                log.warning("%s: ring generation %d failed while sharing state (%s); re-forming", self.ctx.task_name,
                             formation.generation, exc)
                 continue
             self.formed_at_step = self.step
             return formation
+
+    def _hand_over_chief(self) -> None:
+        """The leader of the current generation holds the chief's duties: checkpoints move to a
+        survivor when the chief dies, and back when it rejoins."""
+        leader = self.elastic.leader if self.elastic else None
+        self.ctx.acting_chief = leader if leader is not None else self.ctx.chief_task
 
     def _adopt_state(self, root: int) -> None:
         """The holder's values, optimizer slots, per-row steps and step, committed only once all arrived."""
@@ -152,20 +153,20 @@ class RingAllReduceStrategy(Strategy):
         return self.step
 
     def _recover(self, exc: Exception) -> None:
-        mon = self.mon
-        log.warning("%s: ring generation %d failed (%s); re-forming with the live members", mon.task_name,
+        ctx = self.ctx
+        log.warning("%s: ring generation %d failed (%s); re-forming with the live members", ctx.task_name,
                     self.generation, exc)
-        mon.recovering = True
+        ctx.recovering = True
         try:
             self._reform("recovered")
         finally:
-            mon.recovering = False
+            ctx.recovering = False
 
     def _reform(self, why: str) -> None:
         started, before = time.monotonic(), self.step
         formation = self._form(self.recovery_timeout)
         log.warning("%s: ring re-formed as generation %d with %s in %.2fs (%s); state of %s at step %d%s",
-                    self.mon.task_name, formation.generation, ", ".join(formation.members), time.monotonic() - started,
+                    self.ctx.task_name, formation.generation, ", ".join(formation.members), time.monotonic() - started,
                     why, formation.holder, self.step, "" if self.step == before else f" (this replica was at {before})")
 
     def close(self) -> None:

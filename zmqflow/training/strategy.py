@@ -1,14 +1,15 @@
 """How gradients are combined: the strategy interface, and the local one every other must agree with.
 
-A strategy is bound to a :class:`MonitoredTrainingSession` and answers three questions: how
-parameters are created (the chief initializes, the others wait), how a worker reads them, and
-how a gradient is applied. The training script is the same for every strategy; the cluster
-strategies live in ``parameter_server`` and ``ring_allreduce``.
+A strategy is bound to a :class:`~.context.TrainingContext` (never to the monitored session that
+builds it) and answers three questions: how parameters are created (the chief initializes, the
+others wait), how a worker reads them, and how a gradient is applied. The training script is the
+same for every strategy; the cluster strategies live in ``parameter_server`` and
+``ring_allreduce``; :class:`LocalParams` is the in-process replica they and the local one share.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -16,17 +17,21 @@ from ..client import checkpoint as _ckpt
 from ..cluster import TaskId
 from ..state.store import ShardStore
 from ..wire.dtypes import dtype_name
+from .context import TrainingContext
 
-if TYPE_CHECKING:
-    from .monitored import MonitoredTrainingSession
+__all__ = ["LocalParams", "LocalStrategy", "Strategy"]
 
-__all__ = ["Strategy", "LocalStrategy"]
 
 class Strategy:
-    name = "strategy"
+    """The interface every strategy implements. ``ctx`` is what it may read of the run, and the
+    run state it reports back (the step after a restore, recovery, the chief's duties)."""
 
-    def bind(self, mon: "MonitoredTrainingSession") -> None:
-        self.mon = mon
+    name = "strategy"
+    ctx: TrainingContext
+
+    def bind(self, ctx: TrainingContext) -> None:
+        """Called once, before ``create``, by the monitored session that owns ``ctx``."""
+        self.ctx = ctx
 
     def create(self, params: dict[str, np.ndarray], optimizer: Any, restore: str | None = None) -> int:
         """Create (chief) or find (others) the parameters, from the checkpoint ``restore`` when the
@@ -42,11 +47,6 @@ class Strategy:
         restarts after others have finished can still rejoin."""
         return []
 
-    def acting_chief(self) -> TaskId | None:
-        """The task that holds the chief's duties now; strategies that elect a new chief when
-        the configured one dies override this."""
-        return self.mon.chief_task
-
     def params(self) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
@@ -58,7 +58,7 @@ class Strategy:
         pass
 
 
-class _LocalParams:
+class LocalParams:
     """Parameters held in this process, updated by the same optimizer code the shards run."""
 
     def __init__(self) -> None:
@@ -101,7 +101,7 @@ class LocalStrategy(Strategy):
     name = "local"
 
     def create(self, params: dict[str, np.ndarray], optimizer: Any, restore: str | None = None) -> int:
-        self.local = _LocalParams()
+        self.local = LocalParams()
         self.local.create(params, optimizer)
         self.step = 0
         if restore:
