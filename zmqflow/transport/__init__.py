@@ -1,8 +1,9 @@
-"""Transports behind one seam: ZeroMQ (tcp, ipc, inproc) and in-process delivery."""
+"""Transports behind one seam: ZeroMQ (tcp, ipc, inproc), in-process delivery, and fault injection."""
 
 from .base import CONNECTING, DOWN, UP, Connection, Listener, SendFailed, Transport
 from .channel import Channel
 from .context import context
+from .faults import FaultInjector, Packet, Rule
 from .local import LocalTransport
 from .options import DEFAULT_OPTIONS, SocketOptions
 from .registry import lookup, register, use
@@ -11,6 +12,6 @@ from .zeromq import ZmqTransport
 __all__ = [
     "Channel", "context", "DEFAULT_OPTIONS", "SocketOptions",
     "CONNECTING", "UP", "DOWN", "Connection", "Listener", "SendFailed", "Transport",
-    "ZmqTransport", "LocalTransport",
+    "ZmqTransport", "LocalTransport", "FaultInjector", "Packet", "Rule",
     "lookup", "register", "use",
 ]
