@@ -17,6 +17,7 @@ connections report down, sends to it are refused, replies and messages in flight
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -182,7 +183,7 @@ class FaultInjector:
         for conn in conns:
             conn.set_cut(True)
         if for_s is not None:
-            asyncio.get_running_loop().call_later(for_s, self.reconnect, server, client)
+            asyncio.get_running_loop().call_later(for_s, functools.partial(self.reconnect, server, client=client))
         return len(conns)
 
     def reconnect(self, server: str, *, client: str | None = None) -> int:
