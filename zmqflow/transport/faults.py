@@ -96,6 +96,13 @@ def _header(frame: Any) -> dict:
     return head if isinstance(head, dict) else {}
 
 
+def _send_if_still_waiting(path: Path, go: Callable[[], None]) -> None:
+    """A reordered message that no later one overtook goes on its own."""
+    if go in path.reordered:
+        path.reordered.remove(go)
+        go()
+
+
 def _matcher(direction: str | None, op: str | None, server: str | None, client: str | None,
              when: Callable[[Packet], bool] | None) -> Callable[[Packet], bool]:
     def match(p: Packet) -> bool:
@@ -245,7 +252,7 @@ class FaultInjector:
             go()
         elif rule.action == "reorder":
             path.reordered.append(go)
-            loop.call_later(rule.seconds, lambda: go in path.reordered and (path.reordered.remove(go), go()))
+            loop.call_later(rule.seconds, _send_if_still_waiting, path, go)
         elif rule.action == "hold":
             rule.held.append(go)
         return True  # dropped, or on its way later
