@@ -1,7 +1,9 @@
-"""Test helpers: local cluster specs on any transport, in-process clusters, polling with deadlines.
+"""Test helpers: local cluster specs on any transport, in-process clusters, fault injection, polling with deadlines.
 
 Nothing here sleeps and hopes: ``wait_until`` polls a predicate and fails loudly at its deadline,
-and ``local_cluster`` requires a timeout for its start.
+and ``local_cluster`` requires a timeout for its start. ``faulty_cluster`` runs a cluster on a
+seeded ``FaultInjector``, so a test makes one precise thing happen (a reply lost, a request held in
+flight across a fence, a connection cut while calls are out) instead of waiting for timing luck.
 """
 
 from __future__ import annotations
@@ -19,8 +21,14 @@ from .cluster import ClusterSpec, TaskId
 from .ports import free_port
 from .rpc import Service
 from .server.task import AsyncServer
+from .transport import registry
+from .transport.base import Transport
+from .transport.faults import REPLY, REQUEST, FaultInjector, Packet, Rule
 
-__all__ = ["free_port", "make_spec", "wait_until", "async_wait_until", "local_cluster", "TRANSPORTS"]
+__all__ = [
+    "free_port", "make_spec", "wait_until", "async_wait_until", "local_cluster", "faulty_cluster", "TRANSPORTS",
+    "FaultInjector", "Packet", "Rule", "REQUEST", "REPLY",
+]
 
 TRANSPORTS = ("inproc", "ipc", "tcp")
 _names = itertools.count()
@@ -77,10 +85,44 @@ async def local_cluster(
     timeout: float,
     transport: str = "inproc",
     services: Callable[[TaskId], Mapping[str, Service]] | None = None,
+    via: Transport | None = None,
     **server_kwargs: Any,
 ) -> AsyncIterator[dict[str, AsyncServer]]:
-    """Every task of a cluster as an AsyncServer on this loop, up and answering within ``timeout``."""
+    """Every task of a cluster as an AsyncServer on this loop, up and answering within ``timeout``.
+
+    With ``via``, every server, and every client made inside the block, uses that transport
+    (``transport`` then only shapes the addresses)."""
     spec = jobs if isinstance(jobs, ClusterSpec) else make_spec(jobs, transport)
+    with contextlib.ExitStack() as stack:
+        if via is not None:
+            stack.enter_context(registry.use(via))
+        async with _servers(spec, timeout, services, server_kwargs) as servers:
+            yield servers
+
+
+@contextlib.asynccontextmanager
+async def faulty_cluster(
+    jobs: Mapping[str, int] | ClusterSpec,
+    *,
+    timeout: float,
+    seed: int = 0,
+    inner: Transport | None = None,
+    services: Callable[[TaskId], Mapping[str, Service]] | None = None,
+    **server_kwargs: Any,
+) -> AsyncIterator[tuple[dict[str, AsyncServer], FaultInjector]]:
+    """``local_cluster`` on a FaultInjector seeded with ``seed`` (over in-process delivery, or
+    ``inner``); yields the servers and the injector. Rules added after the start act on what
+    follows: ``async with faulty_cluster({"ps": 1, "worker": 1}, timeout=10) as (servers, faults):
+    faults.drop(op="ps.push", direction=REPLY, times=1)``."""
+    faults = FaultInjector(inner, seed=seed)
+    async with local_cluster(jobs, timeout=timeout, services=services, via=faults, **server_kwargs) as servers:
+        yield servers, faults
+
+
+@contextlib.asynccontextmanager
+async def _servers(
+    spec: ClusterSpec, timeout: float, services: Callable[[TaskId], Mapping[str, Service]] | None, server_kwargs: dict
+) -> AsyncIterator[dict[str, AsyncServer]]:
     servers: dict[str, AsyncServer] = {}
     try:
         async with asyncio.timeout(timeout):

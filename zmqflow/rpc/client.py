@@ -1,27 +1,26 @@
 """Outgoing calls: one DEALER per peer, many requests in flight, replies matched by id.
 
 Every call has a deadline. A peer that does not answer in time raises ``DeadlineExceeded``; a
-peer that could not be reached, or whose connection dropped while calls were in flight (seen
-through the socket monitor, which ZMTP heartbeats keep honest), raises ``Unavailable``. Both
-name the peer and the op.
+peer that could not be reached, or whose connection dropped while calls were in flight (as the
+transport reports it: for ZeroMQ a socket monitor, which ZMTP heartbeats keep honest), raises
+``Unavailable``. Both name the peer and the op. Connections come from the transport registered
+for the endpoint's scheme, or from the ``transport`` given.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import zmq
-from zmq.utils.monitor import parse_monitor_message
-
 from ..errors import DeadlineExceeded, ProtocolError, Unavailable, VersionMismatch, ZmqflowError
-from ..transport.channel import Channel
-from ..transport.context import context
-from ..transport.options import DEFAULT_OPTIONS, SocketOptions, apply_dealer
+from ..transport import registry
+from ..transport.base import CONNECTING, DOWN, UP, Connection, SendFailed, Transport
+from ..transport.options import DEFAULT_OPTIONS, SocketOptions
 from ..wire import ERROR, REPLY, REQUEST, DecodeError, Limits, Message, decode, encode, raise_error
 from ..wire.codec import DEFAULT_LIMITS
 from .counters import Counters, frames_nbytes
@@ -34,9 +33,6 @@ DEFAULT_TIMEOUT = 30.0
 # After a connection drops, calls wait this long for the reconnect before failing fast
 # (twice the longest reconnect interval, so one reconnect attempt always fits).
 RECONNECT_GRACE = 2.0  # a call to a peer down for less than this waits for it to come back (a quick restart)
-_MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
-
-CONNECTING, UP, DOWN = "connecting", "up", "down"
 
 
 @dataclass(slots=True)
@@ -54,9 +50,8 @@ class Peer:
 
     endpoint: str
     name: str
-    channel: Channel
-    monitor: Channel | None
-    state: str = CONNECTING
+    conn: Connection = field(init=False)
+    state: str = CONNECTING  # as last reported by the connection; only DOWN changes what a call does
     down_since: float = 0.0
     inflight: set[int] = field(default_factory=set)
 
@@ -74,6 +69,7 @@ class RpcClient:
         options: SocketOptions = DEFAULT_OPTIONS,
         default_timeout: float = DEFAULT_TIMEOUT,
         counters: Counters | None = None,
+        transport: Transport | None = None,
     ):
         self.identity = identity.encode()
         self.source = source
@@ -82,6 +78,8 @@ class RpcClient:
         self.default_timeout = default_timeout
         self.counters = counters if counters is not None else Counters()
         self._loop = loop or asyncio.get_running_loop()
+        # chosen now, so a client made inside ``registry.use`` keeps that transport for good
+        self._transport = transport if transport is not None else registry.current_override()
         self._peers: dict[str, Peer] = {}
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
@@ -96,35 +94,24 @@ class RpcClient:
             return found
         if self._closed:
             raise Unavailable(f"client {self.identity.decode()} is closed")
-        peer = Peer(endpoint, name or endpoint, *self._open(endpoint, name or endpoint))
-        peer.state = UP if peer.monitor is None else CONNECTING
+        peer = Peer(endpoint, name or endpoint)
+        transport = self._transport if self._transport is not None else registry.lookup(endpoint)
+        peer.conn = transport.connect(
+            endpoint,
+            self.identity,
+            functools.partial(self._on_reply, peer),
+            functools.partial(self._on_state, peer),
+            loop=self._loop,
+            options=self.options,
+            name=peer.name,
+        )
         self._peers[endpoint] = peer
         return peer
 
-    def _open(self, endpoint: str, label: str) -> tuple[Channel, Channel | None]:
-        sock = context().socket(zmq.DEALER)
-        apply_dealer(sock, self.options, self.identity)
-        channel = Channel(sock, lambda frames: self._on_reply(self._peers[endpoint], frames), self._loop, name=f"dealer->{label}")
-        monitor = None
-        if not endpoint.startswith("inproc://"):  # inproc has no connection events; it is up once bound
-            msock = sock.get_monitor_socket(_MONITOR_EVENTS)
-            monitor = Channel(msock, lambda frames: self._on_monitor(self._peers[endpoint], frames), self._loop, name=f"monitor->{label}")
-        sock.connect(endpoint)
-        return channel, monitor
-
-    def _reopen_inproc(self, peer: Peer) -> None:
-        """An inproc connection never reconnects to a re-bound endpoint: open a fresh one."""
-        _close_peer(peer)
-        peer.channel, peer.monitor = self._open(peer.endpoint, peer.name)
-
-    def _on_monitor(self, peer: Peer, frames: list[Any]) -> None:
-        try:
-            event = parse_monitor_message([bytes(f) for f in frames])["event"]
-        except Exception:  # a malformed monitor frame is a libzmq matter; ignore it
-            return
-        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+    def _on_state(self, peer: Peer, state: str) -> None:
+        if state == UP:
             peer.state = UP
-        elif event == zmq.EVENT_DISCONNECTED and peer.state != DOWN:
+        elif state == DOWN and peer.state != DOWN:
             peer.state = DOWN
             peer.down_since = self._loop.time()
             self._fail_inflight(peer, f"connection to {peer.name} dropped")
@@ -174,7 +161,7 @@ class RpcClient:
         pending.timer = self._loop.call_later(timeout, self._expire, rid, timeout)
         if peer.state == DOWN and self._loop.time() - peer.down_since > RECONNECT_GRACE:
             self._finish(rid, exc=Unavailable(f"{peer.name} is down; {pending.what} not sent", task=peer.name))
-        elif peer.channel.try_send(frames) or (self._retry_inproc(peer, rid) and peer.channel.try_send(frames)):
+        elif peer.conn.try_send(frames) or (self._refresh(peer, rid) and peer.conn.try_send(frames)):
             pending.sent = True
             self._count_out(frames)
         else:
@@ -183,18 +170,17 @@ class RpcClient:
             task.add_done_callback(self._senders.discard)
         return fut
 
-    def _retry_inproc(self, peer: Peer, rid: int) -> bool:
-        if not peer.endpoint.startswith("inproc://") or peer.inflight - {rid}:
-            return False
-        self._reopen_inproc(peer)
-        return True
+    @staticmethod
+    def _refresh(peer: Peer, rid: int) -> bool:
+        """A connection that cannot recover by itself (inproc) is replaced, when nothing else is in flight on it."""
+        return not peer.inflight - {rid} and peer.conn.refresh()
 
     async def _send_later(self, rid: int, peer: Peer, frames: list[Any], timeout: float) -> None:
         """The peer is not connected yet (or its pipe is full): keep trying within the deadline."""
         limit = timeout if peer.state != DOWN else min(timeout, RECONNECT_GRACE)
         try:
-            sent = await peer.channel.send(frames, self._loop.time() + limit)
-        except zmq.ZMQError:
+            sent = await peer.conn.send(frames, self._loop.time() + limit)
+        except SendFailed:
             sent = False
         pending = self._pending.get(rid)
         if sent:
@@ -268,13 +254,12 @@ class RpcClient:
         return peer.down_since
 
     def peer_state(self, endpoint: str) -> str:
-        """``up``, ``down`` or ``connecting``; an inproc peer is up while its pipe takes messages."""
+        """``up``, ``down`` or ``connecting``, as the transport sees it now (an inproc peer is up
+        while its pipe takes messages)."""
         peer = self._peers.get(endpoint)
         if peer is None:
             return CONNECTING
-        if peer.monitor is None:
-            return UP if peer.channel.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT else DOWN
-        return peer.state
+        return peer.conn.state
 
     # shutdown ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -287,18 +272,8 @@ class RpcClient:
         for rid, pending in list(self._pending.items()):
             self._finish(rid, exc=Unavailable(f"client closed during {pending.what}", task=pending.peer.name))
         for peer in self._peers.values():
-            _close_peer(peer)
+            peer.conn.close()
         self._peers.clear()
-
-
-def _close_peer(peer: Peer) -> None:
-    if peer.monitor is not None:
-        try:
-            peer.channel.sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        peer.monitor.close()
-    peer.channel.close()
 
 
 def _protocol_error(exc: DecodeError, pending: _Pending) -> ProtocolError:

@@ -1,25 +1,24 @@
-"""Incoming calls: a ROUTER that decodes, dispatches to services, and always answers.
+"""Incoming calls: a router-like listener that decodes, dispatches to services, and always answers.
 
 Whatever a client sends, the server keeps serving: a message that cannot be decoded, names an
 unknown service or op, or has bad arguments gets an error reply when its request id can be read,
 and is dropped and counted when it cannot. Short handlers run inline on the loop; handlers that
-return a coroutine run as tasks, cancelled at the request's deadline.
+return a coroutine run as tasks, cancelled at the request's deadline. The listener comes from the
+transport registered for the endpoint's scheme (a ZeroMQ ROUTER for tcp, ipc and inproc), or from
+the ``transport`` given.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any
 
-import zmq
-
-from ..errors import AddressInUse, DeadlineExceeded, NotFound, Unavailable
-from ..transport.channel import Channel
-from ..transport.context import context
-from ..transport.options import DEFAULT_OPTIONS, SocketOptions, apply_router
+from ..errors import DeadlineExceeded, NotFound
+from ..transport import registry
+from ..transport.base import Listener, SendFailed, Transport
+from ..transport.options import DEFAULT_OPTIONS, SocketOptions
 from ..wire import REPLY, REQUEST, DecodeError, Limits, Message, decode, encode, error_message
 from ..wire.codec import DEFAULT_LIMITS
 from .counters import Counters, frames_nbytes
@@ -31,15 +30,10 @@ log = logging.getLogger(__name__)
 
 # How long a reply may wait for room in a slow client's pipe when the request had no deadline.
 REPLY_GRACE = 5.0
-# libzmq releases an address a moment after its socket closes (its I/O thread does it), so a
-# server restarted in the same process may find its address still taken: it retries this long.
-# Inproc names always; other addresses only when this process released them just now.
-REBIND_S = 1.0
-_released: dict[str, float] = {}  # endpoint -> when this process closed a server bound to it
 
 
 class RpcServer:
-    """Serves ``services`` on a bound ROUTER socket."""
+    """Serves ``services`` on a bound listener."""
 
     def __init__(
         self,
@@ -51,6 +45,7 @@ class RpcServer:
         limits: Limits = DEFAULT_LIMITS,
         options: SocketOptions = DEFAULT_OPTIONS,
         counters: Counters | None = None,
+        transport: Transport | None = None,
     ):
         self.bind_endpoint = bind_endpoint
         self.services = dict(services)
@@ -59,31 +54,18 @@ class RpcServer:
         self.options = options
         self.counters = counters if counters is not None else Counters()
         self._loop = loop or asyncio.get_running_loop()
-        self._channel: Channel | None = None
+        # chosen now, so a server made inside ``registry.use`` keeps that transport for good
+        self._transport = transport if transport is not None else registry.lookup(bind_endpoint)
+        self._listener: Listener | None = None
         self._tasks: set[asyncio.Task] = set()
         self.endpoint = bind_endpoint
 
     async def start(self) -> None:
-        sock = context().socket(zmq.ROUTER)
-        apply_router(sock, self.options)
-        released = _released.get(self.bind_endpoint)
-        rebind = self.bind_endpoint.startswith("inproc://") or (
-            released is not None and time.monotonic() - released < REBIND_S)
-        until = self._loop.time() + (REBIND_S if rebind else 0.0)
-        while True:
-            try:
-                sock.bind(self.bind_endpoint)
-                break
-            except zmq.ZMQError as exc:
-                if exc.errno == zmq.EADDRINUSE and self._loop.time() < until:
-                    await asyncio.sleep(0.01)
-                    continue
-                sock.close(linger=0)
-                if exc.errno == zmq.EADDRINUSE:
-                    raise AddressInUse(f"address {self.bind_endpoint} for {self.name} is in use", task=self.name) from None
-                raise Unavailable(f"cannot bind {self.bind_endpoint} for {self.name}: {exc}", task=self.name) from None
-        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT) or self.bind_endpoint
-        self._channel = Channel(sock, self._on_request, self._loop, name=f"router {self.name}", copied=2)
+        """Bind (AddressInUse when the address is taken, Unavailable when it cannot be bound)."""
+        self._listener = await self._transport.listen(
+            self.bind_endpoint, self._on_request, loop=self._loop, options=self.options, name=self.name
+        )
+        self.endpoint = self._listener.endpoint
 
     # receiving --------------------------------------------------------------------------
     def _on_request(self, frames: list[Any]) -> None:
@@ -148,8 +130,8 @@ class RpcServer:
         self._reply(identity, error_message(rid, exc, source=self.name), deadline)
 
     def _reply(self, identity: bytes, msg: Message, deadline: float | None) -> None:
-        channel = self._channel
-        if channel is None or channel.closed:
+        listener = self._listener
+        if listener is None or listener.closed:
             return
         try:
             frames = [identity, *encode(msg)]
@@ -157,8 +139,8 @@ class RpcServer:
             self.counters.errors += 1
             frames = [identity, *encode(error_message(msg.id, exc, source=self.name))]
         try:
-            sent = channel.try_send(frames)
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: the requester is gone (ROUTER_MANDATORY)
+            sent = listener.try_send(frames)
+        except SendFailed as exc:  # the requester is gone (ZeroMQ: EHOSTUNREACH under ROUTER_MANDATORY)
             self.counters.undeliverable += 1
             log.debug("%s: reply %d undeliverable: %s", self.name, msg.id, exc)
             return
@@ -172,8 +154,8 @@ class RpcServer:
 
     async def _reply_later(self, frames: list[Any], until: float) -> None:
         try:
-            sent = await self._channel.send(frames, until) if self._channel else False
-        except zmq.ZMQError:
+            sent = await self._listener.send(frames, until) if self._listener else False
+        except SendFailed:
             sent = False
         if sent:
             self._count_out(frames)
@@ -183,11 +165,11 @@ class RpcServer:
     def reachable(self, identity: bytes) -> bool:
         """Whether the client with this routing id is still connected. ROUTER_MANDATORY refuses a
         message to a peer that is gone; the probe (a reply to request 0) is ignored by clients."""
-        if self._channel is None or self._channel.closed:
+        if self._listener is None or self._listener.closed:
             return False
         try:
-            self._channel.try_send([identity, *encode(Message(REPLY, 0, body=None))])
-        except zmq.ZMQError:
+            self._listener.try_send([identity, *encode(Message(REPLY, 0, body=None))])
+        except SendFailed:
             return False
         return True
 
@@ -200,9 +182,5 @@ class RpcServer:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._channel is not None:
-            self._channel.close()
-            now = time.monotonic()
-            for endpoint in [e for e, t in _released.items() if now - t >= REBIND_S]:
-                del _released[endpoint]
-            _released[self.bind_endpoint] = now
+        if self._listener is not None:
+            self._listener.close()

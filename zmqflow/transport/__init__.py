@@ -1,7 +1,17 @@
-"""ZeroMQ sockets driven by asyncio: options, the process context, and the channel."""
+"""Transports behind one seam: ZeroMQ (tcp, ipc, inproc), in-process delivery, and fault injection."""
 
+from .base import CONNECTING, DOWN, UP, Connection, Listener, SendFailed, Transport
 from .channel import Channel
 from .context import context
+from .faults import FaultInjector, Packet, Rule
+from .local import LocalTransport
 from .options import DEFAULT_OPTIONS, SocketOptions
+from .registry import lookup, register, use
+from .zeromq import ZmqTransport
 
-__all__ = ["Channel", "context", "DEFAULT_OPTIONS", "SocketOptions"]
+__all__ = [
+    "Channel", "context", "DEFAULT_OPTIONS", "SocketOptions",
+    "CONNECTING", "UP", "DOWN", "Connection", "Listener", "SendFailed", "Transport",
+    "ZmqTransport", "LocalTransport", "FaultInjector", "Packet", "Rule",
+    "lookup", "register", "use",
+]

@@ -15,6 +15,8 @@ from typing import Any
 
 import zmq
 
+from .base import SendFailed
+
 __all__ = ["Channel"]
 
 log = logging.getLogger(__name__)
@@ -127,9 +129,10 @@ class Channel:
             self._schedule_drain()
 
     def try_send(self, frames: Sequence[Any]) -> bool:
-        """Send without blocking; False when the peer's pipe is full or not connected."""
+        """Send without blocking; False when the peer's pipe is full or not connected; SendFailed
+        when it never can be (EHOSTUNREACH from a ROUTER_MANDATORY router, a closed channel)."""
         if self._closed:
-            raise zmq.ZMQError(zmq.ENOTSOCK, "channel is closed")
+            raise SendFailed(f"{self.name}: channel is closed")
         sock = self.sock
         last = len(frames) - 1
         try:  # only the first part can be refused (HWM, unroutable): a message is queued whole or not at all
@@ -141,6 +144,8 @@ class Channel:
             self._writable.clear()
             self._poll_events()
             return False
+        except zmq.ZMQError as exc:  # costs nothing unless raised
+            raise SendFailed(f"{self.name}: {exc}") from exc
         # A send may swallow the FD's edge for input that arrived meanwhile: look at EVENTS once
         # before the loop sleeps again, not after every send (a pipelined burst sends hundreds).
         if not self._events_pending:

@@ -1,0 +1,178 @@
+"""The ZeroMQ transport: a ROUTER per listener, a DEALER (plus a monitor) per connection.
+
+Each endpoint wraps a ``Channel`` and exposes the channel's own ``try_send`` and ``send`` as its
+methods, so a message costs exactly what it cost before the seam existed. What ZeroMQ needs
+beyond sockets lives here too: ROUTER_MANDATORY/HANDOVER and heartbeats (``options``), retried
+binds of addresses this process released a moment ago, monitor events as connection state, and a
+fresh socket for an inproc name that was bound again (inproc never reconnects by itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from ..errors import AddressInUse, Unavailable
+from .base import CONNECTING, DOWN, UP, OnFrames, OnState
+from .channel import Channel
+from .context import context
+from .options import SocketOptions, apply_dealer, apply_router
+
+__all__ = ["ZmqTransport", "ZmqListener", "ZmqConnection", "REBIND_S"]
+
+# libzmq releases an address a moment after its socket closes (its I/O thread does it), so a
+# server restarted in the same process may find its address still taken: it retries this long.
+# Inproc names always; other addresses only when this process released them just now.
+REBIND_S = 1.0
+_released: dict[str, float] = {}  # endpoint -> when this process closed a listener bound to it
+_MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+_EVENTS, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLOUT)
+
+
+class ZmqListener:
+    """A bound ROUTER. ``try_send``/``send`` are its channel's (no layer in between)."""
+
+    def __init__(self, channel: Channel, endpoint: str, bind_endpoint: str):
+        self.endpoint = endpoint
+        self._bind_endpoint = bind_endpoint
+        self._channel = channel
+        self.try_send = channel.try_send
+        self.send = channel.send
+
+    @property
+    def closed(self) -> bool:
+        return self._channel.closed
+
+    def close(self) -> None:
+        if self._channel.closed:
+            return
+        self._channel.close()
+        now = time.monotonic()
+        for endpoint in [e for e, t in _released.items() if now - t >= REBIND_S]:
+            del _released[endpoint]
+        _released[self._bind_endpoint] = now
+
+
+class ZmqConnection:
+    """A DEALER to one peer, its state from a socket monitor (inproc: from the pipe's room)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        identity: bytes,
+        on_frames: OnFrames,
+        on_state: OnState,
+        loop: asyncio.AbstractEventLoop,
+        options: SocketOptions,
+        name: str,
+    ):
+        self.endpoint = endpoint
+        self._identity = identity
+        self._on_frames = on_frames
+        self._on_state = on_state
+        self._loop = loop
+        self._options = options
+        self._name = name
+        self._inproc = endpoint.startswith("inproc://")  # inproc has no connection events; up once bound
+        self._state = CONNECTING
+        self._open()
+
+    def _open(self) -> None:
+        sock = context().socket(zmq.DEALER)
+        apply_dealer(sock, self._options, self._identity)
+        self._channel = Channel(sock, self._on_frames, self._loop, name=f"dealer->{self._name}")
+        self.try_send = self._channel.try_send
+        self.send = self._channel.send
+        self._monitor: Channel | None = None
+        if not self._inproc:
+            msock = sock.get_monitor_socket(_MONITOR_EVENTS)
+            self._monitor = Channel(msock, self._on_monitor, self._loop, name=f"monitor->{self._name}")
+        sock.connect(self.endpoint)
+
+    def _on_monitor(self, frames: list[Any]) -> None:
+        try:
+            event = parse_monitor_message([bytes(f) for f in frames])["event"]
+        except Exception:  # a malformed monitor frame is a libzmq matter; ignore it
+            return
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._state = UP
+            self._on_state(UP)
+        elif event == zmq.EVENT_DISCONNECTED:
+            self._state = DOWN
+            self._on_state(DOWN)
+
+    @property
+    def monitored(self) -> bool:
+        return not self._inproc
+
+    @property
+    def state(self) -> str:
+        if self._inproc:
+            if self._channel.closed:
+                return DOWN
+            return UP if self._channel.sock.getsockopt(_EVENTS) & _POLLOUT else DOWN
+        return self._state
+
+    def refresh(self) -> bool:
+        if not self._inproc:
+            return False
+        self._close_sockets()
+        self._open()
+        return True
+
+    def _close_sockets(self) -> None:
+        if self._monitor is not None:
+            try:
+                self._channel.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close()
+        self._channel.close()
+
+    def close(self) -> None:
+        self._close_sockets()
+
+
+class ZmqTransport:
+    """tcp, ipc and inproc endpoints on the process's ZeroMQ context."""
+
+    async def listen(
+        self, endpoint: str, on_frames: OnFrames, *, loop: asyncio.AbstractEventLoop, options: SocketOptions, name: str
+    ) -> ZmqListener:
+        sock = context().socket(zmq.ROUTER)
+        apply_router(sock, options)
+        released = _released.get(endpoint)
+        rebind = endpoint.startswith("inproc://") or (released is not None and time.monotonic() - released < REBIND_S)
+        until = loop.time() + (REBIND_S if rebind else 0.0)
+        while True:
+            try:
+                sock.bind(endpoint)
+                break
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EADDRINUSE and loop.time() < until:
+                    await asyncio.sleep(0.01)
+                    continue
+                sock.close(linger=0)
+                if exc.errno == zmq.EADDRINUSE:
+                    raise AddressInUse(f"address {endpoint} for {name} is in use", task=name) from None
+                raise Unavailable(f"cannot bind {endpoint} for {name}: {exc}", task=name) from None
+        bound = sock.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
+        channel = Channel(sock, on_frames, loop, name=f"router {name}", copied=2)
+        return ZmqListener(channel, bound, endpoint)
+
+    def connect(
+        self,
+        endpoint: str,
+        identity: bytes,
+        on_frames: OnFrames,
+        on_state: OnState,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        options: SocketOptions,
+        name: str,
+    ) -> ZmqConnection:
+        return ZmqConnection(endpoint, identity, on_frames, on_state, loop, options, name)
