@@ -15,7 +15,7 @@ import pytest
 
 import zmqflow as zf
 from zmqflow import errors
-from zmqflow.client.ring import AsyncElasticRing
+from zmqflow.client.elastic_ring import AsyncElasticRing
 from zmqflow.testing import REPLY, REQUEST, async_wait_until, faulty_cluster
 
 from .conftest import arun
@@ -34,8 +34,8 @@ def test_a_write_in_flight_across_a_fence_and_unfence_is_refused_as_the_first_si
                 held = faults.hold(direction=REQUEST, op="ps.assign", client="user")
                 write = asyncio.ensure_future(v.assign_add(np.ones(2)))
                 await async_wait_until(lambda: held.held, 5, what="the write to be on the wire")
-                epoch = await restorer._call_task(PS0, "ps", "fence")
-                assert await restorer._call_task(PS0, "ps", "unfence", {"epoch": epoch})
+                epoch = await restorer.call_task(PS0, "ps", "fence")
+                assert await restorer.call_task(PS0, "ps", "unfence", {"epoch": epoch})
                 assert held.release() == 1  # it arrives after the recovery it was sent before
                 with pytest.raises(errors.Recovering, match="first request since this shard was restored"):
                     await write
@@ -56,12 +56,12 @@ def test_a_push_arriving_while_the_shard_is_fenced_is_refused_and_changes_nothin
                 held = faults.hold(direction=REQUEST, op="ps.push", client="user")
                 push = asyncio.ensure_future(v.push(np.ones(3)))
                 await async_wait_until(lambda: held.held, 5, what="the push to be on the wire")
-                epoch = await restorer._call_task(PS0, "ps", "fence")
+                epoch = await restorer.call_task(PS0, "ps", "fence")
                 held.release()
                 with pytest.raises(errors.Recovering, match=r"ps\.push refused: this shard is being restored"):
                     await push
                 assert ps.store.get("v", 0).value.tolist() == [0.0, 0.0, 0.0]
-                assert await restorer._call_task(PS0, "ps", "unfence", {"epoch": epoch})
+                assert await restorer.call_task(PS0, "ps", "unfence", {"epoch": epoch})
 
     arun(main())
 

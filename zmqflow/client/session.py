@@ -17,6 +17,7 @@ from typing import Any
 from ..cluster import Address, ClusterSpec, TaskId, catalog_task, load_config, shard_tasks
 from ..errors import ConfigError, InvalidArgument
 from ..rpc import DEFAULT_TIMEOUT, RpcClient
+from ..transport.base import Transport
 from .embedding import AsyncEmbedding, TableInfo, declare_embedding
 from .variables import AsyncVariable, VarInfo, declare
 from .variables import pull as _pull
@@ -48,9 +49,11 @@ class AsyncSession:
         task: "TaskId | str | None" = None,
         timeout: float = DEFAULT_TIMEOUT,
         name: str | None = None,
+        transport: Transport | None = None,
     ):
         self.endpoint, self._spec, tid = _target_endpoint(target, cluster, task)
         self.timeout = timeout
+        self.transport = transport  # None: chosen per endpoint scheme (transport.registry)
         # who pushes: sync replicas count gradients per pusher and name the ones that are missing
         self.name = name or (str(tid) if tid is not None else f"session-{uuid.uuid4().hex[:8]}")
         self.step = 0
@@ -61,7 +64,8 @@ class AsyncSession:
     @property
     def client(self) -> RpcClient:
         if self._client is None:
-            self._client = RpcClient(identity=f"{self.name}-{uuid.uuid4().hex[:8]}", source=self.name, default_timeout=self.timeout)
+            self._client = RpcClient(identity=f"{self.name}-{uuid.uuid4().hex[:8]}", source=self.name, default_timeout=self.timeout,
+                                     transport=self.transport)
         return self._client
 
     async def call_task(self, task: TaskId, service: str, op: str, body: Any = None) -> Any:

@@ -22,6 +22,7 @@ from ..rpc.health import wait_for_tasks
 from .services import MasterService, PsService, WorkerService
 from .services.catalog import CatalogService
 from .services.ring import RingService
+from ..transport.base import Transport
 from ..transport.options import DEFAULT_OPTIONS, SocketOptions
 from ..wire import Limits
 from ..wire.codec import DEFAULT_LIMITS
@@ -42,8 +43,10 @@ class AsyncServer:
         options: SocketOptions = DEFAULT_OPTIONS,
         default_timeout: float = DEFAULT_TIMEOUT,
         allow_modules: list[str] | None = None,
+        transport: Transport | None = None,
     ):
         self.spec, tid = resolve(cluster, task, env={})
+        self.transport = transport  # None: chosen per endpoint scheme (transport.registry)
         assert tid is not None
         self.task: TaskId = tid
         self.address = self.spec.address(self.task)
@@ -117,6 +120,7 @@ class AsyncServer:
             limits=self.limits,
             options=self.options,
             counters=self.counters,
+            transport=self.transport,
         )
         await rpc.start()
         self._rpc = rpc
@@ -128,6 +132,7 @@ class AsyncServer:
             options=self.options,
             default_timeout=self.default_timeout,
             counters=self.counters,
+            transport=self.transport,
         )
         for svc in self._services.values():
             await svc.start()
