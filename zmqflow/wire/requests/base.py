@@ -180,11 +180,14 @@ def explain(service: str, op: str, cls: type[Request], body: Any, detail: str) -
         return f"{where}: missing argument(s) {missing}"
     if not path:
         return f"{where}: {_lower(text)}"
-    named, top = _name_path(cls, path)
-    description = _description(cls, top)
-    if description:
-        return f"{where}: {top} must be {description} ({named}: {_lower(text)})"
-    return f"{where}: {named}: {_lower(text)}"
+    named, top, leaf = _name_path(cls, path)
+    inner = f"{named}: {_lower(text)}"
+    if leaf is not None and _description(leaf):
+        inner = f"{named} must be {_description(leaf)}: {_lower(text)}"
+    outer = _description(field_types(cls).get(top))
+    if outer and named != top:
+        return f"{where}: {top} must be {outer} ({inner})"
+    return f"{where}: {inner}"
 
 
 def _required(cls: type[Request]) -> set[str]:
@@ -197,8 +200,9 @@ def _lower(text: str) -> str:
     return text[:1].lower() + text[1:]
 
 
-def _name_path(cls: type, path: str) -> tuple[str, str]:
-    """``.items[0][1]`` as ``items[0].part`` (positions in array-like items named), and the top field."""
+def _name_path(cls: type, path: str) -> tuple[str, str, Any]:
+    """``.items[0][1]`` as ``items[0].part`` (positions in array-like items named), the top
+    field, and the type of the last step (None when unknown)."""
     out, top, tp = "", "", cls
     for field, index in _STEP.findall(path):
         bare, _ = unwrap(tp) if tp is not None else (None, [])
@@ -216,11 +220,10 @@ def _name_path(cls: type, path: str) -> tuple[str, str]:
             out += f"[{index}]"
             args = typing.get_args(bare) if bare is not None else ()
             tp = args[-1] if args else None
-    return out, top
+    return out, top, tp
 
 
-def _description(cls: type[Request], field: str) -> str | None:
-    tp = field_types(cls).get(field)
+def _description(tp: Any) -> str | None:
     if tp is None:
         return None
     for m in unwrap(tp)[1]:
