@@ -13,7 +13,8 @@ little-endian C-ordered bytes; a msgpack bin value is ``{"__bytes__": base64}``.
 (``VersionMismatch`` or ``DecodeError``) and the request id it can still report (or null).
 
 Valid vectors must decode to ``decoded`` and ``decoded`` must re-encode to exactly
-``frames_hex``. Run from anywhere: ``python protocol/make_vectors.py``.
+``frames_hex``. Run from anywhere: ``python protocol/make_vectors.py``; it also rewrites the
+request tables of ``SPEC.md`` (section 9) from the declarations in ``zmqflow/wire/requests``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from zmqflow.wire.codec import ERROR, REPLY, REQUEST, Message, decode, encode  # noqa: E402
 from zmqflow.wire.dtypes import WIRE_DTYPES, dtype_name  # noqa: E402
+from zmqflow.wire.requests import ps as ps_requests  # noqa: E402
+from zmqflow.wire.requests.doc import BEGIN, END, request_tables  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 # dtypes whose values are written as nested lists; the others travel as base64 of raw bytes
@@ -304,13 +307,37 @@ def _flat(obj: Any) -> bool:
     return True
 
 
+def declared_vectors() -> list[dict[str, Any]]:
+    """Requests built from their declarations: pinned so a declaration cannot change the bytes unseen."""
+    push = ps_requests.Push(dense=[ps_requests.RowsItem("w", 0, 0, 2, np.arange(6, dtype=np.float32).reshape(2, 3))],
+                            sparse=[ps_requests.SparseItem("e", 1, np.array([3, 1], np.int64), np.ones((2, 3), np.float32))],
+                            step=7)
+    assign = ps_requests.Assign(items=[ps_requests.RowsItem("b", 0, None, None, np.array(1.5, np.float64))], mode="add")
+    return [
+        _valid("request_ps_push", "ps.push built from its declaration: dense and sparse items travel as positional "
+               "lists; fields left at their defaults are left off", Message(REQUEST, 11, "ps", "push", push, deadline=5.0)),
+        _valid("request_ps_assign", "ps.assign of a scalar built from its declaration (the scalar-update hot path)",
+               Message(REQUEST, 12, "ps", "assign", assign, deadline=5.0)),
+    ]
+
+
+def write_request_tables(spec: Path) -> None:
+    """Replace the request tables of SPEC.md (between their markers) with the declarations'."""
+    text = spec.read_text()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    spec.write_text(text[:start] + request_tables() + text[end:])
+
+
 def main(argv: list[str]) -> int:
     folder = Path(argv[1]) if len(argv) > 1 else HERE / "vectors"
     folder.mkdir(parents=True, exist_ok=True)
-    for vector in valid_vectors() + invalid_vectors():
+    for vector in valid_vectors() + declared_vectors() + invalid_vectors():
         text = dumps(vector) + "\n"
         (folder / f"{vector['name']}.json").write_text(text)
         print(f"wrote {folder / vector['name']}.json")
+    if len(argv) <= 1:
+        write_request_tables(HERE / "SPEC.md")
+        print(f"wrote the request tables of {HERE / 'SPEC.md'}")
     return 0
 
 

@@ -31,6 +31,8 @@ from ..state.snapshot import TEMP_SUFFIX, abandoned_temporary, crash_point, fsyn
 from ..state.store import part_label
 from ..cluster import shard_tasks
 from .variables import create_parts
+from ..wire.requests import cluster as crq
+from ..wire.requests import ps as rq
 
 if TYPE_CHECKING:
     from .blocking import Session
@@ -87,10 +89,10 @@ async def async_save(sess: "AsyncSession", directory: str, *, step: int | None =
     spec = await sess.cluster()
     if step is None:
         step = await _global_step(sess)
-    records = await sess.call_catalog("records", {})
+    records = await sess.call_catalog("records", crq.Records())
     tag = f"step{step:010d}-{int(time.time() * 1000)}"
     shards = await asyncio.gather(*(
-        sess.call_task(t, "ps", "save", {"directory": os.path.abspath(directory), "file": f"{tag}-{t.job}{t.index}.npz"})
+        sess.call_task(t, "ps", "save", rq.Save(directory=os.path.abspath(directory), file=f"{tag}-{t.job}{t.index}.npz"))
         for t in shard_tasks(spec)
     ))
     for task, shard in zip(shard_tasks(spec), shards):
@@ -207,16 +209,16 @@ async def async_recover(sess: "AsyncSession", path: str) -> int:
     the caller recovers again, and nobody trains on mixed state meanwhile."""
     manifest, pieces = _load(path)
     tasks = shard_tasks(await sess.cluster())
-    epochs = await asyncio.gather(*(sess.call_task(t, "ps", "fence") for t in tasks))
-    records = await sess.call_catalog("records", {"pending": True})
+    epochs = await asyncio.gather(*(sess.call_task(t, "ps", "fence", rq.Empty()) for t in tasks))
+    records = await sess.call_catalog("records", crq.Records(pending=True))
     restored = {r["name"] for r in manifest["records"]}
     kept = [r for r in records if r["name"] not in restored]
-    swept = await asyncio.gather(*(sess.call_task(t, "ps", "sweep", {"keep": _placed(kept, str(t))}) for t in tasks))
+    swept = await asyncio.gather(*(sess.call_task(t, "ps", "sweep", _sweep(kept, str(t))) for t in tasks))
     stale = sorted({part_label((name, part)) for dropped in swept for name, part in dropped if name not in restored})
     if stale:
         log.warning("dropped %d part(s) no longer in the catalog: %s", len(stale), ", ".join(stale))
     step = await _put_back(sess, manifest, pieces)
-    lifted = await asyncio.gather(*(sess.call_task(t, "ps", "unfence", {"epoch": e}) for t, e in zip(tasks, epochs)))
+    lifted = await asyncio.gather(*(sess.call_task(t, "ps", "unfence", rq.Unfence(epoch=e)) for t, e in zip(tasks, epochs)))
     if not all(lifted):
         late = [str(t) for t, ok in zip(tasks, lifted) if not ok]
         raise Recovering(f"another recovery fenced {', '.join(late)} while this one restored step {step}", tasks=late)
@@ -229,12 +231,12 @@ async def async_recover(sess: "AsyncSession", path: str) -> int:
 async def async_fenced(sess: "AsyncSession") -> list[str]:
     """The shards a recovery has fenced (and not lifted yet)."""
     tasks = shard_tasks(await sess.cluster())
-    states = await asyncio.gather(*(sess.call_task(t, "ps", "status") for t in tasks))
+    states = await asyncio.gather(*(sess.call_task(t, "ps", "status", rq.Empty()) for t in tasks))
     return [str(t) for t, st in zip(tasks, states) if st.get("fenced")]
 
 
 async def _missing_parts(sess: "AsyncSession", tasks: list[Any], records: list[dict[str, Any]]) -> list[str]:
-    held = await asyncio.gather(*(sess.call_task(t, "ps", "variables") for t in tasks))
+    held = await asyncio.gather(*(sess.call_task(t, "ps", "variables", rq.Empty()) for t in tasks))
     have = {(str(t), v["name"], v["part"]) for t, vs in zip(tasks, held) for v in vs}
     return [f"{r['name']} part {i} on {p['task']}" for r in records for i, p in enumerate(r["parts"])
             if not (r.get("table") and r["table"]["kind"] == "hash") and (p["task"], r["name"], i) not in have]
@@ -242,6 +244,10 @@ async def _missing_parts(sess: "AsyncSession", tasks: list[Any], records: list[d
 
 def _placed(records: list[dict[str, Any]], task: str) -> list[list[Any]]:
     return [[r["name"], i] for r in records for i, part in enumerate(r["parts"]) if part["task"] == task]
+
+
+def _sweep(records: list[dict[str, Any]], task: str) -> rq.Sweep:
+    return rq.Sweep(keep=[rq.Pair(name, i) for name, i in _placed(records, task)])
 
 
 def _slots(saved: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -277,14 +283,8 @@ async def _restore_variable(sess: "AsyncSession", record: dict[str, Any], pieces
     calls = []
     for i, task in enumerate(tasks):
         _, saved = pieces[(name, i)]
-        body = {
-            "name": name,
-            "part": i,
-            "value": saved["value"],
-            "slots": _slots(saved),
-            "steps": saved.get("steps"),
-            "sync_step": int(saved["sync_step"]) if "sync_step" in saved else None,
-        }
+        body = rq.RestorePart(name=name, part=i, value=saved["value"], slots=_slots(saved), steps=saved.get("steps"),
+                              sync_step=int(saved["sync_step"]) if "sync_step" in saved else None)
         calls.append(sess.call_task(task, "ps", "restore_part", body))
     await asyncio.gather(*calls)
 
@@ -304,10 +304,10 @@ async def _restore_table(sess: "AsyncSession", record: dict[str, Any], pieces: d
     calls = []
     for p, task in enumerate(emb.info.tasks):
         m = owner == p
-        calls.append(sess.call_task(task, "ps", "emb_restore", {
-            "name": record["name"], "part": p, "ids": ids[m], "values": values[m],
-            "slots": {k: v[m] for k, v in slots.items()}, "steps": steps[m],
-        }))
+        calls.append(sess.call_task(task, "ps", "emb_restore", rq.EmbRestore(
+            name=record["name"], part=p, ids=ids[m], values=values[m], slots={k: v[m] for k, v in slots.items()},
+            steps=steps[m],
+        )))
     await asyncio.gather(*calls)
 
 

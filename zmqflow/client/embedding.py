@@ -25,6 +25,9 @@ from ..state.tables import hash_owner, static_owner, static_part_rows
 from ..state.partition import Partitioner
 from ..state.sparse import unique_sum
 from ..wire.dtypes import dtype_from_name, dtype_name
+from ..wire.requests import Request
+from ..wire.requests import cluster as crq
+from ..wire.requests import ps as rq
 
 
 __all__ = ["TableInfo", "AsyncEmbedding", "declare_embedding", "create_table_parts", "COMBINERS"]
@@ -105,22 +108,22 @@ async def declare_embedding(sess: SessionPort, name: str, num_embeddings: int | 
         "capacity": capacity,
     }
     device = current_device()
-    record = await sess.call_catalog("declare", {
-        "name": name,
-        "shape": [num_embeddings or 0, dim],
-        "dtype": dtype_name(dt),
-        "part_rows": [[0, r] for r in rows],
-        "part_bytes": [r * dim * dt.itemsize for r in rows],
-        "device": None if device is None else str(device),
-        "policy": current_policy().name,
-        "optimizer": opt_spec,
-        "initializer": init_spec,
-        "table": table,
-    })
+    record = await sess.call_catalog("declare", crq.Declare(
+        name=name,
+        shape=[num_embeddings or 0, dim],
+        dtype=dtype_name(dt),
+        part_rows=[[0, r] for r in rows],
+        part_bytes=[r * dim * dt.itemsize for r in rows],
+        device=None if device is None else str(device),
+        policy=current_policy().name,
+        optimizer=opt_spec,
+        initializer=init_spec,
+        table=table,
+    ))
     info = TableInfo.from_record(record)
     if not record["ready"]:
         await create_table_parts(sess, info, record)
-        await sess.call_catalog("mark_ready", {"name": name})
+        await sess.call_catalog("mark_ready", crq.ByName(name=name))
     return info
 
 
@@ -128,12 +131,12 @@ async def create_table_parts(sess: SessionPort, info: TableInfo, record: dict[st
     """Create every part of a table on its shard (get-or-create: parts that exist are kept)."""
     t = record["table"]
     await asyncio.gather(*(
-        sess.call_task(task, "ps", "emb_create", {
-            "name": info.name, "part": p, "kind": t["kind"], "dim": info.dim, "dtype": dtype_name(info.dtype),
-            "rows": info.part_rows[p], "num_embeddings": info.num_embeddings, "num_parts": info.parts,
-            "optimizer": record.get("optimizer"), "initializer": record.get("initializer"),
-            "min_frequency": t["min_frequency"], "capacity": t["capacity"],
-        })
+        sess.call_task(task, "ps", "emb_create", rq.EmbCreate(
+            name=info.name, part=p, kind=t["kind"], dim=info.dim, dtype=dtype_name(info.dtype),
+            rows=info.part_rows[p], num_embeddings=info.num_embeddings, num_parts=info.parts,
+            optimizer=record.get("optimizer"), initializer=record.get("initializer"),
+            min_frequency=t["min_frequency"], capacity=t["capacity"],
+        ))
         for p, task in enumerate(info.tasks)
     ))
 
@@ -164,15 +167,16 @@ class AsyncEmbedding:
                 raise InvalidArgument(f"{what} of {self.name!r}: id {int(flat[bad][0])} out of range [0, {num})")
         return flat
 
-    async def _per_part(self, uniq: np.ndarray, op: str, extra: dict[str, Any] | None = None,
+    async def _per_part(self, uniq: np.ndarray, op: str, create: bool = True,
                         rows: np.ndarray | None = None) -> list[tuple[np.ndarray, Any]]:
+        """``emb_lookup`` (``rows`` None) or ``emb_push`` of ``rows`` to each part owning some ids."""
         part, local = self.info.owners(uniq)
         masks = [(p, part == p) for p in np.unique(part).tolist()]
         calls = []
         for p, mask in masks:
-            body = {"name": self.name, "part": p, "ids": np.require(local[mask], requirements="C"), **(extra or {})}
-            if rows is not None:
-                body["grads"] = np.require(rows[mask], requirements="C")
+            ids = np.require(local[mask], requirements="C")
+            body: Request = (rq.EmbLookup(name=self.name, part=p, ids=ids, create=create) if rows is None else
+                                rq.EmbPush(name=self.name, part=p, ids=ids, grads=np.require(rows[mask], requirements="C")))
             calls.append(self._session.call_task(self.info.tasks[p], "ps", op, body))
         results = await asyncio.gather(*calls)
         return [(mask, r) for (_, mask), r in zip(masks, results)]
@@ -185,7 +189,7 @@ class AsyncEmbedding:
             return np.zeros((*shape, self.dim), self.info.dtype)
         uniq, inverse = np.unique(flat, return_inverse=True)
         rows = np.empty((len(uniq), self.dim), self.info.dtype)
-        for mask, got in await self._per_part(uniq, "emb_lookup", {"create": bool(create)}):
+        for mask, got in await self._per_part(uniq, "emb_lookup", bool(create)):
             rows[mask] = got
         return rows[inverse.reshape(-1)].reshape(*shape, self.dim)
 
@@ -228,7 +232,8 @@ class AsyncEmbedding:
 
     async def stats(self) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(
-            self._session.call_task(t, "ps", "emb_stats", {"name": self.name, "part": p}) for p, t in enumerate(self.info.tasks)
+            self._session.call_task(t, "ps", "emb_stats", rq.EmbIds(name=self.name, part=p))
+            for p, t in enumerate(self.info.tasks)
         )))
 
     async def size(self) -> int:
@@ -248,8 +253,8 @@ class AsyncEmbedding:
         if older_than_steps is None and older_than_seconds is None:
             raise InvalidArgument("evict needs older_than, older_than_steps or older_than_seconds")
         counts = await asyncio.gather(*(
-            self._session.call_task(t, "ps", "emb_evict", {"name": self.name, "part": p, "older_than_step": older_than_steps,
-                                                            "older_than_seconds": older_than_seconds})
+            self._session.call_task(t, "ps", "emb_evict", rq.EmbEvict(
+                name=self.name, part=p, older_than_step=older_than_steps, older_than_seconds=older_than_seconds))
             for p, t in enumerate(self.info.tasks)
         ))
         return int(sum(counts))
@@ -259,7 +264,8 @@ class AsyncEmbedding:
         for p, task in enumerate(self.info.tasks):
             start = 0
             while True:
-                got = await self._session.call_task(task, "ps", "emb_export", {"name": self.name, "part": p, "start": start, "limit": page})
+                got = await self._session.call_task(task, "ps", "emb_export",
+                                                    rq.EmbExport(name=self.name, part=p, start=start, limit=page))
                 if len(got["ids"]):
                     yield self.info.global_ids(p, got["ids"]), got["rows"]
                 if not got["more"]:

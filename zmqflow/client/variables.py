@@ -14,7 +14,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -26,11 +26,14 @@ from .port import SessionPort
 from .placement import current_device, current_policy
 from ..state.partition import num_partitions, row_splits
 from ..wire.dtypes import dtype_from_name, dtype_name
+from ..wire.requests import cluster as crq
+from ..wire.requests import ps as rq
 
 
 __all__ = ["SLICE_BYTES", "VarInfo", "AsyncVariable", "declare", "create_parts", "pull", "push", "assign", "scatter"]
 
 SLICE_BYTES = 4 << 20
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,9 +86,9 @@ def _rows_of(info: VarInfo, part: int, chunk: tuple[int | None, int | None], x: 
     return x[r0 + chunk[0]: r0 + chunk[1]]
 
 
-def _bundle(items: Iterable[tuple[TaskId, int, list[Any]]]) -> dict[TaskId, list[list[list[Any]]]]:
+def _bundle(items: Iterable[tuple[TaskId, int, T]]) -> dict[TaskId, list[list[T]]]:
     """Group items per task into requests of about SLICE_BYTES each."""
-    out: dict[TaskId, list[list[list[Any]]]] = defaultdict(list)
+    out: dict[TaskId, list[list[T]]] = defaultdict(list)
     sizes: dict[TaskId, int] = defaultdict(int)
     for task, nbytes, item in items:
         batches = out[task]
@@ -157,24 +160,21 @@ async def declare(
     if value is None:
         init_spec = _init.from_spec(initializer if initializer is not None else _init.zeros()).spec()
     device = current_device()
-    record = await sess.call_catalog(
-        "declare",
-        {
-            "name": name,
-            "shape": list(full),
-            "dtype": dname,
-            "part_rows": [list(r) for r in splits],
-            "part_bytes": [(b - a) * row_bytes for a, b in splits],
-            "device": None if device is None else str(device),
-            "policy": current_policy().name,
-            "optimizer": opt_spec,
-            "initializer": init_spec,
-        },
-    )
+    record = await sess.call_catalog("declare", crq.Declare(
+        name=name,
+        shape=list(full),
+        dtype=dname,
+        part_rows=[list(r) for r in splits],
+        part_bytes=[(b - a) * row_bytes for a, b in splits],
+        device=None if device is None else str(device),
+        policy=current_policy().name,
+        optimizer=opt_spec,
+        initializer=init_spec,
+    ))
     info = VarInfo.from_record(record)
     if not record["ready"]:
         await create_parts(sess, info, value)
-        await sess.call_catalog("mark_ready", {"name": name})
+        await sess.call_catalog("mark_ready", crq.ByName(name=name))
     return info
 
 
@@ -183,18 +183,11 @@ async def create_parts(sess: SessionPort, info: VarInfo, value: np.ndarray | Non
     n = len(info.parts)
     calls = []
     for i, (task, r0, r1) in enumerate(info.parts):
-        body = {
-            "name": info.name,
-            "part": i,
-            "shape": list(info.shape),
-            "rows": [r0, r1],
-            "dtype": dtype_name(info.dtype),
-            "num_parts": n,
-            "optimizer": info.optimizer,
-            "initializer": info.initializer,
-        }
-        if value is not None:
-            body["value"] = value[r0:r1] if info.shape else value
+        body = rq.Create(
+            name=info.name, part=i, shape=list(info.shape), rows=[r0, r1], dtype=dtype_name(info.dtype), num_parts=n,
+            optimizer=info.optimizer, initializer=info.initializer,
+            value=None if value is None else value[r0:r1] if info.shape else value,
+        )
         calls.append(sess.call_task(task, "ps", "create", body))
     await asyncio.gather(*calls)
 
@@ -212,12 +205,12 @@ async def pull(sess: SessionPort, infos: list[VarInfo]) -> dict[str, np.ndarray]
                 key = len(where)
                 where[key] = (info, p, chunk)
                 nbytes = ((chunk[1] or 0) - (chunk[0] or 0)) * info.row_bytes if info.shape else info.row_bytes
-                items.append((task, nbytes, [info.name, p, chunk[0], chunk[1], key]))
+                items.append((task, nbytes, (key, rq.PullItem(info.name, p, chunk[0], chunk[1]))))
     requests = []
     for task, batches in _bundle(items).items():
         for batch in batches:
-            keys = [it[4] for it in batch]
-            requests.append((keys, sess.call_task(task, "ps", "pull", {"items": [it[:4] for it in batch]})))
+            keys = [key for key, _ in batch]
+            requests.append((keys, sess.call_task(task, "ps", "pull", rq.Pull(items=[it for _, it in batch]))))
     results = await _all([r for _, r in requests])
     for (keys, _), arrays in zip(requests, results):
         for key, arr in zip(keys, arrays):
@@ -233,9 +226,9 @@ async def assign(sess: SessionPort, info: VarInfo, x: Any, mode: str) -> None:
     for p, (task, _, _) in enumerate(info.parts):
         for chunk in info.chunks(p):
             rows = _rows_of(info, p, chunk, x)
-            items.append((task, rows.nbytes, [info.name, p, chunk[0], chunk[1], rows]))
+            items.append((task, rows.nbytes, rq.RowsItem(info.name, p, chunk[0], chunk[1], rows)))
     await _all([
-        sess.call_task(task, "ps", "assign", {"items": batch, "mode": mode})
+        sess.call_task(task, "ps", "assign", rq.Assign(items=batch, mode=mode))
         for task, batches in _bundle(items).items() for batch in batches
     ])
 
@@ -269,38 +262,38 @@ def _split_sparse(info: VarInfo, indices: Any, rows: Any, what: str) -> list[tup
 async def scatter(sess: SessionPort, info: VarInfo, indices: Any, rows: Any, mode: str) -> None:
     parts = _split_sparse(info, indices, rows, f"scatter_{mode}")
     await _all([
-        sess.call_task(info.parts[p][0], "ps", "scatter", {"name": info.name, "part": p, "indices": i, "rows": r, "mode": mode})
+        sess.call_task(info.parts[p][0], "ps", "scatter", rq.Scatter(name=info.name, part=p, indices=i, rows=r, mode=mode))
         for p, i, r in parts
     ])
 
 
 async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None) -> dict[str, Any]:
     """Dense gradients (arrays) or sparse ones (``(indices, rows)``) through each variable's optimizer."""
-    async_items: list[tuple[TaskId, int, list[Any]]] = []
-    sync_dense: dict[TaskId, list[list[Any]]] = defaultdict(list)
-    sync_sparse: dict[TaskId, list[list[Any]]] = defaultdict(list)
-    async_sparse: dict[TaskId, list[list[Any]]] = defaultdict(list)
+    async_items: list[tuple[TaskId, int, rq.RowsItem]] = []
+    sync_dense: dict[TaskId, list[rq.RowsItem]] = defaultdict(list)
+    sync_sparse: dict[TaskId, list[rq.SparseItem]] = defaultdict(list)
+    async_sparse: dict[TaskId, list[rq.SparseItem]] = defaultdict(list)
     for info, grad in grads.items():
         if isinstance(grad, tuple):
             for p, i, r in _split_sparse(info, grad[0], grad[1], "sparse gradient"):
-                (sync_sparse if info.sync else async_sparse)[info.parts[p][0]].append([info.name, p, i, r])
+                (sync_sparse if info.sync else async_sparse)[info.parts[p][0]].append(rq.SparseItem(info.name, p, i, r))
             continue
         g = _as_array(grad, info, "gradient")
         for p, (task, _, _) in enumerate(info.parts):
             for chunk in info.chunks(p):
                 rows = _rows_of(info, p, chunk, g)
-                item = [info.name, p, chunk[0], chunk[1], rows]
+                item = rq.RowsItem(info.name, p, chunk[0], chunk[1], rows)
                 if info.sync:
                     sync_dense[task].append(item)
                 else:
                     async_items.append((task, rows.nbytes, item))
     calls = []
     for task, batches in _bundle(async_items).items():
-        calls += [sess.call_task(task, "ps", "push", {"dense": b, "step": step}) for b in batches]
+        calls += [sess.call_task(task, "ps", "push", rq.Push(dense=b, step=step)) for b in batches]
     for task, items in async_sparse.items():
-        calls.append(sess.call_task(task, "ps", "push", {"sparse": items, "step": step}))
+        calls.append(sess.call_task(task, "ps", "push", rq.Push(sparse=items, step=step)))
     for task in set(sync_dense) | set(sync_sparse):
-        body = {"dense": sync_dense.get(task, []), "sparse": sync_sparse.get(task, []), "step": step}
+        body = rq.Push(dense=sync_dense.get(task, []), sparse=sync_sparse.get(task, []), step=step)
         calls.append(sess.call_task(task, "ps", "push", body))
     results = await _all(calls)
     steps = [r["step"] for r in results if r.get("step") is not None]

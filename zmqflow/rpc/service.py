@@ -1,29 +1,71 @@
 """Services are actors addressed by name on a task's router; their ops are plain methods.
 
-An op is a method marked with :func:`op`. It receives a :class:`CallContext` and the request's
-arguments as keywords, and returns a msgpack-able value (arrays may sit anywhere in it) or a
-coroutine for ops that wait. Arguments are bound against the signature before the call, so a
-wrong or missing argument is an ``InvalidArgument`` naming the op, not a crash.
+An op is a method marked with :func:`op`. Declared ops (``@op(Decl)``, ``Decl`` a request of
+:mod:`zmqflow.wire.requests`) receive a :class:`CallContext` and the request converted to
+``Decl`` at the edge, before the handler runs: a missing, unknown, mistyped or out-of-limit field
+is an ``InvalidArgument`` naming the op and the field, never a crash. Undeclared ops (a bare
+``@op``, for services outside zmqflow and ops that take any map) get the arguments as keywords,
+their names checked against the signature. An op returns a msgpack-able value (arrays may sit
+anywhere in it) or a coroutine for ops that wait.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..errors import InvalidArgument, NotFound
+from ..wire.requests import OPEN, Request, Validator, compile_validator
+from ..wire.requests.ps import Empty
 
 __all__ = ["op", "Service", "CallContext", "Op"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def op(fn: F) -> F:
-    """Mark a service method as callable over the wire."""
-    fn.__zf_op__ = True  # type: ignore[attr-defined]
-    return fn
+def op(target: Any) -> Any:
+    """Mark a service method as callable over the wire: ``@op(Decl)`` with its request's
+    declaration, or a bare ``@op`` for arguments bound as keywords against the signature.
+
+    A declared handler called in-process may be given the fields as keywords instead of the
+    request (``ps.push(ctx, dense=[...], step=0)``): they are checked as a call would be. The
+    RPC dispatch calls the handler itself, with the request it checked at the edge."""
+    if not (isinstance(target, type) and issubclass(target, Request)):
+        target.__zf_op__ = True
+        return target
+
+    def mark(fn: F) -> F:
+        if target is OPEN:
+            fn.__zf_op__ = OPEN  # type: ignore[attr-defined]
+            return fn
+
+        @functools.wraps(fn)
+        def handler(self: Any, ctx: CallContext, req: Any = None, /, **fields: Any) -> Any:
+            if req is None:
+                req = _validator(getattr(self, "name", "service"), fn.__name__, target)(fields)
+            return fn(self, ctx, req)
+
+        handler.__zf_op__ = target  # type: ignore[attr-defined]
+        handler.__zf_handler__ = fn  # type: ignore[attr-defined]
+        return handler  # type: ignore[return-value]
+
+    return mark
+
+
+_validators: dict[tuple[str, str, type], Validator] = {}
+
+
+def _validator(service: str, name: str, declaration: type[Request]) -> Validator:
+    """One compiled validator per service, op and declaration."""
+    key = (service, name, declaration)
+    found = _validators.get(key)
+    if found is None:
+        found = _validators[key] = compile_validator(service, name, declaration)
+    return found
 
 
 @dataclass(slots=True)
@@ -38,12 +80,16 @@ class CallContext:
 
 
 class Op:
-    """An op and the argument names its signature accepts (checked with set operations: cheap)."""
+    """An op and how its arguments are checked: by its declaration's validator (compiled once),
+    or, undeclared, by the names its signature accepts (set operations: cheap)."""
 
-    __slots__ = ("fn", "accepted", "required", "open")
+    __slots__ = ("fn", "accepted", "required", "open", "declaration", "validate")
 
-    def __init__(self, fn: Callable[..., Any]):
+    def __init__(self, fn: Callable[..., Any], service: str = "service", name: str = "", declaration: Any = True):
         self.fn = fn
+        declared = isinstance(declaration, type) and issubclass(declaration, Request) and declaration is not OPEN
+        self.declaration: type[Request] | None = declaration if declared else None
+        self.validate = _validator(service, name or fn.__name__, declaration) if declared else None
         params = list(inspect.signature(fn).parameters.values())[1:]  # after ctx
         kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         self.accepted = frozenset(p.name for p in params if p.kind in kinds)
@@ -51,6 +97,12 @@ class Op:
         self.open = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
     def bind(self, service: str, name: str, ctx: CallContext, body: Any) -> Callable[[], Any]:
+        """The call, once its arguments are checked: ``fn(ctx, request)`` or ``fn(ctx, **body)``."""
+        fn = self.fn
+        validate = self.validate
+        if validate is not None:
+            req = validate(body)
+            return lambda: fn(ctx, req)
         if body is None:
             body = {}
         if not isinstance(body, dict):
@@ -61,7 +113,6 @@ class Op:
             raise InvalidArgument(f"{service}.{name}: unexpected argument(s) {unknown}")
         if not self.required <= keys:
             raise InvalidArgument(f"{service}.{name}: missing argument(s) {', '.join(sorted(self.required - keys))}")
-        fn = self.fn
         return lambda: fn(ctx, **body)
 
 
@@ -74,8 +125,11 @@ class Service:
         self.ops: dict[str, Op] = {}
         for attr in dir(type(self)):
             fn = getattr(type(self), attr, None)
-            if callable(fn) and getattr(fn, "__zf_op__", False):
-                self.ops[attr] = Op(getattr(self, attr))
+            mark = getattr(fn, "__zf_op__", False) if callable(fn) else False
+            if mark:
+                raw = getattr(fn, "__zf_handler__", None)  # a declared handler, past its keyword shim
+                bound = types.MethodType(raw, self) if raw is not None else getattr(self, attr)
+                self.ops[attr] = Op(bound, self.name, attr, mark)
 
     def find_op(self, name: str) -> Op:
         found = self.ops.get(name)
@@ -90,8 +144,8 @@ class Service:
     def admit(self, ctx: CallContext) -> None:
         """Called before every call is dispatched; raise to refuse it (a shard being restored does)."""
 
-    @op
-    def ping(self, ctx: CallContext) -> dict[str, Any]:
+    @op(Empty)
+    def ping(self, ctx: CallContext, req: Empty) -> dict[str, Any]:
         return {"service": self.name}
 
     async def start(self) -> None:

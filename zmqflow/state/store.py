@@ -22,7 +22,7 @@ from ..wire.dtypes import dtype_from_name
 from .sparse import unique_sum
 from .sync import SyncState
 
-__all__ = ["Part", "ShardStore", "PartKey"]
+__all__ = ["Part", "ShardStore", "PartKey", "Rows", "Sparse"]
 
 PartKey = tuple[str, int]
 
@@ -96,8 +96,31 @@ def _own_refs() -> int:
 _OWN_REFS = _own_refs()
 
 
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """Rows ``[start, stop)`` of a part and a value of exactly their shape and the part's dtype.
+    Made by :meth:`ShardStore.rows` (checked there, once) or from values already checked."""
+
+    part: Part
+    start: int
+    stop: int
+    value: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class Sparse:
+    """Part-local row indices (int64, in range) and one row each, of the part's dtype; made by
+    :meth:`ShardStore.sparse` (checked there, once) or from values already checked."""
+
+    part: Part
+    indices: np.ndarray
+    rows: np.ndarray
+
+
 class ShardStore:
-    """All parts held by one shard, by (name, part index)."""
+    """All parts held by one shard, by (name, part index). Writes check their input completely
+    (``rows``, ``sparse``) and then apply it (``write``, ``apply``), so a caller with many items
+    checks them all before it applies any, and nothing is checked twice."""
 
     def __init__(self) -> None:
         self.parts: dict[PartKey, Part] = {}
@@ -180,66 +203,98 @@ class ShardStore:
         v.flags.writeable = False
         return v
 
-    def assign(self, name: str, part: int, value: np.ndarray, mode: str = "set", start: int | None = None, stop: int | None = None) -> None:
+    # checking ---------------------------------------------------------------------------
+    def rows(self, name: str, part: int, start: int | None, stop: int | None, value: object, what: str) -> Rows:
+        """``value`` checked as rows ``[start, stop)`` of the part (None: the whole part)."""
         p = self.get(name, part)
         a, b = _local_range(p, start, stop)
+        shape = p.value.shape if not p.full_shape else (b - a, *p.full_shape[1:])
+        return Rows(p, a, b, _check_array(value, shape, p.dtype, f"{what} of {p.label}"))
+
+    def sparse(self, name: str, part: int, indices: object, rows: object, what: str) -> Sparse:
+        """``indices`` (part-local) and ``rows`` checked against the part."""
+        p = self.get(name, part)
+        label = f"{what} of {p.label}"
+        if not p.full_shape:
+            raise InvalidArgument(f"{label}: a scalar variable has no rows to index")
+        idx = np.asarray(indices)
+        if idx.ndim != 1 or idx.dtype.kind not in "iu":
+            raise InvalidArgument(f"{label}: indices must be a 1-D integer array, got {idx.dtype} of shape {idx.shape}")
+        if idx.size and (idx.min() < 0 or idx.max() >= p.nrows):  # part-local indices, named as such
+            bad = int(idx[(idx < 0) | (idx >= p.nrows)][0])
+            where = "" if p.num_parts == 1 else f" (rows {p.rows[0]}..{p.rows[1]} of the variable)"
+            raise InvalidArgument(f"{label}: index {bad} out of range [0, {p.nrows}){where}")
+        x = _check_array(rows, (len(idx), *p.full_shape[1:]), p.dtype, label)
+        return Sparse(p, idx.astype(np.int64, copy=False), x)
+
+    # writing checked input ----------------------------------------------------------------
+    def write(self, r: Rows, mode: str = "set") -> None:
+        """Set, add or subtract checked rows."""
         if mode not in ("set", "add", "sub"):
             raise InvalidArgument(f"unknown assign mode {mode!r}")
-        x = _check_array(value, p.value.shape if not p.full_shape else (b - a, *p.full_shape[1:]), p.dtype,
-                         f"{mode} of {p.label}")
+        p = r.part
         p.own()
-        target = p.value if not p.full_shape else p.value[a:b]
+        target = p.value if not p.full_shape else p.value[r.start:r.stop]
         if mode == "set":
-            target[...] = x
+            target[...] = r.value
         elif mode == "add":
-            target += x
-        elif mode == "sub":
-            target -= x
+            target += r.value
         else:
+            target -= r.value
+
+    def write_sparse(self, s: Sparse, mode: str = "add") -> None:
+        """Rows by index: ``add`` sums duplicates; ``update`` keeps the last."""
+        if mode not in ("add", "update"):
+            raise InvalidArgument(f"unknown scatter mode {mode!r}")
+        p = s.part
+        p.own()
+        if mode == "add":
+            uniq, summed = unique_sum(s.indices, s.rows)
+            p.value[uniq] += summed
+        else:
+            p.value[s.indices] = s.rows
+
+    def apply(self, update: Rows | Sparse) -> None:
+        """The part's optimizer on checked rows (a plain add without one); sparse rows touch only
+        their rows, duplicates summed first, nothing densified."""
+        p = update.part
+        if isinstance(update, Sparse):
+            uniq, summed = unique_sum(update.indices, update.rows)
+            p.own()
+            if p.optimizer is None:
+                p.value[uniq] += summed
+            else:
+                self._update(p, uniq, p.grid(summed))
+            return
+        p.own()
+        if p.optimizer is None:
+            if not p.full_shape:
+                p.value += update.value
+            else:
+                p.value[update.start:update.stop] += update.value
+            return
+        rows = slice(update.start, update.stop) if p.full_shape else slice(0, 1)
+        self._update(p, rows, p.grid(update.value))
+
+    # checking and writing in one call ----------------------------------------------------
+    def assign(self, name: str, part: int, value: np.ndarray, mode: str = "set", start: int | None = None, stop: int | None = None) -> None:
+        if mode not in ("set", "add", "sub"):
             raise InvalidArgument(f"unknown assign mode {mode!r}")
+        self.write(self.rows(name, part, start, stop, value, mode), mode)
 
     def scatter(self, name: str, part: int, indices: np.ndarray, rows: np.ndarray, mode: str = "add") -> None:
         """Rows by part-local index: ``add`` sums duplicates; ``update`` keeps the last."""
-        p = self.get(name, part)
-        idx, x = self._sparse_args(p, indices, rows, f"scatter_{mode} of {p.label}")
-        if mode not in ("add", "update"):
-            raise InvalidArgument(f"unknown scatter mode {mode!r}")
-        p.own()
-        if mode == "add":
-            uniq, summed = unique_sum(idx, x)
-            p.value[uniq] += summed
-        elif mode == "update":
-            p.value[idx] = x
-        else:
-            raise InvalidArgument(f"unknown scatter mode {mode!r}")
+        checked = self.sparse(name, part, indices, rows, f"scatter_{mode}")
+        self.write_sparse(checked, mode)
 
     # optimizer updates ------------------------------------------------------------------
     def apply_dense(self, name: str, part: int, grad: np.ndarray, start: int | None = None, stop: int | None = None) -> None:
         """Apply the part's optimizer to rows ``[start, stop)`` (plain add without one)."""
-        p = self.get(name, part)
-        a, b = _local_range(p, start, stop)
-        shape = p.value.shape if not p.full_shape else (b - a, *p.full_shape[1:])
-        g = _check_array(grad, shape, p.dtype, f"gradient of {p.label}")
-        p.own()
-        if p.optimizer is None:
-            if not p.full_shape:
-                p.value += g
-            else:
-                p.value[a:b] += g
-            return
-        rows = slice(a, b) if p.full_shape else slice(0, 1)
-        self._update(p, rows, p.grid(g))
+        self.apply(self.rows(name, part, start, stop, grad, "gradient"))
 
     def apply_sparse(self, name: str, part: int, indices: np.ndarray, rows: np.ndarray) -> None:
         """Apply the optimizer to the touched rows only (duplicates summed first); nothing densified."""
-        p = self.get(name, part)
-        idx, x = self._sparse_args(p, indices, rows, f"sparse gradient of {p.label}")
-        uniq, summed = unique_sum(idx, x)
-        p.own()
-        if p.optimizer is None:
-            p.value[uniq] += summed
-            return
-        self._update(p, uniq, p.grid(summed))
+        self.apply(self.sparse(name, part, indices, rows, "sparse gradient"))
 
     def _update(self, p: Part, rows: slice | np.ndarray, grad2d: np.ndarray) -> None:
         assert p.optimizer is not None and p.steps is not None
@@ -254,21 +309,6 @@ class ShardStore:
         if fancy:
             for k, s in slots.items():
                 p.grid(p.slots[k])[rows] = s
-
-    @staticmethod
-    def _sparse_args(p: Part, indices: np.ndarray, rows: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
-        if not p.full_shape:
-            raise InvalidArgument(f"{what}: a scalar variable has no rows to index")
-        idx = np.asarray(indices)
-        if idx.ndim != 1 or idx.dtype.kind not in "iu":
-            raise InvalidArgument(f"{what}: indices must be a 1-D integer array, got {idx.dtype} of shape {idx.shape}")
-        if idx.size and (idx.min() < 0 or idx.max() >= p.nrows):  # part-local indices, named as such
-            bad = int(idx[(idx < 0) | (idx >= p.nrows)][0])
-            where = "" if p.num_parts == 1 else f" (rows {p.rows[0]}..{p.rows[1]} of the variable)"
-            raise InvalidArgument(f"{what}: index {bad} out of range [0, {p.nrows}){where}")
-        x = _check_array(rows, (len(idx), *p.full_shape[1:]), p.dtype, what)
-        return idx.astype(np.int64, copy=False), x
-
 
 # validation ---------------------------------------------------------------------------------
 

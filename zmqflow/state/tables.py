@@ -192,7 +192,11 @@ class HashTable:
 
     def push(self, ids: np.ndarray, grads: np.ndarray) -> int:
         """Apply the optimizer to the rows of ``ids`` (unique) that exist; the rest are dropped
-        and counted. Returns how many were applied."""
+        and counted. Returns how many were applied. ``grads`` is checked here, the one place that
+        knows the table's dtype and width."""
+        if not isinstance(grads, np.ndarray) or grads.dtype != self.dtype or grads.shape != (len(ids), self.dim):
+            got = f"{grads.dtype} {list(grads.shape)}" if isinstance(grads, np.ndarray) else type(grads).__name__
+            raise InvalidArgument(f"gradients must be {self.dtype} {[len(ids), self.dim]}, got {got}")
         self.tick += 1
         self.step += 1
         keys = ids.tolist()

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import InvalidArgument, ProtocolError, VersionMismatch, ZmqflowError, error_class
 from .dtypes import dtype_from_name, dtype_name
+from .requests.base import Request, to_body
 
 __all__ = [
     "VERSION",
@@ -62,7 +63,8 @@ DEFAULT_LIMITS = Limits()
 
 @dataclass(slots=True)
 class Message:
-    """One request, reply or error. ``body`` holds arguments or results; arrays may sit anywhere in it."""
+    """One request, reply or error. ``body`` holds arguments (a map, or a declared request of
+    :mod:`.requests`, sent as the map of its fields) or results; arrays may sit anywhere in it."""
 
     kind: str
     id: int
@@ -116,7 +118,13 @@ def encode(msg: Message) -> list[Any]:
     if msg.kind == ERROR:
         head["e"] = msg.error or {}
     else:
-        head["a"] = _extract(msg.body, arrays)
+        body = msg.body
+        if isinstance(body, Request):  # a declared request travels as the map of its fields
+            try:
+                body = to_body(body)
+            except (TypeError, ValueError) as exc:
+                raise InvalidArgument(f"cannot send the body of {msg.service}.{msg.op}: {exc}") from None
+        head["a"] = _extract(body, arrays)
     frames: list[Any] = [None]
     table = []
     for i, arr in enumerate(arrays):

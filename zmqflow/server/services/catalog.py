@@ -14,6 +14,7 @@ from ...cluster import ClusterSpec, shard_tasks
 from ...errors import InvalidArgument, NotFound
 from ...state.catalog import Catalog
 from ...rpc import CallContext, Service, op
+from ...wire.requests import cluster as rq
 
 __all__ = ["CatalogService"]
 
@@ -27,26 +28,27 @@ class CatalogService(Service):
         self.catalog = Catalog([str(t) for t in shard_tasks(spec)])
         self._ready: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
 
-    @op
-    def declare(self, ctx: CallContext, name: str, shape: list, dtype: str, part_rows: list, part_bytes: list,
-                device: str | None = None, policy: str = "round_robin", optimizer: Any = None,
-                initializer: Any = None, table: dict | None = None) -> dict[str, Any]:
+    @op(rq.Declare)
+    def declare(self, ctx: CallContext, req: rq.Declare) -> dict[str, Any]:
+        name, device = req.name, req.device
         if device is not None and device not in self.spec:
             raise InvalidArgument(f"variable {name!r}: device {device!r} is not a task of the cluster ({self.spec.describe()})")
-        return self.catalog.declare(name, shape, dtype, part_rows, part_bytes, device=device, policy=policy,
-                                    optimizer=optimizer, initializer=initializer, table=table)
+        return self.catalog.declare(name, req.shape, req.dtype, req.part_rows, req.part_bytes, device=device,
+                                    policy=req.policy, optimizer=req.optimizer, initializer=req.initializer,
+                                    table=req.table)
 
-    @op
-    def mark_ready(self, ctx: CallContext, name: str) -> dict[str, Any]:
-        record = self.catalog.mark_ready(name)
-        self._ready[name].set()
+    @op(rq.ByName)
+    def mark_ready(self, ctx: CallContext, req: rq.ByName) -> dict[str, Any]:
+        record = self.catalog.mark_ready(req.name)
+        self._ready[req.name].set()
         return record
 
-    @op
-    async def lookup(self, ctx: CallContext, name: str, wait: bool = True) -> dict[str, Any]:
+    @op(rq.Lookup)
+    async def lookup(self, ctx: CallContext, req: rq.Lookup) -> dict[str, Any]:
         """The record of ``name`` once it is created; waits until then (within the deadline) if ``wait``."""
+        name = req.name
         if not self.catalog.ready(name):
-            if not wait:
+            if not req.wait:
                 self._missing(name)
             loop = asyncio.get_running_loop()
             remaining = None if ctx.deadline is None else ctx.deadline - loop.time() - 0.1
@@ -60,11 +62,11 @@ class CatalogService(Service):
     def _missing(name: str) -> None:
         raise NotFound(f"no variable named {name!r} has been created", name=name)
 
-    @op
-    def uninitialized(self, ctx: CallContext, names: list) -> list[str]:
-        return self.catalog.uninitialized([str(n) for n in names])
+    @op(rq.Uninitialized)
+    def uninitialized(self, ctx: CallContext, req: rq.Uninitialized) -> list[str]:
+        return self.catalog.uninitialized(req.names)
 
-    @op
-    def records(self, ctx: CallContext, pending: bool = False) -> list[dict[str, Any]]:
+    @op(rq.Records)
+    def records(self, ctx: CallContext, req: rq.Records) -> list[dict[str, Any]]:
         """Every ready record; with ``pending``, also those whose creator is still writing parts."""
-        return [r for r in self.catalog.records.values() if r["ready"] or pending]
+        return [r for r in self.catalog.records.values() if r["ready"] or req.pending]

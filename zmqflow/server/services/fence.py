@@ -24,6 +24,7 @@ from ...errors import InvalidArgument, Recovering
 from ...state.tables import HashTable
 from ...state.store import PartKey, ShardStore
 from ...rpc import CallContext, op
+from ...wire.requests import ps as rq
 
 __all__ = ["FenceOps", "FENCED_OPS"]
 
@@ -61,8 +62,8 @@ class FenceOps:
                              f"again", epoch=self.epoch, fenced=False)
         self._used.add(peer)
 
-    @op
-    def fence(self, ctx: CallContext) -> int:
+    @op(rq.Empty)
+    def fence(self, ctx: CallContext, req: rq.Empty) -> int:
         """Refuse data ops until ``unfence``; wake the sync pushes waiting here (they fail with
         ``Recovering``, and their pending gradients are dropped). Returns the new epoch."""
         self.epoch += 1
@@ -78,28 +79,23 @@ class FenceOps:
         self._advanced.clear()
         return self.epoch
 
-    @op
-    def unfence(self, ctx: CallContext, epoch: int) -> bool:
+    @op(rq.Unfence)
+    def unfence(self, ctx: CallContext, req: rq.Unfence) -> bool:
         """Lift the fence of recovery ``epoch``; False when a newer recovery holds it."""
-        if not isinstance(epoch, int) or isinstance(epoch, bool):
-            raise InvalidArgument(f"ps.unfence: epoch must be an integer, got {epoch!r}")
-        if epoch != self.epoch:
+        if req.epoch != self.epoch:
             return False
         self.fenced = False
         self._behind.discard(ctx.peer)  # the restorer knows: its earlier requests were all answered
         return True
 
-    @op
-    def sweep(self, ctx: CallContext, keep: list) -> list[list[Any]]:
+    @op(rq.Sweep)
+    def sweep(self, ctx: CallContext, req: rq.Sweep) -> list[list[Any]]:
         """Drop every part and table not in ``keep`` (``[[name, part], ...]``, what the catalog
         places here): parts a lost catalog no longer knows would otherwise hold memory forever.
         Returns the dropped ``[name, part]`` pairs."""
         if not self.fenced:
             raise InvalidArgument("ps.sweep drops parts: it runs only on a fenced shard (ps.fence first)")
-        if not isinstance(keep, list) or not all(
-                isinstance(k, list) and len(k) == 2 and isinstance(k[0], str) and isinstance(k[1], int) for k in keep):
-            raise InvalidArgument(f"ps.sweep: keep must be a list of [name, part] pairs, got {keep!r}")
-        wanted = {(k[0], k[1]) for k in keep}
+        wanted = {(k.name, k.part) for k in req.keep}
         dropped = [key for key in list(self.store.parts) if key not in wanted]
         dropped += [key for key in list(self.tables) if key not in wanted]
         for key in dropped:

@@ -11,6 +11,8 @@ from ...cluster import ClusterSpec, TaskId
 from ...version import __version__
 from ...rpc import CallContext, Counters, RpcClient, Service, op
 from ...wire import VERSION
+from ...wire.requests import cluster as rq
+from ...wire.requests.ps import Empty
 from ...rpc.health import wait_for_tasks
 
 __all__ = ["MasterService", "TaskRuntime"]
@@ -42,12 +44,12 @@ class MasterService(Service):
         super().__init__()
         self.runtime = runtime
 
-    @op
-    def ping(self, ctx: CallContext) -> dict[str, Any]:
+    @op(Empty)
+    def ping(self, ctx: CallContext, req: Empty) -> dict[str, Any]:
         return {"service": self.name, "task": str(self.runtime.task), "time": time.time()}
 
-    @op
-    def status(self, ctx: CallContext) -> dict[str, Any]:
+    @op(Empty)
+    def status(self, ctx: CallContext, req: Empty) -> dict[str, Any]:
         rt = self.runtime
         return {
             "task": str(rt.task),
@@ -64,11 +66,11 @@ class MasterService(Service):
             "counters": rt.counters.as_dict(),
         }
 
-    @op
-    def cluster(self, ctx: CallContext) -> dict[str, Any]:
+    @op(Empty)
+    def cluster(self, ctx: CallContext, req: Empty) -> dict[str, Any]:
         return {"cluster": self.runtime.spec.as_dict(), "task": str(self.runtime.task)}
 
-    @op
-    async def wait_for_cluster(self, ctx: CallContext, timeout: float = 30.0) -> bool:
-        await wait_for_tasks(self.runtime.client, self.runtime.spec, float(timeout))
+    @op(rq.WaitForCluster)
+    async def wait_for_cluster(self, ctx: CallContext, req: rq.WaitForCluster) -> bool:
+        await wait_for_tasks(self.runtime.client, self.runtime.spec, req.timeout)
         return True

@@ -1,8 +1,10 @@
 """The parameter-server shard service: the async layer over :class:`ShardStore` and sync replicas.
 
-Every op validates and applies in one go on the loop (atomic on the shard). Sync pushes wait,
-without blocking the loop, until their step has been applied, and past their deadline name the
-replicas that did not push.
+Requests arrive checked against their declarations (:mod:`zmqflow.wire.requests.ps`); values
+are checked against their parts by the store, once, all before any is applied, so every op is
+atomic on the shard (it runs on the loop without awaiting). Sync pushes wait, without blocking
+the loop, until their step has been applied, and past their deadline name the replicas that did
+not push.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import numpy as np
 
 from ...errors import DeadlineExceeded, InvalidArgument, Recovering
 from ...state.tables import HashTable
-from ...state.store import PartKey, ShardStore, part_label
+from ...state.store import PartKey, Rows, ShardStore, Sparse, part_label
 from ...state.sync import READY, STALE
 from ...rpc import CallContext, Service, op
+from ...wire.requests import ps as rq
 from .fence import FenceOps
 from .snapshots import SnapshotOps
 from .tables import TableOps
@@ -56,8 +59,8 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
     def admit(self, ctx: CallContext) -> None:
         self.check_fence(ctx.op, ctx.peer)
 
-    @op
-    def status(self, ctx: CallContext) -> dict[str, Any]:
+    @op(rq.Empty)
+    def status(self, ctx: CallContext, req: rq.Empty) -> dict[str, Any]:
         return {
             **self.fence_state(),
             "variables": len(self.store.parts),
@@ -66,65 +69,59 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
             "tables": {part_label(k): t.stats() for k, t in self.tables.items()},
         }
 
-    @op
-    def global_step(self, ctx: CallContext) -> int:
+    @op(rq.Empty)
+    def global_step(self, ctx: CallContext, req: rq.Empty) -> int:
         return self._step()
 
     def _step(self) -> int:
         steps = [p.sync.step for p in self.store.parts.values() if p.sync is not None]
         return max(steps, default=0)
 
-    @op
-    def variables(self, ctx: CallContext) -> list[dict[str, Any]]:
+    @op(rq.Empty)
+    def variables(self, ctx: CallContext, req: rq.Empty) -> list[dict[str, Any]]:
         return [p.describe() for p in self.store.parts.values()]
 
-    @op
-    def create(self, ctx: CallContext, name: str, part: int, shape: list, rows: list, dtype: str, num_parts: int = 1,
-               optimizer: Any = None, initializer: Any = None, value: np.ndarray | None = None) -> bool:
-        return self.store.create(name, part, shape, rows, dtype, num_parts=num_parts, optimizer=optimizer,
-                                 initializer=initializer, value=value)
+    @op(rq.Create)
+    def create(self, ctx: CallContext, req: rq.Create) -> bool:
+        return self.store.create(req.name, req.part, req.shape, req.rows, req.dtype, num_parts=req.num_parts,
+                                 optimizer=req.optimizer, initializer=req.initializer, value=req.value)
 
-    @op
-    def pull(self, ctx: CallContext, items: list) -> list[np.ndarray]:
-        """Read-only views of ``[[name, part, start, stop], ...]``, in order, sent zero-copy (a write
-        meanwhile goes to a copy of the part: ``Part.own``)."""
-        return [self.store.view(*_item(it, 4, "pull")) for it in items]
+    @op(rq.Pull)
+    def pull(self, ctx: CallContext, req: rq.Pull) -> list[np.ndarray]:
+        """Read-only views of the items' rows, in order, sent zero-copy (a write meanwhile goes to
+        a copy of the part: ``Part.own``)."""
+        view = self.store.view
+        return [view(it.name, it.part, it.start, it.stop) for it in req.items]
 
-    @op
-    def assign(self, ctx: CallContext, items: list, mode: str = "set") -> int:
-        """``[[name, part, start, stop, value], ...]``, all checked before any is written."""
-        checked = [_item(it, 5, "assign") for it in items]
-        for name, part, start, stop, value in checked:
-            self._check_rows(name, part, start, stop, value, mode)
-        for name, part, start, stop, value in checked:
-            self.store.assign(name, part, value, mode, start, stop)
+    @op(rq.Assign)
+    def assign(self, ctx: CallContext, req: rq.Assign) -> int:
+        """Every item checked before any is written."""
+        rows = self.store.rows
+        checked = [rows(it.name, it.part, it.start, it.stop, it.value, req.mode) for it in req.items]
+        for r in checked:
+            self.store.write(r, req.mode)
         return len(checked)
 
-    @op
-    def scatter(self, ctx: CallContext, name: str, part: int, indices: np.ndarray, rows: np.ndarray, mode: str = "add") -> int:
-        self.store.scatter(name, part, indices, rows, mode)
-        return int(len(indices))
+    @op(rq.Scatter)
+    def scatter(self, ctx: CallContext, req: rq.Scatter) -> int:
+        self.store.scatter(req.name, req.part, req.indices, req.rows, req.mode)
+        return int(len(req.indices))
 
-    @op
-    async def push(self, ctx: CallContext, dense: list | None = None, sparse: list | None = None, step: int | None = None) -> dict[str, Any]:
-        """Apply gradients: ``dense`` as ``[[name, part, start, stop, grad], ...]``, ``sparse`` as
-        ``[[name, part, indices, rows], ...]``. Async parts apply at once; sync parts wait for their step,
-        and the answer names the replicas whose gradients that step averaged (every pusher of the
-        step hears the same)."""
+    @op(rq.Push)
+    async def push(self, ctx: CallContext, req: rq.Push) -> dict[str, Any]:
+        """Apply gradients, every item checked first. Async parts apply at once; sync parts wait
+        for their step, and the answer names the replicas whose gradients that step averaged
+        (every pusher of the step hears the same)."""
         # admitted before a fence that ran while this waited to start: it must not land after it
         self.check_fence("push", ctx.peer)
         by_part: dict[PartKey, dict[str, Any]] = defaultdict(lambda: {"dense": {}, "sparse": None})
-        for it in dense or []:
-            name, part, start, stop, grad = _item(it, 5, "push")
-            p = self.store.get(name, part)
-            a, b = (0, p.nrows) if start is None else (start, stop)
-            self._check_rows(name, part, a if p.full_shape else None, b if p.full_shape else None, grad, "gradient")
-            by_part[(name, part)]["dense"][(a, b)] = grad
-        for it in sparse or []:
-            name, part, indices, rows = _item(it, 4, "push")
-            p = self.store.get(name, part)
-            self.store._sparse_args(p, indices, rows, f"sparse gradient of {p.label}")  # validate only
-            by_part[(name, part)]["sparse"] = (indices, rows)
+        for it in req.dense:
+            r = self.store.rows(it.name, it.part, it.start, it.stop, it.value, "gradient")
+            by_part[(it.name, it.part)]["dense"][(r.start, r.stop)] = r.value
+        for sp in req.sparse:
+            checked = self.store.sparse(sp.name, sp.part, sp.indices, sp.rows, "sparse gradient")
+            by_part[(sp.name, sp.part)]["sparse"] = (checked.indices, checked.rows)
+        step = req.step
         waits: list[tuple[PartKey, int]] = []
         stale = False
         for key, grads in by_part.items():
@@ -134,10 +131,10 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
                 continue
             if step is None:
                 raise InvalidArgument(f"variable {p.label} is synchronous: pushes must carry the pusher's step")
-            mine = min(int(step), p.sync.step)
+            mine = min(step, p.sync.step)
             self._pushers[ctx.source or "anonymous"] = ctx.peer
             self._gone.discard(ctx.source or "anonymous")
-            outcome = p.sync.offer(int(step), ctx.source or "anonymous", grads["dense"], grads["sparse"])
+            outcome = p.sync.offer(step, ctx.source or "anonymous", grads["dense"], grads["sparse"])
             if outcome == STALE:
                 stale = True
             elif outcome == READY:
@@ -155,11 +152,12 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
                 "replicas": sorted({r for s in syncs for r in s.last_contributors}) if syncs else None}
 
     def _apply(self, key: PartKey, dense: dict, sparse: Any) -> None:
+        """Gradients checked on arrival (or their means): applied without checking again."""
+        p = self.store.get(*key)
         for (a, b), grad in dense.items():
-            p = self.store.get(*key)
-            self.store.apply_dense(key[0], key[1], grad, a if p.full_shape else None, b if p.full_shape else None)
+            self.store.apply(Rows(p, a, b, grad))
         if sparse is not None:
-            self.store.apply_sparse(key[0], key[1], *sparse)
+            self.store.apply(Sparse(p, *sparse))
 
     async def _wait_step(self, ctx: CallContext, key: PartKey, mine: int) -> None:
         p = self.store.get(*key)
@@ -205,26 +203,3 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
         self._apply(key, mean_dense, mean_sparse)
         self._advanced.pop(key, asyncio.Event()).set()
         return True
-
-    def _check_rows(self, name: str, part: int, start: int | None, stop: int | None, value: Any, what: str) -> None:
-        p = self.store.get(name, part)
-        if not isinstance(value, np.ndarray):
-            raise InvalidArgument(f"{what} of {p.label}: expected an array, got {type(value).__name__}")
-        if value.dtype != p.dtype:
-            raise InvalidArgument(f"{what} of {p.label}: expected dtype {p.dtype}, got {value.dtype}")
-        if p.full_shape:
-            a = 0 if start is None else start
-            b = p.nrows if stop is None else stop
-            if not (isinstance(a, int) and isinstance(b, int) and 0 <= a <= b <= p.nrows):
-                raise InvalidArgument(f"{what} of {p.label}: rows [{start}, {stop}) outside [0, {p.nrows})")
-            expected = (b - a, *p.full_shape[1:])
-        else:
-            expected = ()
-        if tuple(value.shape) != expected:
-            raise InvalidArgument(f"{what} of {p.label}: expected shape {list(expected)}, got {list(value.shape)}")
-
-
-def _item(item: Any, n: int, what: str) -> list[Any]:
-    if not isinstance(item, list) or len(item) != n or not isinstance(item[0], str) or not isinstance(item[1], int):
-        raise InvalidArgument(f"{what}: each item must be a list of {n} fields starting with name and part, got {item!r}")
-    return item

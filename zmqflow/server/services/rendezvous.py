@@ -23,6 +23,7 @@ from typing import Any
 from ...cluster import ClusterSpec, TaskId
 from ...errors import DeadlineExceeded, InvalidArgument, Unavailable, ZmqflowError
 from ...rpc import RpcClient
+from ...wire.requests.cluster import Join
 
 __all__ = ["Formation", "Rendezvous", "join_next_generation"]
 
@@ -125,9 +126,7 @@ class Rendezvous:
 
     # the coordinator -------------------------------------------------------------------
     async def join(self, task: str, generation: int, step: int, target: int) -> dict[str, Any]:
-        for name, value in (("generation", generation), ("step", step), ("target", target)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise InvalidArgument(f"ring.join: {name} must be an integer, got {value!r}")
+        """The next generation, once formed (``ring.join``; its arguments were checked at the edge)."""
         await self._ready_event().wait()
         if self.closed:
             raise Unavailable(f"{self.task}: its ring has finished; it takes no joins", task=self.task)
@@ -239,7 +238,7 @@ async def join_next_generation(state: Rendezvous, step: int, timeout: float) -> 
         views = await _survey(state, min(_STATUS_TIMEOUT, remaining))
         coordinator, target, last = _coordinator(state, views)
         if coordinator is not None:
-            body = {"task": state.task, "generation": state.generation, "step": int(step), "target": target}
+            body = Join(task=state.task, generation=state.generation, step=int(step), target=target)
             try:
                 reply = await client.call(_endpoint(spec, coordinator), "ring", "join", body,
                                           timeout=max(0.05, min(deadline - loop.time(), _JOIN_TRY_S)), name=coordinator)

@@ -15,6 +15,8 @@ import numpy as np
 
 from ...errors import InvalidArgument, ZmqflowError, error_class
 from ...rpc import CallContext, Service, op
+from ...wire.requests import cluster as rq
+from ...wire.requests.ps import Empty
 from .rendezvous import Rendezvous
 
 __all__ = ["RingService", "BoxKey"]
@@ -38,35 +40,35 @@ class RingService(Service):
             fut = self.boxes[key] = asyncio.get_running_loop().create_future()
         return fut
 
-    @op
-    def deposit(self, ctx: CallContext, ring: str, seq: int, phase: str, step: int, chunk: int, src: int,
-                meta: list, data: np.ndarray) -> bool:
+    @op(rq.Deposit)
+    def deposit(self, ctx: CallContext, req: rq.Deposit) -> bool:
+        ring, seq = req.ring, req.seq
         if (ring, seq) in self.aborted or ring in self.retired:
             return False
-        fut = self._box((ring, int(seq), phase, int(step), int(chunk)))
+        fut = self._box((ring, seq, req.phase, req.step, req.chunk))
         if fut.done():
-            raise InvalidArgument(f"ring {ring!r} call {seq}: chunk {phase}/{step}/{chunk} delivered twice")
-        fut.set_result((src, meta, data))
+            raise InvalidArgument(f"ring {ring!r} call {seq}: chunk {req.phase}/{req.step}/{req.chunk} delivered twice")
+        fut.set_result((req.src, req.meta, req.data))
         return True
 
-    @op
-    def abort(self, ctx: CallContext, ring: str, seq: int, code: str, message: str, details: dict | None = None) -> bool:
-        self.fail(ring, int(seq), error_class(code)(message, **(details or {})))
+    @op(rq.Abort)
+    def abort(self, ctx: CallContext, req: rq.Abort) -> bool:
+        self.fail(req.ring, req.seq, error_class(req.code)(req.message, **(req.details or {})))
         return True
 
     def state(self) -> str | None:
         g = self.rendezvous.generation
         return f"ring generation {g} of {len(self.rendezvous.members)}" if g else None
 
-    @op
-    def status(self, ctx: CallContext) -> dict:
+    @op(Empty)
+    def status(self, ctx: CallContext, req: Empty) -> dict:
         """This rank's ring generation, its members, and whether its training is over."""
         return self.rendezvous.status()
 
-    @op
-    def join(self, ctx: CallContext, task: str, generation: int, step: int, target: int) -> Any:
+    @op(rq.Join)
+    def join(self, ctx: CallContext, req: rq.Join) -> Any:
         """Ask this rank, as coordinator, for a place in the next generation; answers once it forms."""
-        return self.rendezvous.join(task, generation, step, target)
+        return self.rendezvous.join(req.task, req.generation, req.step, req.target)
 
     async def stop(self) -> None:
         self.rendezvous.close()

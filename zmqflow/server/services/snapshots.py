@@ -12,6 +12,7 @@ from ...state.tables import HashTable
 from ...state.snapshot import part_arrays, table_arrays, write_atomic
 from ...state.store import PartKey, ShardStore
 from ...rpc import CallContext, op
+from ...wire.requests import ps as rq
 
 __all__ = ["SnapshotOps"]
 
@@ -22,10 +23,11 @@ class SnapshotOps:
     store: ShardStore
     tables: dict[PartKey, HashTable]
 
-    @op
-    def save(self, ctx: CallContext, directory: str, file: str) -> dict[str, Any]:
+    @op(rq.Save)
+    def save(self, ctx: CallContext, req: rq.Save) -> dict[str, Any]:
         """Write every part and table of this shard to ``directory/file``, atomically. Runs on the
         loop without yielding, so the file is one consistent moment of this shard."""
+        directory, file = req.directory, req.file
         if os.sep in file or file.startswith("."):
             raise InvalidArgument(f"checkpoint file name {file!r} must be a plain name")
         os.makedirs(directory, exist_ok=True)
@@ -42,13 +44,13 @@ class SnapshotOps:
         write_atomic(os.path.join(directory, file), arrays)
         return {"file": file, "entries": entries}
 
-    @op
-    def restore_part(self, ctx: CallContext, name: str, part: int, value: np.ndarray, slots: dict | None = None,
-                     steps: np.ndarray | None = None, sync_step: int | None = None) -> bool:
+    @op(rq.RestorePart)
+    def restore_part(self, ctx: CallContext, req: rq.RestorePart) -> bool:
         """Put a part's value, optimizer slots, step counts and sync step back (all checked first)."""
-        p = self.store.get(name, part)
+        value, steps, sync_step = req.value, req.steps, req.sync_step
+        p = self.store.get(req.name, req.part)
         _same(value, p.value, f"{p.label} value")
-        slots = slots or {}
+        slots = req.slots or {}
         for k, v in slots.items():
             if k not in p.slots:
                 raise InvalidArgument(f"{p.label} has no optimizer slot {k!r} (slots: {', '.join(p.slots) or 'none'})")
@@ -63,16 +65,15 @@ class SnapshotOps:
             p.steps[...] = steps
         if sync_step is not None and p.sync is not None:
             p.sync.discard()  # drop what was pending for the old step
-            p.sync.step = int(sync_step)
+            p.sync.step = sync_step
         return True
 
-    @op
-    def emb_restore(self, ctx: CallContext, name: str, part: int, ids: np.ndarray, values: np.ndarray,
-                    slots: dict | None = None, steps: np.ndarray | None = None) -> int:
-        table = self.tables.get((name, int(part)))
+    @op(rq.EmbRestore)
+    def emb_restore(self, ctx: CallContext, req: rq.EmbRestore) -> int:
+        table = self.tables.get((req.name, req.part))
         if table is None:
-            raise InvalidArgument(f"embedding {name!r} part {part} is not a dynamic table on this shard")
-        return table.load(ids, values, slots or {}, steps)
+            raise InvalidArgument(f"embedding {req.name!r} part {req.part} is not a dynamic table on this shard")
+        return table.load(req.ids.astype(np.int64, copy=False), req.values, req.slots or {}, req.steps)
 
 
 def _same(x: Any, like: np.ndarray, what: str) -> None:

@@ -17,6 +17,8 @@ import numpy as np
 
 from ...errors import InvalidArgument, NotFound
 from ...rpc import CallContext, Service, op
+from ...wire.requests import OPEN
+from ...wire.requests import cluster as rq
 
 __all__ = ["WorkerService"]
 
@@ -28,12 +30,12 @@ class WorkerService(Service):
         super().__init__()
         self.allow_modules = tuple(m.strip() for m in (allow_modules or []) if m.strip())
 
-    @op
+    @op(OPEN)
     def echo(self, ctx: CallContext, **values: Any) -> dict[str, Any]:
         """Return the arguments as received; arrays go back zero-copy from the received frames."""
         return values
 
-    @op
+    @op(OPEN)
     def sink(self, ctx: CallContext, **values: Any) -> int:
         """Swallow the arguments and answer with the number of tensor bytes received."""
         return sum(v.nbytes for v in values.values() if isinstance(v, np.ndarray))
@@ -41,10 +43,11 @@ class WorkerService(Service):
     def allowed(self, module: str) -> bool:
         return any(module == m or module.startswith(m + ".") for m in self.allow_modules)
 
-    @op
-    async def run(self, ctx: CallContext, function: str, args: list | None = None, kwargs: dict | None = None) -> Any:
+    @op(rq.Run)
+    async def run(self, ctx: CallContext, req: rq.Run) -> Any:
         """Call ``package.module:function(*args, **kwargs)``; coroutines are awaited, plain
         functions run on a thread so the task keeps serving."""
+        function, args, kwargs = req.function, req.args, req.kwargs
         module_name, sep, attr = function.partition(":")
         if not sep or not module_name or not attr:
             raise InvalidArgument(f"function must look like 'package.module:function', got {function!r}")

@@ -1,0 +1,216 @@
+"""Requests of the ``ps`` service: variables, embedding tables, checkpoints and the recovery fence.
+
+Row ranges are part-local; ``start``/``stop`` of ``None`` mean the whole part (and are the only
+choice for scalar variables). Values, gradients and rows are checked against the part (dtype,
+shape, index range) by the shard's store, once; here only what is known of them beforehand.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+import numpy as np
+
+from .base import (MAX_ITEMS, MAX_PARTS, PATH_MAX, ArraySpec, Count, Dtype, Int, Item, Name, Part, Request, Row,
+                   RowRange, Shape, Spec)
+
+__all__ = [
+    "Empty", "Create", "PullItem", "Pull", "RowsItem", "Assign", "Scatter", "SparseItem", "Push", "Save",
+    "RestorePart", "Unfence", "Pair", "Sweep", "EmbCreate", "EmbIds", "EmbLookup", "EmbPush", "EmbEvict",
+    "EmbExport", "EmbRestore", "OPS",
+]
+
+Indices = Annotated[np.ndarray, ArraySpec(ndim=1, kinds="iu", what="a 1-D integer array")]
+Rows2D = Annotated[np.ndarray, ArraySpec(ndim=2, what="a 2-D array")]
+Slots = Annotated[dict[str, np.ndarray], msgspec.Meta(max_length=64, description="a map of slot name to array")]
+
+
+class Empty(Request):
+    """No arguments."""
+
+
+class Create(Request):
+    """Create a part unless it exists (``value`` set, or ``initializer`` run); conflicts are refused."""
+
+    name: Name
+    part: Part
+    shape: Shape
+    rows: RowRange
+    dtype: Dtype
+    num_parts: Annotated[int, msgspec.Meta(ge=1, le=MAX_PARTS, description="an integer in 1..65536")] = 1
+    optimizer: Spec | None = None
+    initializer: Spec | None = None
+    value: np.ndarray | None = None
+
+
+class PullItem(Item):
+    name: Name
+    part: Part
+    start: Row | None
+    stop: Row | None
+
+
+class Pull(Request):
+    """Read rows of parts, in order; answered with one array per item."""
+
+    items: Annotated[list[PullItem], msgspec.Meta(max_length=MAX_ITEMS, description="a list of [name, part, start, stop]")]
+
+
+class RowsItem(Item):
+    name: Name
+    part: Part
+    start: Row | None
+    stop: Row | None
+    value: np.ndarray
+
+
+class Assign(Request):
+    """Write rows of parts (all items checked before any is written)."""
+
+    items: Annotated[list[RowsItem], msgspec.Meta(max_length=MAX_ITEMS,
+                                                  description="a list of [name, part, start, stop, value]")]
+    mode: Annotated[Literal["set", "add", "sub"], msgspec.Meta(description="one of set, add, sub")] = "set"
+
+
+class Scatter(Request):
+    """Rows by part-local index: ``add`` sums duplicates, ``update`` keeps the last."""
+
+    name: Name
+    part: Part
+    indices: Indices
+    rows: np.ndarray
+    mode: Annotated[Literal["add", "update"], msgspec.Meta(description="one of add, update")] = "add"
+
+
+class SparseItem(Item):
+    name: Name
+    part: Part
+    indices: Indices
+    rows: np.ndarray
+
+
+class Push(Request):
+    """Gradients through each part's optimizer; sync parts need the pusher's ``step``."""
+
+    dense: Annotated[list[RowsItem], msgspec.Meta(max_length=MAX_ITEMS,
+                                                  description="a list of [name, part, start, stop, gradient]")] = []
+    sparse: Annotated[list[SparseItem], msgspec.Meta(max_length=MAX_ITEMS,
+                                                     description="a list of [name, part, indices, rows]")] = []
+    step: Int | None = None
+
+
+class Save(Request):
+    """Write the shard to ``directory/file`` atomically."""
+
+    directory: Annotated[str, msgspec.Meta(min_length=1, max_length=PATH_MAX, description="a path of 1..4096 characters")]
+    file: Annotated[str, msgspec.Meta(min_length=1, max_length=255, description="a file name of 1..255 characters")]
+
+
+class RestorePart(Request):
+    """Put a part's value, optimizer slots, step counts and sync step back."""
+
+    name: Name
+    part: Part
+    value: np.ndarray
+    slots: Slots | None = None
+    steps: np.ndarray | None = None
+    sync_step: Count | None = None
+
+
+class Unfence(Request):
+    """Lift the fence of recovery ``epoch``."""
+
+    epoch: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1, description="an integer >= 0")]
+
+
+class Pair(Item):
+    name: Name
+    part: Part
+
+
+class Sweep(Request):
+    """Drop every part and table not in ``keep`` (fenced shards only)."""
+
+    keep: Annotated[list[Pair], msgspec.Meta(max_length=MAX_ITEMS, description="a list of [name, part] pairs")]
+
+
+class EmbCreate(Request):
+    """Create a table part: ``static`` rows in the store, or a ``hash`` table."""
+
+    name: Name
+    part: Part
+    kind: Annotated[Literal["static", "hash"], msgspec.Meta(description="a table kind: static or hash")]
+    dim: Annotated[int, msgspec.Meta(ge=1, le=1 << 31, description="an integer >= 1")]
+    dtype: Dtype
+    rows: Row = 0
+    num_embeddings: Annotated[int, msgspec.Meta(ge=1, le=(1 << 63) - 1, description="an integer >= 1")] | None = None
+    num_parts: Annotated[int, msgspec.Meta(ge=1, le=MAX_PARTS, description="an integer in 1..65536")] = 1
+    optimizer: Spec | None = None
+    initializer: Spec | None = None
+    min_frequency: Annotated[int, msgspec.Meta(ge=1, le=(1 << 31), description="an integer >= 1")] = 1
+    capacity: Annotated[int, msgspec.Meta(ge=1, le=(1 << 63) - 1, description="an integer >= 1")] | None = None
+
+
+class EmbIds(Request):
+    """Names one table part (``emb_stats``)."""
+
+    name: Name
+    part: Part
+
+
+class EmbLookup(Request):
+    """Rows of part-local ``ids`` (a hash table admits new ids when ``create``)."""
+
+    name: Name
+    part: Part
+    ids: Indices
+    create: bool = True
+
+
+class EmbPush(Request):
+    """Sparse gradients of unique part-local ``ids``."""
+
+    name: Name
+    part: Part
+    ids: Indices
+    grads: Rows2D
+
+
+class EmbEvict(Request):
+    """Drop rows of a hash table not updated for a number of pushes or seconds."""
+
+    name: Name
+    part: Part
+    older_than_step: Int | None = None
+    older_than_seconds: Annotated[float, msgspec.Meta(ge=-1e18, le=1e18, description="a number of seconds")] | None = None
+
+
+class EmbExport(Request):
+    """A page of rows ``[start, start + limit)``."""
+
+    name: Name
+    part: Part
+    start: Row = 0
+    limit: Annotated[int, msgspec.Meta(ge=1, le=1 << 24, description="an integer in 1..16777216")] = 1 << 16
+
+
+class EmbRestore(Request):
+    """Put rows of a hash table back (ids, values, slots, step counts)."""
+
+    name: Name
+    part: Part
+    ids: Indices
+    values: Rows2D
+    slots: Slots | None = None
+    steps: np.ndarray | None = None
+
+
+OPS: dict[str, type[Request]] = {
+    "ping": Empty, "status": Empty, "global_step": Empty, "variables": Empty,
+    "create": Create, "pull": Pull, "assign": Assign, "scatter": Scatter, "push": Push,
+    "save": Save, "restore_part": RestorePart, "emb_restore": EmbRestore,
+    "fence": Empty, "unfence": Unfence, "sweep": Sweep,
+    "emb_create": EmbCreate, "emb_lookup": EmbLookup, "emb_push": EmbPush, "emb_stats": EmbIds,
+    "emb_evict": EmbEvict, "emb_export": EmbExport,
+}
