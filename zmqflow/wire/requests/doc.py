@@ -28,7 +28,6 @@ def _type(tp: Any) -> str:
 
 
 def _bare(bare: Any, meta: list[Any]) -> str:
-    arrays = [m for m in meta if isinstance(m, ArraySpec)]
     if bare is np.ndarray:
         return "tensor"
     if typing.get_origin(bare) is typing.Literal:
