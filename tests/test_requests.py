@@ -140,6 +140,10 @@ def test_a_declared_request_travels_as_the_map_it_always_was():
     assert back.sparse == [] and back.step == 4
     with pytest.raises(InvalidArgument, match="ps.push"):
         encode(Message(REQUEST, 1, "ps", "push", rq.Push(step=object())))  # type: ignore[arg-type]
+    # a value equal to its default stays off the wire; one of another value (or type) goes on
+    assert decode(encode(Message(REQUEST, 2, "ps", "assign", rq.Assign(items=[], mode="set")))).body == {"items": []}
+    assert decode(encode(Message(REQUEST, 3, "ps", "assign", rq.Assign(items=[], mode="add")))).body == {"items": [], "mode": "add"}
+    assert decode(encode(Message(REQUEST, 4, "ps", "push", rq.Push(step=0)))).body == {"step": 0}
 
 
 @pytest.mark.parametrize("service", [MasterService, PsService, WorkerService, CatalogService, RingService])

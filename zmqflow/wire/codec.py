@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import msgspec
 import numpy as np
 
 from ..errors import InvalidArgument, ProtocolError, VersionMismatch, ZmqflowError, error_class
 from .dtypes import dtype_from_name, dtype_name
-from .requests.base import Request, to_body
 
 __all__ = [
     "VERSION",
@@ -118,13 +118,7 @@ def encode(msg: Message) -> list[Any]:
     if msg.kind == ERROR:
         head["e"] = msg.error or {}
     else:
-        body = msg.body
-        if isinstance(body, Request):  # a declared request travels as the map of its fields
-            try:
-                body = to_body(body)
-            except (TypeError, ValueError) as exc:
-                raise InvalidArgument(f"cannot send the body of {msg.service}.{msg.op}: {exc}") from None
-        head["a"] = _extract(body, arrays)
+        head["a"] = _extract(msg.body, arrays)
     frames: list[Any] = [None]
     table = []
     for i, arr in enumerate(arrays):
@@ -154,11 +148,45 @@ def _extract(obj: Any, arrays: list[np.ndarray]) -> Any:
         return msgpack.ExtType(_EXT_TENSOR, _U32.pack(len(arrays) - 1))
     if isinstance(obj, _generic):
         return obj.item()
+    if isinstance(obj, _Struct):  # a declared request as the map of its fields, an item as its list
+        layout = _layouts[t] if t in _layouts else _layout(t)
+        if layout is None:
+            return [_extract(v, arrays) for v in _astuple(obj)]
+        return {k: _extract(v, arrays) for k, v in zip(t.__struct_fields__, _astuple(obj)) if _sent(v, layout.get(k, _REQUIRED))}
     if isinstance(obj, dict):  # subclasses (OrderedDict, defaultdict) after the exact-type fast path
         return {k: _extract(v, arrays) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_extract(v, arrays) for v in obj]
     return obj
+
+
+_Struct, _astuple = msgspec.Struct, msgspec.structs.astuple
+_REQUIRED = object()
+_layouts: dict[type, dict[str, Any] | None] = {}
+
+
+def _layout(cls: type) -> dict[str, Any] | None:
+    """None for an array-like struct (sent as a list); else its fields' defaults, left off the wire."""
+    layout = None
+    if not cls.__struct_config__.array_like:
+        layout = {}
+        for f in msgspec.structs.fields(cls):
+            if f.default is not msgspec.NODEFAULT:
+                layout[f.name] = f.default
+            elif f.default_factory is not msgspec.NODEFAULT:
+                layout[f.name] = f.default_factory()
+    _layouts[cls] = layout
+    return layout
+
+
+def _sent(value: Any, default: Any) -> bool:
+    """Whether a field goes on the wire: always when required, else when it is not its default
+    (compared only with a value of the default's own type: arrays are never defaults)."""
+    if default is _REQUIRED:
+        return True
+    if default is None:
+        return value is not None
+    return type(value) is not type(default) or value != default
 
 
 def _wire_buffer(arr: np.ndarray) -> tuple[np.ndarray, str]:

@@ -7,10 +7,10 @@ take any map (``worker.echo``, ``worker.sink``). A request class is sent as the 
 """
 
 from . import cluster, ps
-from .base import ArraySpec, Item, Request, Validator, compile_validator, to_body
+from .base import ArraySpec, Item, Request, Validator, compile_validator
 from .cluster import OPEN
 
-__all__ = ["SERVICES", "OPEN", "ArraySpec", "Item", "Request", "Validator", "compile_validator", "to_body",
+__all__ = ["SERVICES", "OPEN", "ArraySpec", "Item", "Request", "Validator", "compile_validator",
            "cluster", "ps", "declaration"]
 
 SERVICES: dict[str, dict[str, type[Request]]] = {

@@ -3,7 +3,8 @@
 A declaration is a ``msgspec.Struct``: its fields are the op's arguments, their annotations the
 types and limits (``msgspec.Meta``: lengths, ranges) and, for arrays, :class:`ArraySpec`. The
 server converts a decoded body into it at its edge (``msgspec.convert``: C speed, no per-field
-Python loop); the client builds the same class and the codec sends its fields. Items of lists are
+Python loop); the client builds the same class and the codec sends its fields (``wire/codec.py``: a request as
+the map of its fields less their defaults, an item as its list). Items of lists are
 ``array_like`` structs, so they travel as the positional lists they always were.
 """
 
@@ -21,7 +22,7 @@ import numpy as np
 from ...errors import InvalidArgument
 
 __all__ = [
-    "Request", "Item", "ArraySpec", "Validator", "compile_validator", "to_body", "field_types", "unwrap",
+    "Request", "Item", "ArraySpec", "Validator", "compile_validator", "field_types", "unwrap",
     "NAME_MAX", "PATH_MAX", "MAX_PARTS", "MAX_ITEMS", "MAX_NDIM", "INT64_MAX",
     "Name", "Part", "Row", "Count", "Int", "Step", "Shape", "RowRange", "Dtype", "Spec", "Flag",
 ]
@@ -68,20 +69,6 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw
 
 class Item(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     """One entry of a list argument, sent as a positional list."""
-
-
-# encoding (client side) ------------------------------------------------------------------------
-
-
-def _plain(x: Any) -> Any:
-    if isinstance(x, np.generic):
-        return x.item()
-    raise TypeError(f"{type(x).__name__} cannot be sent")
-
-
-def to_body(req: Request) -> dict[str, Any]:
-    """The fields of ``req`` as the map that goes on the wire (arrays kept as they are)."""
-    return msgspec.to_builtins(req, builtin_types=(np.ndarray, bytes, bytearray, memoryview), enc_hook=_plain)
 
 
 # validation (server side) ----------------------------------------------------------------------
