@@ -26,6 +26,7 @@ from ..errors import CollectiveMismatch, ConfigError, DeadlineExceeded, InvalidA
 from ..server.task import AsyncServer, Server
 from ..rpc.health import wait_for_tasks
 from ..wire.dtypes import dtype_name
+from ..wire.requests import cluster as crq
 
 __all__ = ["Ring", "AsyncRing", "default_members", "DEFAULT_BUCKET_BYTES", "DEFAULT_CHUNK_BYTES"]
 
@@ -225,8 +226,8 @@ class AsyncRing:
         remaining = max(0.05, deadline - asyncio.get_running_loop().time())
         fut = self.server.client.start_call(
             self._endpoints[right], "ring", "deposit",
-            {"ring": self.name, "seq": seq, "phase": step.phase, "step": step.index, "chunk": k, "src": self.rank,
-             "meta": meta, "data": data},
+            crq.Deposit(ring=self.name, seq=seq, phase=step.phase, step=step.index, chunk=k, src=self.rank,
+                        meta=meta, data=data),
             timeout=remaining, name=str(self.members[right]),
         )
         fut.add_done_callback(lambda f: self._sent(f, seq))
@@ -264,8 +265,8 @@ class AsyncRing:
         if (self.name, seq) in self.service.aborted:
             return
         self.service.fail(self.name, seq, exc)
-        body = {"ring": self.name, "seq": seq, "code": exc.code, "message": exc.message,
-                "details": {k: v for k, v in exc.details.items() if isinstance(v, (str, int, float, list))}}
+        body = crq.Abort(ring=self.name, seq=seq, code=exc.code, message=exc.message,
+                         details={k: v for k, v in exc.details.items() if isinstance(v, (str, int, float, list))})
         client = self.server.client
         for i, ep in enumerate(self._endpoints):
             if i != self.rank and client.peer_state(ep) != "down":

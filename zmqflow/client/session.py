@@ -18,6 +18,7 @@ from ..cluster import Address, ClusterSpec, TaskId, catalog_task, load_config, s
 from ..errors import ConfigError, InvalidArgument
 from ..rpc import DEFAULT_TIMEOUT, RpcClient
 from ..transport.base import Transport
+from ..wire.requests import cluster as crq
 from .embedding import AsyncEmbedding, TableInfo, declare_embedding
 from .variables import AsyncVariable, VarInfo, declare
 from .variables import pull as _pull
@@ -105,7 +106,7 @@ class AsyncSession:
     async def _lookup(self, name: str, timeout: float | None) -> dict[str, Any]:
         """The catalog's record of ``name``, waiting up to ``timeout`` (0: not at all) for its creator."""
         limit = self.timeout if timeout is None else float(timeout)
-        return await self.call_catalog("lookup", {"name": name, "wait": limit > 0}, timeout=max(limit, 0.01) + 0.2)
+        return await self.call_catalog("lookup", crq.Lookup(name=name, wait=limit > 0), timeout=max(limit, 0.01) + 0.2)
 
     async def get_embedding(self, name: str, timeout: float | None = None) -> AsyncEmbedding:
         """An existing table by name, waiting (up to ``timeout``) until it exists."""
@@ -118,13 +119,13 @@ class AsyncSession:
         return AsyncVariable(self, info)
 
     async def uninitialized(self, names: list[str]) -> list[str]:
-        return await self.call_catalog("uninitialized", {"names": list(names)})
+        return await self.call_catalog("uninitialized", crq.Uninitialized(names=list(names)))
 
     async def variables(self) -> list[dict[str, Any]]:
         """Every variable of the cluster: name, shape, dtype and each part's task and rows."""
         return [
             {k: r[k] for k in ("name", "shape", "dtype", "parts", "optimizer")}
-            for r in await self.call_catalog("records", {})
+            for r in await self.call_catalog("records", crq.Records())
         ]
 
     async def _info(self, var: "str | AsyncVariable") -> VarInfo:
@@ -161,7 +162,7 @@ class AsyncSession:
 
     async def run(self, function: str, *args: Any, task: "TaskId | str", timeout: float | None = None, **kwargs: Any) -> Any:
         """Run ``package.module:function(*args, **kwargs)`` on ``task`` (its allow-list decides)."""
-        return await self.call("worker", "run", {"function": function, "args": list(args), "kwargs": kwargs},
+        return await self.call("worker", "run", crq.Run(function=function, args=list(args), kwargs=kwargs),
                                task=task, timeout=timeout)
 
     async def call(self, service: str, op: str, body: Any = None, *, task: "TaskId | str | None" = None, timeout: float | None = None) -> Any:
@@ -186,7 +187,7 @@ class AsyncSession:
     async def wait_for_cluster(self, timeout: float = 30.0) -> None:
         """Return when every task of the cluster answers; else ClusterNotReady naming the others."""
         await self.client.call(
-            self.endpoint, "master", "wait_for_cluster", {"timeout": float(timeout)}, timeout=timeout + WAIT_MARGIN
+            self.endpoint, "master", "wait_for_cluster", crq.WaitForCluster(timeout=float(timeout)), timeout=timeout + WAIT_MARGIN
         )
 
     async def close(self) -> None:
