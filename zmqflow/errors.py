@@ -18,6 +18,9 @@ __all__ = [
     "NotFound",
     "InvalidArgument",
     "VariableConflict",
+    "PermissionDenied",
+    "Unauthenticated",
+    "ResourceExhausted",
     "CollectiveMismatch",
     "ProtocolError",
     "VersionMismatch",
@@ -104,6 +107,27 @@ class VariableConflict(InvalidArgument):
     code = "VARIABLE_CONFLICT"
 
 
+class PermissionDenied(ZmqflowError, PermissionError):
+    """The caller may not do this: a function no task registered or allowed, a path outside the
+    checkpoint roots, an admin op from a client key. Nothing was read or changed."""
+
+    code = "PERMISSION_DENIED"
+
+
+class Unauthenticated(ZmqflowError, PermissionError):
+    """The peer did not accept this side's key (or it had none): authentication is the reason.
+    Nothing was read or changed."""
+
+    code = "UNAUTHENTICATED"
+
+
+class ResourceExhausted(ZmqflowError):
+    """A request would pass a configured limit (bytes, elements, variables, requests in flight);
+    it was refused before anything was allocated or recorded."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
 class CollectiveMismatch(ZmqflowError):
     """Ranks of one collective call disagree on its sequence, op, dtype or shape."""
 
@@ -144,6 +168,9 @@ _BY_CODE: dict[str, type[ZmqflowError]] = {
         NotFound,
         InvalidArgument,
         VariableConflict,
+        PermissionDenied,
+        Unauthenticated,
+        ResourceExhausted,
         CollectiveMismatch,
         ProtocolError,
         VersionMismatch,
