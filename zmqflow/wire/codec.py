@@ -152,6 +152,8 @@ def _extract(obj: Any, arrays: list[np.ndarray]) -> Any:
         layout = _layouts[t] if t in _layouts else _layout(t)
         if layout is None:
             return [_extract(v, arrays) for v in _astuple(obj)]
+        if not layout:  # no defaults (a ring deposit): every field goes
+            return {k: _extract(v, arrays) for k, v in zip(t.__struct_fields__, _astuple(obj))}
         return {k: _extract(v, arrays) for k, v in zip(t.__struct_fields__, _astuple(obj)) if _sent(v, layout.get(k, _REQUIRED))}
     if isinstance(obj, dict):  # subclasses (OrderedDict, defaultdict) after the exact-type fast path
         return {k: _extract(v, arrays) for k, v in obj.items()}
