@@ -572,7 +572,7 @@ def _raised(exc: BaseException) -> BaseException:
 @pytest.mark.parametrize("cls", KNOWN, ids=lambda c: c.__name__)
 def test_known_error_codes_round_trip_to_their_class(cls):
     exc = _raised(cls(f"{cls.__name__} happened", task="ps:0"))
-    msg = roundtrip(error_message(17, exc, source="ps:0"))
+    msg = roundtrip(error_message(17, exc, source="ps:0", with_traceback=True))
     assert msg.kind == ERROR and msg.id == 17 and msg.source == "ps:0"
     assert msg.error["code"] == cls.code and msg.error["type"] == cls.__name__
     with pytest.raises(cls) as info:
@@ -589,7 +589,7 @@ def test_all_known_codes_are_covered():
 
 
 def test_plain_exception_becomes_remote_error_with_its_type():
-    msg = roundtrip(error_message(3, _raised(ZeroDivisionError("division by zero"))))
+    msg = roundtrip(error_message(3, _raised(ZeroDivisionError("division by zero")), with_traceback=True))
     assert msg.error["code"] == "INTERNAL" and msg.error["type"] == "ZeroDivisionError"
     with pytest.raises(RemoteError) as info:
         raise_error(msg)
