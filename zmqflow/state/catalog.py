@@ -61,8 +61,8 @@ class Catalog:
                     f"declared with shape {theirs[0]} {theirs[1]} in {len(theirs[2])} part(s) {theirs[2]}"
                 )
             return found
-        part_bytes, copies = self._check_new(name, shape, dtype, part_rows, optimizer, table)
-        tasks = self._placed(name, device, policy, part_bytes, copies)
+        held, copies = self._check_new(name, shape, dtype, part_rows, optimizer, table)
+        tasks = self._placed(name, device, policy, part_bytes, [b * copies for b in held])
         record = {
             "name": name,
             "shape": list(shape),
@@ -109,16 +109,17 @@ class Catalog:
             out.append((r[1] - r[0]) * row_bytes)
         return out, copies
 
-    def _placed(self, name: str, device: str | None, policy: str, part_bytes: list[int], copies: int) -> list[str]:
-        """The parts' tasks; refused, with no placement counted, when a shard would pass its byte
-        budget (what the catalog placed there: values and optimizer slots)."""
+    def _placed(self, name: str, device: str | None, policy: str, part_bytes: list[int], held_bytes: list[int]) -> list[str]:
+        """The parts' tasks, placed by the sizes the declaring client gave (a heuristic); refused,
+        with no placement counted, when a shard would pass its byte budget, counted from the sizes
+        computed here (values and optimizer slots)."""
         if device is None and policy not in ("greedy", "round_robin"):
             raise InvalidArgument(f"unknown placement policy {policy!r} (round_robin, greedy)")
         saved = (dict(self.bytes), self._next)
         tasks = [self._place(device, policy, b) for b in part_bytes]
         held = dict(self.held)
-        for task, nbytes in zip(tasks, part_bytes):
-            held[task] = held.get(task, 0) + nbytes * copies
+        for task, nbytes in zip(tasks, held_bytes):
+            held[task] = held.get(task, 0) + nbytes
         over = [t for t in set(tasks) if held[t] > self.limits.max_shard_bytes]
         if over:
             self.bytes, self._next = saved

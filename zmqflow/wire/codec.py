@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import InvalidArgument, ProtocolError, ResourceExhausted, VersionMismatch, ZmqflowError, error_class
 from .dtypes import dtype_from_name, dtype_name
-from .peek import read_start, too_deep
+from .peek import container_marks, read_start, too_deep
 
 __all__ = [
     "VERSION",
@@ -59,7 +59,7 @@ class Limits:
     max_frame_bytes: int = 2 << 30  # one tensor frame: whole parts travel in one (create, restore)
     max_frames: int = 4096
     max_container_len: int = 1 << 20
-    max_depth: int = 128  # nesting of arrays and maps in the header, the header map itself counted
+    max_depth: int = 256  # nesting of arrays and maps in the header, the header map itself counted
     max_message_bytes: int = 8 << 30  # every frame of one message together
 
 
@@ -234,7 +234,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     if not isinstance(head, dict):
         raise DecodeError(f"header must be a map, got {type(head).__name__}")
     try:
-        return _from_header(head, frames, limits, exts, header_view.nbytes)
+        return _from_header(head, frames, limits, exts, header_view)
     except RecursionError:
         raise DecodeError("header nests containers too deeply") from None
 
@@ -289,7 +289,7 @@ def _peek_id(header_view: memoryview, limits: Limits) -> tuple[int | None, str |
     return None, None
 
 
-def _from_header(head: dict, frames: Sequence[Any], limits: Limits, exts: list[object], header_bytes: int) -> Message:
+def _from_header(head: dict, frames: Sequence[Any], limits: Limits, exts: list[object], header: memoryview) -> Message:
     rid = head.get("id")
     rid = rid if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid <= _MAX_ID else None
     kind = head.get("k") if head.get("k") in _KINDS else None
@@ -302,7 +302,7 @@ def _from_header(head: dict, frames: Sequence[Any], limits: Limits, exts: list[o
         raise DecodeError(f"unknown message kind {head.get('k')!r}", request_id=rid)
     if rid is None:
         raise DecodeError(f"request id must be an integer in 0..2**64-1, got {head.get('id')!r}")
-    if header_bytes > limits.max_depth and too_deep(head, limits.max_depth - 1):  # each level takes a byte
+    if header.nbytes > limits.max_depth and container_marks(header) > limits.max_depth and too_deep(head, limits.max_depth - 1):
         raise LimitExceeded(f"header nests containers deeper than the limit of {limits.max_depth}", request_id=rid, kind=kind)
     if exts and exts[0].__class__ is _BadExt:
         bad = exts[0]

@@ -11,9 +11,12 @@ from typing import Any
 
 import msgpack
 
-__all__ = ["PEEK_BYTES", "read_start", "too_deep"]
+__all__ = ["PEEK_BYTES", "read_start", "container_marks", "too_deep"]
 
 PEEK_BYTES = 1 << 16  # v, k and id come first: they are read from the header's start alone
+
+# every byte but msgpack's array and map markers (fixmap, fixarray, array 16/32, map 16/32)
+_NOT_MARKS = bytes(b for b in range(256) if not (0x80 <= b <= 0x9F or 0xDC <= b <= 0xDF))
 
 
 def read_start(header_view: memoryview, max_container_len: int) -> dict[str, Any]:
@@ -35,6 +38,14 @@ def read_start(header_view: memoryview, max_container_len: int) -> dict[str, Any
     except Exception:
         pass  # a truncated or malformed start: what was read so far is all there is
     return found
+
+
+def container_marks(header: bytes | memoryview) -> int:
+    """An upper bound on the arrays and maps in a header, counted at C speed: each level of
+    nesting needs a marker byte of its own, so a header with no more marks than the depth limit
+    cannot pass it, and most are never walked."""
+    raw = header if isinstance(header, bytes) else bytes(header)
+    return len(raw.translate(None, _NOT_MARKS))
 
 
 def too_deep(obj: list | dict, left: int) -> bool:
