@@ -19,7 +19,7 @@ from zmqflow.cli.serve import _limits, parse_size
 from zmqflow.rpc import CallContext
 from zmqflow.server.limits import ROUTER_HEADROOM, ServerLimits
 from zmqflow.server.services.ps import OFF_LOOP_BYTES
-from zmqflow.state.limits import StateLimits
+from zmqflow.state.limits import StateLimits, table_capacity
 from zmqflow.state.store import ShardStore
 from zmqflow.state.tables import DEFAULT_CAPACITY, HashTable
 from zmqflow.testing import async_wait_until, local_cluster
@@ -66,6 +66,17 @@ def test_serve_flags_build_server_limits():
     assert lim.max_in_flight == ServerLimits().max_in_flight
     with pytest.raises(errors.ConfigError, match="not a size"):
         parse_size("lots")
+
+
+def test_serve_documents_its_limit_flags():
+    from click.testing import CliRunner
+
+    from zmqflow.cli.serve import serve
+
+    out = CliRunner().invoke(serve, ["--help"]).output
+    for flag in ("--debug", "--max-deadline", "--max-in-flight", "--max-frame-bytes", "--max-variable-bytes",
+                 "--max-shard-bytes", "--max-variables", "--table-capacity"):
+        assert flag in out
 
 
 def test_every_name_and_string_field_of_every_op_is_bounded():
@@ -158,6 +169,21 @@ def test_the_router_caps_frames_a_bit_over_the_codec_limit():
             with pytest.raises(errors.ResourceExhausted, match="exceeds the limit of 1048576"):
                 await server.call("worker:0", "worker", "sink", {"x": np.zeros((1 << 18) + 1, "f4")}, timeout=5)
             await server.call("worker:0", "worker", "sink", {"x": np.zeros(1 << 18, "f4")}, timeout=5)
+
+    arun(main())
+
+
+def test_a_frame_past_the_routers_cap_fails_the_call_at_once_and_the_server_serves_on():
+    async def main():
+        lim = ServerLimits(max_frame_bytes=1 << 20, max_header_bytes=1 << 20)
+        async with local_cluster({"worker": 2}, timeout=10, transport="tcp", limits=lim) as servers:
+            assert servers["worker:1"].options.router_max_msg_bytes == (1 << 20) + ROUTER_HEADROOM
+            start = time.monotonic()
+            with pytest.raises(errors.Unavailable, match="dropped during worker.sink"):  # libzmq cut the connection
+                await servers["worker:0"].call("worker:1", "worker", "sink", {"x": np.zeros((70 << 20) // 4, "f4")},
+                                               timeout=20)
+            assert time.monotonic() - start < 5  # not the whole deadline
+            assert (await servers["worker:0"].call("worker:1", "worker", "ping", timeout=5))["service"] == "worker"
 
     arun(main())
 
@@ -355,7 +381,7 @@ def test_dynamic_tables_have_a_finite_default_capacity():
                 await emb.lookup(np.arange(50))
                 table = servers["ps:0"].service("ps").tables[("dyn", 0)]
                 assert table.capacity == 8 and len(table) == 8 and len(table.ids) == 8
-                with pytest.raises(errors.ResourceExhausted, match="capacity 101 is over the limit of 100"):
+                with pytest.raises(errors.ResourceExhausted, match="capacity 101 rows of 56 bytes is over the limit of 100 rows"):
                     await sess.embedding("wide", None, 4, capacity=101)
                 assert "wide" not in servers["ps:0"].service("catalog").catalog.records
                 await sess.embedding("wide", None, 4, capacity=100)
@@ -374,3 +400,14 @@ def test_pending_admission_is_bounded():
     assert len(table) == 1 and 5000 not in table.sightings
     with pytest.raises(errors.InvalidArgument, match="max_pending"):
         HashTable(2, np.dtype("float32"), max_pending=0)
+
+
+def test_a_dynamic_tables_capacity_fits_the_shards_budget():
+    lim = StateLimits(max_shard_bytes=10 << 20)
+    row = HashTable.row_size(64, np.dtype("float32"), zf.optim.Adagrad(0.1).spec())
+    assert row == 64 * 4 * 2 + HashTable.ROW_OVERHEAD
+    assert table_capacity("t", None, row, lim) == (10 << 20) // row  # the default, lowered to fit
+    assert table_capacity("t", None, row, StateLimits()) == StateLimits().table_capacity
+    assert table_capacity("t", (10 << 20) // row, row, lim) == (10 << 20) // row
+    with pytest.raises(errors.ResourceExhausted, match=r"'t': capacity \d+ rows of 552 bytes"):
+        table_capacity("t", (10 << 20) // row + 1, row, lim)

@@ -13,7 +13,8 @@ from typing import Any
 from . import optim as _optim
 from ..errors import InvalidArgument, NotFound, ResourceExhausted, VariableConflict
 from ..wire.dtypes import dtype_from_name
-from .limits import DEFAULT_STATE_LIMITS, StateLimits, check_count, check_variable
+from .limits import DEFAULT_STATE_LIMITS, StateLimits, check_count, check_variable, table_capacity
+from .tables import HashTable
 
 __all__ = ["Catalog"]
 
@@ -96,11 +97,10 @@ class Catalog:
         row_bytes = math.prod(shape[1:]) * itemsize if shape else itemsize
         if table is not None and table.get("kind") == "hash":
             capacity = table.get("capacity")
-            cap = limits.table_capacity if capacity is None else capacity
-            if not isinstance(cap, int) or cap > limits.max_table_capacity:
-                raise ResourceExhausted(f"embedding {name!r}: capacity {capacity} is over the limit of "
-                                        f"{limits.max_table_capacity} rows per part", name=name,
-                                        limit=limits.max_table_capacity)
+            if capacity is not None and not isinstance(capacity, int):
+                raise InvalidArgument(f"embedding {name!r}: capacity must be an int or None, got {capacity!r}")
+            table_capacity(name, capacity, HashTable.row_size(shape[-1] if shape else 1, dtype_from_name(dtype), optimizer),
+                           limits)
             return [0 for _ in part_rows], copies  # rows are made on demand, up to the capacity
         out = []
         for r in part_rows:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ResourceExhausted
 
-__all__ = ["StateLimits", "DEFAULT_STATE_LIMITS", "physical_memory", "check_variable", "check_count"]
+__all__ = ["StateLimits", "DEFAULT_STATE_LIMITS", "physical_memory", "check_variable", "check_count", "table_capacity"]
 
 
 def physical_memory() -> int:
@@ -62,3 +62,17 @@ def check_count(name: str, count: int, limit: int, where: str) -> None:
     if count >= limit:
         raise ResourceExhausted(f"variable {name!r}: {where} already holds {count} variables, the limit",
                                 name=name, limit=limit)
+
+
+def table_capacity(name: str, capacity: int | None, row_bytes: int, limits: StateLimits) -> int:
+    """The rows a dynamic table part may hold: ``capacity`` if it is within the limits (else
+    ResourceExhausted), or the default capacity, lowered so that a full part fits the shard's
+    byte budget. ``row_bytes``: one row with its optimizer slots and bookkeeping."""
+    if capacity is None:
+        return max(1, min(limits.table_capacity, limits.max_shard_bytes // max(1, row_bytes)))
+    if capacity > limits.max_table_capacity or capacity * row_bytes > limits.max_shard_bytes:
+        raise ResourceExhausted(
+            f"embedding {name!r}: capacity {capacity} rows of {row_bytes} bytes is over the limit of "
+            f"{limits.max_table_capacity} rows and {limits.max_shard_bytes} bytes per part", name=name,
+            limit=limits.max_table_capacity)
+    return capacity

@@ -111,10 +111,23 @@ class HashTable:
     def __len__(self) -> int:
         return len(self.index)
 
+    ROW_OVERHEAD = 8 * 5  # id, step count, last use, last update step and time
+
+    @classmethod
+    def row_size(cls, dim: int, dtype: np.dtype, optimizer: Any = None) -> int:
+        """Bytes of one row with its optimizer slots and bookkeeping (known before any table is made)."""
+        opt = _optim.from_spec(optimizer)
+        if isinstance(opt, _optim.SyncReplicas):
+            opt = opt.optimizer
+        return int(dim) * np.dtype(dtype).itemsize * (1 + (len(opt.slot_names) if opt else 0)) + cls.ROW_OVERHEAD
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dim * self.dtype.itemsize * (1 + len(self.slots)) + self.ROW_OVERHEAD
+
     @property
     def nbytes(self) -> int:
-        per_row = self.dim * self.dtype.itemsize * (1 + len(self.slots)) + 8 * 5
-        return len(self.index) * per_row
+        return len(self.index) * self.row_bytes
 
     def _grow(self) -> None:
         """Double the row arrays, never past the capacity (which bounds them)."""

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import InvalidArgument, ResourceExhausted, VariableConflict
-from ...state.limits import StateLimits, check_count
+from ...errors import InvalidArgument, VariableConflict
+from ...state.limits import StateLimits, check_count, table_capacity
 from ...state.tables import HashTable
 from ...state.store import PartKey, ShardStore
 from ...rpc import CallContext, op
@@ -49,15 +49,12 @@ class TableOps:
                                        f"parts) {self._table_specs[key]}; declared as {spec}")
             return False
         limits = self.limits
-        if req.capacity is not None and req.capacity > limits.max_table_capacity:
-            raise ResourceExhausted(f"embedding {name!r} part {part}: capacity {req.capacity} is over the limit of "
-                                    f"{limits.max_table_capacity} rows per part", name=name,
-                                    limit=limits.max_table_capacity)
         check_count(name, len(self.store.parts) + len(self.tables), limits.max_variables, "this shard")
-        self.tables[key] = HashTable(req.dim, dtype_from_name(req.dtype), initializer=req.initializer,
-                                     optimizer=req.optimizer, min_frequency=req.min_frequency,
-                                     capacity=limits.table_capacity if req.capacity is None else req.capacity,
-                                     seed_salt=part + 1, max_pending=limits.max_pending_admission)
+        dtype = dtype_from_name(req.dtype)
+        capacity = table_capacity(name, req.capacity, HashTable.row_size(req.dim, dtype, req.optimizer), limits)
+        self.tables[key] = HashTable(req.dim, dtype, initializer=req.initializer, optimizer=req.optimizer,
+                                     min_frequency=req.min_frequency, capacity=capacity, seed_salt=part + 1,
+                                     max_pending=limits.max_pending_admission)
         self._table_specs[key] = spec
         return True
 
