@@ -282,6 +282,10 @@ def test_a_huge_shape_is_refused_before_anything_is_recorded_and_the_name_stays_
                     servers["ps:1"].service("ps").create(ctx, name="raw", part=0, shape=HUGE, rows=[0, 1 << 20],
                                                          dtype="float32")
                 assert ("raw", 0) not in servers["ps:1"].service("ps").store.parts
+                # a name past 1024 characters is malformed input: InvalidArgument naming the field
+                with pytest.raises(errors.InvalidArgument, match=r"catalog.declare: name must be a name of 1..1024"):
+                    await sess.variable("n" * (1 << 20), shape=[1])
+                assert set(servers["ps:0"].service("catalog").catalog.records) == {"w"}
 
     arun(main())
 
