@@ -8,6 +8,7 @@ server is stopped instead of never.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 import time
@@ -22,10 +23,10 @@ from ..rpc.health import wait_for_tasks
 from .services import MasterService, PsService, WorkerService
 from .services.catalog import CatalogService
 from .services.ring import RingService
+from .limits import ServerLimits
 from ..transport.base import Transport
 from ..transport.options import DEFAULT_OPTIONS, SocketOptions
 from ..wire import Limits
-from ..wire.codec import DEFAULT_LIMITS
 
 __all__ = ["AsyncServer", "Server"]
 
@@ -39,18 +40,28 @@ class AsyncServer:
         task: "TaskId | str",
         *,
         services: Mapping[str, Service] | None = None,
-        limits: Limits = DEFAULT_LIMITS,
+        limits: "ServerLimits | Limits | None" = None,
         options: SocketOptions = DEFAULT_OPTIONS,
         default_timeout: float = DEFAULT_TIMEOUT,
         allow_modules: list[str] | None = None,
         transport: Transport | None = None,
+        debug: bool = False,
     ):
         self.spec, tid = resolve(cluster, task, env={})
         self.transport = transport  # None: chosen per endpoint scheme (transport.registry)
         assert tid is not None
         self.task: TaskId = tid
         self.address = self.spec.address(self.task)
-        self.limits = limits
+        # ``limits``: a ServerLimits, or the codec's Limits alone (the rest at their defaults)
+        if limits is None:
+            limits = ServerLimits()
+        elif isinstance(limits, Limits):
+            limits = ServerLimits.from_wire(limits)
+        self.server_limits: ServerLimits = limits
+        self.limits: Limits = limits.wire()
+        self.debug = debug  # error replies carry tracebacks only then
+        if options.router_max_msg_bytes == DEFAULT_OPTIONS.router_max_msg_bytes:  # not set by hand: follow the codec
+            options = dataclasses.replace(options, router_max_msg_bytes=limits.router_max_msg_bytes)
         self.options = options
         self.default_timeout = default_timeout
         self.counters = Counters()
@@ -65,9 +76,9 @@ class AsyncServer:
         shards = shard_tasks(self.spec)
         if self.task in shards:
             replicas = [str(t) for t in self.spec.tasks if t.job in ("chief", "worker")]
-            self._services["ps"] = PsService(replicas, reachable=self.client_reachable)
+            self._services["ps"] = PsService(replicas, reachable=self.client_reachable, limits=limits.state())
         if self.task == shards[0]:
-            self._services["catalog"] = CatalogService(self.spec)
+            self._services["catalog"] = CatalogService(self.spec, limits.state())
         self._services.update(services or {})
         self._rpc: RpcServer | None = None
         self._client: RpcClient | None = None
@@ -121,6 +132,9 @@ class AsyncServer:
             options=self.options,
             counters=self.counters,
             transport=self.transport,
+            max_deadline=self.server_limits.max_deadline,
+            max_in_flight=self.server_limits.max_in_flight,
+            debug=self.debug,
         )
         await rpc.start()
         self._rpc = rpc
