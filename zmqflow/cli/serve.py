@@ -27,7 +27,12 @@ STOP_TIMEOUT = 1.5  # the process must be gone within 2 s of the signal
 @click.option("--allow-module", "allow_modules", multiple=True, metavar="MODULE",
               help="Modules (and their submodules) whose functions sessions may run here; repeatable "
                    "(else ZMQFLOW_ALLOW_MODULES, comma-separated).")
-def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: tuple[str, ...]) -> None:
+@click.option("--keys", "keys", metavar="DIR", envvar="ZMQFLOW_KEYS", type=click.Path(file_okay=False),
+              help="CurveZMQ key directory (zmqflow keys generate; else ZMQFLOW_KEYS): only listed keys get in.")
+@click.option("--insecure", is_flag=True, envvar="ZMQFLOW_INSECURE",
+              help="Without keys, serve a non-loopback address anyway (unauthenticated, unencrypted).")
+def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: tuple[str, ...], keys: str | None,
+          insecure: bool) -> None:
     """Serve one task of a cluster until SIGTERM or SIGINT."""
     try:
         spec, tid = resolve(cluster, task)
@@ -37,14 +42,17 @@ def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: 
     setup_logging(log_level, str(tid))
     keep_big_blocks()
     try:
-        code = run(_serve(spec, tid, list(allow_modules) or None))
+        code = run(_serve(spec, tid, list(allow_modules) or None, keys, insecure))
     except ZmqflowError as exc:
         fail("serve", exc, EXIT_FAILURE)
     raise SystemExit(code)
 
 
-async def _serve(spec: ClusterSpec, tid: TaskId, allow_modules: list[str] | None) -> int:
-    server = AsyncServer(spec, tid, allow_modules=allow_modules)
+async def _serve(spec: ClusterSpec, tid: TaskId, allow_modules: list[str] | None, keys: str | None, insecure: bool) -> int:
+    try:
+        server = AsyncServer(spec, tid, allow_modules=allow_modules, keys=keys, insecure=insecure)
+    except ConfigError as exc:
+        fail("serve", exc, EXIT_USAGE)
     try:
         await server.start()
     except AddressInUse as exc:
@@ -55,7 +63,8 @@ async def _serve(spec: ClusterSpec, tid: TaskId, allow_modules: list[str] | None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("serving %s at %s (services: %s) in cluster %s", tid, server.target, ", ".join(server.service_names()), spec.to_json())
+    log.info("serving %s at %s (services: %s; %s) in cluster %s", tid, server.target, ", ".join(server.service_names()),
+             f"CurveZMQ keys from {server.keys.directory}" if server.keys else "no keys", spec.to_json())
     await stop.wait()
     log.info("stopping %s", tid)
     try:

@@ -146,7 +146,8 @@ class RpcClient:
                    "(pass keys=DIR or set ZMQFLOW_KEYS=DIR)")
         else:
             why = (f"{peer.name} refused this process's key ({self.keys.role} {self.keys.name!r} from "
-                   f"{self.keys.directory}): the key is not on its allow-list, or it runs without keys")
+                   f"{self.keys.directory}): the key is not on its allow-list, its own key is not the one this "
+                   "directory lists for it, or it runs without keys")
         return Unauthenticated(f"authentication failed: {why}; {pending.what} was not sent", task=peer.name)
 
     def _refusal(self, pending: _Pending) -> ZmqflowError | None:

@@ -37,10 +37,13 @@ __all__ = ["ZmqTransport", "ZmqListener", "ZmqConnection", "REBIND_S"]
 REBIND_S = 1.0
 _released: dict[str, float] = {}  # endpoint -> when this process closed a listener bound to it
 _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
-                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 # a refused key (ZAP said no), or a handshake that failed on security: one side has CURVE, the
 # other not, or the keys do not match
 _AUTH_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+# with CURVE, a server that cannot read our HELLO (we expected another server key) just hangs up
+_CURVE_EVENTS = (*_AUTH_EVENTS, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _EVENTS, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLOUT)
 
 
@@ -125,7 +128,7 @@ class ZmqConnection:
             if self._state is not AUTH_FAILED:  # the drop that follows a refusal is part of it
                 self._state = DOWN
                 self._on_state(DOWN)
-        elif event in _AUTH_EVENTS:
+        elif event in (_AUTH_EVENTS if self._security is None else _CURVE_EVENTS):
             self._state = AUTH_FAILED
             self._on_state(AUTH_FAILED)
 
