@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import stat
+import sys
 import time
 
 import numpy as np
@@ -322,3 +323,43 @@ def test_the_transport_refuses_an_unlisted_key_at_the_handshake(tmp_path):
             listener.close()
 
     arun(main())
+
+
+LAUNCHED = """
+import os, numpy as np, zmqflow as zf
+server = zf.Server.from_env()
+task = os.environ["ZMQFLOW_TASK"]
+with zf.Session(cluster=server.spec, task="ps:0", timeout=20) as sess:
+    assert sess.keys is not None and sess.keys.role == "task" and sess.name == task, (sess.keys, sess.name)
+    sess.wait_for_cluster(30)
+    w = sess.variable("w", np.zeros(2), optimizer=zf.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=2))
+    w.push(np.ones(2))
+    print("replicas", ",".join(sess.replicas), flush=True)
+"""
+
+
+@pytest.mark.parametrize("per_task", [True, False])
+def test_launch_with_keys_runs_a_keyed_cluster_of_processes(tmp_path, procs, per_task):
+    spec = _spec(ps=1, worker=2)
+    cfile = tmp_path / "c.json"
+    cfile.write_text(spec.to_json())
+    generate(tmp_path / "k", spec if per_task else None)
+    script = tmp_path / "train.py"
+    script.write_text(LAUNCHED)
+    p = procs([*ZMQFLOW, "launch", "--cluster", str(cfile), "--keys", str(tmp_path / "k"), "--", sys.executable,
+               str(script)])
+    assert p.wait(90) == 0, p.output
+    assert p.output.count("replicas worker:0,worker:1") == 2, p.output
+
+
+def test_launch_checks_keys_and_exposure_before_starting(tmp_path, procs):
+    spec = _spec(ps=1, worker=1)
+    cfile = tmp_path / "c.json"
+    cfile.write_text(spec.to_json())
+    generate(tmp_path / "k", _spec(worker=1))  # keys of another cluster: no key for ps:0
+    p = procs([*ZMQFLOW, "launch", "--cluster", str(cfile), "--keys", str(tmp_path / "k")])
+    assert p.wait(30) == 2 and "no secret key for task ps:0" in p.output
+    wide = tmp_path / "wide.json"
+    wide.write_text(json.dumps({"worker": [f"0.0.0.0:{free_port()}"]}))
+    p = procs([*ZMQFLOW, "launch", "--cluster", str(wide)], env={"ZMQFLOW_KEYS": ""})
+    assert p.wait(30) == 2 and "--insecure" in p.output

@@ -63,10 +63,10 @@ class AsyncSession:
         if self.keys is not None:
             if self._spec is not None:
                 self.keys.learn(self._spec)
-            if self.keys.pinned:  # the server knows the caller by its key's name; claiming another is refused
-                if name is not None and name != self.keys.name:
-                    raise ConfigError(f"session name {name!r} differs from its key's ({self.keys.name!r}): with keys "
-                                      "a session is named by its key")
+            if self.keys.pinned and name is not None and name != self.keys.name:  # the server would refuse it
+                raise ConfigError(f"session name {name!r} differs from its key's ({self.keys.name!r}): with keys "
+                                  "a session is named by its key")
+            if self.keys.pinned or name is None:
                 name = self.keys.name
         self.timeout = timeout
         self.transport = transport  # None: chosen per endpoint scheme (transport.registry)
