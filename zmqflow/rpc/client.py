@@ -202,7 +202,8 @@ class RpcClient:
         self._pending[rid] = pending
         peer.inflight.add(rid)
         pending.timer = self._loop.call_later(timeout, self._expire, rid, timeout)
-        if peer.state is not UP and (refused := self._refusal(pending)) is not None:
+        state = peer.state
+        if state is not UP and state is not CONNECTING and (refused := self._refusal(pending)) is not None:
             self._finish(rid, exc=refused)
         elif peer.conn.try_send(frames) or (self._refresh(peer, rid) and peer.conn.try_send(frames)):
             pending.sent = True
