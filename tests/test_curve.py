@@ -125,7 +125,8 @@ def test_a_stranger_gets_unauthenticated_within_its_deadline_and_changes_nothing
             attacker = RpcClient(identity="intruder", default_timeout=5.0,
                                  keys=stranger)
             try:
-                for op, body in [("assign", {"mode": "set", "items": []}), ("pull", {"items": []})]:
+                overwrite = {"mode": "set", "items": [["w", 0, 0, 4, np.full(4, 99, np.float32)]]}
+                for op, body in [("assign", overwrite), ("pull", {"items": [["w", 0, 0, 4]]})]:
                     start = time.monotonic()
                     with pytest.raises(errors.Unauthenticated, match="authentication failed") as info:
                         await attacker.call(target, "ps", op, body, timeout=5.0)
@@ -135,6 +136,8 @@ def test_a_stranger_gets_unauthenticated_within_its_deadline_and_changes_nothing
                 attacker.close()
             assert ps.counters.msgs_in == before  # nothing reached the task
             np.testing.assert_array_equal(await _session_value(spec, keys), np.arange(4, dtype=np.float32))
+            assert await servers["worker:0"].call("ps:0", "ps", "assign", overwrite) == 1  # the same request, keyed
+            np.testing.assert_array_equal(await _session_value(spec, keys), np.full(4, 99, np.float32))
 
     arun(main())
 
@@ -362,3 +365,15 @@ def test_launch_checks_keys_and_exposure_before_starting(tmp_path, procs):
     wide.write_text(json.dumps({"worker": [f"0.0.0.0:{free_port()}"]}))
     p = procs([*ZMQFLOW, "launch", "--cluster", str(wide)], env={"ZMQFLOW_KEYS": ""})
     assert p.wait(30) == 2 and "--insecure" in p.output
+
+
+def test_bench_transport_measures_curve_beside_plaintext():
+    from zmqflow.bench.transport import format_table, run
+    from zmqflow.bench.transport.report import format_curve_table
+
+    rows = run(quick=True, transports=("tcp",), sizes=[4096], curve=True, echo=None)
+    assert [(r["transport"], r["security"]) for r in rows] == [("tcp", "plain"), ("tcp", "curve")]
+    assert all(r["zf_gbps"] > 0 and r["raw_gbps"] > 0 for r in rows)
+    table = format_curve_table(rows)
+    assert "zf GB/s on" in table and "tcp" in table.splitlines()[-1]
+    assert "curve" in format_table(rows)
