@@ -195,7 +195,10 @@ class AuthChannel(Channel):
 
     def _recv(self, sock: zmq.Socket) -> list[Any]:
         first = sock.recv(_NOBLOCK, copy=False)
-        self._user = first.get("User-Id")
+        try:
+            self._user = first.get("User-Id")
+        except zmq.ZMQError:  # no ZAP user id: never admitted as anyone (the RPC edge refuses it)
+            self._user = ""
         frames: list[Any] = [first.bytes]
         more = first.more
         for _ in range(self._copied - 1):
