@@ -38,8 +38,12 @@ STOP_TIMEOUT = 1.5  # the process must be gone within 2 s of the signal
 @click.option("--max-shard-bytes", metavar="SIZE", help="Bytes a shard may hold, values and optimizer slots (physical memory).")
 @click.option("--max-variables", type=int, metavar="N", help="Variables in the catalog, and parts per shard (262144).")
 @click.option("--table-capacity", type=int, metavar="ROWS", help="Rows per dynamic table part that names no capacity (16777216).")
+@click.option("--keys", "keys", metavar="DIR", envvar="ZMQFLOW_KEYS", type=click.Path(file_okay=False),
+              help="CurveZMQ key directory (zmqflow keys generate; else ZMQFLOW_KEYS): only listed keys get in.")
+@click.option("--insecure", is_flag=True, envvar="ZMQFLOW_INSECURE",
+              help="Without keys, serve a non-loopback address anyway (unauthenticated, unencrypted).")
 def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: tuple[str, ...], debug: bool,
-          **limits: object) -> None:
+          keys: str | None, insecure: bool, **limits: object) -> None:
     """Serve one task of a cluster until SIGTERM or SIGINT."""
     try:
         spec, tid = resolve(cluster, task)
@@ -50,7 +54,7 @@ def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: 
     setup_logging(log_level, str(tid))
     keep_big_blocks()
     try:
-        code = run(_serve(spec, tid, list(allow_modules) or None, server_limits, debug))
+        code = run(_serve(spec, tid, list(allow_modules) or None, server_limits, debug, keys, insecure))
     except ZmqflowError as exc:
         fail("serve", exc, EXIT_FAILURE)
     raise SystemExit(code)
@@ -78,8 +82,12 @@ def _limits(flags: dict[str, object]) -> ServerLimits:
 
 
 async def _serve(spec: ClusterSpec, tid: TaskId, allow_modules: list[str] | None, limits: ServerLimits,
-                 debug: bool) -> int:
-    server = AsyncServer(spec, tid, allow_modules=allow_modules, limits=limits, debug=debug)
+                 debug: bool, keys: str | None, insecure: bool) -> int:
+    try:
+        server = AsyncServer(spec, tid, allow_modules=allow_modules, limits=limits, debug=debug, keys=keys,
+                             insecure=insecure)
+    except ConfigError as exc:
+        fail("serve", exc, EXIT_USAGE)
     try:
         await server.start()
     except AddressInUse as exc:
@@ -90,7 +98,8 @@ async def _serve(spec: ClusterSpec, tid: TaskId, allow_modules: list[str] | None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("serving %s at %s (services: %s) in cluster %s", tid, server.target, ", ".join(server.service_names()), spec.to_json())
+    log.info("serving %s at %s (services: %s; %s) in cluster %s", tid, server.target, ", ".join(server.service_names()),
+             f"CurveZMQ keys from {server.keys.directory}" if server.keys else "no keys", spec.to_json())
     await stop.wait()
     log.info("stopping %s", tid)
     try:

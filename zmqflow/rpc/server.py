@@ -6,6 +6,11 @@ and is dropped and counted when it cannot. Short handlers run inline on the loop
 return a coroutine run as tasks, cancelled at the request's deadline. The listener comes from the
 transport registered for the endpoint's scheme (a ZeroMQ ROUTER for tcp, ipc and inproc), or from
 the ``transport`` given.
+
+With ``keys`` the listener is a CURVE server admitting only the keys of the allow-list; each
+message arrives with its sender's authenticated ``role/name``, which becomes the call's identity
+and role (:func:`.roles.authorize`) before the service admits it: a client key calling a task op,
+or a header claiming another name than its key's, is refused with ``PermissionDenied``.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ from typing import Any
 from ..errors import DeadlineExceeded, NotFound, ResourceExhausted, ZmqflowError
 from ..transport import registry
 from ..transport.base import Listener, SendFailed, Transport
+from ..transport.curve import Keys
 from ..transport.options import DEFAULT_OPTIONS, SocketOptions
 from ..wire import REPLY, REQUEST, DecodeError, Limits, Message, decode, encode, error_message
 from ..wire.codec import DEFAULT_LIMITS
 from .counters import Counters, frames_nbytes
+from .roles import authorize, client_ops
 from .service import CallContext, Service
 
 __all__ = ["RpcServer", "REPLY_GRACE", "MAX_DEADLINE", "MAX_IN_FLIGHT"]
@@ -54,6 +61,7 @@ class RpcServer:
         max_deadline: float = MAX_DEADLINE,
         max_in_flight: int = MAX_IN_FLIGHT,
         debug: bool = False,
+        keys: Keys | None = None,
     ):
         if not max_deadline > 0 or max_in_flight < 1:
             raise ValueError(f"max_deadline must be > 0 and max_in_flight >= 1, got {max_deadline}, {max_in_flight}")
@@ -62,6 +70,7 @@ class RpcServer:
         self.debug = debug
         self._in_flight: dict[bytes, int] = {}  # peer (routing id) -> handlers running
         self.bind_endpoint = bind_endpoint
+        self.keys = keys
         self.services = dict(services)
         self.name = name
         self.limits = limits
@@ -76,13 +85,15 @@ class RpcServer:
 
     async def start(self) -> None:
         """Bind (AddressInUse when the address is taken, Unavailable when it cannot be bound)."""
+        extra = {} if self.keys is None else {"security": self.keys.server()}
         self._listener = await self._transport.listen(
-            self.bind_endpoint, self._on_request, loop=self._loop, options=self.options, name=self.name
+            self.bind_endpoint, self._on_request, loop=self._loop, options=self.options, name=self.name, **extra
         )
         self.endpoint = self._listener.endpoint
 
     # receiving --------------------------------------------------------------------------
-    def _on_request(self, frames: list[Any]) -> None:
+    def _on_request(self, frames: list[Any], user: str | None = None) -> None:
+        """One message; ``user`` is its sender's authenticated ``role/name`` on a CURVE listener."""
         counters = self.counters
         counters.msgs_in += 1
         counters.bytes_in += sum(map(len, frames))
@@ -112,6 +123,8 @@ class RpcServer:
             service = self.services.get(msg.service)
             if service is None:
                 raise NotFound(f"task {self.name} has no service {msg.service!r} (services: {', '.join(sorted(self.services))})")
+            if user is not None:
+                authorize(ctx, user, client_ops(service))
             service.admit(ctx)
             call = service.find_op(msg.op).bind(msg.service, msg.op, ctx, msg.body)
             result = call()

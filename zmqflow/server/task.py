@@ -3,6 +3,11 @@
 ``AsyncServer`` lives on the caller's event loop; ``Server`` runs one on a background thread for
 scripts and notebooks (as TF's ``tf.train.Server`` does), and its ``join()`` returns when the
 server is stopped instead of never.
+
+``keys`` (a key directory, else ``ZMQFLOW_KEYS``) puts CurveZMQ on every socket: the router admits
+only the allow-list, and the task's own calls present its task key. Without keys a task refuses
+to listen beyond loopback unless ``insecure=True`` (else ``ZMQFLOW_INSECURE=1``): a protected mode,
+as Redis has, so a cluster is never open to its network by accident.
 """
 
 from __future__ import annotations
@@ -12,11 +17,12 @@ import dataclasses
 import os
 import threading
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
 from ..cluster import ClusterSpec, TaskId, resolve, shard_tasks
-from ..errors import NotFound
+from ..errors import ConfigError, NotFound
 from ..loop import LoopThread
 from ..rpc import DEFAULT_TIMEOUT, Counters, RpcClient, RpcServer, Service
 from ..rpc.health import wait_for_tasks
@@ -25,6 +31,7 @@ from .services.catalog import CatalogService
 from .services.ring import RingService
 from .limits import ServerLimits
 from ..transport.base import Transport
+from ..transport.curve import Keys, is_loopback, keys_from
 from ..transport.options import DEFAULT_OPTIONS, SocketOptions
 from ..wire import Limits
 
@@ -46,6 +53,8 @@ class AsyncServer:
         allow_modules: list[str] | None = None,
         transport: Transport | None = None,
         debug: bool = False,
+        keys: "Keys | str | os.PathLike[str] | None" = None,
+        insecure: bool | None = None,
     ):
         self.spec, tid = resolve(cluster, task, env={})
         self.transport = transport  # None: chosen per endpoint scheme (transport.registry)
@@ -66,6 +75,10 @@ class AsyncServer:
         self.default_timeout = default_timeout
         self.counters = Counters()
         self.started_at = time.monotonic()
+        self.keys = keys_from(keys, str(tid), require_task=True)
+        if self.keys is not None:
+            self.keys.learn(self.spec)
+        self.insecure = os.environ.get("ZMQFLOW_INSECURE") == "1" if insecure is None else bool(insecure)
         if allow_modules is None:
             allow_modules = [m for m in os.environ.get("ZMQFLOW_ALLOW_MODULES", "").split(",") if m]
         self._services: dict[str, Service] = {
@@ -119,8 +132,18 @@ class AsyncServer:
             self._rpc.services[service.name] = service
 
     # lifecycle --------------------------------------------------------------------------
+    def _check_exposure(self, endpoint: str) -> None:
+        """Protected mode: no keys means loopback only, unless the operator said ``insecure``."""
+        if self.keys is None and not self.insecure and not is_loopback(endpoint):
+            raise ConfigError(
+                f"task {self.task} refuses to listen on {endpoint} without keys: anyone who reaches it could read and "
+                "change the model. Make keys with `zmqflow keys generate DIR --cluster c.json` and start with --keys DIR "
+                "(or ZMQFLOW_KEYS=DIR), or pass --insecure (insecure=True) to serve unauthenticated on a trusted network"
+            )
+
     async def start(self) -> "AsyncServer":
         loop = asyncio.get_running_loop()
+        self._check_exposure(self.address.bind_endpoint())
         self._stopped = asyncio.Event()
         self.started_at = time.monotonic()
         rpc = RpcServer(
@@ -135,11 +158,14 @@ class AsyncServer:
             max_deadline=self.server_limits.max_deadline,
             max_in_flight=self.server_limits.max_in_flight,
             debug=self.debug,
+            keys=self.keys,
         )
         await rpc.start()
         self._rpc = rpc
         self._client = RpcClient(
-            identity=str(self.task),
+            # with keys, an unguessable routing id: another key holder must not take over this task's
+            # connection by connecting with its name (ROUTER_HANDOVER hands a routing id to the newest)
+            identity=str(self.task) if self.keys is None else f"{self.task}-{uuid.uuid4().hex}",
             source=str(self.task),
             loop=loop,
             limits=self.limits,
@@ -147,6 +173,7 @@ class AsyncServer:
             default_timeout=self.default_timeout,
             counters=self.counters,
             transport=self.transport,
+            keys=self.keys,
         )
         for svc in self._services.values():
             await svc.start()

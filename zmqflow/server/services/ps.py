@@ -197,9 +197,10 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
             if step is None:
                 raise InvalidArgument(f"variable {p.label} is synchronous: pushes must carry the pusher's step")
             mine = min(step, p.sync.step)
-            self._pushers[ctx.source or "anonymous"] = ctx.peer
-            self._gone.discard(ctx.source or "anonymous")
-            outcome = p.sync.offer(step, ctx.source or "anonymous", grads["dense"], grads["sparse"])
+            who = ctx.source or "anonymous"  # with keys, the name of the pusher's key (CallContext)
+            self._pushers[who] = ctx.peer
+            self._gone.discard(who)
+            outcome = p.sync.offer(step, who, grads["dense"], grads["sparse"])
             if outcome == STALE:
                 stale = True
             elif outcome == READY:
