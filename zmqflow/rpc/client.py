@@ -61,6 +61,9 @@ class Peer:
     state: str = CONNECTING  # as last reported by the connection; only DOWN changes what a call does
     down_since: float = 0.0
     inflight: set[int] = field(default_factory=set)
+    # set while the connection is up; a call made while it is down waits for it before sending:
+    # a message written just after a drop can land in the dead pipe, unseen by either side
+    up: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class RpcClient:
@@ -128,8 +131,10 @@ class RpcClient:
     def _on_state(self, peer: Peer, state: str) -> None:
         if state == UP:
             peer.state = UP
+            peer.up.set()
         elif state == DOWN and peer.state != DOWN:
             peer.state = DOWN
+            peer.up.clear()
             peer.down_since = self._loop.time()
             self._fail_inflight(peer, f"connection to {peer.name} dropped")
         elif state == AUTH_FAILED and peer.state is not AUTH_FAILED:
@@ -205,7 +210,7 @@ class RpcClient:
         state = peer.state
         if state is not UP and state is not CONNECTING and (refused := self._refusal(pending)) is not None:
             self._finish(rid, exc=refused)
-        elif peer.conn.try_send(frames) or (self._refresh(peer, rid) and peer.conn.try_send(frames)):
+        elif state != DOWN and (peer.conn.try_send(frames) or (self._refresh(peer, rid) and peer.conn.try_send(frames))):
             pending.sent = True
             self._count_out(frames)
         else:
@@ -222,9 +227,13 @@ class RpcClient:
     async def _send_later(self, rid: int, peer: Peer, frames: list[Any], timeout: float) -> None:
         """The peer is not connected yet (or its pipe is full): keep trying within the deadline."""
         limit = timeout if peer.state != DOWN else min(timeout, RECONNECT_GRACE)
+        until = self._loop.time() + limit
         try:
-            sent = await peer.conn.send(frames, self._loop.time() + limit)
-        except SendFailed:
+            if peer.state == DOWN and peer.conn.monitored:
+                async with asyncio.timeout_at(until):
+                    await peer.up.wait()
+            sent = await peer.conn.send(frames, until)
+        except (SendFailed, TimeoutError):
             sent = False
         pending = self._pending.get(rid)
         if sent:
