@@ -11,7 +11,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..cluster import ClusterSpec, TaskId, resolve, shard_tasks
@@ -100,6 +100,13 @@ class AsyncServer:
             return self._services[name]
         except KeyError:
             raise NotFound(f"task {self.task} hosts no service {name!r}") from None
+
+    def register_function(self, name: str, fn: Callable[..., Any]) -> None:
+        """Let sessions run ``fn`` here by ``name`` (``sess.run(name, task=...)``): the way to offer
+        a function that is not a public top-level function of an allowed module."""
+        worker = self._services["worker"]
+        assert isinstance(worker, WorkerService)
+        worker.register(name, fn)
 
     def add_service(self, service: Service) -> None:
         """Host another service (before or after start); its name is how callers address it."""
@@ -255,6 +262,10 @@ class Server:
     def join(self, timeout: float | None = None) -> bool:
         """Block until the server is stopped (by ``stop()`` from another thread or a signal)."""
         return self._done.wait(timeout)
+
+    def register_function(self, name: str, fn: Callable[..., Any]) -> None:
+        """Let sessions run ``fn`` here by ``name``; see :meth:`AsyncServer.register_function`."""
+        self._async.register_function(name, fn)
 
     def wait_for_cluster(self, timeout: float = 30.0) -> None:
         self.loop_thread.call(self._async.wait_for_cluster(timeout), timeout=timeout + 5)
