@@ -66,15 +66,16 @@ def assert_same_state(a: dict, b: dict) -> None:
             np.testing.assert_array_equal(a[key], b[key], err_msg=str(key))
 
 
-def cluster(ps: int):
+def cluster(ps: int, root: object):
+    """``ps`` shards that may write checkpoints under ``root``, and a worker."""
     spec = make_spec({"ps": ps, "worker": 1}, "tcp")
-    servers = [zf.Server(spec, f"ps:{i}") for i in range(ps)]
+    servers = [zf.Server(spec, f"ps:{i}", checkpoint_roots=[str(root)]) for i in range(ps)]
     worker = zf.Server(spec, "worker:0")
     return spec, servers, worker
 
 
 def test_save_and_restore_onto_three_shards_from_two(tmp_path):
-    spec, servers, worker = cluster(2)
+    spec, servers, worker = cluster(2, tmp_path)
     try:
         with zf.Session(worker.target) as sess:
             populate(sess)
@@ -86,7 +87,7 @@ def test_save_and_restore_onto_three_shards_from_two(tmp_path):
     finally:
         for s in [worker, *servers]:
             s.stop()
-    spec3, servers3, worker3 = cluster(3)
+    spec3, servers3, worker3 = cluster(3, tmp_path)
     try:
         with zf.Session(worker3.target) as sess:
             assert checkpoint.restore(sess, str(tmp_path)) == 2
@@ -102,7 +103,7 @@ def test_save_and_restore_onto_three_shards_from_two(tmp_path):
 
 
 def test_keep_the_last_n(tmp_path):
-    spec, servers, worker = cluster(1)
+    spec, servers, worker = cluster(1, tmp_path)
     try:
         with zf.Session(worker.target) as sess:
             v = sess.variable("v", 0.0)
@@ -137,7 +138,8 @@ def test_a_crash_during_a_write_leaves_the_previous_checkpoint(tmp_path, procs, 
     cfile.write_text(spec.to_json())
     in_shard = where == "shard-mid-write"
     # the shard writes its first file and dies in the middle of its second, as under kill -9
-    ps = procs([sys.executable, "-m", "zmqflow", "serve", "--cluster", str(cfile), "--task", "ps:0"],
+    ps = procs([sys.executable, "-m", "zmqflow", "serve", "--cluster", str(cfile), "--task", "ps:0",
+                "--checkpoint-root", str(tmp_path)],
                env={"ZMQFLOW_CHECKPOINT_CRASH": "mid-write:2"} if in_shard else None)
     ps.wait_for_line("serving ps:0", 30)
     with zf.Server(spec, "worker:0") as worker, zf.Session(worker.target) as sess:
@@ -155,7 +157,7 @@ def test_a_crash_during_a_write_leaves_the_previous_checkpoint(tmp_path, procs, 
         assert code == 137, saver.output
     assert any(".tmp-" in f for f in os.listdir(ckpt)) or where == "before-manifest"
     assert checkpoint.latest(ckpt) == first  # the half-written one does not count
-    spec2, servers2, worker2 = cluster(1)
+    spec2, servers2, worker2 = cluster(1, tmp_path)
     try:
         with zf.Session(worker2.target) as sess:
             assert checkpoint.restore(sess, ckpt) == 1
@@ -186,7 +188,7 @@ def test_monitored_session_saves_and_the_next_run_restores(tmp_path):
 
     def train(steps: int) -> tuple[int, np.ndarray, str | None]:
         spec = make_spec({"ps": 1, "worker": 1}, "tcp")
-        with zf.Server(spec, "ps:0"), zf.MonitoredTrainingSession(
+        with zf.Server(spec, "ps:0", checkpoint_roots=[str(tmp_path)]), zf.MonitoredTrainingSession(
             zf.ParameterServerStrategy(), cluster=spec, task="worker:0", checkpoint_dir=ckpt,
             save_checkpoint_steps=5, hooks=[zf.StopAtStep(steps)], progress=False,
         ) as mon:

@@ -4,10 +4,17 @@ Without a command every task runs ``zmqflow serve``. With one, ps (and other non
 serve while chief, worker and evaluator tasks run the command with ``ZMQFLOW_CLUSTER`` and
 ``ZMQFLOW_TASK`` set; when the commands end the servers are stopped, and the exit code is the
 first failure's.
+
+Checkpoint roots: ``--checkpoint-root DIR`` confines every task's checkpoint writes (passed as
+``ZMQFLOW_CHECKPOINT_ROOTS``). Without it, on a cluster whose every address is loopback (one
+user's processes on one machine), launch sets ``ZMQFLOW_CHECKPOINT_ROOTS=*`` (anywhere) so a
+script's ``checkpoint_dir`` works wherever it points, as it always did; it says so on start. A
+cluster reachable from other hosts gets no such default: give ``--checkpoint-root``.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import subprocess
@@ -20,9 +27,11 @@ import click
 
 from ..cluster import ClusterSpec, TaskId, resolve
 from ..errors import ConfigError
+from ..server.checkpoint_roots import ENV as ROOTS_ENV
+from ..server.checkpoint_roots import CheckpointRoots
 from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, LOG_LEVELS, fail
 
-__all__ = ["launch", "Launcher", "generate_cluster"]
+__all__ = ["launch", "Launcher", "generate_cluster", "launch_roots"]
 
 COMMAND_JOBS = ("chief", "worker", "evaluator", "master")
 STOP_GRACE = 5.0
@@ -42,6 +51,32 @@ def generate_cluster(workers: int, ps: int, chief: bool, host: str = "127.0.0.1"
     return ClusterSpec(jobs)
 
 
+def _loopback_only(spec: ClusterSpec) -> bool:
+    """Whether no task of ``spec`` listens beyond this machine's loopback (ipc and inproc are local)."""
+    for task in spec.tasks:
+        address = spec.address(task)
+        if address.scheme != "tcp":
+            continue
+        if address.host == "localhost":
+            continue
+        try:
+            if not ipaddress.ip_address(address.host).is_loopback:
+                return False
+        except ValueError:  # a host name: it may resolve to anything
+            return False
+    return True
+
+
+def launch_roots(spec: ClusterSpec, given: list[str], environ: "dict[str, str] | os._Environ[str]") -> CheckpointRoots:
+    """Where launched tasks may write checkpoints: ``given`` roots; else the caller's own
+    ``ZMQFLOW_CHECKPOINT_ROOTS``; else anywhere on a loopback cluster, nowhere on any other."""
+    if given:
+        return CheckpointRoots.parse(given)
+    if ROOTS_ENV in environ:
+        return CheckpointRoots.parse(None, environ)
+    return CheckpointRoots(anywhere=_loopback_only(spec))
+
+
 @dataclass(eq=False)
 class _Child:
     task: TaskId
@@ -56,8 +91,9 @@ class Launcher:
     """Starts, watches and stops the processes of one local cluster."""
 
     def __init__(self, spec: ClusterSpec, command: list[str], *, log_level: str = "info", out=None,
-                 restart: str = "never", max_restarts: int = 3):
+                 restart: str = "never", max_restarts: int = 3, checkpoint_roots: CheckpointRoots | None = None):
         self.spec = spec
+        self.checkpoint_roots = checkpoint_roots or launch_roots(spec, [], os.environ)
         self.restart = restart
         self.max_restarts = max_restarts
         self.command = command
@@ -80,6 +116,7 @@ class Launcher:
         env = dict(os.environ)
         env.pop("TF_CONFIG", None)
         env.update(ZMQFLOW_CLUSTER=self.spec.to_json(), ZMQFLOW_TASK=str(task), PYTHONUNBUFFERED="1")
+        env[ROOTS_ENV] = self.checkpoint_roots.to_env()
         return env
 
     def say(self, line: str, tag: str = "launch") -> None:
@@ -89,6 +126,8 @@ class Launcher:
 
     def start(self) -> None:
         self.say(f"cluster {self.spec.to_json()}")
+        self.say(f"checkpoint roots: {self.checkpoint_roots.describe()}"
+                 + ("" if self.checkpoint_roots.roots else " (--checkpoint-root DIR confines them)"))
         for child in self.children:
             self._start(child)
 
@@ -186,8 +225,12 @@ def _exit_code(returncode: int) -> int:
 @click.option("--restart", type=click.Choice(["never", "on-failure"]), default="never", show_default=True,
               help="Restart a task whose process dies, on the same address.")
 @click.option("--max-restarts", type=click.IntRange(0, 1000), default=3, show_default=True, help="Per task.")
+@click.option("--checkpoint-root", "checkpoint_roots", multiple=True, metavar="DIR",
+              help="Confine every task's checkpoint writes under DIR; repeatable. Default: anywhere on a "
+                   "loopback cluster, nowhere on one other hosts can reach.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, max_restarts, command) -> None:
+def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, max_restarts, checkpoint_roots,
+           command) -> None:
     """Start a cluster's tasks as local processes, optionally running COMMAND on chief and workers."""
     command = list(command)
     if command and command[0] == "--":
@@ -199,12 +242,14 @@ def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, m
             spec, _ = resolve(cluster, None, env={}, require_task=False)
         else:
             spec = generate_cluster(2 if workers is None else workers, 0 if ps is None else ps, chief, host)
+        roots = launch_roots(spec, list(checkpoint_roots), os.environ)
     except ConfigError as exc:
         fail("launch", exc, EXIT_USAGE)
     if cluster_out:
         with open(cluster_out, "w") as fh:
             fh.write(spec.to_json() + "\n")
-    launcher = Launcher(spec, command, log_level=log_level, restart=restart, max_restarts=max_restarts)
+    launcher = Launcher(spec, command, log_level=log_level, restart=restart, max_restarts=max_restarts,
+                        checkpoint_roots=roots)
 
     def forward(sig: int, _frame: object) -> None:
         launcher.say(f"forwarding {signal.Signals(sig).name} to every task")

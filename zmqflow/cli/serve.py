@@ -27,7 +27,12 @@ STOP_TIMEOUT = 1.5  # the process must be gone within 2 s of the signal
 @click.option("--allow-module", "allow_modules", multiple=True, metavar="MODULE",
               help="Modules (and their submodules) whose functions sessions may run here; repeatable "
                    "(else ZMQFLOW_ALLOW_MODULES, comma-separated).")
-def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: tuple[str, ...]) -> None:
+@click.option("--checkpoint-root", "checkpoint_roots", multiple=True, metavar="DIR",
+              help="A directory a ps task may write checkpoints under; repeatable, replaces any default "
+                   "(else ZMQFLOW_CHECKPOINT_ROOTS, os.pathsep-separated; '*' means anywhere). Without one, "
+                   "saves are refused.")
+def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: tuple[str, ...],
+          checkpoint_roots: tuple[str, ...]) -> None:
     """Serve one task of a cluster until SIGTERM or SIGINT."""
     try:
         spec, tid = resolve(cluster, task)
@@ -37,14 +42,15 @@ def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: 
     setup_logging(log_level, str(tid))
     keep_big_blocks()
     try:
-        code = run(_serve(spec, tid, list(allow_modules) or None))
+        code = run(_serve(spec, tid, list(allow_modules) or None, list(checkpoint_roots) or None))
     except ZmqflowError as exc:
         fail("serve", exc, EXIT_FAILURE)
     raise SystemExit(code)
 
 
-async def _serve(spec: ClusterSpec, tid: TaskId, allow_modules: list[str] | None) -> int:
-    server = AsyncServer(spec, tid, allow_modules=allow_modules)
+async def _serve(spec: ClusterSpec, tid: TaskId, allow_modules: list[str] | None,
+                 checkpoint_roots: list[str] | None = None) -> int:
+    server = AsyncServer(spec, tid, allow_modules=allow_modules, checkpoint_roots=checkpoint_roots)
     try:
         await server.start()
     except AddressInUse as exc:

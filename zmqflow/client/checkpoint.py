@@ -85,7 +85,8 @@ def latest(directory: str) -> str | None:
 
 
 async def async_save(sess: "AsyncSession", directory: str, *, step: int | None = None, keep: int = 5) -> str:
-    os.makedirs(directory, exist_ok=True)
+    """The shards write first, each where its checkpoint roots allow (a refused directory is
+    ``PermissionDenied`` and nothing is created); then the manifest, then pruning."""
     spec = await sess.cluster()
     if step is None:
         step = await _global_step(sess)
@@ -98,6 +99,7 @@ async def async_save(sess: "AsyncSession", directory: str, *, step: int | None =
     for task, shard in zip(shard_tasks(spec), shards):
         shard["task"] = str(task)
     crash_point("before-manifest")
+    os.makedirs(directory, exist_ok=True)  # the shards made it, unless they write on other hosts
     manifest = {"format": FORMAT, "step": int(step), "time": time.time(), "records": records, "shards": shards}
     path = os.path.join(directory, manifest_name(int(step)))
     write_atomic(path, text=json.dumps(manifest, indent=1))

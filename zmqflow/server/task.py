@@ -11,7 +11,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..cluster import ClusterSpec, TaskId, resolve, shard_tasks
@@ -19,6 +19,7 @@ from ..errors import NotFound
 from ..loop import LoopThread
 from ..rpc import DEFAULT_TIMEOUT, Counters, RpcClient, RpcServer, Service
 from ..rpc.health import wait_for_tasks
+from .checkpoint_roots import CheckpointRoots
 from .services import MasterService, PsService, WorkerService
 from .services.catalog import CatalogService
 from .services.ring import RingService
@@ -44,7 +45,11 @@ class AsyncServer:
         default_timeout: float = DEFAULT_TIMEOUT,
         allow_modules: list[str] | None = None,
         transport: Transport | None = None,
+        checkpoint_roots: "Sequence[str | os.PathLike[str]] | str | None" = None,
     ):
+        """``checkpoint_roots``: the directories a ps shard here may write checkpoints under
+        (None: ``ZMQFLOW_CHECKPOINT_ROOTS``, else none, and saves are refused; ``"*"``: anywhere).
+        ``allow_modules``: modules whose public functions sessions may run here."""
         self.spec, tid = resolve(cluster, task, env={})
         self.transport = transport  # None: chosen per endpoint scheme (transport.registry)
         assert tid is not None
@@ -65,7 +70,8 @@ class AsyncServer:
         shards = shard_tasks(self.spec)
         if self.task in shards:
             replicas = [str(t) for t in self.spec.tasks if t.job in ("chief", "worker")]
-            self._services["ps"] = PsService(replicas, reachable=self.client_reachable)
+            self._services["ps"] = PsService(replicas, reachable=self.client_reachable,
+                                             checkpoint_roots=CheckpointRoots.parse(checkpoint_roots))
         if self.task == shards[0]:
             self._services["catalog"] = CatalogService(self.spec)
         self._services.update(services or {})

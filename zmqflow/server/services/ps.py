@@ -23,6 +23,7 @@ from ...state.store import PartKey, Rows, ShardStore, Sparse, part_label
 from ...state.sync import READY, STALE
 from ...rpc import CallContext, Service, op
 from ...wire.requests import ps as rq
+from ..checkpoint_roots import CheckpointRoots
 from .fence import FenceOps
 from .snapshots import SnapshotOps
 from .tables import TableOps
@@ -39,8 +40,10 @@ _SYNC_MARGIN = 0.25
 class PsService(Service, TableOps, SnapshotOps, FenceOps):
     name = "ps"
 
-    def __init__(self, replicas: list[str] | None = None, reachable: Callable[[bytes], bool] | None = None):
+    def __init__(self, replicas: list[str] | None = None, reachable: Callable[[bytes], bool] | None = None,
+                 checkpoint_roots: CheckpointRoots | None = None):
         super().__init__()
+        self.checkpoint_roots = checkpoint_roots or CheckpointRoots()  # none: ps.save writes nowhere
         self._fence_init()
         self._reachable = reachable
         self._pushers: dict[str, bytes] = {}  # replica name -> the routing id it last pushed from
