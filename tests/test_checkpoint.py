@@ -284,3 +284,54 @@ def test_two_writers_saving_into_one_directory_at_once_leave_valid_checkpoints(t
     assert found and os.path.basename(found[-1]) == "checkpoint-0000000024.json"
     step, saved = checkpoint.restore_store(found[-1])
     assert step == 24 and saved["w"]["value"].tolist() in ([0.0] * 3, [1.0] * 3)
+
+
+def _replica(name: str, value: float):
+    from zmqflow.state.store import ShardStore
+
+    store = ShardStore()
+    store.create(name, 0, [3], [0, 3], "float64", value=np.full(3, value))
+    return store
+
+
+def test_two_writers_saving_one_step_in_one_millisecond_never_share_a_file(tmp_path, monkeypatch):
+    """Two chiefs (a handover) saving the same step at the same moment: each writes its own shard
+    file, so whichever manifest survives names the state its own writer saved."""
+    import threading
+    import types
+
+    monkeypatch.setattr(checkpoint, "time", types.SimpleNamespace(time=lambda: 1_700_000_000.0))
+    both_written = threading.Barrier(2, timeout=20)
+    shard_files: list[int] = []
+
+    def between_shards_and_manifest(where: str) -> None:  # both writers' shard files are on disk here
+        if where == "before-manifest":
+            both_written.wait()
+            shard_files.append(len([f for f in os.listdir(tmp_path) if f.endswith(".npz")]))
+            both_written.wait()
+
+    monkeypatch.setattr(checkpoint, "crash_point", between_shards_and_manifest)
+    stores = [_replica(f"w{k}", float(k)) for k in range(2)]
+    run_in_threads(lambda k: checkpoint.save_store(stores[k], str(tmp_path), 5, keep=2), 2)
+    assert shard_files == [2, 2]
+    step, saved = checkpoint.restore_store(str(tmp_path))
+    (name, arrays), = saved.items()
+    assert step == 5 and arrays["value"].tolist() == [float(name[1:])] * 3, (name, arrays["value"])
+
+
+def test_restoring_a_directorys_latest_while_a_writer_prunes_it_reads_the_newest(tmp_path, monkeypatch):
+    """A chief restoring while another still saves (keep=1): the checkpoint it chose is pruned
+    between reading the manifest and its files; it chooses the newest again."""
+    checkpoint.save_store(_replica("w", 1.0), str(tmp_path), 1, keep=1)
+    read = checkpoint.read_arrays
+    pruned: list[str] = []
+
+    def read_after_a_prune(path: str) -> dict:
+        if not pruned:
+            pruned.append(checkpoint.save_store(_replica("w", 2.0), str(tmp_path), 2, keep=1))
+            assert [os.path.basename(p) for p in checkpoint.checkpoints(str(tmp_path))] == ["checkpoint-0000000002.json"]
+        return read(path)
+
+    monkeypatch.setattr(checkpoint, "read_arrays", read_after_a_prune)
+    step, saved = checkpoint.restore_store(str(tmp_path))
+    assert pruned and step == 2 and saved["w"]["value"].tolist() == [2.0] * 3
