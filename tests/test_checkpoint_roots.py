@@ -162,6 +162,8 @@ def test_launch_saves_anywhere_by_default_and_inside_its_roots_when_given(procs,
     p = procs([*cmd, "--", sys.executable, str(script), str(ckpt), str(other)])
     assert p.wait(90) == 0, p.output
     assert "trained" in p.output and checkpoint.latest(str(ckpt)) is not None  # the script's checkpoint_dir
+    said = f"checkpoint roots: {(tmp_path / 'runs').resolve()}" if confine else "checkpoint roots: anywhere"
+    assert said in p.output, p.output
     if confine:
         assert "refused:" in p.output and "outside this task's checkpoint roots" in p.output, p.output
         assert not other.exists()

@@ -126,8 +126,10 @@ class Launcher:
 
     def start(self) -> None:
         self.say(f"cluster {self.spec.to_json()}")
-        self.say(f"checkpoint roots: {self.checkpoint_roots.describe()}"
-                 + ("" if self.checkpoint_roots.roots else " (--checkpoint-root DIR confines them)"))
+        roots = self.checkpoint_roots
+        hint = " (--checkpoint-root DIR confines them)" if roots.anywhere else \
+            "" if roots.roots else ": checkpoint saves are refused (give --checkpoint-root DIR)"
+        self.say(f"checkpoint roots: {roots.describe()}{hint}")
         for child in self.children:
             self._start(child)
 
