@@ -73,7 +73,7 @@ def test_tensors_round_trip(transport, shape, dtype):
 
 def test_errors_are_typed_and_the_server_keeps_serving(transport):
     async def main():
-        async with local_cluster({"worker": 2}, timeout=10, transport=transport, services=diag) as servers:
+        async with local_cluster({"worker": 2}, timeout=10, transport=transport, services=diag, debug=True) as servers:
             w0 = servers["worker:0"]
             with pytest.raises(errors.NotFound, match="no service 'nope'"):
                 await w0.call("worker:1", "nope", "ping")

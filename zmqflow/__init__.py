@@ -16,6 +16,7 @@ from .training.strategy import LocalStrategy
 from .client.placement import GreedyLoadBalancing, RoundRobin, device, placement
 from .state.partition import fixed_size_partitioner, min_max_variable_partitioner
 from .server.task import AsyncServer, Server
+from .server.limits import ServerLimits
 from .client.embedding import AsyncEmbedding
 from .client.blocking import Embedding, Session, Variable
 from .client.session import AsyncSession
@@ -30,6 +31,7 @@ __all__ = [
     "TaskId",
     "AsyncServer",
     "Server",
+    "ServerLimits",
     "AsyncSession",
     "Session",
     "Variable",

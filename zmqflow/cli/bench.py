@@ -16,12 +16,16 @@ def bench() -> None:
 @click.option("--quick", is_flag=True, help="Fewer sizes and iterations (under a minute).")
 @click.option("--transport", "transports", multiple=True, type=click.Choice(["inproc", "ipc", "tcp"]), help="Repeatable; default all.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write JSON lines here (replacing the file).")
-def transport(quick: bool, transports: tuple[str, ...], json_out: str | None) -> None:
-    """Tensor throughput and round-trip latency: zmqflow vs raw pyzmq vs memcpy."""
+@click.option("--curve", is_flag=True, help="Also measure ipc and tcp with CurveZMQ on, beside off.")
+@click.option("--keys", metavar="DIR", envvar="ZMQFLOW_KEYS", type=click.Path(file_okay=False),
+              help="Key directory for the CURVE runs (a shared task key; implies --curve); default: temporary keys.")
+def transport(quick: bool, transports: tuple[str, ...], json_out: str | None, curve: bool, keys: str | None) -> None:
+    """Tensor throughput and round-trip latency: zmqflow vs raw pyzmq vs memcpy (and CURVE's cost)."""
     from ..bench.transport import run
 
     # run() reports as it goes and ends with the table itself
-    run(quick=quick, transports=transports or ("inproc", "ipc", "tcp"), json_out=json_out, echo=click.echo)
+    run(quick=quick, transports=transports or ("inproc", "ipc", "tcp"), json_out=json_out, echo=click.echo,
+        curve=curve, keys=keys)
 
 
 @bench.command("ps")

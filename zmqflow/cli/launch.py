@@ -5,6 +5,10 @@ serve while chief, worker and evaluator tasks run the command with ``ZMQFLOW_CLU
 ``ZMQFLOW_TASK`` set; when the commands end the servers are stopped, and the exit code is the
 first failure's.
 
+``--keys DIR`` hands every process ``ZMQFLOW_KEYS``: servers admit only listed keys, and training
+scripts (tasks themselves) present their task keys. Without keys, a cluster beyond loopback needs
+``--insecure`` (passed on as ``ZMQFLOW_INSECURE=1``).
+
 Checkpoint roots: ``--checkpoint-root DIR`` confines every task's checkpoint writes (passed as
 ``ZMQFLOW_CHECKPOINT_ROOTS``). Without it, on a cluster whose every address is loopback (one
 user's processes on one machine), launch sets ``ZMQFLOW_CHECKPOINT_ROOTS=*`` (anywhere) so a
@@ -14,7 +18,6 @@ cluster reachable from other hosts gets no such default: give ``--checkpoint-roo
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import signal
 import subprocess
@@ -29,6 +32,7 @@ from ..cluster import ClusterSpec, TaskId, resolve
 from ..errors import ConfigError
 from ..server.checkpoint_roots import ENV as ROOTS_ENV
 from ..server.checkpoint_roots import CheckpointRoots
+from ..transport.curve import KEYS_ENV, Keys, is_loopback
 from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, LOG_LEVELS, fail
 
 __all__ = ["launch", "Launcher", "generate_cluster", "launch_roots"]
@@ -52,19 +56,8 @@ def generate_cluster(workers: int, ps: int, chief: bool, host: str = "127.0.0.1"
 
 
 def _loopback_only(spec: ClusterSpec) -> bool:
-    """Whether no task of ``spec`` listens beyond this machine's loopback (ipc and inproc are local)."""
-    for task in spec.tasks:
-        address = spec.address(task)
-        if address.scheme != "tcp":
-            continue
-        if address.host == "localhost":
-            continue
-        try:
-            if not ipaddress.ip_address(address.host).is_loopback:
-                return False
-        except ValueError:  # a host name: it may resolve to anything
-            return False
-    return True
+    """Whether no task of ``spec`` listens beyond this machine (the protected mode's own test)."""
+    return all(is_loopback(spec.address(t).bind_endpoint()) for t in spec.tasks)
 
 
 def launch_roots(spec: ClusterSpec, given: list[str], environ: "dict[str, str] | os._Environ[str]") -> CheckpointRoots:
@@ -91,8 +84,11 @@ class Launcher:
     """Starts, watches and stops the processes of one local cluster."""
 
     def __init__(self, spec: ClusterSpec, command: list[str], *, log_level: str = "info", out=None,
-                 restart: str = "never", max_restarts: int = 3, checkpoint_roots: CheckpointRoots | None = None):
+                 restart: str = "never", max_restarts: int = 3, keys: str | None = None, insecure: bool = False,
+                 checkpoint_roots: CheckpointRoots | None = None):
         self.spec = spec
+        self.keys = keys
+        self.insecure = insecure
         self.checkpoint_roots = checkpoint_roots or launch_roots(spec, [], os.environ)
         self.restart = restart
         self.max_restarts = max_restarts
@@ -116,6 +112,10 @@ class Launcher:
         env = dict(os.environ)
         env.pop("TF_CONFIG", None)
         env.update(ZMQFLOW_CLUSTER=self.spec.to_json(), ZMQFLOW_TASK=str(task), PYTHONUNBUFFERED="1")
+        if self.keys is not None:
+            env[KEYS_ENV] = os.path.abspath(self.keys)
+        if self.insecure:
+            env["ZMQFLOW_INSECURE"] = "1"
         env[ROOTS_ENV] = self.checkpoint_roots.to_env()
         return env
 
@@ -212,6 +212,18 @@ class Launcher:
                 child.pump.join(2.0)
 
 
+def check_keys(spec: ClusterSpec, keys: str | None, insecure: bool) -> None:
+    """Before any process starts: every task has its key, or (no keys) the cluster stays on loopback."""
+    if keys is not None:
+        for task in spec.tasks:
+            Keys.load(keys, str(task), require_task=True)
+        return
+    exposed = [str(t) for t in spec.tasks if not is_loopback(spec.address(t).bind_endpoint())]
+    if exposed and not insecure:
+        raise ConfigError(f"tasks {', '.join(exposed)} would listen beyond loopback without keys: make keys with "
+                          "`zmqflow keys generate DIR --cluster c.json` and pass --keys DIR, or pass --insecure")
+
+
 def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
@@ -227,12 +239,15 @@ def _exit_code(returncode: int) -> int:
 @click.option("--restart", type=click.Choice(["never", "on-failure"]), default="never", show_default=True,
               help="Restart a task whose process dies, on the same address.")
 @click.option("--max-restarts", type=click.IntRange(0, 1000), default=3, show_default=True, help="Per task.")
+@click.option("--keys", metavar="DIR", envvar=KEYS_ENV, type=click.Path(file_okay=False),
+              help="CurveZMQ key directory for every task (zmqflow keys generate; else ZMQFLOW_KEYS).")
+@click.option("--insecure", is_flag=True, help="Without keys, let tasks serve non-loopback addresses anyway.")
 @click.option("--checkpoint-root", "checkpoint_roots", multiple=True, metavar="DIR",
               help="Confine every task's checkpoint writes under DIR; repeatable. Default: anywhere on a "
                    "loopback cluster, nowhere on one other hosts can reach.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, max_restarts, checkpoint_roots,
-           command) -> None:
+def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, max_restarts, keys, insecure,
+           checkpoint_roots, command) -> None:
     """Start a cluster's tasks as local processes, optionally running COMMAND on chief and workers."""
     command = list(command)
     if command and command[0] == "--":
@@ -244,14 +259,15 @@ def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, m
             spec, _ = resolve(cluster, None, env={}, require_task=False)
         else:
             spec = generate_cluster(2 if workers is None else workers, 0 if ps is None else ps, chief, host)
+        check_keys(spec, keys, insecure)
         roots = launch_roots(spec, list(checkpoint_roots), os.environ)
     except ConfigError as exc:
         fail("launch", exc, EXIT_USAGE)
     if cluster_out:
         with open(cluster_out, "w") as fh:
             fh.write(spec.to_json() + "\n")
-    launcher = Launcher(spec, command, log_level=log_level, restart=restart, max_restarts=max_restarts,
-                        checkpoint_roots=roots)
+    launcher = Launcher(spec, command, log_level=log_level, restart=restart, max_restarts=max_restarts, keys=keys,
+                        insecure=insecure, checkpoint_roots=roots)
 
     def forward(sig: int, _frame: object) -> None:
         launcher.say(f"forwarding {signal.Signals(sig).name} to every task")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import re
 import signal
 
 import click
@@ -11,6 +13,7 @@ import click
 from ..cluster import ClusterSpec, TaskId, resolve
 from ..errors import AddressInUse, ConfigError, ZmqflowError
 from ..loop import run
+from ..server.limits import ServerLimits
 from ..server.task import AsyncServer
 from ..transport.memory import keep_big_blocks
 from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, LOG_LEVELS, fail, setup_logging
@@ -27,30 +30,69 @@ STOP_TIMEOUT = 1.5  # the process must be gone within 2 s of the signal
 @click.option("--allow-module", "allow_modules", multiple=True, metavar="MODULE",
               help="Modules (and their submodules) whose functions sessions may run here; repeatable "
                    "(else ZMQFLOW_ALLOW_MODULES, comma-separated).")
+@click.option("--debug", is_flag=True, help="Error replies carry the server's tracebacks (never on an open network).")
+@click.option("--max-deadline", type=float, metavar="SECONDS", help="Longest any request may run; the deadline of one naming none (3600).")
+@click.option("--max-in-flight", type=int, metavar="N", help="Requests one peer may have running at once (4096).")
+@click.option("--max-frame-bytes", metavar="SIZE", help="Largest tensor frame taken (2GiB); libzmq cuts frames 64 MiB over it.")
+@click.option("--max-variable-bytes", metavar="SIZE", help="Largest variable, all parts (256GiB).")
+@click.option("--max-shard-bytes", metavar="SIZE", help="Bytes a shard may hold, values and optimizer slots (physical memory).")
+@click.option("--max-variables", type=int, metavar="N", help="Variables in the catalog, and parts per shard (262144).")
+@click.option("--table-capacity", type=int, metavar="ROWS", help="Rows per dynamic table part that names no capacity (16777216).")
+@click.option("--keys", "keys", metavar="DIR", envvar="ZMQFLOW_KEYS", type=click.Path(file_okay=False),
+              help="CurveZMQ key directory (zmqflow keys generate; else ZMQFLOW_KEYS): only listed keys get in.")
+@click.option("--insecure", is_flag=True, envvar="ZMQFLOW_INSECURE",
+              help="Without keys, serve a non-loopback address anyway (unauthenticated, unencrypted).")
 @click.option("--checkpoint-root", "checkpoint_roots", multiple=True, metavar="DIR",
               help="A directory a ps task may write checkpoints under; repeatable, replaces any default "
                    "(else ZMQFLOW_CHECKPOINT_ROOTS, os.pathsep-separated; '*' means anywhere). Without one, "
                    "saves are refused.")
-def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: tuple[str, ...],
-          checkpoint_roots: tuple[str, ...]) -> None:
+def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: tuple[str, ...], debug: bool,
+          keys: str | None, insecure: bool, checkpoint_roots: tuple[str, ...], **limits: object) -> None:
     """Serve one task of a cluster until SIGTERM or SIGINT."""
     try:
         spec, tid = resolve(cluster, task)
+        server_limits = _limits(limits)
     except ConfigError as exc:
         fail("serve", exc, EXIT_USAGE)
     assert tid is not None
     setup_logging(log_level, str(tid))
     keep_big_blocks()
     try:
-        code = run(_serve(spec, tid, list(allow_modules) or None, list(checkpoint_roots) or None))
+        code = run(_serve(spec, tid, list(allow_modules) or None, server_limits, debug, keys, insecure,
+                          list(checkpoint_roots) or None))
     except ZmqflowError as exc:
         fail("serve", exc, EXIT_FAILURE)
     raise SystemExit(code)
 
 
-async def _serve(spec: ClusterSpec, tid: TaskId, allow_modules: list[str] | None,
-                 checkpoint_roots: list[str] | None = None) -> int:
-    server = AsyncServer(spec, tid, allow_modules=allow_modules, checkpoint_roots=checkpoint_roots)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``4GiB``, ``64MiB``, ``1.5GB``, ``1048576``: a number of bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"{text!r} is not a size (e.g. 1048576, 64MiB, 4GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _limits(flags: dict[str, object]) -> ServerLimits:
+    """ServerLimits from the flags given (the rest at their defaults)."""
+    given = {k: (parse_size(v) if k.endswith("_bytes") else v) for k, v in flags.items() if v is not None}
+    try:
+        return dataclasses.replace(ServerLimits(), **given)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+async def _serve(spec: ClusterSpec, tid: TaskId, allow_modules: list[str] | None, limits: ServerLimits,
+                 debug: bool, keys: str | None, insecure: bool, checkpoint_roots: list[str] | None = None) -> int:
+    try:
+        server = AsyncServer(spec, tid, allow_modules=allow_modules, limits=limits, debug=debug, keys=keys,
+                             insecure=insecure, checkpoint_roots=checkpoint_roots)
+    except ConfigError as exc:
+        fail("serve", exc, EXIT_USAGE)
     try:
         await server.start()
     except AddressInUse as exc:
@@ -61,7 +103,8 @@ async def _serve(spec: ClusterSpec, tid: TaskId, allow_modules: list[str] | None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("serving %s at %s (services: %s) in cluster %s", tid, server.target, ", ".join(server.service_names()), spec.to_json())
+    log.info("serving %s at %s (services: %s; %s) in cluster %s", tid, server.target, ", ".join(server.service_names()),
+             f"CurveZMQ keys from {server.keys.directory}" if server.keys else "no keys", spec.to_json())
     await stop.wait()
     log.info("stopping %s", tid)
     try:

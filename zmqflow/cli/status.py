@@ -14,14 +14,17 @@ from ..errors import ConfigError
 from ..loop import run
 from ..rpc import RpcClient
 from ..rpc.health import probe
+from ..transport.curve import KEYS_ENV, Keys, keys_from
 from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, fail
 
 __all__ = ["status", "cluster_status", "format_status"]
 
 
-async def cluster_status(spec: ClusterSpec, timeout: float) -> list[dict[str, Any]]:
+async def cluster_status(spec: ClusterSpec, timeout: float, keys: Keys | None = None) -> list[dict[str, Any]]:
     """One row per task: its status when it answered within ``timeout``, else ``reachable: False``."""
-    client = RpcClient(identity=f"status-{uuid.uuid4().hex[:8]}", default_timeout=timeout)
+    if keys is not None:
+        keys.learn(spec)
+    client = RpcClient(identity=f"status-{uuid.uuid4().hex[:8]}", default_timeout=timeout, keys=keys)
     try:
         replies = await asyncio.gather(*(probe(client, spec, t, timeout) for t in spec.tasks))
     finally:
@@ -65,13 +68,16 @@ def format_status(rows: list[dict[str, Any]]) -> str:
 @click.option("--cluster", metavar="PATH|JSON", help="Cluster spec file or inline JSON (else ZMQFLOW_CLUSTER, TF_CONFIG).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--timeout", type=click.FloatRange(min=0.01), default=2.0, show_default=True, help="Seconds to wait for each task.")
-def status(cluster: str | None, as_json: bool, timeout: float) -> None:
+@click.option("--keys", metavar="DIR", envvar=KEYS_ENV, type=click.Path(file_okay=False),
+              help="CurveZMQ key directory (else ZMQFLOW_KEYS): asks as the client key.")
+def status(cluster: str | None, as_json: bool, timeout: float, keys: str | None) -> None:
     """Show every task of a cluster; exit 0 only when all are reachable."""
     try:
         spec, _ = resolve(cluster, None, require_task=False)
+        loaded = keys_from(keys, env={})
     except ConfigError as exc:
         fail("status", exc, EXIT_USAGE)
-    rows = run(cluster_status(spec, timeout))
+    rows = run(cluster_status(spec, timeout, loaded))
     up = all(r["reachable"] for r in rows)
     if as_json:
         click.echo(json.dumps({"all_reachable": up, "tasks": rows}, indent=2))

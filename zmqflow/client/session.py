@@ -4,6 +4,10 @@
 is in :mod:`.blocking`). A session is pointed at a target (``server.target`` or
 ``"tcp://host:port"``) or at a task of a cluster spec. Handles reach it only through
 :class:`.port.SessionPort`.
+
+``keys`` (a key directory, else ``ZMQFLOW_KEYS``) makes every connection CurveZMQ. A process that
+is a task (``ZMQFLOW_TASK`` set, as ``zmqflow launch`` does for training scripts) presents its task
+key, and its session takes the task's name; any other process presents the client key.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from ..cluster import Address, ClusterSpec, TaskId, catalog_task, load_config, s
 from ..errors import ConfigError, InvalidArgument
 from ..rpc import DEFAULT_TIMEOUT, RpcClient
 from ..transport.base import Transport
+from ..transport.curve import Keys, keys_from
 from ..wire.requests import cluster as crq
 from .embedding import AsyncEmbedding, TableInfo, declare_embedding
 from .variables import AsyncVariable, VarInfo, declare
@@ -51,8 +56,18 @@ class AsyncSession:
         timeout: float = DEFAULT_TIMEOUT,
         name: str | None = None,
         transport: Transport | None = None,
+        keys: "Keys | str | os.PathLike[str] | None" = None,
     ):
         self.endpoint, self._spec, tid = _target_endpoint(target, cluster, task)
+        self.keys = keys_from(keys, os.environ.get("ZMQFLOW_TASK") or None)
+        if self.keys is not None:
+            if self._spec is not None:
+                self.keys.learn(self._spec)
+            if self.keys.pinned and name is not None and name != self.keys.name:  # the server would refuse it
+                raise ConfigError(f"session name {name!r} differs from its key's ({self.keys.name!r}): with keys "
+                                  "a session is named by its key")
+            if self.keys.pinned or name is None:
+                name = self.keys.name
         self.timeout = timeout
         self.transport = transport  # None: chosen per endpoint scheme (transport.registry)
         # who pushes: sync replicas count gradients per pusher and name the ones that are missing
@@ -66,7 +81,7 @@ class AsyncSession:
     def client(self) -> RpcClient:
         if self._client is None:
             self._client = RpcClient(identity=f"{self.name}-{uuid.uuid4().hex[:8]}", source=self.name, default_timeout=self.timeout,
-                                     transport=self.transport)
+                                     transport=self.transport, keys=self.keys)
         return self._client
 
     async def call_task(self, task: TaskId, service: str, op: str, body: Any = None) -> Any:
@@ -181,6 +196,8 @@ class AsyncSession:
         if self._spec is None:
             reply = await self.client.call(self.endpoint, "master", "cluster")
             self._spec = ClusterSpec(reply["cluster"])
+            if self.keys is not None:
+                self.keys.learn(self._spec)
         return self._spec
 
     async def status(self, task: "TaskId | str | None" = None) -> dict[str, Any]:

@@ -5,6 +5,12 @@ peer that could not be reached, or whose connection dropped while calls were in 
 transport reports it: for ZeroMQ a socket monitor, which ZMTP heartbeats keep honest), raises
 ``Unavailable``. Both name the peer and the op. Connections come from the transport registered
 for the endpoint's scheme, or from the ``transport`` given.
+
+With ``keys`` every connection is a CURVE client presenting this process's key and expecting the
+peer task's public key, and the client names itself by its key (the server checks the claim). A
+peer that refuses the key (or wants keys this client lacks, or has none while this client has)
+makes its calls fail at once with ``Unauthenticated``: nothing was sent, so nothing was read or
+changed.
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import DeadlineExceeded, ProtocolError, Unavailable, VersionMismatch, ZmqflowError
+from ..errors import ConfigError, DeadlineExceeded, ProtocolError, Unauthenticated, Unavailable, VersionMismatch, ZmqflowError
 from ..transport import registry
-from ..transport.base import CONNECTING, DOWN, UP, Connection, SendFailed, Transport
+from ..transport.base import AUTH_FAILED, CONNECTING, DOWN, UP, Connection, SendFailed, Transport
+from ..transport.curve import Keys
 from ..transport.options import DEFAULT_OPTIONS, SocketOptions
 from ..wire import ERROR, REPLY, REQUEST, DecodeError, Limits, Message, decode, encode, raise_error
 from ..wire.codec import DEFAULT_LIMITS
@@ -70,9 +77,12 @@ class RpcClient:
         default_timeout: float = DEFAULT_TIMEOUT,
         counters: Counters | None = None,
         transport: Transport | None = None,
+        keys: Keys | None = None,
     ):
         self.identity = identity.encode()
-        self.source = source
+        self.keys = keys
+        # with a key that names this process, the server takes that name and refuses any other
+        self.source = keys.name if keys is not None and keys.pinned else source
         self.limits = limits
         self.options = options
         self.default_timeout = default_timeout
@@ -84,7 +94,7 @@ class RpcClient:
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
         self._closed = False
-        self._senders: set[asyncio.Task] = set()  # sends waiting for a connection; cancelled on close
+        self._senders: dict[int, asyncio.Task] = {}  # sends waiting for a connection, by request id
 
     # connections ------------------------------------------------------------------------
     def peer(self, endpoint: str, name: str | None = None) -> Peer:
@@ -96,15 +106,22 @@ class RpcClient:
             raise Unavailable(f"client {self.identity.decode()} is closed")
         peer = Peer(endpoint, name or endpoint)
         transport = self._transport if self._transport is not None else registry.lookup(endpoint)
-        peer.conn = transport.connect(
-            endpoint,
-            self.identity,
-            functools.partial(self._on_reply, peer),
-            functools.partial(self._on_state, peer),
-            loop=self._loop,
-            options=self.options,
-            name=peer.name,
-        )
+        extra = {} if self.keys is None else {"security": self.keys.client(endpoint, name)}
+        try:
+            peer.conn = transport.connect(
+                endpoint,
+                self.identity,
+                functools.partial(self._on_reply, peer),
+                functools.partial(self._on_state, peer),
+                loop=self._loop,
+                options=self.options,
+                name=peer.name,
+                **extra,
+            )
+        except TypeError:
+            if not extra:
+                raise
+            raise ConfigError(f"the transport for {endpoint} ({type(transport).__name__}) does not carry keys") from None
         self._peers[endpoint] = peer
         return peer
 
@@ -115,6 +132,32 @@ class RpcClient:
             peer.state = DOWN
             peer.down_since = self._loop.time()
             self._fail_inflight(peer, f"connection to {peer.name} dropped")
+        elif state == AUTH_FAILED and peer.state is not AUTH_FAILED:
+            peer.state = AUTH_FAILED
+            for rid in list(peer.inflight):  # sent or not: none of them gets through
+                pending = self._pending.get(rid)
+                if pending is not None:
+                    self._finish(rid, exc=self._unauthenticated(pending))
+
+    def _unauthenticated(self, pending: _Pending) -> Unauthenticated:
+        peer = pending.peer
+        if self.keys is None:
+            why = (f"{peer.name} requires CurveZMQ keys and this process has none "
+                   "(pass keys=DIR or set ZMQFLOW_KEYS=DIR)")
+        else:
+            why = (f"{peer.name} refused this process's key ({self.keys.role} {self.keys.name!r} from "
+                   f"{self.keys.directory}): the key is not on its allow-list, its own key is not the one this "
+                   "directory lists for it, or it runs without keys")
+        return Unauthenticated(f"authentication failed: {why}; {pending.what} was not sent", task=peer.name)
+
+    def _refusal(self, pending: _Pending) -> ZmqflowError | None:
+        """Why a call to a peer that is not up fails at once (None: it may wait for the peer)."""
+        peer = pending.peer
+        if peer.state is AUTH_FAILED:
+            return self._unauthenticated(pending)
+        if peer.state == DOWN and self._loop.time() - peer.down_since > RECONNECT_GRACE:
+            return Unavailable(f"{peer.name} is down; {pending.what} not sent", task=peer.name)
+        return None
 
     def _fail_inflight(self, peer: Peer, why: str) -> None:
         """Fail the calls that went out on the dropped connection; unsent ones wait for the next."""
@@ -159,15 +202,16 @@ class RpcClient:
         self._pending[rid] = pending
         peer.inflight.add(rid)
         pending.timer = self._loop.call_later(timeout, self._expire, rid, timeout)
-        if peer.state == DOWN and self._loop.time() - peer.down_since > RECONNECT_GRACE:
-            self._finish(rid, exc=Unavailable(f"{peer.name} is down; {pending.what} not sent", task=peer.name))
+        state = peer.state
+        if state is not UP and state is not CONNECTING and (refused := self._refusal(pending)) is not None:
+            self._finish(rid, exc=refused)
         elif peer.conn.try_send(frames) or (self._refresh(peer, rid) and peer.conn.try_send(frames)):
             pending.sent = True
             self._count_out(frames)
         else:
             task = self._loop.create_task(self._send_later(rid, peer, frames, timeout))
-            self._senders.add(task)
-            task.add_done_callback(self._senders.discard)
+            self._senders[rid] = task
+            task.add_done_callback(lambda _t, rid=rid: self._senders.pop(rid, None))
         return fut
 
     @staticmethod
@@ -213,6 +257,10 @@ class RpcClient:
     def _finish(self, rid: int, *, result: Any = None, exc: BaseException | None = None) -> None:
         pending = self._pending.pop(rid)
         pending.peer.inflight.discard(rid)
+        if not pending.sent:  # a send still waiting for the connection must never go out after this
+            sender = self._senders.pop(rid, None)
+            if sender is not None and sender is not asyncio.current_task():
+                sender.cancel()
         if pending.timer is not None:
             pending.timer.cancel()
         if pending.future.done():  # the caller cancelled
@@ -267,7 +315,7 @@ class RpcClient:
         if self._closed:
             return
         self._closed = True
-        for task in list(self._senders):
+        for task in list(self._senders.values()):
             task.cancel()
         for rid, pending in list(self._pending.items()):
             self._finish(rid, exc=Unavailable(f"client closed during {pending.what}", task=pending.peer.name))

@@ -6,6 +6,11 @@ and is dropped and counted when it cannot. Short handlers run inline on the loop
 return a coroutine run as tasks, cancelled at the request's deadline. The listener comes from the
 transport registered for the endpoint's scheme (a ZeroMQ ROUTER for tcp, ipc and inproc), or from
 the ``transport`` given.
+
+With ``keys`` the listener is a CURVE server admitting only the keys of the allow-list; each
+message arrives with its sender's authenticated ``role/name``, which becomes the call's identity
+and role (:func:`.roles.authorize`) before the service admits it: a client key calling a task op,
+or a header claiming another name than its key's, is refused with ``PermissionDenied``.
 """
 
 from __future__ import annotations
@@ -15,21 +20,28 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import DeadlineExceeded, NotFound
+from ..errors import DeadlineExceeded, NotFound, ResourceExhausted, ZmqflowError
 from ..transport import registry
 from ..transport.base import Listener, SendFailed, Transport
+from ..transport.curve import Keys
 from ..transport.options import DEFAULT_OPTIONS, SocketOptions
 from ..wire import REPLY, REQUEST, DecodeError, Limits, Message, decode, encode, error_message
 from ..wire.codec import DEFAULT_LIMITS
 from .counters import Counters, frames_nbytes
+from .roles import authorize, client_ops
 from .service import CallContext, Service
 
-__all__ = ["RpcServer", "REPLY_GRACE"]
+__all__ = ["RpcServer", "REPLY_GRACE", "MAX_DEADLINE", "MAX_IN_FLIGHT"]
 
 log = logging.getLogger(__name__)
 
 # How long a reply may wait for room in a slow client's pipe when the request had no deadline.
 REPLY_GRACE = 5.0
+# The longest a request may run (and the deadline of one that names none): waits such as
+# catalog.lookup end there instead of holding memory forever.
+MAX_DEADLINE = 3600.0
+# Handlers one peer may have running at once (a multi-GiB push in 4 MiB slices stays well below).
+MAX_IN_FLIGHT = 4096
 
 
 class RpcServer:
@@ -46,8 +58,19 @@ class RpcServer:
         options: SocketOptions = DEFAULT_OPTIONS,
         counters: Counters | None = None,
         transport: Transport | None = None,
+        max_deadline: float = MAX_DEADLINE,
+        max_in_flight: int = MAX_IN_FLIGHT,
+        debug: bool = False,
+        keys: Keys | None = None,
     ):
+        if not max_deadline > 0 or max_in_flight < 1:
+            raise ValueError(f"max_deadline must be > 0 and max_in_flight >= 1, got {max_deadline}, {max_in_flight}")
+        self.max_deadline = float(max_deadline)
+        self.max_in_flight = int(max_in_flight)
+        self.debug = debug
+        self._in_flight: dict[bytes, int] = {}  # peer (routing id) -> handlers running
         self.bind_endpoint = bind_endpoint
+        self.keys = keys
         self.services = dict(services)
         self.name = name
         self.limits = limits
@@ -62,13 +85,15 @@ class RpcServer:
 
     async def start(self) -> None:
         """Bind (AddressInUse when the address is taken, Unavailable when it cannot be bound)."""
+        extra = {} if self.keys is None else {"security": self.keys.server()}
         self._listener = await self._transport.listen(
-            self.bind_endpoint, self._on_request, loop=self._loop, options=self.options, name=self.name
+            self.bind_endpoint, self._on_request, loop=self._loop, options=self.options, name=self.name, **extra
         )
         self.endpoint = self._listener.endpoint
 
     # receiving --------------------------------------------------------------------------
-    def _on_request(self, frames: list[Any]) -> None:
+    def _on_request(self, frames: list[Any], user: str | None = None) -> None:
+        """One message; ``user`` is its sender's authenticated ``role/name`` on a CURVE listener."""
         counters = self.counters
         counters.msgs_in += 1
         counters.bytes_in += sum(map(len, frames))
@@ -85,26 +110,45 @@ class RpcServer:
         if msg.kind != REQUEST:
             counters.dropped += 1
             return
-        deadline = None if msg.deadline is None else self._loop.time() + msg.deadline
+        capped = msg.deadline is None or msg.deadline > self.max_deadline
+        deadline = self._loop.time() + (self.max_deadline if capped else msg.deadline)
+        reply_by = None if msg.deadline is None else deadline  # a reply without one waits REPLY_GRACE for room
         ctx = CallContext(msg.service, msg.op, identity, msg.source, deadline)
+        in_flight = self._in_flight.get(identity, 0)
         try:
+            if in_flight >= self.max_in_flight:
+                raise ResourceExhausted(
+                    f"{msg.service}.{msg.op} refused: this peer already has {in_flight} requests in flight on "
+                    f"{self.name}, the limit", limit=self.max_in_flight)
             service = self.services.get(msg.service)
             if service is None:
                 raise NotFound(f"task {self.name} has no service {msg.service!r} (services: {', '.join(sorted(self.services))})")
+            if user is not None:
+                authorize(ctx, user, client_ops(service))
             service.admit(ctx)
             call = service.find_op(msg.op).bind(msg.service, msg.op, ctx, msg.body)
             result = call()
         except Exception as exc:
-            self._reply_error(identity, msg.id, exc, deadline)
+            self._reply_error(identity, msg.id, exc, reply_by)
             return
         if asyncio.iscoroutine(result):
-            task = self._loop.create_task(self._run_async(identity, msg.id, result, ctx))
+            task = self._loop.create_task(self._run_async(identity, msg.id, result, ctx, capped, reply_by))
             self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._in_flight[identity] = in_flight + 1
+            task.add_done_callback(lambda t: self._done(t, identity))
         else:
-            self._reply(identity, Message(REPLY, msg.id, body=result), deadline)
+            self._reply(identity, Message(REPLY, msg.id, body=result), reply_by)
 
-    async def _run_async(self, identity: bytes, rid: int, coro: Any, ctx: CallContext) -> None:
+    def _done(self, task: asyncio.Task, identity: bytes) -> None:
+        self._tasks.discard(task)
+        left = self._in_flight.get(identity, 1) - 1
+        if left > 0:
+            self._in_flight[identity] = left
+        else:
+            self._in_flight.pop(identity, None)
+
+    async def _run_async(self, identity: bytes, rid: int, coro: Any, ctx: CallContext, capped: bool,
+                         reply_by: float | None) -> None:
         try:
             if ctx.deadline is None:
                 result = await coro
@@ -116,18 +160,21 @@ class RpcServer:
                 except TimeoutError:
                     if not timer.expired():  # the handler's own error (ClusterNotReady is a TimeoutError)
                         raise
-                    raise DeadlineExceeded(f"{ctx.service}.{ctx.op} on {self.name} ran past its deadline", task=self.name) from None
+                    why = f" (the server's limit of {self.max_deadline:g}s)" if capped else ""
+                    raise DeadlineExceeded(f"{ctx.service}.{ctx.op} on {self.name} ran past its deadline{why}", task=self.name) from None
         except asyncio.CancelledError:
             return
         except Exception as exc:
-            self._reply_error(identity, rid, exc, ctx.deadline)
+            self._reply_error(identity, rid, exc, reply_by)
             return
-        self._reply(identity, Message(REPLY, rid, body=result), ctx.deadline)
+        self._reply(identity, Message(REPLY, rid, body=result), reply_by)
 
     # replying ---------------------------------------------------------------------------
     def _reply_error(self, identity: bytes, rid: int, exc: BaseException, deadline: float | None) -> None:
         self.counters.errors += 1
-        self._reply(identity, error_message(rid, exc, source=self.name), deadline)
+        if not isinstance(exc, ZmqflowError):  # a bug, not a refusal: its traceback stays here unless debugging
+            log.warning("%s: request %d failed: %s: %s", self.name, rid, type(exc).__name__, exc, exc_info=exc)
+        self._reply(identity, error_message(rid, exc, source=self.name, with_traceback=self.debug), deadline)
 
     def _reply(self, identity: bytes, msg: Message, deadline: float | None) -> None:
         listener = self._listener
@@ -137,7 +184,7 @@ class RpcServer:
             frames = [identity, *encode(msg)]
         except Exception as exc:  # a result that cannot be encoded is the handler's error
             self.counters.errors += 1
-            frames = [identity, *encode(error_message(msg.id, exc, source=self.name))]
+            frames = [identity, *encode(error_message(msg.id, exc, source=self.name, with_traceback=self.debug))]
         try:
             sent = listener.try_send(frames)
         except SendFailed as exc:  # the requester is gone (ZeroMQ: EHOSTUNREACH under ROUTER_MANDATORY)

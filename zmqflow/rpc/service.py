@@ -70,13 +70,19 @@ def _validator(service: str, name: str, declaration: type[Request]) -> Validator
 
 @dataclass(slots=True)
 class CallContext:
-    """What a handler knows about the call: who sent it and by when an answer is wanted."""
+    """What a handler knows about the call: who sent it and by when an answer is wanted.
+
+    ``source`` is who calls: with keys, the name of the caller's authenticated key (a header that
+    claims another is refused before dispatch, :mod:`.roles`); without keys, the header's field.
+    ``verified`` says which; ``role`` is the key's role (every caller is a task without keys)."""
 
     service: str
     op: str
     peer: bytes
     source: str
     deadline: float | None  # loop time, or None for no deadline
+    role: str = "task"
+    verified: bool = False
 
 
 class Op:
@@ -120,6 +126,7 @@ class Service:
     """Base of every service: collects its ops and answers ``ping``."""
 
     name = "service"
+    client_ops: frozenset[str] | None = None  # with keys, the ops a client key may call (None: rpc/roles.py's table)
 
     def __init__(self) -> None:
         self.ops: dict[str, Op] = {}

@@ -3,19 +3,26 @@
 ``AsyncServer`` lives on the caller's event loop; ``Server`` runs one on a background thread for
 scripts and notebooks (as TF's ``tf.train.Server`` does), and its ``join()`` returns when the
 server is stopped instead of never.
+
+``keys`` (a key directory, else ``ZMQFLOW_KEYS``) puts CurveZMQ on every socket: the router admits
+only the allow-list, and the task's own calls present its task key. Without keys a task refuses
+to listen beyond loopback unless ``insecure=True`` (else ``ZMQFLOW_INSECURE=1``): a protected mode,
+as Redis has, so a cluster is never open to its network by accident.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..cluster import ClusterSpec, TaskId, resolve, shard_tasks
-from ..errors import NotFound
+from ..errors import ConfigError, NotFound
 from ..loop import LoopThread
 from ..rpc import DEFAULT_TIMEOUT, Counters, RpcClient, RpcServer, Service
 from ..rpc.health import wait_for_tasks
@@ -23,10 +30,11 @@ from .checkpoint_roots import CheckpointRoots
 from .services import MasterService, PsService, WorkerService
 from .services.catalog import CatalogService
 from .services.ring import RingService
+from .limits import ServerLimits
 from ..transport.base import Transport
+from ..transport.curve import Keys, is_loopback, keys_from
 from ..transport.options import DEFAULT_OPTIONS, SocketOptions
 from ..wire import Limits
-from ..wire.codec import DEFAULT_LIMITS
 
 __all__ = ["AsyncServer", "Server"]
 
@@ -40,11 +48,14 @@ class AsyncServer:
         task: "TaskId | str",
         *,
         services: Mapping[str, Service] | None = None,
-        limits: Limits = DEFAULT_LIMITS,
+        limits: "ServerLimits | Limits | None" = None,
         options: SocketOptions = DEFAULT_OPTIONS,
         default_timeout: float = DEFAULT_TIMEOUT,
         allow_modules: list[str] | None = None,
         transport: Transport | None = None,
+        debug: bool = False,
+        keys: "Keys | str | os.PathLike[str] | None" = None,
+        insecure: bool | None = None,
         checkpoint_roots: "Sequence[str | os.PathLike[str]] | str | None" = None,
     ):
         """``checkpoint_roots``: the directories a ps shard here may write checkpoints under
@@ -55,11 +66,24 @@ class AsyncServer:
         assert tid is not None
         self.task: TaskId = tid
         self.address = self.spec.address(self.task)
-        self.limits = limits
+        # ``limits``: a ServerLimits, or the codec's Limits alone (the rest at their defaults)
+        if limits is None:
+            limits = ServerLimits()
+        elif isinstance(limits, Limits):
+            limits = ServerLimits.from_wire(limits)
+        self.server_limits: ServerLimits = limits
+        self.limits: Limits = limits.wire()
+        self.debug = debug  # error replies carry tracebacks only then
+        if options.router_max_msg_bytes == DEFAULT_OPTIONS.router_max_msg_bytes:  # not set by hand: follow the codec
+            options = dataclasses.replace(options, router_max_msg_bytes=limits.router_max_msg_bytes)
         self.options = options
         self.default_timeout = default_timeout
         self.counters = Counters()
         self.started_at = time.monotonic()
+        self.keys = keys_from(keys, str(tid), require_task=True)
+        if self.keys is not None:
+            self.keys.learn(self.spec)
+        self.insecure = os.environ.get("ZMQFLOW_INSECURE") == "1" if insecure is None else bool(insecure)
         if allow_modules is None:
             allow_modules = [m for m in os.environ.get("ZMQFLOW_ALLOW_MODULES", "").split(",") if m]
         self._services: dict[str, Service] = {
@@ -70,10 +94,10 @@ class AsyncServer:
         shards = shard_tasks(self.spec)
         if self.task in shards:
             replicas = [str(t) for t in self.spec.tasks if t.job in ("chief", "worker")]
-            self._services["ps"] = PsService(replicas, reachable=self.client_reachable,
+            self._services["ps"] = PsService(replicas, reachable=self.client_reachable, limits=limits.state(),
                                              checkpoint_roots=CheckpointRoots.parse(checkpoint_roots))
         if self.task == shards[0]:
-            self._services["catalog"] = CatalogService(self.spec)
+            self._services["catalog"] = CatalogService(self.spec, limits.state())
         self._services.update(services or {})
         self._rpc: RpcServer | None = None
         self._client: RpcClient | None = None
@@ -121,8 +145,18 @@ class AsyncServer:
             self._rpc.services[service.name] = service
 
     # lifecycle --------------------------------------------------------------------------
+    def _check_exposure(self, endpoint: str) -> None:
+        """Protected mode: no keys means loopback only, unless the operator said ``insecure``."""
+        if self.keys is None and not self.insecure and not is_loopback(endpoint):
+            raise ConfigError(
+                f"task {self.task} refuses to listen on {endpoint} without keys: anyone who reaches it could read and "
+                "change the model. Make keys with `zmqflow keys generate DIR --cluster c.json` and start with --keys DIR "
+                "(or ZMQFLOW_KEYS=DIR), or pass --insecure (insecure=True) to serve unauthenticated on a trusted network"
+            )
+
     async def start(self) -> "AsyncServer":
         loop = asyncio.get_running_loop()
+        self._check_exposure(self.address.bind_endpoint())
         self._stopped = asyncio.Event()
         self.started_at = time.monotonic()
         rpc = RpcServer(
@@ -134,11 +168,17 @@ class AsyncServer:
             options=self.options,
             counters=self.counters,
             transport=self.transport,
+            max_deadline=self.server_limits.max_deadline,
+            max_in_flight=self.server_limits.max_in_flight,
+            debug=self.debug,
+            keys=self.keys,
         )
         await rpc.start()
         self._rpc = rpc
         self._client = RpcClient(
-            identity=str(self.task),
+            # with keys, an unguessable routing id: another key holder must not take over this task's
+            # connection by connecting with its name (ROUTER_HANDOVER hands a routing id to the newest)
+            identity=str(self.task) if self.keys is None else f"{self.task}-{uuid.uuid4().hex}",
             source=str(self.task),
             loop=loop,
             limits=self.limits,
@@ -146,6 +186,7 @@ class AsyncServer:
             default_timeout=self.default_timeout,
             counters=self.counters,
             transport=self.transport,
+            keys=self.keys,
         )
         for svc in self._services.values():
             await svc.start()

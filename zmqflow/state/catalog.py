@@ -7,21 +7,28 @@ name concurrently get the same record, and the placement counter (round-robin) o
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from ..errors import InvalidArgument, NotFound, VariableConflict
+from . import optim as _optim
+from ..errors import InvalidArgument, NotFound, ResourceExhausted, VariableConflict
+from ..wire.dtypes import dtype_from_name
+from .limits import DEFAULT_STATE_LIMITS, StateLimits, check_count, check_variable, table_capacity
+from .tables import HashTable
 
 __all__ = ["Catalog"]
 
 
 class Catalog:
-    def __init__(self, shards: list[str]):
+    def __init__(self, shards: list[str], limits: StateLimits = DEFAULT_STATE_LIMITS):
         if not shards:
             raise InvalidArgument("a catalog needs at least one shard")
+        self.limits = limits
         self.shards = list(shards)
         self.records: dict[str, dict[str, Any]] = {}
         self._next = 0
-        self.bytes = {s: 0 for s in self.shards}
+        self.bytes = {s: 0 for s in self.shards}  # value bytes placed per shard (greedy placement)
+        self.held: dict[str, int] = {}  # bytes placed per shard with optimizer slots (its budget)
 
     def declare(
         self,
@@ -55,7 +62,8 @@ class Catalog:
                     f"declared with shape {theirs[0]} {theirs[1]} in {len(theirs[2])} part(s) {theirs[2]}"
                 )
             return found
-        tasks = [self._place(device, policy, b) for b in part_bytes]
+        held, copies = self._check_new(name, shape, dtype, part_rows, optimizer, table)
+        tasks = self._placed(name, device, policy, part_bytes, [b * copies for b in held])
         record = {
             "name": name,
             "shape": list(shape),
@@ -68,6 +76,60 @@ class Catalog:
         }
         self.records[name] = record
         return record
+
+    def _check_new(self, name: str, shape: list[int], dtype: str, part_rows: list[list[int]], optimizer: Any,
+                   table: dict[str, Any] | None) -> tuple[list[int], int]:
+        """A new variable's limits, checked before anything is recorded: its parts' value bytes
+        (computed here, not taken from the peer) and how many copies a shard holds (value and
+        optimizer slots)."""
+        limits = self.limits
+        check_count(name, len(self.records), limits.max_variables, "the catalog")
+        try:
+            itemsize = dtype_from_name(dtype).itemsize
+        except InvalidArgument:
+            raise InvalidArgument(f"variable {name!r}: unknown dtype {dtype!r}") from None
+        check_variable(name, shape, itemsize, limits)
+        opt = _optim.from_spec(optimizer)
+        if isinstance(opt, _optim.SyncReplicas):
+            opt = opt.optimizer
+        copies = 1 + (len(opt.slot_names) if opt is not None else 0)
+        dim0 = shape[0] if shape else 1
+        row_bytes = math.prod(shape[1:]) * itemsize if shape else itemsize
+        if table is not None and table.get("kind") == "hash":
+            capacity = table.get("capacity")
+            if capacity is not None and not isinstance(capacity, int):
+                raise InvalidArgument(f"embedding {name!r}: capacity must be an int or None, got {capacity!r}")
+            table_capacity(name, capacity, HashTable.row_size(shape[-1] if shape else 1, dtype_from_name(dtype), optimizer),
+                           limits)
+            return [0 for _ in part_rows], copies  # rows are made on demand, up to the capacity
+        out = []
+        for r in part_rows:
+            if not (0 <= r[0] <= r[1] <= dim0):
+                raise InvalidArgument(f"variable {name!r}: part rows {r} are not a range within [0, {dim0}]")
+            out.append((r[1] - r[0]) * row_bytes)
+        return out, copies
+
+    def _placed(self, name: str, device: str | None, policy: str, part_bytes: list[int], held_bytes: list[int]) -> list[str]:
+        """The parts' tasks, placed by the sizes the declaring client gave (a heuristic); refused,
+        with no placement counted, when a shard would pass its byte budget, counted from the sizes
+        computed here (values and optimizer slots)."""
+        if device is None and policy not in ("greedy", "round_robin"):
+            raise InvalidArgument(f"unknown placement policy {policy!r} (round_robin, greedy)")
+        saved = (dict(self.bytes), self._next)
+        tasks = [self._place(device, policy, b) for b in part_bytes]
+        held = dict(self.held)
+        for task, nbytes in zip(tasks, held_bytes):
+            held[task] = held.get(task, 0) + nbytes
+        over = [t for t in set(tasks) if held[t] > self.limits.max_shard_bytes]
+        if over:
+            self.bytes, self._next = saved
+            task = sorted(over)[0]
+            raise ResourceExhausted(
+                f"variable {name!r}: its parts would bring shard {task} to {held[task]} bytes (values and optimizer "
+                f"slots), over the limit of {self.limits.max_shard_bytes} bytes per shard", name=name, task=task,
+                bytes=held[task], limit=self.limits.max_shard_bytes)
+        self.held = held
+        return tasks
 
     def _place(self, device: str | None, policy: str, nbytes: int) -> str:
         if device is not None:

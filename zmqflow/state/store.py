@@ -17,12 +17,13 @@ import numpy as np
 
 from . import init as _init
 from . import optim as _optim
-from ..errors import InvalidArgument, NotFound, VariableConflict
+from ..errors import InvalidArgument, NotFound, ResourceExhausted, VariableConflict
 from ..wire.dtypes import dtype_from_name
+from .limits import DEFAULT_STATE_LIMITS, StateLimits, check_count, check_variable
 from .sparse import unique_sum
 from .sync import SyncState
 
-__all__ = ["Part", "ShardStore", "PartKey", "Rows", "Sparse"]
+__all__ = ["Part", "Plan", "ShardStore", "PartKey", "Rows", "Sparse", "build"]
 
 PartKey = tuple[str, int]
 
@@ -97,6 +98,42 @@ _OWN_REFS = _own_refs()
 
 
 @dataclass(frozen=True, slots=True)
+class Plan:
+    """A part checked and reserved, not yet allocated: :func:`build` makes it, on any thread."""
+
+    key: PartKey
+    part: Part
+    value: np.ndarray | None
+    init: _init.Initializer | None
+    salt: int
+    nbytes: int
+
+
+def build(plan: Plan) -> Part:
+    """Allocate and initialize a planned part. Touches nothing shared, so a big one can run in an
+    executor while the shard's loop keeps answering; the OS refusing memory is ResourceExhausted."""
+    src = plan.part
+    p = Part(src.name, src.index, src.full_shape, src.rows, src.dtype, src.value, src.optimizer, sync=src.sync,
+             num_parts=src.num_parts)
+    try:
+        if plan.value is not None:
+            # C order always: updates work on row views of the stored array, never on copies
+            p.value = np.array(plan.value, dtype=p.dtype, order="C")
+        else:
+            assert plan.init is not None
+            p.value = _init.build(plan.init, p.full_shape, p.rows, p.dtype, plan.salt)
+        opt = p.optimizer
+        if opt is not None:
+            for slot in opt.slot_names:
+                p.slots[slot] = np.full(p.part_shape, opt.slot_init(slot), dtype=p.dtype)
+            p.steps = np.zeros(max(p.nrows, 1) if p.full_shape else 1, dtype=np.int64)
+    except MemoryError:
+        raise ResourceExhausted(f"variable {p.label}: the shard could not allocate its {plan.nbytes} bytes",
+                                name=p.name, bytes=plan.nbytes) from None
+    return p
+
+
+@dataclass(frozen=True, slots=True)
 class Rows:
     """Rows ``[start, stop)`` of a part and a value of exactly their shape and the part's dtype.
     Made by :meth:`ShardStore.rows` (checked there, once) or from values already checked."""
@@ -122,8 +159,12 @@ class ShardStore:
     (``rows``, ``sparse``) and then apply it (``write``, ``apply``), so a caller with many items
     checks them all before it applies any, and nothing is checked twice."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: StateLimits = DEFAULT_STATE_LIMITS) -> None:
         self.parts: dict[PartKey, Part] = {}
+        self.limits = limits
+        self._reserved: dict[PartKey, int] = {}  # parts being built: their bytes
+        self._held = 0  # bytes of ``parts``, counted on commit
+        self._held_parts = 0
 
     # lifecycle --------------------------------------------------------------------------
     def create(
@@ -141,6 +182,34 @@ class ShardStore:
         salt: int = 0,
     ) -> bool:
         """Create the part unless it exists; True when this call created it. Conflicts raise."""
+        plan = self.plan(name, part, shape, rows, dtype, num_parts=num_parts, optimizer=optimizer,
+                         initializer=initializer, value=value, salt=salt)
+        if plan is None:
+            return False
+        try:
+            built = build(plan)
+        finally:
+            self.release(plan)
+        return self.commit(built)
+
+    def plan(
+        self,
+        name: str,
+        part: int,
+        shape: list[int],
+        rows: list[int],
+        dtype: str,
+        *,
+        num_parts: int = 1,
+        optimizer: Any = None,
+        initializer: Any = None,
+        value: np.ndarray | None = None,
+        salt: int = 0,
+        extra_bytes: int = 0,
+    ) -> "Plan | None":
+        """Everything checked, nothing allocated: the part to build, its bytes reserved against
+        the shard's budget until :meth:`release`; None when the part exists as declared.
+        ``extra_bytes``: what the shard holds outside the store (dynamic tables)."""
         dt = _dtype(dtype, name)
         full = _shape(shape, name)
         r0, r1 = _rows(rows, full, name)
@@ -155,7 +224,10 @@ class ShardStore:
                     f"rows {list(existing.rows)} of {existing.num_parts} parts; declared as shape {list(full)} {dt} "
                     f"rows {[r0, r1]} of {num_parts} parts"
                 )
-            return False
+            return None
+        limits = self.limits
+        check_variable(name, full, dt.itemsize, limits)
+        check_count(name, len(self.parts) + len(self._reserved), limits.max_variables, "this shard")
         opt = _optim.from_spec(optimizer)
         sync = None
         if isinstance(opt, _optim.SyncReplicas):
@@ -163,17 +235,42 @@ class ShardStore:
             opt = opt.optimizer
         p = Part(name, int(part), full, (r0, r1), dt, np.empty(0, dt), opt, sync=sync, num_parts=int(num_parts))
         if value is not None:
-            # C order always: updates work on row views of the stored array, never on copies
-            p.value = np.array(_check_array(value, p.part_shape, dt, f"initial value of {p.label}"), dtype=dt, order="C")
-        else:
-            spec = _init.from_spec(initializer) if initializer is not None else _init.zeros()
-            p.value = _init.build(spec, full, (r0, r1), dt, salt)
-        if opt is not None:
-            for slot in opt.slot_names:
-                p.slots[slot] = np.full(p.part_shape, opt.slot_init(slot), dtype=dt)
-            p.steps = np.zeros(max(p.nrows, 1) if full else 1, dtype=np.int64)
+            value = _check_array(value, p.part_shape, dt, f"initial value of {p.label}")
+        init = None if value is not None else _init.from_spec(initializer) if initializer is not None else _init.zeros()
+        nbytes = math.prod(p.part_shape) * dt.itemsize * (1 + (len(opt.slot_names) if opt is not None else 0))
+        held = self.held_bytes() + extra_bytes
+        if held + nbytes > limits.max_shard_bytes:
+            raise ResourceExhausted(
+                f"variable {p.label}: its {nbytes} bytes (value and optimizer slots) would bring this shard to "
+                f"{held + nbytes} bytes, over its limit of {limits.max_shard_bytes}",
+                name=name, bytes=nbytes, limit=limits.max_shard_bytes)
+        if key in self._reserved:
+            raise VariableConflict(f"variable {p.label} is being created by another request; declare it again")
+        plan = Plan(key, p, value, init, salt, nbytes)
+        self._reserved[key] = nbytes
+        return plan
+
+    def release(self, plan: "Plan") -> None:
+        """Give back the bytes :meth:`plan` reserved (after :meth:`commit`, or when it failed)."""
+        self._reserved.pop(plan.key, None)
+
+    def commit(self, p: Part) -> bool:
+        """Add a built part; False when one was added meanwhile (the first one wins)."""
+        key = (p.name, p.index)
+        if key in self.parts:
+            return False
         self.parts[key] = p
+        self._held += p.nbytes
+        self._held_parts += 1
         return True
+
+    def held_bytes(self) -> int:
+        """Bytes of the parts held and being built. O(1): recounted only after parts were removed
+        from ``parts`` directly (a sweep), which the running count cannot see."""
+        if self._held_parts != len(self.parts):
+            self._held = sum(p.nbytes for p in self.parts.values())
+            self._held_parts = len(self.parts)
+        return self._held + sum(self._reserved.values())
 
     def get(self, name: str, part: int = 0) -> Part:
         found = self.parts.get((name, int(part)))

@@ -5,11 +5,14 @@ Static tables split ``num_embeddings`` rows over parts with TF's ``embedding_loo
 ``num % n`` parts one row longer). Each static part is an ordinary store part (rows x dim) with
 its optimizer slots. Dynamic tables take any int64 id, spread over parts by a hash of the id,
 and create rows on demand, after ``min_frequency`` sightings, up to ``capacity`` rows per part
-with least-recently-used eviction.
+(``DEFAULT_CAPACITY`` when none is named: never unbounded) with least-recently-used eviction.
+Ids still counting towards admission are bounded too (``max_pending``): past it, the ids first
+sighted longest ago are forgotten, so a stream of ids seen once cannot grow the shard's memory.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -18,8 +21,12 @@ import numpy as np
 from . import init as _init
 from . import optim as _optim
 from ..errors import InvalidArgument
+from .limits import DEFAULT_STATE_LIMITS
 
-__all__ = ["static_owner", "static_part_rows", "hash_owner", "HashTable"]
+__all__ = ["static_owner", "static_part_rows", "hash_owner", "HashTable", "DEFAULT_CAPACITY", "DEFAULT_MAX_PENDING"]
+
+DEFAULT_CAPACITY = DEFAULT_STATE_LIMITS.table_capacity  # rows per part: 16M (4 GiB of float32 rows of 64)
+DEFAULT_MAX_PENDING = DEFAULT_STATE_LIMITS.max_pending_admission  # ids counting towards admission, per part
 
 
 def static_part_rows(num: int, parts: int, strategy: str) -> list[int]:
@@ -62,13 +69,16 @@ class HashTable:
     """One part of a dynamic table: id -> row, created on demand, with admission and eviction."""
 
     def __init__(self, dim: int, dtype: np.dtype, *, initializer: Any = None, optimizer: Any = None,
-                 min_frequency: int = 1, capacity: int | None = None, seed_salt: int = 0):
+                 min_frequency: int = 1, capacity: int | None = None, seed_salt: int = 0,
+                 max_pending: int = DEFAULT_MAX_PENDING):
         if dim < 1:
             raise InvalidArgument(f"embedding dim must be >= 1, got {dim}")
         if min_frequency < 1:
             raise InvalidArgument(f"min_frequency must be >= 1, got {min_frequency}")
         if capacity is not None and capacity < 1:
             raise InvalidArgument(f"capacity must be >= 1 or None, got {capacity}")
+        if max_pending < 1:
+            raise InvalidArgument(f"max_pending must be >= 1, got {max_pending}")
         self.dim = int(dim)
         self.dtype = np.dtype(dtype)
         self.init = _init.from_spec(initializer) if initializer is not None else _init.zeros()
@@ -77,11 +87,13 @@ class HashTable:
             raise InvalidArgument("dynamic embedding tables take asynchronous updates only")
         self.optimizer: _optim.Optimizer | None = opt
         self.min_frequency = int(min_frequency)
-        self.capacity = None if capacity is None else int(capacity)
+        self.capacity = DEFAULT_CAPACITY if capacity is None else int(capacity)
+        self.max_pending = int(max_pending)
+        self.pending_pruned = 0
         self._rng = np.random.default_rng([self.init.seed, 0x5EED, seed_salt])
         self.index: dict[int, int] = {}
         self.sightings: dict[int, int] = {}
-        n = 1024
+        n = min(1024, self.capacity)
         self.ids = np.zeros(n, np.int64)
         self.values = np.zeros((n, self.dim), self.dtype)
         self.slots = {k: np.zeros((n, self.dim), self.dtype) for k in (opt.slot_names if opt else ())}
@@ -99,14 +111,28 @@ class HashTable:
     def __len__(self) -> int:
         return len(self.index)
 
+    ROW_OVERHEAD = 8 * 5  # id, step count, last use, last update step and time
+
+    @classmethod
+    def row_size(cls, dim: int, dtype: np.dtype, optimizer: Any = None) -> int:
+        """Bytes of one row with its optimizer slots and bookkeeping (known before any table is made)."""
+        opt = _optim.from_spec(optimizer)
+        if isinstance(opt, _optim.SyncReplicas):
+            opt = opt.optimizer
+        return int(dim) * np.dtype(dtype).itemsize * (1 + (len(opt.slot_names) if opt else 0)) + cls.ROW_OVERHEAD
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dim * self.dtype.itemsize * (1 + len(self.slots)) + self.ROW_OVERHEAD
+
     @property
     def nbytes(self) -> int:
-        per_row = self.dim * self.dtype.itemsize * (1 + len(self.slots)) + 8 * 5
-        return len(self.index) * per_row
+        return len(self.index) * self.row_bytes
 
     def _grow(self) -> None:
+        """Double the row arrays, never past the capacity (which bounds them)."""
         old = len(self.ids)
-        new = old * 2
+        new = min(old * 2, self.capacity)
         for name in ("ids", "steps", "last_used", "updated_step", "updated_time"):
             arr = getattr(self, name)
             grown = np.zeros(new, arr.dtype)
@@ -122,11 +148,10 @@ class HashTable:
         self.free.extend(range(new - 1, old - 1, -1))
 
     def _create(self, new_ids: list[int]) -> None:
-        if self.capacity is not None:
-            excess = len(self.index) + len(new_ids) - self.capacity
-            if excess > 0:
-                self._evict_lru(excess)
-            new_ids = new_ids[: self.capacity]
+        excess = len(self.index) + len(new_ids) - self.capacity
+        if excess > 0:
+            self._evict_lru(excess)
+        new_ids = new_ids[: self.capacity]
         while len(self.free) < len(new_ids):
             self._grow()
         slots = np.array([self.free.pop() for _ in new_ids], dtype=np.int64)
@@ -148,6 +173,14 @@ class HashTable:
             return np.full((n, self.dim), self.init.value, self.dtype)
         seed = int(self._rng.integers(0, 2**62))
         return _init.build(_init.Initializer(**{**self.init.spec(), "seed": seed}), (n, self.dim), (0, n), self.dtype)
+
+    def _prune_pending(self) -> None:
+        """Forget the ids first sighted longest ago (dicts keep insertion order), down to three
+        quarters of ``max_pending``, so pruning is amortized O(1) per sighting."""
+        drop = len(self.sightings) - self.max_pending * 3 // 4
+        for i in list(itertools.islice(self.sightings, drop)):
+            del self.sightings[i]
+        self.pending_pruned += drop
 
     def _release(self, slots: np.ndarray) -> None:
         for s in slots.tolist():
@@ -181,6 +214,8 @@ class HashTable:
                     self.sightings[i] = seen
             if unseen:
                 self._create(unseen)
+            if len(self.sightings) > self.max_pending:
+                self._prune_pending()
         out = np.zeros((len(keys), self.dim), self.dtype)
         found = [(k, self.index[i]) for k, i in enumerate(keys) if i in self.index]
         if found:
@@ -266,6 +301,7 @@ class HashTable:
             "bytes": self.nbytes,
             "capacity": self.capacity,
             "pending_admission": len(self.sightings),
+            "pending_pruned": self.pending_pruned,
             "dropped_pushes": self.dropped_pushes,
             "evicted": self.evicted,
         }

@@ -10,6 +10,13 @@ Both sides send with ``try_send`` (never blocks: False when the peer's pipe is f
 connected) and ``send`` (waits for room until a loop-time deadline). A message that can never be
 delivered on that path (an unroutable identity, a closed endpoint) raises ``SendFailed``. The
 implementations bind these to their fastest callable once, so the seam costs nothing per message.
+
+Security is optional and ZeroMQ's alone (CurveZMQ, :mod:`.curve`): ``listen(..., security=
+CurveServer)`` makes a listener that admits only listed keys and calls ``on_frames(frames, user)``
+with the sender's authenticated ``role/name``; ``connect(..., security=CurveClient)`` presents a
+key, and a connection whose handshake the peer refuses reports ``AUTH_FAILED``. Callers pass
+``security`` only when they have keys, so transports without it (in-process ones) keep their
+signatures, and a plaintext listener's callback keeps its one argument.
 """
 
 from __future__ import annotations
@@ -20,14 +27,15 @@ from typing import Any, Protocol, runtime_checkable
 
 from .options import SocketOptions
 
-__all__ = ["CONNECTING", "UP", "DOWN", "SendFailed", "Listener", "Connection", "Transport", "OnFrames", "OnState"]
+__all__ = ["CONNECTING", "UP", "DOWN", "AUTH_FAILED", "SendFailed", "Listener", "Connection", "Transport", "OnFrames", "OnState"]
 
 CONNECTING, UP, DOWN = "connecting", "up", "down"
+AUTH_FAILED = "auth-failed"  # the peer refused our key, or only one side uses keys: no message passes
 
 OnFrames = Callable[[list[Any]], None]
 """Called with each received message; a listener's first frame is the sender's identity."""
 OnState = Callable[[str], None]
-"""Called with ``UP`` or ``DOWN`` when a connection's state changes (may repeat a state)."""
+"""Called with ``UP``, ``DOWN`` or ``AUTH_FAILED`` when a connection's state changes (may repeat a state)."""
 
 
 class SendFailed(ConnectionError):
@@ -77,7 +85,7 @@ class Connection(Protocol):
 
     @property
     def state(self) -> str:
-        """``CONNECTING``, ``UP`` or ``DOWN`` now (not hot-path: it may ask the socket)."""
+        """``CONNECTING``, ``UP``, ``DOWN`` or ``AUTH_FAILED`` now (not hot-path: it may ask the socket)."""
         ...
 
     def refresh(self) -> bool:

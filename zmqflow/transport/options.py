@@ -31,6 +31,11 @@ class SocketOptions:
     # Hard cap on one frame, enforced by libzmq (the peer is disconnected past it). The codec's
     # own limit is lower, so an oversized frame below this cap still gets an error reply.
     max_msg_bytes: int = 4 << 30
+    # The task's ROUTER takes frames from anyone: its cap is a bit over the codec's largest frame
+    # (2 GiB, a whole part in a create or restore), so a frame just over that limit still gets an
+    # error reply and a larger one is cut by libzmq before it is buffered. The cap is per frame
+    # (libzmq checks each frame's size prefix); the codec bounds the message as a whole.
+    router_max_msg_bytes: int = (2 << 30) + (64 << 20)
     # Frames below this size are copied by pyzmq (faster than pinning a buffer); above it they
     # travel zero-copy. 64 KiB is libzmq's and pyzmq's measured crossover.
     copy_threshold: int = zmq.COPY_THRESHOLD
@@ -57,6 +62,7 @@ def apply_common(sock: zmq.Socket, opts: SocketOptions) -> None:
 def apply_router(sock: zmq.Socket, opts: SocketOptions) -> None:
     """The task's ROUTER: refuse silent drops, and let a restarted peer take its identity back."""
     apply_common(sock, opts)
+    sock.setsockopt(zmq.MAXMSGSIZE, opts.router_max_msg_bytes)
     # ROUTER_MANDATORY: a reply to a peer that is gone raises EHOSTUNREACH (counted) instead of
     # vanishing; a full pipe raises Again instead of dropping.
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)

@@ -5,6 +5,11 @@ methods, so a message costs exactly what it cost before the seam existed. What Z
 beyond sockets lives here too: ROUTER_MANDATORY/HANDOVER and heartbeats (``options``), retried
 binds of addresses this process released a moment ago, monitor events as connection state, and a
 fresh socket for an inproc name that was bound again (inproc never reconnects by itself).
+
+With ``security`` a listener is a CURVE server whose ZAP domain admits only its allow-list
+(:mod:`.zap`) and hands ``on_frames(frames, user)`` the sender's authenticated name; a connection
+is a CURVE client, and a handshake its peer refuses is reported as ``AUTH_FAILED``. inproc never
+runs a handshake (it stays in this process), so there ``security`` changes nothing.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import AddressInUse, Unavailable
-from .base import CONNECTING, DOWN, UP, OnFrames, OnState
-from .channel import Channel
+from . import zap
+from .base import AUTH_FAILED, CONNECTING, DOWN, UP, OnFrames, OnState
+from .channel import AuthChannel, Channel
 from .context import context
+from .curve import CurveClient, CurveServer
 from .options import SocketOptions, apply_dealer, apply_router
 
 __all__ = ["ZmqTransport", "ZmqListener", "ZmqConnection", "REBIND_S"]
@@ -29,15 +36,23 @@ __all__ = ["ZmqTransport", "ZmqListener", "ZmqConnection", "REBIND_S"]
 # Inproc names always; other addresses only when this process released them just now.
 REBIND_S = 1.0
 _released: dict[str, float] = {}  # endpoint -> when this process closed a listener bound to it
-_MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+_MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+# a refused key (ZAP said no), or a handshake that failed on security: one side has CURVE, the
+# other not, or the keys do not match
+_AUTH_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+# with CURVE, a server that cannot read our HELLO (we expected another server key) just hangs up
+_CURVE_EVENTS = (*_AUTH_EVENTS, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _EVENTS, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLOUT)
 
 
 class ZmqListener:
     """A bound ROUTER. ``try_send``/``send`` are its channel's (no layer in between)."""
 
-    def __init__(self, channel: Channel, endpoint: str, bind_endpoint: str):
+    def __init__(self, channel: Channel, endpoint: str, bind_endpoint: str, domain: bytes | None = None):
         self.endpoint = endpoint
+        self._domain = domain
         self._bind_endpoint = bind_endpoint
         self._channel = channel
         self.try_send = channel.try_send
@@ -51,6 +66,8 @@ class ZmqListener:
         if self._channel.closed:
             return
         self._channel.close()
+        if self._domain is not None:
+            zap.unregister(self._domain)
         now = time.monotonic()
         for endpoint in [e for e, t in _released.items() if now - t >= REBIND_S]:
             del _released[endpoint]
@@ -69,8 +86,10 @@ class ZmqConnection:
         loop: asyncio.AbstractEventLoop,
         options: SocketOptions,
         name: str,
+        security: CurveClient | None = None,
     ):
         self.endpoint = endpoint
+        self._security = security
         self._identity = identity
         self._on_frames = on_frames
         self._on_state = on_state
@@ -84,6 +103,10 @@ class ZmqConnection:
     def _open(self) -> None:
         sock = context().socket(zmq.DEALER)
         apply_dealer(sock, self._options, self._identity)
+        if self._security is not None and not self._inproc:
+            sock.curve_serverkey = self._security.server
+            sock.curve_publickey = self._security.public
+            sock.curve_secretkey = self._security.secret
         self._channel = Channel(sock, self._on_frames, self._loop, name=f"dealer->{self._name}")
         self.try_send = self._channel.try_send
         self.send = self._channel.send
@@ -102,8 +125,12 @@ class ZmqConnection:
             self._state = UP
             self._on_state(UP)
         elif event == zmq.EVENT_DISCONNECTED:
-            self._state = DOWN
-            self._on_state(DOWN)
+            if self._state is not AUTH_FAILED:  # the drop that follows a refusal is part of it
+                self._state = DOWN
+                self._on_state(DOWN)
+        elif event in (_AUTH_EVENTS if self._security is None else _CURVE_EVENTS):
+            self._state = AUTH_FAILED
+            self._on_state(AUTH_FAILED)
 
     @property
     def monitored(self) -> bool:
@@ -141,10 +168,22 @@ class ZmqTransport:
     """tcp, ipc and inproc endpoints on the process's ZeroMQ context."""
 
     async def listen(
-        self, endpoint: str, on_frames: OnFrames, *, loop: asyncio.AbstractEventLoop, options: SocketOptions, name: str
+        self, endpoint: str, on_frames: OnFrames, *, loop: asyncio.AbstractEventLoop, options: SocketOptions, name: str,
+        security: CurveServer | None = None,
     ) -> ZmqListener:
         sock = context().socket(zmq.ROUTER)
         apply_router(sock, options)
+        domain = None
+        if security is not None and not endpoint.startswith("inproc://"):
+            sock.curve_server = 1
+            sock.curve_publickey = security.public
+            sock.curve_secretkey = security.secret
+            try:
+                domain = zap.register(security.allow)
+            except BaseException:
+                sock.close(linger=0)
+                raise
+            sock.zap_domain = domain
         released = _released.get(endpoint)
         rebind = endpoint.startswith("inproc://") or (released is not None and time.monotonic() - released < REBIND_S)
         until = loop.time() + (REBIND_S if rebind else 0.0)
@@ -157,12 +196,17 @@ class ZmqTransport:
                     await asyncio.sleep(0.01)
                     continue
                 sock.close(linger=0)
+                if domain is not None:
+                    zap.unregister(domain)
                 if exc.errno == zmq.EADDRINUSE:
                     raise AddressInUse(f"address {endpoint} for {name} is in use", task=name) from None
                 raise Unavailable(f"cannot bind {endpoint} for {name}: {exc}", task=name) from None
         bound = sock.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
-        channel = Channel(sock, on_frames, loop, name=f"router {name}", copied=2)
-        return ZmqListener(channel, bound, endpoint)
+        if domain is not None:
+            channel: Channel = AuthChannel(sock, on_frames, loop, name=f"router {name}", copied=2)  # type: ignore[arg-type]
+        else:
+            channel = Channel(sock, on_frames, loop, name=f"router {name}", copied=2)
+        return ZmqListener(channel, bound, endpoint, domain)
 
     def connect(
         self,
@@ -174,5 +218,6 @@ class ZmqTransport:
         loop: asyncio.AbstractEventLoop,
         options: SocketOptions,
         name: str,
+        security: CurveClient | None = None,
     ) -> ZmqConnection:
-        return ZmqConnection(endpoint, identity, on_frames, on_state, loop, options, name)
+        return ZmqConnection(endpoint, identity, on_frames, on_state, loop, options, name, security)

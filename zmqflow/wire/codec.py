@@ -21,8 +21,9 @@ import msgpack
 import msgspec
 import numpy as np
 
-from ..errors import InvalidArgument, ProtocolError, VersionMismatch, ZmqflowError, error_class
+from ..errors import InvalidArgument, ProtocolError, ResourceExhausted, VersionMismatch, ZmqflowError, error_class
 from .dtypes import dtype_from_name, dtype_name
+from .peek import container_marks, read_start, too_deep
 
 __all__ = [
     "VERSION",
@@ -32,6 +33,7 @@ __all__ = [
     "Limits",
     "Message",
     "DecodeError",
+    "LimitExceeded",
     "encode",
     "decode",
     "error_message",
@@ -50,12 +52,15 @@ _U32 = struct.Struct(">I")
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """Bounds a decoder enforces before trusting anything a peer sent."""
+    """Bounds a decoder enforces before trusting anything a peer sent. A message past one is
+    refused with :class:`LimitExceeded` (``RESOURCE_EXHAUSTED``), answered when its id is readable."""
 
     max_header_bytes: int = 4 << 20
-    max_frame_bytes: int = 2 << 30
+    max_frame_bytes: int = 2 << 30  # one tensor frame: whole parts travel in one (create, restore)
     max_frames: int = 4096
     max_container_len: int = 1 << 20
+    max_depth: int = 256  # nesting of arrays and maps in the header, the header map itself counted
+    max_message_bytes: int = 8 << 30  # every frame of one message together
 
 
 DEFAULT_LIMITS = Limits()
@@ -87,6 +92,12 @@ class DecodeError(ProtocolError):
 
 class _VersionError(DecodeError, VersionMismatch):
     pass
+
+
+class LimitExceeded(DecodeError, ResourceExhausted):
+    """A message passed one of the decoder's :class:`Limits` (sizes, counts, nesting)."""
+
+    code = ResourceExhausted.code
 
 
 class _TensorRef:
@@ -152,6 +163,8 @@ def _extract(obj: Any, arrays: list[np.ndarray]) -> Any:
         layout = _layouts[t] if t in _layouts else _layout(t)
         if layout is None:
             return [_extract(v, arrays) for v in _astuple(obj)]
+        if not layout:  # no defaults (a ring deposit): every field goes
+            return {k: _extract(v, arrays) for k, v in zip(t.__struct_fields__, _astuple(obj))}
         return {k: _extract(v, arrays) for k, v in zip(t.__struct_fields__, _astuple(obj)) if _sent(v, layout.get(k, _REQUIRED))}
     if isinstance(obj, dict):  # subclasses (OrderedDict, defaultdict) after the exact-type fast path
         return {k: _extract(v, arrays) for k, v in obj.items()}
@@ -214,12 +227,25 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     """Validate and decode frames (bytes or zmq Frames) into a Message; raises DecodeError."""
     if not frames:
         raise DecodeError("empty message: no header frame")
+    header_view = memoryview(frames[0])
+    try:
+        head, exts = _unpack(frames, header_view, limits)
+    except DecodeError as exc:  # an unreadable header may still say whom to answer
+        exc.request_id, exc.kind = _peek_id(header_view, limits)
+        raise
+    if not isinstance(head, dict):
+        raise DecodeError(f"header must be a map, got {type(head).__name__}")
+    try:
+        return _from_header(head, frames, limits, exts, header_view)
+    except RecursionError:
+        raise DecodeError("header nests containers too deeply") from None
+
+
+def _unpack(frames: Sequence[Any], header_view: memoryview, limits: Limits) -> tuple[Any, list[object]]:
     if len(frames) > limits.max_frames:
-        raise DecodeError(f"{len(frames)} frames exceed the limit of {limits.max_frames}")
-    raw = frames[0]
-    header_view = memoryview(raw)
+        raise LimitExceeded(f"{len(frames)} frames exceed the limit of {limits.max_frames}")
     if header_view.nbytes > limits.max_header_bytes:
-        raise DecodeError(f"header of {header_view.nbytes} bytes exceeds the limit of {limits.max_header_bytes}")
+        raise LimitExceeded(f"header of {header_view.nbytes} bytes exceeds the limit of {limits.max_header_bytes}")
     cap = limits.max_container_len
     # Extensions are recorded, not judged, while unpacking: the version must be checked first,
     # and any encoding of ext type 1 (fixext 4 or ext 8/16/32) must count as a reference.
@@ -246,17 +272,26 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
             max_map_len=cap,
             max_ext_len=16,
         )
+    except msgpack.StackError:
+        raise LimitExceeded(f"header nests containers deeper than the limit of {limits.max_depth}") from None
     except Exception as exc:  # msgpack raises several types for truncated or malformed data
+        if isinstance(exc, ValueError) and " exceeds max_" in str(exc):  # a string or container over its limit
+            raise LimitExceeded(f"header: {exc}") from None
         raise DecodeError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
-    if not isinstance(head, dict):
-        raise DecodeError(f"header must be a map, got {type(head).__name__}")
-    try:
-        return _from_header(head, frames, limits, exts)
-    except RecursionError:
-        raise DecodeError("header nests containers too deeply") from None
+    return head, exts
 
 
-def _from_header(head: dict, frames: Sequence[Any], limits: Limits, exts: list[object]) -> Message:
+def _peek_id(header_view: memoryview, limits: Limits) -> tuple[int | None, str | None]:
+    """(id, kind) of a version-1 header that failed to decode as a whole, so that a message too
+    big, too deep or too long is answered rather than dropped."""
+    found = read_start(header_view, limits.max_container_len)
+    rid, kind = found.get("id"), found.get("k")
+    if found.get("v") == VERSION and found["v"].__class__ is int and rid.__class__ is int and 0 <= rid <= _MAX_ID and kind in _KINDS:
+        return rid, kind
+    return None, None
+
+
+def _from_header(head: dict, frames: Sequence[Any], limits: Limits, exts: list[object], header: memoryview) -> Message:
     rid = head.get("id")
     rid = rid if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid <= _MAX_ID else None
     kind = head.get("k") if head.get("k") in _KINDS else None
@@ -269,6 +304,8 @@ def _from_header(head: dict, frames: Sequence[Any], limits: Limits, exts: list[o
         raise DecodeError(f"unknown message kind {head.get('k')!r}", request_id=rid)
     if rid is None:
         raise DecodeError(f"request id must be an integer in 0..2**64-1, got {head.get('id')!r}")
+    if header.nbytes > limits.max_depth and container_marks(header) > limits.max_depth and too_deep(head, limits.max_depth - 1):
+        raise LimitExceeded(f"header nests containers deeper than the limit of {limits.max_depth}", request_id=rid, kind=kind)
     if exts and exts[0].__class__ is _BadExt:
         bad = exts[0]
         raise DecodeError(f"unknown msgpack extension type {bad.code} (length {bad.size})", request_id=rid, kind=kind)
@@ -308,6 +345,7 @@ def _tensors(table: object, frames: Sequence[Any], limits: Limits, rid: int, kin
         )
     arrays: list[np.ndarray] = []
     seen: set[int] = set()
+    total = 0
     for i, entry in enumerate(table):
         where = f"tensor {i}"
         if not isinstance(entry, list) or len(entry) != 3:
@@ -329,9 +367,14 @@ def _tensors(table: object, frames: Sequence[Any], limits: Limits, rid: int, kin
         view = memoryview(frames[index])
         nbytes = view.nbytes
         if nbytes > limits.max_frame_bytes:
-            raise DecodeError(
+            raise LimitExceeded(
                 f"{where}: frame of {nbytes} bytes exceeds the limit of {limits.max_frame_bytes}", request_id=rid, kind=kind
             )
+        total += nbytes
+        if total > limits.max_message_bytes:
+            raise LimitExceeded(
+                f"tensor frames of more than {limits.max_message_bytes} bytes in one message exceed the limit",
+                request_id=rid, kind=kind)
         expected = math.prod(shape) * dtype.itemsize
         if expected != nbytes:
             raise DecodeError(
@@ -400,8 +443,10 @@ def _contains_ref(obj: object) -> bool:
 # errors as data ---------------------------------------------------------------------------
 
 
-def error_message(rid: int, exc: BaseException, *, source: str = "", with_traceback: bool = True) -> Message:
-    """An error reply carrying ``exc`` as data: code, type, message and the traceback text."""
+def error_message(rid: int, exc: BaseException, *, source: str = "", with_traceback: bool = False) -> Message:
+    """An error reply carrying ``exc`` as data: code, type, message and, only when asked (a
+    server started with ``debug``), the traceback text: it tells a stranger the server's paths
+    and code."""
     code = exc.code if isinstance(exc, ZmqflowError) else "INTERNAL"
     text = exc.message if isinstance(exc, ZmqflowError) else str(exc)
     tb = "".join(_tb.format_exception(exc)) if with_traceback else ""

@@ -14,7 +14,7 @@ import zmq
 from ...transport.context import context
 from ...transport.memory import keep_big_blocks
 
-__all__ = ["ServerThread", "check", "latency", "server_process", "throughput"]
+__all__ = ["ServerThread", "check", "curve_client", "latency", "server_process", "throughput"]
 
 _ECHO, _ACK = b"e", b"a"  # first byte of the header frame: echo the data or ack it
 _SNDMORE = int(zmq.SNDMORE)  # plain ints: pyzmq's enum arithmetic would cost more than the send
@@ -50,13 +50,16 @@ def _serve(sock: zmq.Socket, should_stop: Callable[[], bool]) -> None:
             raise
 
 
-def server_process(bind: str, conn: Any) -> None:
+def server_process(bind: str, curve: tuple[bytes, bytes] | None, conn: Any) -> None:
     """Process entry (see :mod:`zmqflow.bench.procs`): the ROUTER on its own context; answers the
-    endpoint it bound."""
+    endpoint it bound. ``curve``: its (public, secret) keypair, as a CURVE server."""
     keep_big_blocks()  # the same allocator as the zmqflow side
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.linger = 0
+    if curve is not None:
+        sock.curve_server = 1
+        sock.curve_publickey, sock.curve_secretkey = curve
     try:
         try:
             sock.bind(bind)
@@ -97,6 +100,13 @@ class ServerThread:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(10)
+
+
+def curve_client(sock: zmq.Socket, public: bytes, secret: bytes, server: bytes) -> None:
+    """Make the DEALER a CURVE client (before it connects)."""
+    sock.curve_serverkey = server
+    sock.curve_publickey = public
+    sock.curve_secretkey = secret
 
 
 def throughput(sock: zmq.Socket, arr: np.ndarray, n: int, window: int) -> float:

@@ -9,13 +9,14 @@ from typing import Any
 from ..report import cell, size_label
 from .plan import LAT_TARGET, LAT_TARGET_MAX_BYTES, TPUT_TARGET, TPUT_TARGET_MIN_BYTES
 
-__all__ = ["DISTURBED_CPUS", "format_table"]
+__all__ = ["DISTURBED_CPUS", "format_curve_table", "format_table"]
 
 DISTURBED_CPUS = 0.25  # rows where other processes used more CPU than this are flagged
 
 _COLUMNS = (
     # header, key, format spec
     ("transport", "transport", ""),
+    ("security", "security", ""),
     ("size", "size", ""),
     ("zf msg/s", "zf_msgs_per_s", ",.0f"),
     ("zf GB/s", "zf_gbps", ".3g"),
@@ -43,7 +44,7 @@ def format_table(rows: Sequence[dict[str, Any]], targets: bool = True) -> str:
     widths = [max(len(line[i]) for line in cells) for i in range(len(_COLUMNS))]
     out = []
     for j, line in enumerate(cells):
-        padded = (c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+        padded = (c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
         out.append("  ".join(padded).rstrip())
         if j == 0:
             out.append("  ".join("-" * w for w in widths))
@@ -76,3 +77,26 @@ def _target_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
         rows, "target_lat_met", "lat_ratio",
         f"latency target (zmqflow p50 <= {LAT_TARGET}x raw at {size_label(LAT_TARGET_MAX_BYTES)})",
     )
+
+
+def format_curve_table(rows: Sequence[dict[str, Any]]) -> str:
+    """What CurveZMQ costs: zmqflow's throughput and p50 latency with CURVE off and on, per
+    transport and size, and raw pyzmq's throughput on and off for the same transfers."""
+    plain = {(r["transport"], r["size_bytes"]): r for r in rows if r.get("security", "plain") == "plain"}
+    lines = [["transport", "size", "zf GB/s off", "zf GB/s on", "on/off", "raw GB/s off", "raw GB/s on",
+              "zf p50 us off", "zf p50 us on", "p50 on/off"]]
+    for r in rows:
+        off = plain.get((r["transport"], r["size_bytes"])) if r.get("security") == "curve" else None
+        if off is None:
+            continue
+        lines.append([r["transport"], r["size"], cell(off["zf_gbps"], ".3g"), cell(r["zf_gbps"], ".3g"),
+                      cell(r["zf_gbps"] / off["zf_gbps"], ".2f"), cell(off["raw_gbps"], ".3g"), cell(r["raw_gbps"], ".3g"),
+                      _cell(",.0f", off["zf_p50_us"]), _cell(",.0f", r["zf_p50_us"]),
+                      cell(r["zf_p50_us"] / off["zf_p50_us"], ".2f")])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    out = ["CurveZMQ on beside off (encryption + authentication; inproc has no handshake, so no CURVE):"]
+    for j, line in enumerate(lines):
+        out.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))).rstrip())
+        if j == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)

@@ -1,15 +1,21 @@
 """Runs the transport benchmark: both servers per transport, then for each size a warm-up and
 ``plan.reps`` repetitions in which raw pyzmq and zmqflow alternate (the order flips every
-repetition), so drift in the machine's load falls on both sides alike."""
+repetition), so drift in the machine's load falls on both sides alike.
+
+With ``curve`` each ipc and tcp pass runs twice, plaintext and then with CurveZMQ on both sides
+(zmqflow's task server with keys, raw pyzmq as a CURVE server), so the table shows what
+encryption costs beside what it costs without."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -19,6 +25,7 @@ import zmq
 from ... import loop as zf_loop
 from ...rpc import RpcClient
 from ...transport.context import context
+from ...transport.curve import Keys, generate
 from ...transport.memory import keep_big_blocks
 from ..machine import OtherLoad, cpu_idle_fraction, machine_info
 from ..report import size_label, write_jsonl
@@ -38,7 +45,7 @@ from .plan import (
     parse_size,
     tensor,
 )
-from .report import DISTURBED_CPUS, format_table
+from .report import DISTURBED_CPUS, format_curve_table, format_table
 from .servers import servers
 
 __all__ = ["build_parser", "main", "run"]
@@ -103,21 +110,28 @@ async def _measure_transport(
     plan: Plan,
     memcpy: dict[int, float],
     say: Callable[[str], Any],
+    keys: tuple[Keys, Keys] | None = None,
 ) -> tuple[list[dict[str, Any]], bool]:
-    """Every size over one transport; returns the rows and whether the loop was uvloop's."""
+    """Every size over one transport; returns the rows and whether the loop was uvloop's.
+    ``keys``: (client keys, task keys) to measure with CURVE on."""
     loop = asyncio.get_running_loop()
     uvloop_used = type(loop).__module__.startswith("uvloop")
-    client = RpcClient(identity=f"zfbench-{os.getpid()}", source="zfbench", loop=loop)
+    client = RpcClient(identity=f"zfbench-{os.getpid()}", source="zfbench", loop=loop,
+                       keys=keys[0] if keys is not None else None)
     raw = context().socket(zmq.DEALER)
     raw.linger = 0
+    security = "curve" if keys is not None else "plain"
     rows: list[dict[str, Any]] = []
     try:
+        if keys is not None:
+            raw_pyzmq.curve_client(raw, keys[0].public, keys[0].secret, keys[1].public)
         raw.connect(raw_ep)
         for size in sizes:
             row = await _measure_size(transport, client, zf_ep, raw, size, plan, memcpy.get(size))
+            row["security"] = security
             rows.append(row)
             say(
-                f"  {transport:6} {size_label(size):>7}: zmqflow {row['zf_gbps']:.3g} GB/s"
+                f"  {transport:6} {security:5} {size_label(size):>7}: zmqflow {row['zf_gbps']:.3g} GB/s"
                 f" vs raw {row['raw_gbps']:.3g} GB/s (x{row['tput_ratio']:.2f});"
                 f" p50 {row['zf_p50_us']:.0f} us vs {row['raw_p50_us']:.0f} us (x{row['lat_ratio']:.2f})"
                 + (f"; other CPU {row['other_cpu']:.2f}" if (row["other_cpu"] or 0) > DISTURBED_CPUS else "")
@@ -180,10 +194,13 @@ def run(
     sizes: Sequence[int] | None = None,
     json_out: str | None = None,
     echo: Callable[[str], Any] | None = print,
+    curve: bool = False,
+    keys: str | None = None,
 ) -> list[dict[str, Any]]:
     """Run the benchmark; returns one row per transport x size (also written as JSON lines to
     ``json_out``, replacing what it held). Progress and the final table go to ``echo`` (``None``:
-    silent)."""
+    silent). ``curve``: ipc and tcp again with CurveZMQ, with the keys of directory ``keys`` (it
+    must hold a shared task key: ``zmqflow keys generate DIR``) or fresh temporary ones."""
     say: Callable[[str], Any] = echo if echo is not None else (lambda _line: None)
     keep_big_blocks()  # both clients, raw and zmqflow, share this process and its allocator
     plan = QUICK if quick else FULL
@@ -208,11 +225,15 @@ def run(
     memcpy = {s: memcpy_gbps(s, plan.memcpy_copies(s, _MEMCPY_BATCHES), _MEMCPY_BATCHES) for s in sizes}
     rows: list[dict[str, Any]] = []
     uvloop_used = False
-    for transport in transports:
-        with servers(transport) as (zf_ep, raw_ep):
-            t_rows, used = zf_loop.run(_measure_transport(transport, zf_ep, raw_ep, sizes, plan, memcpy, say))
-        rows += t_rows
-        uvloop_used = uvloop_used or used
+    with contextlib.ExitStack() as stack:
+        pair = _bench_keys(stack, keys) if curve or keys else None
+        for transport in transports:
+            for keyed in (None, pair) if pair is not None and transport != "inproc" else (None,):
+                with servers(transport, keyed[1] if keyed else None) as (zf_ep, raw_ep):
+                    t_rows, used = zf_loop.run(
+                        _measure_transport(transport, zf_ep, raw_ep, sizes, plan, memcpy, say, keyed))
+                rows += t_rows
+                uvloop_used = uvloop_used or used
     machine["uvloop_used"] = uvloop_used
     elapsed = time.perf_counter() - t_start
     for row in rows:
@@ -222,8 +243,19 @@ def run(
         write_jsonl(json_out, rows, append=False)
     say("")
     say(format_table(rows))
+    if any(r.get("security") == "curve" for r in rows):
+        say("")
+        say(format_curve_table(rows))
     say(f"({elapsed:.0f} s" + (f"; JSON lines in {json_out})" if json_out else ")"))
     return rows
+
+
+def _bench_keys(stack: contextlib.ExitStack, directory: str | None) -> tuple[Keys, Keys]:
+    """(client keys, task keys) from ``directory``, or from a temporary one removed afterwards."""
+    if directory is None:
+        directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="zfbench-keys-"))
+        generate(directory)
+    return Keys.load(directory), Keys.load(directory, "worker:0", require_task=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -240,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="inproc, ipc or tcp (repeat or comma-separate; default: all)",
     )
     p.add_argument("--sizes", metavar="LIST", help="comma-separated tensor sizes in bytes, e.g. 64,4K,1M")
+    p.add_argument("--curve", action="store_true", help="ipc and tcp again with CurveZMQ on, beside off")
+    p.add_argument("--keys", metavar="DIR", help="key directory for --curve (a shared task key); default: temporary")
     return p
 
 
@@ -257,5 +291,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    run(quick=args.quick, transports=transports, sizes=sizes, json_out=args.json_out)
+    run(quick=args.quick, transports=transports, sizes=sizes, json_out=args.json_out, curve=args.curve, keys=args.keys)
     return 0

@@ -3,6 +3,11 @@
 For ipc and tcp each runs in its own spawned process, so the client shares neither a process nor
 a GIL with them. inproc only connects within one ZeroMQ context, so there both run in this
 process: ``zmqflow.Server`` on its loop thread, the raw ROUTER on a plain thread.
+
+With ``keys`` (a key directory holding a shared task key) both run CurveZMQ: the zmqflow task
+server with those keys (its ZAP handler admitting the allow-list), the raw ROUTER as a CURVE
+server with the same task keypair (no ZAP handler: handshakes are not what is measured).
+inproc never runs a handshake, so it has no CURVE variant.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Iterator
 
 from ...ports import free_port
 from ...server.task import Server
+from ...transport.curve import KEYS_ENV, Keys
 from ..procs import Child, zf_task_process
 from . import raw_pyzmq
 
@@ -29,9 +35,21 @@ def _spec(address: str) -> str:
     return json.dumps({"worker": [address]})
 
 
+def _zf_process(spec_json: str, task: str, keys: str, conn: object) -> None:
+    """Process entry: the task server with ``keys`` (a directory), or without any ('' : whatever
+    ZMQFLOW_KEYS this process inherited is ignored)."""
+    if keys:
+        os.environ[KEYS_ENV] = keys
+    else:
+        os.environ.pop(KEYS_ENV, None)
+    zf_task_process(spec_json, task, conn)
+
+
 @contextlib.contextmanager
-def servers(transport: str) -> Iterator[tuple[str, str]]:
+def servers(transport: str, keys: Keys | None = None) -> Iterator[tuple[str, str]]:
     """Start the zmqflow and the raw server for ``transport``; yield their endpoints; clean up."""
+    if keys is not None and transport == "inproc":
+        raise ValueError("inproc runs no handshake: CURVE applies to ipc and tcp only")
     with contextlib.ExitStack() as stack:
         if transport == "inproc":
             tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -47,12 +65,14 @@ def servers(transport: str) -> Iterator[tuple[str, str]]:
             raw_bind = f"ipc://{tmpdir}/raw.sock"
         else:
             raw_bind = "tcp://127.0.0.1:*"
-        raw_child = Child(raw_pyzmq.server_process, (raw_bind,), f"raw {transport} server")
+        curve = (keys.public, keys.secret) if keys is not None else None
+        raw_child = Child(raw_pyzmq.server_process, (raw_bind, curve), f"raw {transport} server")
         stack.callback(raw_child.stop)
         zf_ep = None
         for attempt in range(5):  # a picked tcp port can be taken before the server binds it
             address = f"ipc://{tmpdir}/zf-{attempt}.sock" if transport == "ipc" else f"127.0.0.1:{free_port()}"
-            zf_child = Child(zf_task_process, (_spec(address), _TASK), f"zmqflow {transport} server")
+            key_dir = str(keys.directory) if keys is not None else ""
+            zf_child = Child(_zf_process, (_spec(address), _TASK, key_dir), f"zmqflow {transport} server")
             try:
                 zf_ep = zf_child.wait_ready()
             except RuntimeError as exc:

@@ -13,6 +13,7 @@ from typing import Any
 from ...cluster import ClusterSpec, shard_tasks
 from ...errors import InvalidArgument, NotFound
 from ...state.catalog import Catalog
+from ...state.limits import DEFAULT_STATE_LIMITS, StateLimits
 from ...rpc import CallContext, Service, op
 from ...wire.requests import cluster as rq
 
@@ -22,11 +23,14 @@ __all__ = ["CatalogService"]
 class CatalogService(Service):
     name = "catalog"
 
-    def __init__(self, spec: ClusterSpec):
+    def __init__(self, spec: ClusterSpec, limits: StateLimits = DEFAULT_STATE_LIMITS):
         super().__init__()
         self.spec = spec
-        self.catalog = Catalog([str(t) for t in shard_tasks(spec)])
-        self._ready: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self.catalog = Catalog([str(t) for t in shard_tasks(spec)], limits)
+        # one event per name someone waits for, dropped when the last waiter leaves: lookups of
+        # names that never come cannot pile up events
+        self._ready: dict[str, asyncio.Event] = {}
+        self._waiters: dict[str, int] = defaultdict(int)
 
     @op(rq.Declare)
     def declare(self, ctx: CallContext, req: rq.Declare) -> dict[str, Any]:
@@ -40,22 +44,32 @@ class CatalogService(Service):
     @op(rq.ByName)
     def mark_ready(self, ctx: CallContext, req: rq.ByName) -> dict[str, Any]:
         record = self.catalog.mark_ready(req.name)
-        self._ready[req.name].set()
+        event = self._ready.get(req.name)
+        if event is not None:
+            event.set()
         return record
 
     @op(rq.Lookup)
     async def lookup(self, ctx: CallContext, req: rq.Lookup) -> dict[str, Any]:
-        """The record of ``name`` once it is created; waits until then (within the deadline) if ``wait``."""
+        """The record of ``name`` once it is created; waits until then (within the deadline, which
+        the RPC server bounds for every request) if ``wait``."""
         name = req.name
         if not self.catalog.ready(name):
             if not req.wait:
                 self._missing(name)
             loop = asyncio.get_running_loop()
             remaining = None if ctx.deadline is None else ctx.deadline - loop.time() - 0.1
+            event = self._ready.setdefault(name, asyncio.Event())
+            self._waiters[name] += 1
             try:
-                await asyncio.wait_for(self._ready[name].wait(), remaining)
+                await asyncio.wait_for(event.wait(), remaining)
             except TimeoutError:
                 self._missing(name)
+            finally:
+                self._waiters[name] -= 1
+                if not self._waiters[name]:
+                    del self._waiters[name]
+                    self._ready.pop(name, None)
         return self.catalog.lookup(name)
 
     @staticmethod

@@ -12,14 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
 
 from ...errors import DeadlineExceeded, InvalidArgument, Recovering
+from ...state.limits import DEFAULT_STATE_LIMITS, StateLimits
 from ...state.tables import HashTable
-from ...state.store import PartKey, Rows, ShardStore, Sparse, part_label
+from ...state.store import PartKey, Plan, Rows, ShardStore, Sparse, build, part_label
 from ...state.sync import READY, STALE
 from ...rpc import CallContext, Service, op
 from ...wire.requests import ps as rq
@@ -36,19 +37,25 @@ log = logging.getLogger(__name__)
 # the missing replicas) reaches the caller instead of a bare timeout.
 _SYNC_MARGIN = 0.25
 
+# Parts at least this big are allocated and initialized in an executor, so the loop keeps
+# answering (heartbeats, pings, other variables) while a multi-GB initializer runs.
+OFF_LOOP_BYTES = 16 << 20
+
 
 class PsService(Service, TableOps, SnapshotOps, FenceOps):
     name = "ps"
 
     def __init__(self, replicas: list[str] | None = None, reachable: Callable[[bytes], bool] | None = None,
-                 checkpoint_roots: CheckpointRoots | None = None):
+                 limits: StateLimits = DEFAULT_STATE_LIMITS, checkpoint_roots: CheckpointRoots | None = None):
         super().__init__()
+        self.limits = limits
+        self._building: dict[PartKey, asyncio.Future] = {}  # parts being built off the loop
         self.checkpoint_roots = checkpoint_roots or CheckpointRoots()  # none: ps.save writes nowhere
         self._fence_init()
         self._reachable = reachable
         self._pushers: dict[str, bytes] = {}  # replica name -> the routing id it last pushed from
         self._gone: set[str] = set()  # replicas whose steps were completed without them
-        self.store = ShardStore()
+        self.store = ShardStore(limits)
         self.tables: dict[PartKey, HashTable] = {}
         self._table_specs: dict[PartKey, tuple] = {}
         self.replicas = list(replicas or [])
@@ -85,9 +92,66 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
         return [p.describe() for p in self.store.parts.values()]
 
     @op(rq.Create)
-    def create(self, ctx: CallContext, req: rq.Create) -> bool:
-        return self.store.create(req.name, req.part, req.shape, req.rows, req.dtype, num_parts=req.num_parts,
-                                 optimizer=req.optimizer, initializer=req.initializer, value=req.value)
+    def create(self, ctx: CallContext, req: rq.Create) -> "bool | Coroutine[Any, Any, bool]":
+        """Get-or-create, every limit checked before allocating; a big part is built off the loop
+        (the answer is then a coroutine the RPC server awaits)."""
+        return self.create_part(ctx, req.name, req.part, req.shape, req.rows, req.dtype, num_parts=req.num_parts,
+                                optimizer=req.optimizer, initializer=req.initializer, value=req.value)
+
+    def create_part(self, ctx: CallContext, name: str, part: int, shape: list[int], rows: list[int], dtype: str,
+                    **kwargs: Any) -> "bool | Coroutine[Any, Any, bool]":
+        """``ShardStore.create`` for the wire: inline for small parts, in an executor for big ones."""
+        key = (name, int(part))
+        if key in self._building:  # the same part by another request: its outcome, then ours
+            return self._after_build(self._building[key], lambda: self.create_part(ctx, name, part, shape, rows, dtype, **kwargs))
+        extra = sum(t.nbytes for t in self.tables.values())
+        plan = self.store.plan(name, part, shape, rows, dtype, extra_bytes=extra, **kwargs)
+        if plan is None:
+            return False
+        if plan.nbytes < OFF_LOOP_BYTES:
+            try:
+                built = build(plan)
+            finally:
+                self.store.release(plan)
+            return self.store.commit(built)
+        return self._wait_build(self._build_off_loop(plan))
+
+    def _build_off_loop(self, plan: Plan) -> asyncio.Future:
+        """Build ``plan`` in an executor; the future's result is the commit's. Registered at once,
+        so a second create of the part waits for this one; committed (or dropped, when a fence
+        came meanwhile) on the loop when the build ends, whether or not its requester still waits."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: its requester may be gone
+        epoch = self.epoch
+        self._building[plan.key] = done
+
+        def finished(f: asyncio.Future) -> None:
+            self.store.release(plan)  # the bytes stay reserved while the thread allocates
+            del self._building[plan.key]
+            try:
+                if self.fenced or self.epoch != epoch:  # the part must not land after a fence
+                    raise Recovering(f"ps.create of {part_label(plan.key)} abandoned: the shard is being restored "
+                                     f"(recovery epoch {self.epoch})", epoch=self.epoch)
+                done.set_result(self.store.commit(f.result()))
+            except BaseException as exc:  # the build's own error (ResourceExhausted) or the fence's
+                done.set_exception(exc)
+
+        loop.run_in_executor(None, build, plan).add_done_callback(finished)
+        return done
+
+    @staticmethod
+    async def _wait_build(done: asyncio.Future) -> bool:
+        return await asyncio.shield(done)  # past the deadline the build goes on, and is committed
+
+    @staticmethod
+    async def _after_build(fut: asyncio.Future, again: Callable[[], Any]) -> bool:
+        try:
+            await asyncio.shield(fut)
+        except Exception:
+            pass  # its requester hears its error; this one tries on its own
+        result = again()
+        return await result if asyncio.iscoroutine(result) else result
 
     @op(rq.Pull)
     def pull(self, ctx: CallContext, req: rq.Pull) -> list[np.ndarray]:
@@ -135,9 +199,10 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
             if step is None:
                 raise InvalidArgument(f"variable {p.label} is synchronous: pushes must carry the pusher's step")
             mine = min(step, p.sync.step)
-            self._pushers[ctx.source or "anonymous"] = ctx.peer
-            self._gone.discard(ctx.source or "anonymous")
-            outcome = p.sync.offer(step, ctx.source or "anonymous", grads["dense"], grads["sparse"])
+            who = ctx.source or "anonymous"  # with keys, the name of the pusher's key (CallContext)
+            self._pushers[who] = ctx.peer
+            self._gone.discard(who)
+            outcome = p.sync.offer(step, who, grads["dense"], grads["sparse"])
             if outcome == STALE:
                 stale = True
             elif outcome == READY:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import InvalidArgument, ZmqflowError, error_class
+from ...errors import InvalidArgument, PermissionDenied, ZmqflowError, error_class
 from ...rpc import CallContext, Service, op
 from ...wire.requests import cluster as rq
 from ...wire.requests.ps import Empty
@@ -67,7 +67,10 @@ class RingService(Service):
 
     @op(rq.Join)
     def join(self, ctx: CallContext, req: rq.Join) -> Any:
-        """Ask this rank, as coordinator, for a place in the next generation; answers once it forms."""
+        """Ask this rank, as coordinator, for a place in the next generation; answers once it forms.
+        With keys, a task joins only as itself: the member is the task its key names."""
+        if ctx.verified and req.task != ctx.source:
+            raise PermissionDenied(f"ring.join: task {ctx.source} asked to join as {req.task}")
         return self.rendezvous.join(req.task, req.generation, req.step, req.target)
 
     async def stop(self) -> None:

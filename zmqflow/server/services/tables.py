@@ -4,11 +4,13 @@ as 1-D integer arrays at the edge (:mod:`zmqflow.wire.requests.ps`)."""
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
 from typing import Any
 
 import numpy as np
 
 from ...errors import InvalidArgument, VariableConflict
+from ...state.limits import StateLimits, check_count, table_capacity
 from ...state.tables import HashTable
 from ...state.store import PartKey, ShardStore
 from ...rpc import CallContext, op
@@ -24,14 +26,21 @@ class TableOps:
     store: ShardStore
     tables: dict[PartKey, HashTable]
     _table_specs: dict[PartKey, tuple]
+    limits: StateLimits
+
+    def create_part(self, ctx: CallContext, name: str, part: int, shape: list[int], rows: list[int], dtype: str,
+                    **kwargs: Any) -> "bool | Coroutine[Any, Any, bool]":
+        raise NotImplementedError  # the ps service's: checked, and built off the loop when big
 
     @op(rq.EmbCreate)
-    def emb_create(self, ctx: CallContext, req: rq.EmbCreate) -> bool:
+    def emb_create(self, ctx: CallContext, req: rq.EmbCreate) -> "bool | Coroutine[Any, Any, bool]":
+        """A static part as a store part (built off the loop when big); a dynamic part as a hash
+        table with a finite capacity (the limits' default when the request names none)."""
         name, part = req.name, req.part
         if req.kind == "static":
-            return self.store.create(name, part, [req.num_embeddings or 0, req.dim], [0, req.rows], req.dtype,
-                                     num_parts=req.num_parts, optimizer=req.optimizer, initializer=req.initializer,
-                                     salt=part + 1)
+            return self.create_part(ctx, name, part, [req.num_embeddings or 0, req.dim], [0, req.rows], req.dtype,
+                                    num_parts=req.num_parts, optimizer=req.optimizer, initializer=req.initializer,
+                                    salt=part + 1)
         key = (name, part)
         spec = (req.dim, req.dtype, req.min_frequency, req.capacity, req.num_parts)
         if key in self.tables:
@@ -39,9 +48,13 @@ class TableOps:
                 raise VariableConflict(f"embedding {name!r} part {part} exists as (dim, dtype, min_frequency, capacity, "
                                        f"parts) {self._table_specs[key]}; declared as {spec}")
             return False
-        self.tables[key] = HashTable(req.dim, dtype_from_name(req.dtype), initializer=req.initializer,
-                                     optimizer=req.optimizer, min_frequency=req.min_frequency, capacity=req.capacity,
-                                     seed_salt=part + 1)
+        limits = self.limits
+        check_count(name, len(self.store.parts) + len(self.tables), limits.max_variables, "this shard")
+        dtype = dtype_from_name(req.dtype)
+        capacity = table_capacity(name, req.capacity, HashTable.row_size(req.dim, dtype, req.optimizer), limits)
+        self.tables[key] = HashTable(req.dim, dtype, initializer=req.initializer, optimizer=req.optimizer,
+                                     min_frequency=req.min_frequency, capacity=capacity, seed_salt=part + 1,
+                                     max_pending=limits.max_pending_admission)
         self._table_specs[key] = spec
         return True
 
