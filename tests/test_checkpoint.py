@@ -66,15 +66,16 @@ def assert_same_state(a: dict, b: dict) -> None:
             np.testing.assert_array_equal(a[key], b[key], err_msg=str(key))
 
 
-def cluster(ps: int):
+def cluster(ps: int, root: object):
+    """``ps`` shards that may write checkpoints under ``root``, and a worker."""
     spec = make_spec({"ps": ps, "worker": 1}, "tcp")
-    servers = [zf.Server(spec, f"ps:{i}") for i in range(ps)]
+    servers = [zf.Server(spec, f"ps:{i}", checkpoint_roots=[str(root)]) for i in range(ps)]
     worker = zf.Server(spec, "worker:0")
     return spec, servers, worker
 
 
 def test_save_and_restore_onto_three_shards_from_two(tmp_path):
-    spec, servers, worker = cluster(2)
+    spec, servers, worker = cluster(2, tmp_path)
     try:
         with zf.Session(worker.target) as sess:
             populate(sess)
@@ -86,7 +87,7 @@ def test_save_and_restore_onto_three_shards_from_two(tmp_path):
     finally:
         for s in [worker, *servers]:
             s.stop()
-    spec3, servers3, worker3 = cluster(3)
+    spec3, servers3, worker3 = cluster(3, tmp_path)
     try:
         with zf.Session(worker3.target) as sess:
             assert checkpoint.restore(sess, str(tmp_path)) == 2
@@ -102,7 +103,7 @@ def test_save_and_restore_onto_three_shards_from_two(tmp_path):
 
 
 def test_keep_the_last_n(tmp_path):
-    spec, servers, worker = cluster(1)
+    spec, servers, worker = cluster(1, tmp_path)
     try:
         with zf.Session(worker.target) as sess:
             v = sess.variable("v", 0.0)
@@ -137,7 +138,8 @@ def test_a_crash_during_a_write_leaves_the_previous_checkpoint(tmp_path, procs, 
     cfile.write_text(spec.to_json())
     in_shard = where == "shard-mid-write"
     # the shard writes its first file and dies in the middle of its second, as under kill -9
-    ps = procs([sys.executable, "-m", "zmqflow", "serve", "--cluster", str(cfile), "--task", "ps:0"],
+    ps = procs([sys.executable, "-m", "zmqflow", "serve", "--cluster", str(cfile), "--task", "ps:0",
+                "--checkpoint-root", str(tmp_path)],
                env={"ZMQFLOW_CHECKPOINT_CRASH": "mid-write:2"} if in_shard else None)
     ps.wait_for_line("serving ps:0", 30)
     with zf.Server(spec, "worker:0") as worker, zf.Session(worker.target) as sess:
@@ -155,7 +157,7 @@ def test_a_crash_during_a_write_leaves_the_previous_checkpoint(tmp_path, procs, 
         assert code == 137, saver.output
     assert any(".tmp-" in f for f in os.listdir(ckpt)) or where == "before-manifest"
     assert checkpoint.latest(ckpt) == first  # the half-written one does not count
-    spec2, servers2, worker2 = cluster(1)
+    spec2, servers2, worker2 = cluster(1, tmp_path)
     try:
         with zf.Session(worker2.target) as sess:
             assert checkpoint.restore(sess, ckpt) == 1
@@ -186,7 +188,7 @@ def test_monitored_session_saves_and_the_next_run_restores(tmp_path):
 
     def train(steps: int) -> tuple[int, np.ndarray, str | None]:
         spec = make_spec({"ps": 1, "worker": 1}, "tcp")
-        with zf.Server(spec, "ps:0"), zf.MonitoredTrainingSession(
+        with zf.Server(spec, "ps:0", checkpoint_roots=[str(tmp_path)]), zf.MonitoredTrainingSession(
             zf.ParameterServerStrategy(), cluster=spec, task="worker:0", checkpoint_dir=ckpt,
             save_checkpoint_steps=5, hooks=[zf.StopAtStep(steps)], progress=False,
         ) as mon:
@@ -282,3 +284,54 @@ def test_two_writers_saving_into_one_directory_at_once_leave_valid_checkpoints(t
     assert found and os.path.basename(found[-1]) == "checkpoint-0000000024.json"
     step, saved = checkpoint.restore_store(found[-1])
     assert step == 24 and saved["w"]["value"].tolist() in ([0.0] * 3, [1.0] * 3)
+
+
+def _replica(name: str, value: float):
+    from zmqflow.state.store import ShardStore
+
+    store = ShardStore()
+    store.create(name, 0, [3], [0, 3], "float64", value=np.full(3, value))
+    return store
+
+
+def test_two_writers_saving_one_step_in_one_millisecond_never_share_a_file(tmp_path, monkeypatch):
+    """Two chiefs (a handover) saving the same step at the same moment: each writes its own shard
+    file, so whichever manifest survives names the state its own writer saved."""
+    import threading
+    import types
+
+    monkeypatch.setattr(checkpoint, "time", types.SimpleNamespace(time=lambda: 1_700_000_000.0))
+    both_written = threading.Barrier(2, timeout=20)
+    shard_files: list[int] = []
+
+    def between_shards_and_manifest(where: str) -> None:  # both writers' shard files are on disk here
+        if where == "before-manifest":
+            both_written.wait()
+            shard_files.append(len([f for f in os.listdir(tmp_path) if f.endswith(".npz")]))
+            both_written.wait()
+
+    monkeypatch.setattr(checkpoint, "crash_point", between_shards_and_manifest)
+    stores = [_replica(f"w{k}", float(k)) for k in range(2)]
+    run_in_threads(lambda k: checkpoint.save_store(stores[k], str(tmp_path), 5, keep=2), 2)
+    assert shard_files == [2, 2]
+    step, saved = checkpoint.restore_store(str(tmp_path))
+    (name, arrays), = saved.items()
+    assert step == 5 and arrays["value"].tolist() == [float(name[1:])] * 3, (name, arrays["value"])
+
+
+def test_restoring_a_directorys_latest_while_a_writer_prunes_it_reads_the_newest(tmp_path, monkeypatch):
+    """A chief restoring while another still saves (keep=1): the checkpoint it chose is pruned
+    between reading the manifest and its files; it chooses the newest again."""
+    checkpoint.save_store(_replica("w", 1.0), str(tmp_path), 1, keep=1)
+    read = checkpoint.read_arrays
+    pruned: list[str] = []
+
+    def read_after_a_prune(path: str) -> dict:
+        if not pruned:
+            pruned.append(checkpoint.save_store(_replica("w", 2.0), str(tmp_path), 2, keep=1))
+            assert [os.path.basename(p) for p in checkpoint.checkpoints(str(tmp_path))] == ["checkpoint-0000000002.json"]
+        return read(path)
+
+    monkeypatch.setattr(checkpoint, "read_arrays", read_after_a_prune)
+    step, saved = checkpoint.restore_store(str(tmp_path))
+    assert pruned and step == 2 and saved["w"]["value"].tolist() == [2.0] * 3

@@ -98,7 +98,7 @@ def test_a_push_admitted_before_a_fence_does_not_land_after_it():
 
 def test_recover_reads_the_checkpoint_first_drops_rows_added_since_and_lifts_an_orphaned_fence(tmp_path):
     spec = make_spec({"ps": 2, "worker": 1}, "tcp")
-    servers = [zf.Server(spec, t) for t in ("ps:0", "ps:1", "worker:0")]
+    servers = [zf.Server(spec, t, checkpoint_roots=[str(tmp_path)]) for t in ("ps:0", "ps:1", "worker:0")]
     try:
         with zf.Session(servers[2].target) as sess:
             emb = sess.embedding("dyn", None, 2, initializer=zf.init.normal(seed=3), optimizer=zf.optim.SGD(1.0))

@@ -235,24 +235,6 @@ def test_named_lookup_survives_a_worker_restart():
             np.testing.assert_array_equal(sess.get("kept").read(), np.full(3, 2.0, np.float32))
 
 
-def test_remote_functions_run_only_from_allowed_modules():
-    spec = make_spec({"worker": 2}, "tcp")
-    with zf.Server(spec, "worker:0") as w0, zf.Server(spec, "worker:1", allow_modules=["tests.fixtures"]):
-        with zf.Session(w0.target) as sess:
-            out = sess.run("tests.fixtures.remote:scale", np.arange(3.0), task="worker:1", factor=3.0)
-            np.testing.assert_array_equal(out["y"], np.arange(3.0) * 3)
-            assert out["shape"] == [3]
-            assert sess.run("tests.fixtures.remote:add_later", 2, 3, task="worker:1") == 5
-            with pytest.raises(errors.RemoteError, match="remote boom"):
-                sess.run("tests.fixtures.remote:boom", task="worker:1")
-            with pytest.raises(errors.InvalidArgument, match="not on this task's allow-list"):
-                sess.run("os:getcwd", task="worker:1")
-            with pytest.raises(errors.InvalidArgument, match="allow-list"):
-                sess.run("tests.fixtures.remote:scale", 1, task="worker:0")
-            with pytest.raises(errors.NotFound, match="nope"):
-                sess.run("tests.fixtures.remote:nope", task="worker:1")
-
-
 def test_backup_workers_never_block_and_every_gradient_is_accounted_for():
     async def main():
         async with local_cluster({"ps": 1, "worker": 3}, timeout=10, transport="inproc") as servers:

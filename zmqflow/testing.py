@@ -20,6 +20,7 @@ from typing import Any
 from .cluster import ClusterSpec, TaskId
 from .ports import free_port
 from .rpc import Service
+from .server.checkpoint_roots import ANYWHERE
 from .server.task import AsyncServer
 from .transport import registry
 from .transport.base import Transport
@@ -91,7 +92,10 @@ async def local_cluster(
     """Every task of a cluster as an AsyncServer on this loop, up and answering within ``timeout``.
 
     With ``via``, every server, and every client made inside the block, uses that transport
-    (``transport`` then only shapes the addresses)."""
+    (``transport`` then only shapes the addresses). Its ps shards write checkpoints anywhere
+    (``checkpoint_roots="*"``: one process, one test's own directories) unless
+    ``checkpoint_roots=`` says otherwise."""
+    server_kwargs.setdefault("checkpoint_roots", ANYWHERE)
     spec = jobs if isinstance(jobs, ClusterSpec) else make_spec(jobs, transport)
     with contextlib.ExitStack() as stack:
         if via is not None:

@@ -8,6 +8,12 @@ first failure's.
 ``--keys DIR`` hands every process ``ZMQFLOW_KEYS``: servers admit only listed keys, and training
 scripts (tasks themselves) present their task keys. Without keys, a cluster beyond loopback needs
 ``--insecure`` (passed on as ``ZMQFLOW_INSECURE=1``).
+
+Checkpoint roots: ``--checkpoint-root DIR`` confines every task's checkpoint writes (passed as
+``ZMQFLOW_CHECKPOINT_ROOTS``). Without it, on a cluster whose every address is loopback (one
+user's processes on one machine), launch sets ``ZMQFLOW_CHECKPOINT_ROOTS=*`` (anywhere) so a
+script's ``checkpoint_dir`` works wherever it points, as it always did; it says so on start. A
+cluster reachable from other hosts gets no such default: give ``--checkpoint-root``.
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ import click
 
 from ..cluster import ClusterSpec, TaskId, resolve
 from ..errors import ConfigError
+from ..server.checkpoint_roots import ENV as ROOTS_ENV
+from ..server.checkpoint_roots import CheckpointRoots
 from ..transport.curve import KEYS_ENV, Keys, is_loopback
 from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, LOG_LEVELS, fail
 
-__all__ = ["launch", "Launcher", "generate_cluster"]
+__all__ = ["launch", "Launcher", "generate_cluster", "launch_roots"]
 
 COMMAND_JOBS = ("chief", "worker", "evaluator", "master")
 STOP_GRACE = 5.0
@@ -47,6 +55,21 @@ def generate_cluster(workers: int, ps: int, chief: bool, host: str = "127.0.0.1"
     return ClusterSpec(jobs)
 
 
+def _loopback_only(spec: ClusterSpec) -> bool:
+    """Whether no task of ``spec`` listens beyond this machine (the protected mode's own test)."""
+    return all(is_loopback(spec.address(t).bind_endpoint()) for t in spec.tasks)
+
+
+def launch_roots(spec: ClusterSpec, given: list[str], environ: "dict[str, str] | os._Environ[str]") -> CheckpointRoots:
+    """Where launched tasks may write checkpoints: ``given`` roots; else the caller's own
+    ``ZMQFLOW_CHECKPOINT_ROOTS``; else anywhere on a loopback cluster, nowhere on any other."""
+    if given:
+        return CheckpointRoots.parse(given)
+    if ROOTS_ENV in environ:
+        return CheckpointRoots.parse(None, environ)
+    return CheckpointRoots(anywhere=_loopback_only(spec))
+
+
 @dataclass(eq=False)
 class _Child:
     task: TaskId
@@ -61,10 +84,12 @@ class Launcher:
     """Starts, watches and stops the processes of one local cluster."""
 
     def __init__(self, spec: ClusterSpec, command: list[str], *, log_level: str = "info", out=None,
-                 restart: str = "never", max_restarts: int = 3, keys: str | None = None, insecure: bool = False):
+                 restart: str = "never", max_restarts: int = 3, keys: str | None = None, insecure: bool = False,
+                 checkpoint_roots: CheckpointRoots | None = None):
         self.spec = spec
         self.keys = keys
         self.insecure = insecure
+        self.checkpoint_roots = checkpoint_roots or launch_roots(spec, [], os.environ)
         self.restart = restart
         self.max_restarts = max_restarts
         self.command = command
@@ -91,6 +116,7 @@ class Launcher:
             env[KEYS_ENV] = os.path.abspath(self.keys)
         if self.insecure:
             env["ZMQFLOW_INSECURE"] = "1"
+        env[ROOTS_ENV] = self.checkpoint_roots.to_env()
         return env
 
     def say(self, line: str, tag: str = "launch") -> None:
@@ -100,6 +126,10 @@ class Launcher:
 
     def start(self) -> None:
         self.say(f"cluster {self.spec.to_json()}")
+        roots = self.checkpoint_roots
+        hint = " (--checkpoint-root DIR confines them)" if roots.anywhere else \
+            "" if roots.roots else ": checkpoint saves are refused (give --checkpoint-root DIR)"
+        self.say(f"checkpoint roots: {roots.describe()}{hint}")
         for child in self.children:
             self._start(child)
 
@@ -212,8 +242,12 @@ def _exit_code(returncode: int) -> int:
 @click.option("--keys", metavar="DIR", envvar=KEYS_ENV, type=click.Path(file_okay=False),
               help="CurveZMQ key directory for every task (zmqflow keys generate; else ZMQFLOW_KEYS).")
 @click.option("--insecure", is_flag=True, help="Without keys, let tasks serve non-loopback addresses anyway.")
+@click.option("--checkpoint-root", "checkpoint_roots", multiple=True, metavar="DIR",
+              help="Confine every task's checkpoint writes under DIR; repeatable. Default: anywhere on a "
+                   "loopback cluster, nowhere on one other hosts can reach.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, max_restarts, keys, insecure, command) -> None:
+def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, max_restarts, keys, insecure,
+           checkpoint_roots, command) -> None:
     """Start a cluster's tasks as local processes, optionally running COMMAND on chief and workers."""
     command = list(command)
     if command and command[0] == "--":
@@ -226,13 +260,14 @@ def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, m
         else:
             spec = generate_cluster(2 if workers is None else workers, 0 if ps is None else ps, chief, host)
         check_keys(spec, keys, insecure)
+        roots = launch_roots(spec, list(checkpoint_roots), os.environ)
     except ConfigError as exc:
         fail("launch", exc, EXIT_USAGE)
     if cluster_out:
         with open(cluster_out, "w") as fh:
             fh.write(spec.to_json() + "\n")
     launcher = Launcher(spec, command, log_level=log_level, restart=restart, max_restarts=max_restarts, keys=keys,
-                        insecure=insecure)
+                        insecure=insecure, checkpoint_roots=roots)
 
     def forward(sig: int, _frame: object) -> None:
         launcher.say(f"forwarding {signal.Signals(sig).name} to every task")

@@ -42,8 +42,12 @@ STOP_TIMEOUT = 1.5  # the process must be gone within 2 s of the signal
               help="CurveZMQ key directory (zmqflow keys generate; else ZMQFLOW_KEYS): only listed keys get in.")
 @click.option("--insecure", is_flag=True, envvar="ZMQFLOW_INSECURE",
               help="Without keys, serve a non-loopback address anyway (unauthenticated, unencrypted).")
+@click.option("--checkpoint-root", "checkpoint_roots", multiple=True, metavar="DIR",
+              help="A directory a ps task may write checkpoints under; repeatable, replaces any default "
+                   "(else ZMQFLOW_CHECKPOINT_ROOTS, os.pathsep-separated; '*' means anywhere). Without one, "
+                   "saves are refused.")
 def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: tuple[str, ...], debug: bool,
-          keys: str | None, insecure: bool, **limits: object) -> None:
+          keys: str | None, insecure: bool, checkpoint_roots: tuple[str, ...], **limits: object) -> None:
     """Serve one task of a cluster until SIGTERM or SIGINT."""
     try:
         spec, tid = resolve(cluster, task)
@@ -54,7 +58,8 @@ def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: 
     setup_logging(log_level, str(tid))
     keep_big_blocks()
     try:
-        code = run(_serve(spec, tid, list(allow_modules) or None, server_limits, debug, keys, insecure))
+        code = run(_serve(spec, tid, list(allow_modules) or None, server_limits, debug, keys, insecure,
+                          list(checkpoint_roots) or None))
     except ZmqflowError as exc:
         fail("serve", exc, EXIT_FAILURE)
     raise SystemExit(code)
@@ -82,10 +87,10 @@ def _limits(flags: dict[str, object]) -> ServerLimits:
 
 
 async def _serve(spec: ClusterSpec, tid: TaskId, allow_modules: list[str] | None, limits: ServerLimits,
-                 debug: bool, keys: str | None, insecure: bool) -> int:
+                 debug: bool, keys: str | None, insecure: bool, checkpoint_roots: list[str] | None = None) -> int:
     try:
         server = AsyncServer(spec, tid, allow_modules=allow_modules, limits=limits, debug=debug, keys=keys,
-                             insecure=insecure)
+                             insecure=insecure, checkpoint_roots=checkpoint_roots)
     except ConfigError as exc:
         fail("serve", exc, EXIT_USAGE)
     try:

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -84,13 +85,21 @@ def latest(directory: str) -> str | None:
     return found[-1] if found else None
 
 
+def _file_tag(step: int) -> str:
+    """The start of every file one save writes: its step (what pruning reads), the time, and a
+    token of its own, so two writers saving one step at once (a chief handing over, in another
+    process or on another host) never write, or name in their manifests, the same file."""
+    return f"step{step:010d}-{int(time.time() * 1000)}-{secrets.token_hex(4)}"
+
+
 async def async_save(sess: "AsyncSession", directory: str, *, step: int | None = None, keep: int = 5) -> str:
-    os.makedirs(directory, exist_ok=True)
+    """The shards write first, each where its checkpoint roots allow (a refused directory is
+    ``PermissionDenied`` and nothing is created); then the manifest, then pruning."""
     spec = await sess.cluster()
     if step is None:
         step = await _global_step(sess)
     records = await sess.call_catalog("records", crq.Records())
-    tag = f"step{step:010d}-{int(time.time() * 1000)}"
+    tag = _file_tag(step)
     shards = await asyncio.gather(*(
         sess.call_task(t, "ps", "save", rq.Save(directory=os.path.abspath(directory), file=f"{tag}-{t.job}{t.index}.npz"))
         for t in shard_tasks(spec)
@@ -98,6 +107,7 @@ async def async_save(sess: "AsyncSession", directory: str, *, step: int | None =
     for task, shard in zip(shard_tasks(spec), shards):
         shard["task"] = str(task)
     crash_point("before-manifest")
+    os.makedirs(directory, exist_ok=True)  # the shards made it, unless they write on other hosts
     manifest = {"format": FORMAT, "step": int(step), "time": time.time(), "records": records, "shards": shards}
     path = os.path.join(directory, manifest_name(int(step)))
     write_atomic(path, text=json.dumps(manifest, indent=1))
@@ -170,18 +180,43 @@ def _open_manifest(path: str) -> tuple[str, str, dict[str, Any]]:
         raise InvalidArgument(f"cannot read checkpoint manifest {path!r}: {exc}") from None
 
 
-def _load(path: str) -> tuple[dict[str, Any], dict[tuple[str, int], tuple[dict[str, Any], dict[str, np.ndarray]]]]:
-    """(manifest, {(name, part): (entry, arrays)}), every file read and checked before anything changes."""
-    path, directory, manifest = _open_manifest(path)
-    if manifest.get("format") != FORMAT:
-        raise InvalidArgument(f"checkpoint {path!r} has format {manifest.get('format')!r}; this version reads {FORMAT}")
-    pieces: dict[tuple[str, int], tuple[dict[str, Any], dict[str, np.ndarray]]] = {}
-    for shard in manifest["shards"]:
-        arrays = read_arrays(os.path.join(directory, shard["file"]))
+Shard = tuple[dict[str, Any], dict[str, np.ndarray]]
+_READ_TRIES = 3
+
+
+def _read(path: str) -> tuple[str, dict[str, Any], list[Shard]]:
+    """(manifest path, manifest, [(shard entry, its arrays)]) of the checkpoint at ``path`` (a
+    manifest, or a directory: its newest), every file read before anything changes. A writer
+    saving into the directory meanwhile prunes all but its newest few checkpoints, possibly the
+    one chosen here: then the newest is chosen again (a named manifest is never chosen again)."""
+    for attempt in range(_READ_TRIES):
+        try:
+            chosen, directory, manifest = _open_manifest(path)
+            shards = [(shard, read_arrays(os.path.join(directory, shard["file"]))) for shard in manifest["shards"]]
+            return chosen, manifest, shards
+        except (NotFound, InvalidArgument):
+            if not os.path.isdir(path) or attempt == _READ_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _entries(shards: list[Shard]) -> dict[tuple[str, int], Shard]:
+    """{(name, part): (entry, its arrays without the entry's key prefix)}."""
+    out: dict[tuple[str, int], Shard] = {}
+    for shard, arrays in shards:
         for entry in shard["entries"]:
-            pieces[(entry["name"], entry["part"])] = (entry, {k[len(entry["key"]) + 1:]: v for k, v in arrays.items()
-                                                              if k.startswith(entry["key"] + ".")})
-    return manifest, pieces
+            prefix = entry["key"] + "."
+            out[(entry["name"], entry["part"])] = (entry, {k[len(prefix):]: v for k, v in arrays.items()
+                                                           if k.startswith(prefix)})
+    return out
+
+
+def _load(path: str) -> tuple[dict[str, Any], dict[tuple[str, int], Shard]]:
+    """(manifest, {(name, part): (entry, arrays)}), every file read and checked before anything changes."""
+    chosen, manifest, shards = _read(path)
+    if manifest.get("format") != FORMAT:
+        raise InvalidArgument(f"checkpoint {chosen!r} has format {manifest.get('format')!r}; this version reads {FORMAT}")
+    return manifest, _entries(shards)
 
 
 async def async_restore(sess: "AsyncSession", path: str) -> int:
@@ -344,7 +379,7 @@ def save_store(store: Any, directory: str, step: int, keep: int = 5) -> str:
         entries.append({"kind": "part", "name": name, "part": part, "key": f"p{i}", "rows": list(p.rows)})
         records.append({"name": name, "shape": list(p.full_shape), "dtype": str(p.dtype), "parts": [{"task": "local", "rows": list(p.rows)}],
                         "optimizer": None if p.optimizer is None else p.optimizer.spec(), "table": None})
-    file = f"step{step:010d}-{int(time.time() * 1000)}-replica.npz"
+    file = f"{_file_tag(step)}-replica.npz"
     write_atomic(os.path.join(directory, file), arrays)
     crash_point("before-manifest")
     manifest = {"format": FORMAT, "step": int(step), "time": time.time(), "records": records,
@@ -357,10 +392,5 @@ def save_store(store: Any, directory: str, step: int, keep: int = 5) -> str:
 
 def restore_store(path: str) -> tuple[int, dict[str, dict[str, np.ndarray]]]:
     """(step, {name: {"value", "slot.*", "steps"}}) from a replica checkpoint (single-part variables)."""
-    path, directory, manifest = _open_manifest(path)
-    out: dict[str, dict[str, np.ndarray]] = {}
-    for shard in manifest["shards"]:
-        arrays = read_arrays(os.path.join(directory, shard["file"]))
-        for e in shard["entries"]:
-            out[e["name"]] = {k[len(e["key"]) + 1:]: v for k, v in arrays.items() if k.startswith(e["key"] + ".")}
-    return int(manifest["step"]), out
+    _, manifest, shards = _read(path)
+    return int(manifest["step"]), {name: arrays for (name, _), (_, arrays) in _entries(shards).items()}

@@ -176,7 +176,9 @@ class AsyncSession:
         return self.step
 
     async def run(self, function: str, *args: Any, task: "TaskId | str", timeout: float | None = None, **kwargs: Any) -> Any:
-        """Run ``package.module:function(*args, **kwargs)`` on ``task`` (its allow-list decides)."""
+        """Run a function on ``task``: a name the task registered (``server.register_function``) or
+        ``package.module:function``, a public function defined in a module on its allow-list.
+        Anything else is ``PermissionDenied``."""
         return await self.call("worker", "run", crq.Run(function=function, args=list(args), kwargs=kwargs),
                                task=task, timeout=timeout)
 

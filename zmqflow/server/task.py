@@ -18,7 +18,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..cluster import ClusterSpec, TaskId, resolve, shard_tasks
@@ -26,6 +26,7 @@ from ..errors import ConfigError, NotFound
 from ..loop import LoopThread
 from ..rpc import DEFAULT_TIMEOUT, Counters, RpcClient, RpcServer, Service
 from ..rpc.health import wait_for_tasks
+from .checkpoint_roots import CheckpointRoots
 from .services import MasterService, PsService, WorkerService
 from .services.catalog import CatalogService
 from .services.ring import RingService
@@ -55,7 +56,11 @@ class AsyncServer:
         debug: bool = False,
         keys: "Keys | str | os.PathLike[str] | None" = None,
         insecure: bool | None = None,
+        checkpoint_roots: "Sequence[str | os.PathLike[str]] | str | None" = None,
     ):
+        """``checkpoint_roots``: the directories a ps shard here may write checkpoints under
+        (None: ``ZMQFLOW_CHECKPOINT_ROOTS``, else none, and saves are refused; ``"*"``: anywhere).
+        ``allow_modules``: modules whose public functions sessions may run here."""
         self.spec, tid = resolve(cluster, task, env={})
         self.transport = transport  # None: chosen per endpoint scheme (transport.registry)
         assert tid is not None
@@ -89,7 +94,8 @@ class AsyncServer:
         shards = shard_tasks(self.spec)
         if self.task in shards:
             replicas = [str(t) for t in self.spec.tasks if t.job in ("chief", "worker")]
-            self._services["ps"] = PsService(replicas, reachable=self.client_reachable, limits=limits.state())
+            self._services["ps"] = PsService(replicas, reachable=self.client_reachable, limits=limits.state(),
+                                             checkpoint_roots=CheckpointRoots.parse(checkpoint_roots))
         if self.task == shards[0]:
             self._services["catalog"] = CatalogService(self.spec, limits.state())
         self._services.update(services or {})
@@ -124,6 +130,13 @@ class AsyncServer:
             return self._services[name]
         except KeyError:
             raise NotFound(f"task {self.task} hosts no service {name!r}") from None
+
+    def register_function(self, name: str, fn: Callable[..., Any]) -> None:
+        """Let sessions run ``fn`` here by ``name`` (``sess.run(name, task=...)``): the way to offer
+        a function that is not a public top-level function of an allowed module."""
+        worker = self._services["worker"]
+        assert isinstance(worker, WorkerService)
+        worker.register(name, fn)
 
     def add_service(self, service: Service) -> None:
         """Host another service (before or after start); its name is how callers address it."""
@@ -296,6 +309,10 @@ class Server:
     def join(self, timeout: float | None = None) -> bool:
         """Block until the server is stopped (by ``stop()`` from another thread or a signal)."""
         return self._done.wait(timeout)
+
+    def register_function(self, name: str, fn: Callable[..., Any]) -> None:
+        """Let sessions run ``fn`` here by ``name``; see :meth:`AsyncServer.register_function`."""
+        self._async.register_function(name, fn)
 
     def wait_for_cluster(self, timeout: float = 30.0) -> None:
         self.loop_thread.call(self._async.wait_for_cluster(timeout), timeout=timeout + 5)

@@ -85,7 +85,9 @@ def write_atomic(path: str, arrays: dict[str, np.ndarray] | None = None, text: s
     """Write ``arrays`` (as npz) or ``text`` to ``path`` so that a crash leaves the old or the new file."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.tmp-{_HOST}-{os.getpid()}-{threading.get_ident()}"  # two writers (threads too) never share one
-    with open(tmp, "wb") as fh:
+    # never through a link planted at the temporary's name: the file is ours, created here
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    with os.fdopen(fd, "wb") as fh:
         if arrays is not None:
             np.savez(fh, **arrays)
         else:

@@ -24,6 +24,7 @@ from ...state.store import PartKey, Plan, Rows, ShardStore, Sparse, build, part_
 from ...state.sync import READY, STALE
 from ...rpc import CallContext, Service, op
 from ...wire.requests import ps as rq
+from ..checkpoint_roots import CheckpointRoots
 from .fence import FenceOps
 from .snapshots import SnapshotOps
 from .tables import TableOps
@@ -45,10 +46,11 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
     name = "ps"
 
     def __init__(self, replicas: list[str] | None = None, reachable: Callable[[bytes], bool] | None = None,
-                 limits: StateLimits = DEFAULT_STATE_LIMITS):
+                 limits: StateLimits = DEFAULT_STATE_LIMITS, checkpoint_roots: CheckpointRoots | None = None):
         super().__init__()
         self.limits = limits
         self._building: dict[PartKey, asyncio.Future] = {}  # parts being built off the loop
+        self.checkpoint_roots = checkpoint_roots or CheckpointRoots()  # none: ps.save writes nowhere
         self._fence_init()
         self._reachable = reachable
         self._pushers: dict[str, bytes] = {}  # replica name -> the routing id it last pushed from

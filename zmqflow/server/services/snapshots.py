@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import InvalidArgument
+from ..checkpoint_roots import CheckpointRoots
 from ...state.tables import HashTable
 from ...state.snapshot import part_arrays, table_arrays, write_atomic
 from ...state.store import PartKey, ShardStore
@@ -18,18 +19,22 @@ __all__ = ["SnapshotOps"]
 
 
 class SnapshotOps:
-    """Mixed into the ps service, which provides ``store`` and ``tables``."""
+    """Mixed into the ps service, which provides ``store``, ``tables`` and ``checkpoint_roots``."""
 
     store: ShardStore
     tables: dict[PartKey, HashTable]
+    checkpoint_roots: CheckpointRoots
 
     @op(rq.Save)
     def save(self, ctx: CallContext, req: rq.Save) -> dict[str, Any]:
         """Write every part and table of this shard to ``directory/file``, atomically. Runs on the
-        loop without yielding, so the file is one consistent moment of this shard."""
-        directory, file = req.directory, req.file
-        if os.sep in file or file.startswith("."):
+        loop without yielding, so the file is one consistent moment of this shard. The directory
+        must resolve inside the task's checkpoint roots (else ``PermissionDenied``, nothing
+        created); everything after uses the resolved path, not the caller's string."""
+        file = req.file
+        if os.sep in file or (os.altsep and os.altsep in file) or "\0" in file or file.startswith("."):
             raise InvalidArgument(f"checkpoint file name {file!r} must be a plain name")
+        directory = self.checkpoint_roots.confine(req.directory)
         os.makedirs(directory, exist_ok=True)
         arrays: dict[str, np.ndarray] = {}
         entries = []

@@ -1,9 +1,16 @@
-"""The worker service: remote functions on an allow-list, and diagnostics that move tensors.
+"""The worker service: remote functions that cannot escape, and diagnostics that move tensors.
 
-``run`` imports a function by its path (``package.module:function``) and calls it with msgpack
-arguments. Only modules on the task's allow-list (``--allow-module``, ``ZMQFLOW_ALLOW_MODULES``)
-and their submodules may run: a remote caller can never name arbitrary code, and nothing is
-unpickled.
+``run`` calls one of two kinds of function, and nothing else:
+
+- a function the task registered by name (``server.register_function("train_step", fn)``);
+- ``package.module:function``, a top-level public function *defined in* a module on the task's
+  allow-list (``--allow-module``, ``ZMQFLOW_ALLOW_MODULES``) or in a submodule of one.
+
+A caller names a function, never a path through objects: no dots after the colon, no names
+starting with ``_``, nothing a module merely imported (``json:codecs``), no classes or builtins.
+The string is checked first, then the allow-list, and only then is the module imported, so a
+refused name runs no code at all. Every refusal is ``PermissionDenied`` naming the function.
+Arguments and results are msgpack values and tensor frames; nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -11,16 +18,29 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import keyword
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ...errors import InvalidArgument, NotFound
+from ...errors import InvalidArgument, NotFound, PermissionDenied
 from ...rpc import CallContext, Service, op
 from ...wire.requests import OPEN
 from ...wire.requests import cluster as rq
 
 __all__ = ["WorkerService"]
+
+_HINT = ("a task runs only functions it registered (server.register_function) or public functions defined in "
+         "a module on its allow-list (--allow-module)")
+
+
+def _public(name: str) -> bool:
+    return name.isidentifier() and not name.startswith("_") and not keyword.iskeyword(name)
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
 class WorkerService(Service):
@@ -29,6 +49,16 @@ class WorkerService(Service):
     def __init__(self, allow_modules: list[str] | None = None):
         super().__init__()
         self.allow_modules = tuple(m.strip() for m in (allow_modules or []) if m.strip())
+        self.functions: dict[str, Callable[..., Any]] = {}
+
+    def register(self, name: str, fn: Callable[..., Any]) -> None:
+        """Let sessions call ``fn`` as ``sess.run(name, task=...)``; a name registered again is replaced."""
+        if not isinstance(name, str) or not name or ":" in name or len(name) > 1024 or not name.isprintable():
+            raise InvalidArgument(f"a registered function's name must be 1..1024 printable characters without "
+                                  f"':' (that form names a module's function), got {name!r}")
+        if not callable(fn):
+            raise InvalidArgument(f"register_function({name!r}, ...) needs a callable, got {type(fn).__name__}")
+        self.functions[name] = fn
 
     @op(OPEN)
     def echo(self, ctx: CallContext, **values: Any) -> dict[str, Any]:
@@ -41,30 +71,51 @@ class WorkerService(Service):
         return sum(v.nbytes for v in values.values() if isinstance(v, np.ndarray))
 
     def allowed(self, module: str) -> bool:
-        return any(module == m or module.startswith(m + ".") for m in self.allow_modules)
+        """On the allow-list: an allowed module, or a public submodule of one (never ``pkg.__main__``)."""
+        for m in self.allow_modules:
+            if module == m:
+                return True
+            if module.startswith(m + ".") and all(_public(p) for p in module[len(m) + 1:].split(".")):
+                return True
+        return False
 
-    @op(rq.Run)
-    async def run(self, ctx: CallContext, req: rq.Run) -> Any:
-        """Call ``package.module:function(*args, **kwargs)``; coroutines are awaited, plain
-        functions run on a thread so the task keeps serving."""
-        function, args, kwargs = req.function, req.args, req.kwargs
-        module_name, sep, attr = function.partition(":")
-        if not sep or not module_name or not attr:
-            raise InvalidArgument(f"function must look like 'package.module:function', got {function!r}")
+    def resolve(self, function: str) -> Callable[..., Any]:
+        """The function ``function`` names, or ``PermissionDenied``; imports only an allowed module."""
+        if ":" not in function:
+            fn = self.functions.get(function)
+            if fn is None:
+                registered = ", ".join(sorted(self.functions)) or "none"
+                raise PermissionDenied(f"{function!r} is not a function registered on this task (registered: "
+                                       f"{registered}); {_HINT}", function=function)
+            return fn
+        module_name, _, attr = function.partition(":")
+        parts = module_name.split(".")
+        if not all(p.isidentifier() for p in parts) or not _public(attr):
+            raise PermissionDenied(f"{function!r} may not run: name a public top-level function as "
+                                   f"'package.module:function' (no dots after ':', no names starting with '_'); "
+                                   f"{_HINT}", function=function)
         if not self.allowed(module_name):
             allowed = ", ".join(self.allow_modules) or "nothing (start the task with --allow-module)"
-            raise InvalidArgument(f"module {module_name!r} is not on this task's allow-list; allowed: {allowed}")
+            raise PermissionDenied(f"{function!r} may not run: module {module_name!r} is not on this task's "
+                                   f"allow-list; allowed: {allowed}", function=function)
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
             raise NotFound(f"cannot import {module_name!r}: {exc}") from None
-        fn = module
-        for part in attr.split("."):
-            fn = getattr(fn, part, None)
-            if fn is None:
-                raise NotFound(f"{module_name!r} has no {attr!r}")
-        if not callable(fn):
-            raise InvalidArgument(f"{function!r} is not callable")
-        if inspect.iscoroutinefunction(fn):
-            return await fn(*(args or []), **(kwargs or {}))
-        return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*(args or []), **(kwargs or {})))
+        fn = vars(module).get(attr)  # the module's own namespace: no module __getattr__, no descriptors
+        if not inspect.isfunction(fn) or fn.__module__ != module_name:
+            what = "nothing" if fn is None else f"a {type(fn).__name__}" if not inspect.isfunction(fn) else \
+                f"a function imported from {fn.__module__!r}"
+            raise PermissionDenied(f"{function!r} may not run: {module_name}.{attr} is {what}, not a function "
+                                   f"defined in {module_name!r}; {_HINT}", function=function)
+        return fn
+
+    @op(rq.Run)
+    async def run(self, ctx: CallContext, req: rq.Run) -> Any:
+        """Call a registered function or ``package.module:function(*args, **kwargs)``; coroutines
+        are awaited, plain functions run on a thread so the task keeps serving."""
+        fn = self.resolve(req.function)
+        args, kwargs = req.args or [], req.kwargs or {}
+        if _is_async(fn):
+            return await fn(*args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
