@@ -20,7 +20,7 @@ import zmq
 import zmqflow as zf
 from zmqflow import errors
 from zmqflow.rpc import RpcClient
-from zmqflow.testing import free_port, local_cluster, make_spec
+from zmqflow.testing import async_wait_until, free_port, local_cluster, make_spec
 from zmqflow.transport.curve import ANY_TASK, CurveClient, Keys, generate, is_loopback
 from zmqflow.transport.options import DEFAULT_OPTIONS
 from zmqflow.transport.zeromq import ZmqTransport
@@ -314,9 +314,8 @@ def test_the_transport_refuses_an_unlisted_key_at_the_handshake(tmp_path):
                                                loop=loop, options=DEFAULT_OPTIONS, name=who,
                                                security=CurveClient(k.public, k.secret, server_keys.public))
             assert await conns["good"].send([b"hello"], loop.time() + 5)
-            deadline = loop.time() + 5
-            while (not got or "auth-failed" not in states["bad"]) and loop.time() < deadline:
-                await asyncio.sleep(0.01)
+            await async_wait_until(lambda: got and "auth-failed" in states["bad"], 5,
+                                   what="the good message and the bad handshake's refusal")
             assert [(f[1:], user) for f, user in got] == [([b"hello"], "client/client")]
             assert "auth-failed" in states["bad"] and "up" in states["good"]
         finally:
