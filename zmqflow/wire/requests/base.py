@@ -86,10 +86,16 @@ def compile_validator(service: str, op: str, cls: type[Request]) -> Validator:
     empty: dict[str, Any] = {}
 
     def validate(body: Any) -> Request:
+        if body is None:  # no arguments: an empty map (explained as one when fields are missing)
+            body = empty
+        elif not isinstance(body, dict):  # msgspec would read an array's attributes or mapping protocol
+            raise InvalidArgument(explain(service, op, cls, body, ""))
         try:
-            req = convert(empty if body is None else body, cls)
+            req = convert(body, cls)
         except ValidationError as exc:
             raise InvalidArgument(explain(service, op, cls, body, str(exc))) from None
+        except (AttributeError, TypeError):  # msgspec reads an array (mapping protocol) as a map, and fails
+            raise InvalidArgument(_misfit(service, op, cls, body)) from None
         if arrays is not None:
             arrays(req, service, op)
         return req
@@ -175,6 +181,17 @@ def explain(service: str, op: str, cls: type[Request], body: Any, detail: str) -
     if outer and named != top:
         return f"{where}: {top} must be {outer} ({inner})"
     return f"{where}: {inner}"
+
+
+def _misfit(service: str, op: str, cls: type[Request], body: Any) -> str:
+    """Why a body msgspec could not even read is refused: an array where a map is declared."""
+    where = f"{service}.{op}"
+    if isinstance(body, dict):
+        for name, value in body.items():
+            if isinstance(value, np.ndarray) and name in cls.__struct_fields__:
+                outer = _description(field_types(cls).get(name))
+                return f"{where}: {name} must be {outer or 'a map'}, got an array"
+    return f"{where}: arguments do not match the declaration (an array where a map is expected)"
 
 
 def _required(cls: type[Request]) -> set[str]:
