@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import struct
 import sys
 from collections.abc import Sequence
@@ -38,7 +39,12 @@ with atheris.instrument_imports(include=["zmqflow"]):
     from zmqflow.server.limits import ServerLimits
     from zmqflow.server.task import AsyncServer
     from zmqflow.testing import make_spec
+    import typing
+
+    import msgspec
+
     from zmqflow.wire import requests
+    from zmqflow.wire.requests.base import ArraySpec, Item, field_types
     from zmqflow.wire.codec import ERROR, REPLY, decode
     from zmqflow.wire.dtypes import WIRE_DTYPES
 
@@ -118,7 +124,8 @@ class Harness:
         if self.server is not None:
             self.loop.run_until_complete(self.server.stop())
         self.transport = CaptureTransport()
-        self.server = AsyncServer(make_spec({"ps": 1}, "inproc"), "ps:0", transport=self.transport, limits=LIMITS)
+        self.server = AsyncServer(make_spec({"ps": 1}, "inproc"), "ps:0", transport=self.transport, limits=LIMITS,
+                                  debug=True)  # error replies carry tracebacks: known findings are told apart by them
         self.loop.run_until_complete(self.server.start())
 
     def feed(self, frames: list[bytes]) -> list[list[Any]]:
@@ -127,10 +134,13 @@ class Harness:
         if self.count % RESTART_EVERY == 0:
             self.restart()
         self.transport.sent.clear()
-        self.transport.on_frames([IDENTITY, *frames])  # must never raise
-        for _ in range(3):
-            self.loop.run_until_complete(asyncio.sleep(0))
+        self.loop.run_until_complete(self._deliver([IDENTITY, *frames]))
         return list(self.transport.sent)
+
+    async def _deliver(self, frames: list[bytes]) -> None:
+        self.transport.on_frames(frames)  # on the loop, as a listener calls it; must never raise
+        for _ in range(3):
+            await asyncio.sleep(0)
 
 
 # building requests from the input -----------------------------------------------------------
@@ -186,9 +196,10 @@ def _map(fdp: "atheris.FuzzedDataProvider", arrays: list[np.ndarray], names: lis
     return out
 
 
-def _array(fdp: "atheris.FuzzedDataProvider", arrays: list[np.ndarray]) -> msgpack.ExtType:
+def _array(fdp: "atheris.FuzzedDataProvider", arrays: list[np.ndarray], ndim: int | None = None) -> msgpack.ExtType:
     dtype = WIRE_DTYPES[DTYPES[fdp.ConsumeIntInRange(0, len(DTYPES) - 1)]]
-    shape = [fdp.ConsumeIntInRange(0, 5) for _ in range(fdp.ConsumeIntInRange(0, 3))]
+    rank = fdp.ConsumeIntInRange(0, 3) if ndim is None or not fdp.ConsumeIntInRange(0, 7) else ndim
+    shape = [fdp.ConsumeIntInRange(0, 5) for _ in range(rank)]
     n = int(np.prod(shape)) * dtype.itemsize
     raw = fdp.ConsumeBytes(n)
     raw += b"\0" * (n - len(raw))
@@ -196,11 +207,74 @@ def _array(fdp: "atheris.FuzzedDataProvider", arrays: list[np.ndarray]) -> msgpa
     return msgpack.ExtType(1, struct.pack(">I", len(arrays) - 1))
 
 
+def _typed(fdp: "atheris.FuzzedDataProvider", arrays: list[np.ndarray], tp: Any, depth: int) -> Any:
+    """A value for a declared field type, at or near its limits, and now and then of another type."""
+    meta: dict[str, Any] = {}
+    spec = None
+    while typing.get_origin(tp) is typing.Annotated:
+        for m in tp.__metadata__:
+            if isinstance(m, msgspec.Meta):
+                meta.update({k: getattr(m, k) for k in ("ge", "gt", "le", "lt", "min_length", "max_length")
+                             if getattr(m, k) is not None})
+            elif isinstance(m, ArraySpec):
+                spec = m
+        tp = tp.__origin__
+    args = typing.get_args(tp)
+    if type(None) in args and len(args) == 2:
+        if fdp.ConsumeIntInRange(0, 3) == 0:
+            return None
+        return _typed(fdp, arrays, next(a for a in args if a is not type(None)), depth)
+    if fdp.ConsumeIntInRange(0, 15) == 0 or depth > 4:  # the wrong type
+        return _value(fdp, arrays, [], 4)
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        return fdp.ConsumeBool()
+    if tp is int or tp is float:
+        edges = [v for k in ("ge", "gt", "le", "lt") if (v := meta.get(k)) is not None]
+        pool = edges + [e + d for e in edges for d in (-1, 1)] + [0, 1, 2, 3, 4]
+        value = pool[fdp.ConsumeIntInRange(0, len(pool) - 1)] if fdp.ConsumeBool() else fdp.ConsumeIntInRange(0, 16)
+        return float(value) if tp is float else min(max(int(value), -(1 << 63)), (1 << 64) - 1)  # msgpack's range
+    if tp is str:
+        if fdp.ConsumeIntInRange(0, 7) == 0:
+            return "x" * (meta.get("max_length", 16) + fdp.ConsumeIntInRange(0, 1))
+        return STRINGS[fdp.ConsumeIntInRange(0, len(STRINGS) - 1)]
+    if origin is typing.Literal:
+        return args[fdp.ConsumeIntInRange(0, len(args) - 1)]
+    if tp is np.ndarray:
+        before = len(arrays)
+        ref = _array(fdp, arrays, spec.ndim if spec is not None else None)
+        if spec is not None and spec.kinds and fdp.ConsumeIntInRange(0, 3):
+            arrays[before] = arrays[before].astype("int64") if "i" in spec.kinds else arrays[before]
+        return ref
+    if origin is list:
+        return [_typed(fdp, arrays, args[0], depth + 1) for _ in range(fdp.ConsumeIntInRange(0, 3))]
+    if origin is dict:
+        return {STRINGS[fdp.ConsumeIntInRange(0, len(STRINGS) - 1)]: _typed(fdp, arrays, args[1], depth + 1)
+                for _ in range(fdp.ConsumeIntInRange(0, 3))}
+    if isinstance(tp, type) and issubclass(tp, Item):
+        return [_typed(fdp, arrays, t, depth + 1) for t in field_types(tp).values()]
+    return _value(fdp, arrays, [], depth)
+
+
+def _declared(fdp: "atheris.FuzzedDataProvider", arrays: list[np.ndarray], cls: type) -> dict[str, Any]:
+    body = {}
+    for name, tp in field_types(cls).items():
+        if fdp.ConsumeIntInRange(0, 5):
+            body[name] = _typed(fdp, arrays, tp, 0)
+    return body
+
+
 def structured(fdp: "atheris.FuzzedDataProvider") -> list[bytes]:
     service, op = SERVICES[fdp.ConsumeIntInRange(0, len(SERVICES) - 1)]
     arrays: list[np.ndarray] = []
-    body = _map(fdp, arrays, _field_names(service, op), 0) if fdp.ConsumeIntInRange(0, 7) else \
-        _value(fdp, arrays, _field_names(service, op), 0)
+    cls = requests.SERVICES.get(service, {}).get(op)
+    how = fdp.ConsumeIntInRange(0, 7)
+    if how >= 3 and cls is not None and cls is not requests.OPEN:  # near-valid: the declared fields, typed
+        body = _declared(fdp, arrays, cls)
+    elif how:
+        body = _map(fdp, arrays, _field_names(service, op), 0)
+    else:
+        body = _value(fdp, arrays, _field_names(service, op), 0)
     head: dict[str, Any] = {"v": 1, "k": "req", "id": fdp.ConsumeIntInRange(1, 1 << 20), "svc": service, "op": op}
     if fdp.ConsumeBool():
         head["dl"] = FLOATS[fdp.ConsumeIntInRange(0, len(FLOATS) - 1)] if fdp.ConsumeBool() else 0.02
@@ -215,6 +289,28 @@ SEP = b"\xff\xfe\xfd"
 _harness: Harness | None = None
 
 
+# Findings reported but not fixed yet (outside wire/ and rpc/), as (exception type, a line of the
+# traceback): counted, not stopped at, so the fuzzer goes on looking for others. Kept as
+# protocol/vectors/fuzz/known_*.json. ZMQFLOW_FUZZ_STRICT=1 stops at these too.
+KNOWN = [
+    ("TypeError", "zmqflow/state/optim.py", "in from_spec"),  # optimizer kind not a string: unhashable
+    ("TypeError", "zmqflow/state/init.py", "in from_spec"),  # initializer kind not a string: unhashable
+]
+STRICT = os.environ.get("ZMQFLOW_FUZZ_STRICT") == "1"
+known_seen: dict[int, int] = {}
+
+
+def _known(error: dict[str, Any]) -> bool:
+    tb = error.get("traceback", "")
+    for i, (kind, path, where) in enumerate(KNOWN):
+        if error.get("type") == kind and any(path in line and where in line for line in tb.splitlines()):
+            if i not in known_seen:
+                print(f"known finding {KNOWN[i]}: {error['message']}", file=sys.stderr)
+            known_seen[i] = known_seen.get(i, 0) + 1
+            return not STRICT
+    return False
+
+
 def check(frames: list[bytes], harness: Harness) -> None:
     for reply in harness.feed(frames):
         assert reply[0] == IDENTITY, reply[0]
@@ -222,7 +318,7 @@ def check(frames: list[bytes], harness: Harness) -> None:
         assert msg.kind in (REPLY, ERROR)
         if msg.kind == ERROR:
             assert msg.error is not None
-            assert msg.error["code"] != "INTERNAL", f"untyped error in the server: {msg.error}"
+            assert msg.error["code"] != "INTERNAL" or _known(msg.error), f"untyped error in the server: {msg.error}"
 
 
 def frames_of(data: bytes) -> list[bytes]:
