@@ -231,7 +231,9 @@ def test_fuzz_vectors_are_refused_as_they_say():
                 validate(out.body)
 
 
-REQUEST_VECTORS = [p for p in FUZZ_VECTORS if json.loads(p.read_text())["decoded"] is not None]
+# request vectors, less those whose replay would try to allocate what the finding is about
+REQUEST_VECTORS = [p for p in FUZZ_VECTORS if json.loads(p.read_text())["decoded"] is not None
+                   and json.loads(p.read_text())["expect"].get("replay", True)]
 
 
 @pytest.mark.parametrize("path", [
