@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import zmqflow as zf
 from zmqflow.errors import (DeadlineExceeded, InvalidArgument, RemoteError, VersionMismatch, ZmqflowError,
                             error_class)
 from zmqflow.loop import LoopThread
@@ -417,12 +418,12 @@ def test_a_live_server_answers_random_requests_to_every_op_and_keeps_serving(tmp
     lt = LoopThread("fuzz-live")
     cm = local_cluster({"ps": 1, "worker": 1}, timeout=10, transport="inproc")
     seen: dict[str, int] = {}
+    servers = None
     try:
         servers = lt.call(cm.__aenter__(), timeout=20)
         ps = servers["ps:0"]
 
         async def setup() -> RpcClient:
-            import zmqflow as zf
             async with zf.AsyncSession(servers["worker:0"].target) as sess:
                 await sess.variable("fuzz_guard", GUARD)
             return RpcClient(identity="fuzzer", source="fuzzer", default_timeout=2.0)
@@ -466,5 +467,6 @@ def test_a_live_server_answers_random_requests_to_every_op_and_keeps_serving(tmp
 
         lt.call(close(), timeout=5)
     finally:
-        lt.call(cm.__aexit__(None, None, None), timeout=20)
+        if servers is not None:
+            lt.call(cm.__aexit__(None, None, None), timeout=20)
         lt.stop()
