@@ -292,12 +292,8 @@ _harness: Harness | None = None
 # Findings reported but not fixed yet (outside wire/ and rpc/), as (exception type, a line of the
 # traceback): counted, not stopped at, so the fuzzer goes on looking for others. Kept as
 # protocol/vectors/fuzz/known_*.json. ZMQFLOW_FUZZ_STRICT=1 stops at these too.
-KNOWN = [
-    ("TypeError", "zmqflow/state/optim.py", "in from_spec"),  # optimizer kind not a string: unhashable
-    ("TypeError", "zmqflow/state/init.py", "in from_spec"),  # initializer kind not a string: unhashable
-    ("MemoryError", "zmqflow/state/tables.py", "in __init__"),  # a hash table's first rows: dim not checked first
-    ("ValueError", "zmqflow/state/init.py", "in build"),  # an empty part whose other dimensions overflow numpy
-    ("ValueError", "zmqflow/state/catalog.py", "in declare"),  # a re-declared spec holding an array, compared by ==
+KNOWN: list[tuple[str, str, str]] = [
+    # (exception type, file, function) of findings kept as vectors but not fixed yet; none now
 ]
 STRICT = os.environ.get("ZMQFLOW_FUZZ_STRICT") == "1"
 known_seen: dict[int, int] = {}

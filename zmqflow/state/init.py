@@ -79,7 +79,7 @@ _KINDS = {"constant", "normal", "truncated_normal", "uniform", "glorot_uniform"}
 def from_spec(spec: Any) -> Initializer:
     if isinstance(spec, Initializer):
         return spec
-    if not isinstance(spec, dict) or spec.get("kind") not in _KINDS:
+    if not isinstance(spec, dict) or not isinstance(spec.get("kind"), str) or spec["kind"] not in _KINDS:
         raise InvalidArgument(f"unknown initializer {spec!r}; use one of zf.init.{', zf.init.'.join(sorted(_KINDS))}")
     fields = {k: v for k, v in spec.items() if k in Initializer.__dataclass_fields__}
     return Initializer(**fields)

@@ -12,7 +12,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ..errors import ResourceExhausted
+from ..errors import InvalidArgument, ResourceExhausted
 
 __all__ = ["StateLimits", "DEFAULT_STATE_LIMITS", "physical_memory", "check_variable", "check_count", "table_capacity"]
 
@@ -43,6 +43,9 @@ DEFAULT_STATE_LIMITS = StateLimits()
 
 def check_variable(name: str, shape: tuple[int, ...] | list[int], itemsize: int, limits: StateLimits) -> int:
     """The variable's value bytes, or ResourceExhausted naming it, its size and the limit."""
+    if math.prod(max(1, d) for d in shape) * max(1, itemsize) >= 1 << 63:  # numpy cannot index it, empty or not
+        raise InvalidArgument(f"variable {name!r}: shape {list(shape)} is too large for an array, even with no "
+                              "elements", name=name)
     elements = math.prod(shape)
     if elements > limits.max_variable_elements:
         raise ResourceExhausted(
@@ -68,6 +71,11 @@ def table_capacity(name: str, capacity: int | None, row_bytes: int, limits: Stat
     """The rows a dynamic table part may hold: ``capacity`` if it is within the limits (else
     ResourceExhausted), or the default capacity, lowered so that a full part fits the shard's
     byte budget. ``row_bytes``: one row with its optimizer slots and bookkeeping."""
+    if row_bytes > min(limits.max_shard_bytes, limits.max_variable_bytes):
+        raise ResourceExhausted(
+            f"embedding {name!r}: one row takes {row_bytes} bytes, over the limit of "
+            f"{min(limits.max_shard_bytes, limits.max_variable_bytes)} bytes per variable and per shard", name=name,
+            bytes=row_bytes, limit=min(limits.max_shard_bytes, limits.max_variable_bytes))
     if capacity is None:
         return max(1, min(limits.table_capacity, limits.max_shard_bytes // max(1, row_bytes)))
     if capacity > limits.max_table_capacity or capacity * row_bytes > limits.max_shard_bytes:

@@ -157,7 +157,7 @@ def from_spec(spec: Any) -> Optimizer | SyncReplicas | None:
         return SyncReplicas(inner, _count(spec.get("replicas_to_aggregate", 1), "replicas_to_aggregate"),
                             None if spec.get("total_num_replicas") is None else _count(spec["total_num_replicas"], "total_num_replicas"),
                             bool(spec.get("drop_dead_replicas", False)))
-    cls = _CLASSES.get(kind)  # type: ignore[arg-type]
+    cls = _CLASSES.get(kind) if isinstance(kind, str) else None  # a map or list as kind is no name (unhashable)
     if cls is None:
         raise InvalidArgument(f"unknown optimizer {kind!r}; known: {', '.join(sorted(_CLASSES))}, sync_replicas")
     values = {}

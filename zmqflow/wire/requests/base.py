@@ -83,6 +83,7 @@ def compile_validator(service: str, op: str, cls: type[Request]) -> Validator:
     names (none on most ops), with errors turned into ``InvalidArgument`` naming op and field."""
     convert, ValidationError = msgspec.convert, msgspec.ValidationError
     arrays = _array_checks(cls)
+    specs = _spec_fields(cls)
     empty: dict[str, Any] = {}
 
     def validate(body: Any) -> Request:
@@ -98,9 +99,28 @@ def compile_validator(service: str, op: str, cls: type[Request]) -> Validator:
             raise InvalidArgument(_misfit(service, op, cls, body)) from None
         if arrays is not None:
             arrays(req, service, op)
+        for name in specs:  # optimizer, initializer and table specs: recorded, compared, sent back
+            if _holds_array(getattr(req, name)):
+                raise InvalidArgument(f"{service}.{op}: {name} must hold plain values, not tensors")
         return req
 
     return validate
+
+
+def _spec_fields(cls: type[Request]) -> tuple[str, ...]:
+    """The fields of ``cls`` declared as a ``Spec`` (plain values only: they are kept and compared)."""
+    mark = Spec.__metadata__[0]
+    return tuple(n for n, tp in field_types(cls).items() if any(m is mark for m in unwrap(tp)[1]))
+
+
+def _holds_array(value: Any) -> bool:
+    if isinstance(value, np.ndarray):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_array(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_holds_array(v) for v in value)
+    return False
 
 
 def field_types(cls: type) -> dict[str, Any]:
