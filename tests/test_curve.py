@@ -191,6 +191,13 @@ def test_identity_comes_from_the_key_not_from_the_header(keyed):
             with pytest.raises(errors.PermissionDenied, match="asked to join as worker:0"):
                 await servers["worker:1"].call("worker:0", "ring", "join",
                                                {"task": "worker:0", "generation": 0, "step": 0, "target": 0}, timeout=5.0)
+            # a task depositing a ring chunk as another rank is refused; as its own rank, taken
+            zf.AsyncRing(servers["worker:0"], ["worker:0", "worker:1"], name="checked")
+            chunk = {"ring": "checked", "seq": 0, "phase": "rs", "step": 0, "chunk": 0, "meta": [],
+                     "data": np.zeros(2, np.float32)}
+            with pytest.raises(errors.PermissionDenied, match="worker:1 may not deposit as rank 0"):
+                await servers["worker:1"].call("worker:0", "ring", "deposit", {**chunk, "src": 0}, timeout=5.0)
+            assert await servers["worker:1"].call("worker:0", "ring", "deposit", {**chunk, "src": 1}, timeout=5.0)
             # a session whose process is worker:1 pushes to a sync variable as worker:1, whatever it is called
             w1 = Keys.load(keys, "worker:1")
             async with zf.AsyncSession(cluster=spec, task="ps:0", keys=w1) as sess:

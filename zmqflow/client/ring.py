@@ -75,6 +75,7 @@ class AsyncRing:
         self._endpoints = [server.spec.address(m).endpoint for m in self.members]
         self._connected = False
         self._aborts: list[asyncio.Future] = []
+        self.service.register(name, [str(m) for m in self.members])  # with keys: chunks only from their rank's task
 
     @property
     def service(self) -> Any:

@@ -32,6 +32,7 @@ class RingService(Service):
         self.boxes: dict[BoxKey, asyncio.Future] = {}
         self.aborted: dict[tuple[str, int], ZmqflowError] = {}
         self.retired: set[str] = set()
+        self.members: dict[str, list[str]] = {}  # ring -> its members' task names, by rank
         self.rendezvous = Rendezvous()
 
     def _box(self, key: BoxKey) -> asyncio.Future:
@@ -40,9 +41,16 @@ class RingService(Service):
             fut = self.boxes[key] = asyncio.get_running_loop().create_future()
         return fut
 
+    def register(self, ring: str, members: list[str]) -> None:
+        """The task names of ``ring``'s ranks: with keys, a chunk is taken only from the rank its key names."""
+        self.members[ring] = list(members)
+
     @op(rq.Deposit)
     def deposit(self, ctx: CallContext, req: rq.Deposit) -> bool:
         ring, seq = req.ring, req.seq
+        names = self.members.get(ring)
+        if ctx.verified and names is not None and not (req.src < len(names) and names[req.src] == ctx.source):
+            raise PermissionDenied(f"ring {ring!r}: {ctx.source} may not deposit as rank {req.src}", task=ctx.source)
         if (ring, seq) in self.aborted or ring in self.retired:
             return False
         fut = self._box((ring, seq, req.phase, req.step, req.chunk))
@@ -107,6 +115,7 @@ class RingService(Service):
     def retire(self, ring: str) -> None:
         """A ring generation is over: drop its boxes and refuse its chunks from now on."""
         self.retired.add(ring)
+        self.members.pop(ring, None)
         for key in [k for k in self.boxes if k[0] == ring]:
             fut = self.boxes.pop(key)
             if not fut.done():
