@@ -15,7 +15,7 @@ import zmq
 
 import zmqflow as zf
 from zmqflow import errors, wire
-from zmqflow.cli.serve import _limits, parse_size
+from zmqflow.cli.serve import limits_from_flags, parse_size
 from zmqflow.rpc import CallContext
 from zmqflow.server.limits import ROUTER_HEADROOM, ServerLimits
 from zmqflow.server.services.ps import OFF_LOOP_BYTES
@@ -62,7 +62,7 @@ def test_defaults_are_sized_for_real_models():
 
 def test_serve_flags_build_server_limits():
     assert parse_size("64MiB") == 64 << 20 and parse_size("2GiB") == 2 << 30 and parse_size("1000") == 1000
-    lim = _limits({"max_frame_bytes": "64MiB", "max_deadline": 30.0, "max_in_flight": None, "max_variables": 10})
+    lim = limits_from_flags({"max_frame_bytes": "64MiB", "max_deadline": 30.0, "max_in_flight": None, "max_variables": 10})
     assert (lim.max_frame_bytes, lim.max_deadline, lim.max_variables) == (64 << 20, 30.0, 10)
     assert lim.max_in_flight == ServerLimits().max_in_flight
     with pytest.raises(errors.ConfigError, match="not a size"):

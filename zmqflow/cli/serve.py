@@ -51,7 +51,7 @@ def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: 
     """Serve one task of a cluster until SIGTERM or SIGINT."""
     try:
         spec, tid = resolve(cluster, task)
-        server_limits = _limits(limits)
+        server_limits = limits_from_flags(limits)
     except ConfigError as exc:
         fail("serve", exc, EXIT_USAGE)
     assert tid is not None
@@ -77,7 +77,7 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def _limits(flags: dict[str, object]) -> ServerLimits:
+def limits_from_flags(flags: dict[str, object]) -> ServerLimits:
     """ServerLimits from the flags given (the rest at their defaults)."""
     given = {k: (parse_size(v) if k.endswith("_bytes") else v) for k, v in flags.items() if v is not None}
     try:
