@@ -11,6 +11,11 @@ peer task's public key, and the client names itself by its key (the server check
 peer that refuses the key (or wants keys this client lacks, or has none while this client has)
 makes its calls fail at once with ``Unauthenticated``: nothing was sent, so nothing was read or
 changed.
+
+With ``retry_interval`` a call unanswered after that long is sent again with the same request id
+and frames, until its deadline: a lost request or reply costs an interval, not the call. Servers
+keep a record of recent ids per peer and answer a duplicate with the first reply instead of running
+it again; a late or second reply is ignored (counted in ``late_replies``).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class _Pending:
     what: str
     timer: asyncio.TimerHandle | None = None
     sent: bool = False
+    retry: asyncio.TimerHandle | None = None
 
 
 @dataclass(eq=False)
@@ -81,7 +87,13 @@ class RpcClient:
         counters: Counters | None = None,
         transport: Transport | None = None,
         keys: Keys | None = None,
+        retry_interval: float | None = None,
     ):
+        if retry_interval is not None and not retry_interval > 0:
+            raise ValueError(f"retry_interval must be positive or None, got {retry_interval!r}")
+        # a call unanswered this long is sent again, same id and frames: servers run it once
+        self.retry_interval = retry_interval
+        self.retries = 0  # requests sent again
         self.identity = identity.encode()
         self.keys = keys
         # with a key that names this process, the server takes that name and refuses any other
@@ -207,6 +219,8 @@ class RpcClient:
         self._pending[rid] = pending
         peer.inflight.add(rid)
         pending.timer = self._loop.call_later(timeout, self._expire, rid, timeout)
+        if self.retry_interval is not None and self.retry_interval < timeout:
+            pending.retry = self._loop.call_later(self.retry_interval, self._retry, rid, frames)
         state = peer.state
         if state is not UP and state is not CONNECTING and (refused := self._refusal(pending)) is not None:
             self._finish(rid, exc=refused)
@@ -250,6 +264,18 @@ class RpcClient:
         where = peer.name if peer.name == peer.endpoint else f"{peer.name} at {peer.endpoint}"
         return Unavailable(f"{where} could not be reached within {waited:g}s; {pending.what} not sent", task=peer.name)
 
+    def _retry(self, rid: int, frames: list[Any]) -> None:
+        """Send an unanswered call again, unchanged (the server answers a duplicate from its record)."""
+        pending = self._pending.get(rid)
+        if pending is None:
+            return
+        peer = pending.peer
+        if pending.sent and peer.state != DOWN and peer.conn.try_send(frames):
+            self.retries += 1
+            self._count_out(frames)
+        # not sent yet (its send waits for the connection) or no room now: try again later
+        pending.retry = self._loop.call_later(self.retry_interval, self._retry, rid, frames)  # type: ignore[arg-type]
+
     def _count_out(self, frames: Sequence[Any]) -> None:
         self.counters.msgs_out += 1
         self.counters.bytes_out += frames_nbytes(frames)
@@ -272,6 +298,8 @@ class RpcClient:
                 sender.cancel()
         if pending.timer is not None:
             pending.timer.cancel()
+        if pending.retry is not None:
+            pending.retry.cancel()
         if pending.future.done():  # the caller cancelled
             return
         if exc is not None:

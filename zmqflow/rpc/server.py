@@ -28,6 +28,7 @@ from ..transport.options import DEFAULT_OPTIONS, SocketOptions
 from ..wire import REPLY, REQUEST, DecodeError, Limits, Message, decode, encode, error_message
 from ..wire.codec import DEFAULT_LIMITS
 from .counters import Counters, frames_nbytes
+from .dedup import DONE, IN_FLIGHT, Dedup
 from .roles import authorize, client_ops
 from .service import CallContext, Service
 
@@ -82,6 +83,8 @@ class RpcServer:
         self._listener: Listener | None = None
         self._tasks: set[asyncio.Task] = set()
         self.endpoint = bind_endpoint
+        # a retried or duplicated request (same peer, same id, same header) runs once
+        self.dedup = Dedup()
 
     async def start(self) -> None:
         """Bind (AddressInUse when the address is taken, Unavailable when it cannot be bound)."""
@@ -110,13 +113,22 @@ class RpcServer:
         if msg.kind != REQUEST:
             counters.dropped += 1
             return
+        now = self._loop.time()
+        dedup = self.dedup
+        if dedup.sweep_due(now):
+            dedup.sweep(now, self.reachable)
+        seen = dedup.begin(identity, msg.id, frames[1], now)
+        if seen is not None:
+            self._replay(identity, msg, seen)
+            return
         capped = msg.deadline is None or msg.deadline > self.max_deadline
-        deadline = self._loop.time() + (self.max_deadline if capped else msg.deadline)
+        deadline = now + (self.max_deadline if capped else msg.deadline)
         reply_by = None if msg.deadline is None else deadline  # a reply without one waits REPLY_GRACE for room
         ctx = CallContext(msg.service, msg.op, identity, msg.source, deadline)
         in_flight = self._in_flight.get(identity, 0)
         try:
             if in_flight >= self.max_in_flight:
+                dedup.forget(identity, msg.id)  # refused unrun: a retry may run it
                 raise ResourceExhausted(
                     f"{msg.service}.{msg.op} refused: this peer already has {in_flight} requests in flight on "
                     f"{self.name}, the limit", limit=self.max_in_flight)
@@ -169,6 +181,19 @@ class RpcServer:
             return
         self._reply(identity, Message(REPLY, rid, body=result), reply_by)
 
+    def _replay(self, identity: bytes, msg: Message, seen: object) -> None:
+        """Answer a duplicate from the record: nothing while its handler runs, else the kept reply."""
+        if seen is IN_FLIGHT:
+            return
+        reply_by = None if msg.deadline is None else self._loop.time() + min(msg.deadline, self.max_deadline)
+        if seen is DONE:
+            exc = ResourceExhausted(
+                f"{msg.service}.{msg.op} request {msg.id} already ran on {self.name}; its reply was too large to keep "
+                "for a retry, so this duplicate is not answered with it")
+            self._reply(identity, error_message(msg.id, exc, source=self.name), reply_by, record=False)
+        else:
+            self._send([identity, *seen], msg.id, reply_by)  # type: ignore[misc]
+
     # replying ---------------------------------------------------------------------------
     def _reply_error(self, identity: bytes, rid: int, exc: BaseException, deadline: float | None) -> None:
         self.counters.errors += 1
@@ -176,7 +201,7 @@ class RpcServer:
             log.warning("%s: request %d failed: %s: %s", self.name, rid, type(exc).__name__, exc, exc_info=exc)
         self._reply(identity, error_message(rid, exc, source=self.name, with_traceback=self.debug), deadline)
 
-    def _reply(self, identity: bytes, msg: Message, deadline: float | None) -> None:
+    def _reply(self, identity: bytes, msg: Message, deadline: float | None, *, record: bool = True) -> None:
         listener = self._listener
         if listener is None or listener.closed:
             return
@@ -185,11 +210,19 @@ class RpcServer:
         except Exception as exc:  # a result that cannot be encoded is the handler's error
             self.counters.errors += 1
             frames = [identity, *encode(error_message(msg.id, exc, source=self.name, with_traceback=self.debug))]
+        if record:
+            self.dedup.finish(identity, msg.id, frames[1:], frames_nbytes(frames) - len(identity))
+        self._send(frames, msg.id, deadline)
+
+    def _send(self, frames: list[Any], rid: int, deadline: float | None) -> None:
+        listener = self._listener
+        if listener is None or listener.closed:
+            return
         try:
             sent = listener.try_send(frames)
         except SendFailed as exc:  # the requester is gone (ZeroMQ: EHOSTUNREACH under ROUTER_MANDATORY)
             self.counters.undeliverable += 1
-            log.debug("%s: reply %d undeliverable: %s", self.name, msg.id, exc)
+            log.debug("%s: reply %d undeliverable: %s", self.name, rid, exc)
             return
         if sent:
             self._count_out(frames)
