@@ -8,7 +8,9 @@ afresh. Sans-IO: the caller passes the loop time and says how replies go out.
 
 Each id is ``IN_FLIGHT`` (a duplicate is ignored: the one reply goes out when the handler ends),
 a tuple of the reply's frames (a duplicate gets them again), or ``DONE`` (the reply was too big to
-keep: a duplicate is told the call ran). The record is bounded: ``per_peer`` ids per peer (oldest
+keep: a duplicate is told the call ran). A refusal is a reply like any other: a duplicate of a
+refused request (or a retry that crossed the refusal) gets the refusal, never a run the client
+was told did not happen. The record is bounded: ``per_peer`` ids per peer (oldest
 forgotten first) and peers idle for ``idle_s`` or whose connection is gone are dropped at sweeps.
 """
 
@@ -85,12 +87,6 @@ class Dedup:
         else:  # copies: a reply may view memory the handler goes on changing (a pulled variable)
             kept = tuple([f if type(f) is bytes else memoryview(f).tobytes() for f in frames])
         log.ids[rid] = (seen[0], kept)
-
-    def forget(self, peer: bytes, rid: int) -> None:
-        """The request did not run (refused before its handler): a retry may run it."""
-        log = self._peers.get(peer)
-        if log is not None:
-            log.ids.pop(rid, None)
 
     def sweep_due(self, now: float) -> bool:
         return now >= self._next_sweep

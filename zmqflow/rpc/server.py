@@ -128,7 +128,6 @@ class RpcServer:
         in_flight = self._in_flight.get(identity, 0)
         try:
             if in_flight >= self.max_in_flight:
-                dedup.forget(identity, msg.id)  # refused unrun: a retry may run it
                 raise ResourceExhausted(
                     f"{msg.service}.{msg.op} refused: this peer already has {in_flight} requests in flight on "
                     f"{self.name}, the limit", limit=self.max_in_flight)
