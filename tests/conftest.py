@@ -99,7 +99,10 @@ class Proc:
                 self._cond.wait(min(remaining, 0.2))
 
     def wait(self, timeout: float) -> int:
-        code = self.proc.wait(timeout)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {timeout}s; its output:\n{self.output[-20000:]}") from None
         self._reader.join(5)
         return code
 

@@ -194,7 +194,7 @@ def test_a_killed_chief_hands_the_ring_over_and_rejoins_after_its_restart(tmp_pa
     os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
     _assert_raised_within_5s(p, ["worker:1", "worker:2"], "worker:0", killed_at)
-    assert p.wait(180) == 0, p.output
+    assert p.wait(100) == 0, p.output
     out = p.output
     assert "restarting worker:0" in out
     # the chief's duties (checkpoints) moved to the new leader, and back to the chief when it rejoined

@@ -1,0 +1,1 @@
+"""What the framework bridges share: the process-wide runtime (task, server, session, ring)."""

@@ -1,0 +1,132 @@
+"""One process's place in the cluster, for the framework bridges (``zmqflow.torch``, ``zmqflow.jax``).
+
+``init()`` finds the cluster and this task as ``zmqflow launch`` gives them (``ZMQFLOW_CLUSTER``
+and ``ZMQFLOW_TASK``, then ``TF_CONFIG``), or as passed, hosts this task's server in-process, and
+opens a session on it and, for a rank (the chief, then every worker), the ring of all ranks. It
+is process-wide, as Horovod's ``hvd.init()`` is, because the collectives of every rank must run
+in the same order on one ring. Without any cluster it starts a private one in-process (this
+process as ``worker:0`` beside one ``ps:0``), so the same script runs alone.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..client.blocking import Session
+from ..client.ring import Ring, default_members
+from ..cluster import ClusterSpec, TaskId, resolve
+from ..errors import ConfigError
+from ..ports import free_port
+from ..server.task import Server
+
+__all__ = ["Runtime", "init", "current", "shutdown", "is_initialized"]
+
+
+@dataclass
+class Runtime:
+    """What a bridge needs of this process: its task, server, session, and (for a rank) the ring."""
+
+    spec: ClusterSpec
+    task: TaskId
+    server: Server
+    session: Session
+    ring: Ring | None
+    members: list[TaskId]
+    local_rank: int
+    local_size: int
+    timeout: float
+    _extra: list[Server] = field(default_factory=list, repr=False)  # the private cluster's other tasks
+
+    @property
+    def rank(self) -> int:
+        if self.ring is None:
+            raise ConfigError(f"task {self.task} is not a rank: ranks are the chief and the workers "
+                              f"({', '.join(map(str, self.members))})")
+        return self.ring.rank
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def close(self) -> None:
+        self.session.close()
+        self.server.stop()
+        for s in self._extra:
+            s.stop()
+
+
+_lock = threading.Lock()
+_current: Runtime | None = None
+
+
+def init(cluster: "ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | None" = None,
+         task: "TaskId | str | None" = None, *, timeout: float = 60.0, wait: bool = True) -> Runtime:
+    """Join the cluster (once per process; a second call returns the same runtime).
+
+    ``wait``: block until every rank's server answers, so the first collective does not race
+    a rank still starting."""
+    global _current
+    with _lock:
+        if _current is not None:
+            return _current
+        extra: list[Server] = []
+        if cluster is None and task is None and not (os.environ.get("ZMQFLOW_CLUSTER") or os.environ.get("TF_CONFIG")):
+            spec = ClusterSpec({"worker": [f"127.0.0.1:{free_port()}"], "ps": [f"127.0.0.1:{free_port()}"]})
+            me = TaskId("worker", 0)
+            extra.append(Server(spec, "ps:0", default_timeout=timeout))
+        else:
+            spec, found = resolve(cluster, task)
+            if found is None:
+                raise ConfigError("no task given: pass task=, or set ZMQFLOW_TASK or TF_CONFIG's 'task'")
+            me = found
+        server = Server(spec, me, default_timeout=timeout)
+        try:
+            members = default_members(spec)
+            ring = Ring(server, members, timeout=timeout) if me in members else None
+            local_rank, local_size = _local(spec, me, members)
+            session = Session(server.target, name=str(me), timeout=timeout)
+            runtime = Runtime(spec, me, server, session, ring, members, local_rank, local_size, timeout, extra)
+            if wait:
+                server.wait_for_cluster(timeout)
+        except BaseException:
+            server.stop()
+            for s in extra:
+                s.stop()
+            raise
+        _current = runtime
+        return runtime
+
+
+def _local(spec: ClusterSpec, me: TaskId, members: list[TaskId]) -> tuple[int, int]:
+    """(local rank, ranks on this host): ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` when a launcher
+    set them, else counted over the ranks whose address names the same host."""
+    if "LOCAL_RANK" in os.environ:
+        rank = int(os.environ["LOCAL_RANK"])
+        return rank, int(os.environ.get("LOCAL_WORLD_SIZE", rank + 1))
+    host = spec.address(me).host
+    same = [m for m in members if spec.address(m).host == host]
+    return (same.index(me) if me in same else 0), max(1, len(same))
+
+
+def current() -> Runtime:
+    """The runtime ``init()`` made; a clear error before it."""
+    if _current is None:
+        raise ConfigError("the zmqflow runtime is not initialised: call zmqflow.torch.init() (or zmqflow.jax.init()) first")
+    return _current
+
+
+def is_initialized() -> bool:
+    return _current is not None
+
+
+def shutdown() -> None:
+    """Leave the cluster: stop this process's server and session (init() may be called again)."""
+    global _current
+    with _lock:
+        runtime, _current = _current, None
+    if runtime is not None:
+        runtime.close()

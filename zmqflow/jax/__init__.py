@@ -1,0 +1,1 @@
+"""JAX on zmqflow: collectives over pytrees, a gradient-averaging optax transformation, embeddings."""
