@@ -12,6 +12,7 @@ makes the others raise ``Unavailable`` naming it within seconds; a silent one ``
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -319,6 +320,17 @@ class Ring:
         out = object.__new__(cls)
         out._server, out._async = server, ring
         return out
+
+    @property
+    def async_ring(self) -> AsyncRing:
+        """The ring this one drives; its coroutines run on the server's loop (``submit``)."""
+        return self._async
+
+    def submit(self, coro: Any) -> "concurrent.futures.Future[Any]":
+        """Start ``coro`` (a collective of :attr:`async_ring`) on the server's loop without waiting.
+        Collectives started from one thread start in that order, so every rank may keep several
+        in flight (a collective takes its sequence number when it starts)."""
+        return self._server.loop_thread.submit(coro)
 
     rank = property(lambda self: self._async.rank)
     size = property(lambda self: self._async.size)
