@@ -163,6 +163,7 @@ def procs():
 
     yield start
     for p in started:
-        if p.proc.poll() is None:
+        if p.proc.poll() is None:  # the test ended (failed, or timed out) with it still running: show why
+            print(f"--- still running at teardown: {' '.join(p.proc.args)}\n{p.output[-20000:]}")
             p.signal(signal.SIGKILL)
         p.kill()
