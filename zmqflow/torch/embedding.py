@@ -1,0 +1,259 @@
+"""``EmbeddingBag`` and ``Embedding`` whose tables live sharded on the ps tasks.
+
+Called as ``torch.nn.EmbeddingBag``/``torch.nn.Embedding`` are, they hold no local copy of the
+table and no ``nn.Parameter`` (a torch optimizer never touches it). A forward fetches the rows of
+the batch's *unique* ids only, one request per shard that owns some of them, into a small leaf
+tensor ``rows`` [n_unique, dim], and computes the result with ``F.embedding_bag`` /
+``F.embedding`` over the inverse indices. The gradient autograd computes for ``rows`` is therefore
+already summed per unique id: a hook on ``rows`` sends it to the shards as a sparse gradient,
+where the table's server-side optimizer (``zmqflow.optim``) applies it, as on any parameter server
+(each rank's gradient as pushed, not divided by the number of ranks).
+
+The push runs in the background: backward returns at once. The next forward of the table (from any
+module of this session), ``synchronize()``/``flush()``, ``weight``, ``export()``, ``size()`` and
+``evict()`` first wait for this process's pushes, so a session reads its own writes, and an error of
+a background push is raised there.
+
+Tables are variables like any other: ``zmqflow.checkpoint`` saves and restores them (call
+``flush()`` before saving so the checkpoint holds this process's last step).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..bridge import runtime
+from ..client.blocking import Session
+from ..errors import InvalidArgument
+from ..state import init as zf_init
+from .sharded import ShardedTable
+
+__all__ = ["EmbeddingBag", "Embedding", "MODES"]
+
+MODES = ("sum", "mean", "max")
+_DTYPES = {torch.float16: np.dtype("float16"), torch.float32: np.dtype("float32"), torch.float64: np.dtype("float64")}
+
+
+def _default_session() -> Session:
+    """The process-wide runtime's session (``zmqflow.bridge.runtime.init()`` if not yet joined)."""
+    return runtime.init().session
+
+
+class _ShardedModule(torch.nn.Module):
+    """What both modules share: the table, the lookup of unique rows, and the push of their gradient."""
+
+    kind = "embedding"
+
+    def __init__(self, name: str, num_embeddings: int | None, embedding_dim: int, optimizer: Any = None, *,
+                 initializer: Any = None, dtype: torch.dtype = torch.float32, partitions: Any = None,
+                 partition_strategy: str = "mod", min_frequency: int = 1, capacity: int | None = None,
+                 session: Session | None = None):
+        super().__init__()
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument(f"{self.kind}: name must be a non-empty string, got {name!r}")
+        if dtype not in _DTYPES:
+            raise InvalidArgument(f"{self.kind} {name!r}: dtype must be one of {', '.join(map(str, _DTYPES))}, got {dtype}")
+        if initializer is None:  # torch's nn.Embedding init, N(0, 1); seeded by the name so every rank agrees
+            initializer = zf_init.normal(stddev=1.0, seed=zlib.crc32(name.encode()))
+        self.table = ShardedTable.open(
+            session if session is not None else _default_session(), name, num_embeddings, embedding_dim,
+            dtype=_DTYPES[dtype], initializer=initializer, optimizer=optimizer, partitions=partitions,
+            partition_strategy=partition_strategy, min_frequency=min_frequency, capacity=capacity)
+        self.name = name
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.dtype = dtype
+        self.push_gradients = True
+
+    # the table -----------------------------------------------------------------------------
+    @property
+    def session(self) -> Session:
+        return self.table.session
+
+    @property
+    def partitions(self) -> list[dict[str, Any]]:
+        """Each part's task and rows."""
+        return self.table.handle.partitions
+
+    @property
+    def optimizer(self) -> dict[str, Any] | None:
+        """The spec of the optimizer the shards apply to pushed gradients."""
+        return self.table.optimizer
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """This module's traffic: lookups, unique ids looked up, pushes, ids pushed, rows the shards updated."""
+        return dict(self.table.counters)
+
+    @property
+    def pending_pushes(self) -> int:
+        """Background pushes of this table not finished yet."""
+        return len(self.table.pending)
+
+    def synchronize(self) -> None:
+        """Wait until this process's pushes to the table have landed; raise what any of them raised."""
+        self.table.synchronize()
+
+    flush = synchronize
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table of a static table, read from the shards (detached; it costs
+        ``num_embeddings * dim`` values over the network: for small tables and tests)."""
+        return torch.from_numpy(self.table.read_all())
+
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows for ``ids`` (any shape), detached, creating no rows of a dynamic table."""
+        flat = self._ids(ids)
+        uniq, inverse = torch.unique(flat, return_inverse=True)
+        rows = torch.from_numpy(self.table.lookup(uniq.cpu().numpy(), create=False)).to(ids.device)
+        return rows[inverse].reshape(*ids.shape, self.embedding_dim)
+
+    def export(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(ids, rows)`` pages of every row held, shard by shard (dynamic tables too)."""
+        for ids, rows in self.table.export():
+            yield torch.from_numpy(ids), torch.from_numpy(rows)
+
+    def size(self) -> int:
+        """Rows held over all shards (a dynamic table grows as it admits ids)."""
+        return self.table.size()
+
+    def evict(self, older_than: Any = None, **kwargs: Any) -> int:
+        """Drop rows of a dynamic table not updated in the last N pushes or for a while; see
+        ``AsyncEmbedding.evict``."""
+        return self.table.evict(older_than, **kwargs)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "_ShardedModule":
+        """``False`` freezes the table: backward pushes nothing."""
+        self.push_gradients = bool(requires_grad)
+        return super().requires_grad_(requires_grad)
+
+    # forward machinery ---------------------------------------------------------------------
+    def _ids(self, ids: Any) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor):
+            raise InvalidArgument(f"{self.kind} {self.name!r}: ids must be a torch.Tensor, got {type(ids).__name__}")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise InvalidArgument(f"{self.kind} {self.name!r}: ids must be integers, got {ids.dtype}")
+        return ids.reshape(-1).long()
+
+    def _rows(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows of the unique ids, requiring grad when a backward should push; inverse indices)."""
+        uniq, inverse = torch.unique(flat, return_inverse=True)  # sorted: the ends are the extremes
+        num = self.num_embeddings
+        if num is not None and len(uniq) and (int(uniq[0]) < 0 or int(uniq[-1]) >= num):
+            bad = int(uniq[0]) if int(uniq[0]) < 0 else int(uniq[-1])
+            raise InvalidArgument(f"{self.kind} {self.name!r}: id {bad} out of range [0, {num})")
+        ids = uniq.cpu().numpy()
+        rows = torch.from_numpy(self.table.lookup(ids, create=self.training)).to(flat.device)
+        if self.push_gradients and torch.is_grad_enabled() and len(ids):
+            rows.requires_grad_(True)
+            rows.register_hook(self._push_hook(ids))
+        return rows, inverse
+
+    def _push_hook(self, ids: np.ndarray) -> Any:
+        table = self.table
+
+        def push(grad: torch.Tensor) -> None:
+            # a copy: autograd may accumulate into this gradient in place while the push is queued
+            table.push_async(ids, grad.detach().cpu().numpy().copy())
+
+        return push
+
+    def extra_repr(self) -> str:
+        size = "dynamic" if self.num_embeddings is None else str(self.num_embeddings)
+        kind = self.optimizer.get("kind") if self.optimizer else None
+        return f"{self.name!r}, {size}, {self.embedding_dim}, parts={len(self.partitions)}, optimizer={kind}"
+
+
+class EmbeddingBag(_ShardedModule):
+    """``torch.nn.EmbeddingBag`` over a table on the ps shards.
+
+    ``num_embeddings=None`` makes a dynamic table: any int64 id, a row created on first lookup in
+    training mode (after ``min_frequency`` sightings; in eval mode unknown ids read zeros and create
+    nothing), at most ``capacity`` rows per shard with least-recently-used eviction (``evict()``
+    drops stale rows). ``optimizer`` is a server-side ``zmqflow.optim`` optimizer (SGD, Momentum,
+    Adagrad, Adam: all apply to the pushed rows only, Adam lazily); ``None`` takes the existing
+    table's, or SGD(0.01) when this creates it. ``initializer`` is a ``zmqflow.init`` initializer,
+    by default N(0, 1) as torch's. ``partitions`` (parts, one per ps shard by default, or a
+    partitioner) and ``partition_strategy`` ("mod" or "div") place a static table's rows as TF's
+    ``embedding_lookup`` does. ``session`` defaults to the process-wide runtime's.
+    """
+
+    kind = "EmbeddingBag"
+
+    def __init__(self, name: str, num_embeddings: int | None, embedding_dim: int, mode: str = "mean",
+                 optimizer: Any = None, *, include_last_offset: bool = False, **kwargs: Any):
+        if mode not in MODES:
+            raise InvalidArgument(f"EmbeddingBag {name!r}: mode must be one of {', '.join(MODES)}, got {mode!r}")
+        super().__init__(name, num_embeddings, embedding_dim, optimizer, **kwargs)
+        self.mode = mode
+        self.include_last_offset = bool(include_last_offset)
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """2-D ``input`` (bags of equal length) or 1-D ``input`` with ``offsets`` (each bag's start)."""
+        flat = self._ids(input)
+        if input.dim() == 2:
+            if offsets is not None:
+                raise InvalidArgument(f"EmbeddingBag {self.name!r}: offsets must be None when input is 2-D "
+                                      f"(bags of equal length), got offsets of shape {list(offsets.shape)}")
+            bags, length = input.shape
+            offsets = torch.arange(bags + int(self.include_last_offset), device=input.device) * length
+        elif input.dim() == 1:
+            self._check_offsets(offsets, len(flat))
+        else:
+            raise InvalidArgument(f"EmbeddingBag {self.name!r}: input must be 2-D (bags of equal length) or 1-D "
+                                  f"with offsets, got shape {list(input.shape)}")
+        weights = self._check_weights(per_sample_weights, input)
+        rows, inverse = self._rows(flat)
+        return F.embedding_bag(inverse, rows, offsets, mode=self.mode, per_sample_weights=weights,
+                               include_last_offset=self.include_last_offset)
+
+    def _check_offsets(self, offsets: Any, n: int) -> None:
+        where = f"EmbeddingBag {self.name!r}"
+        if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1:
+            got = list(offsets.shape) if isinstance(offsets, torch.Tensor) else type(offsets).__name__
+            raise InvalidArgument(f"{where}: 1-D input needs offsets, a 1-D tensor of each bag's start; got {got}")
+        if offsets.dtype.is_floating_point or offsets.dtype.is_complex or offsets.dtype == torch.bool:
+            raise InvalidArgument(f"{where}: offsets must be integers, got {offsets.dtype}")
+        if self.include_last_offset and len(offsets) == 0:
+            raise InvalidArgument(f"{where}: with include_last_offset, offsets needs at least one entry")
+        if len(offsets):
+            if int(offsets[0]) != 0:
+                raise InvalidArgument(f"{where}: offsets[0] must be 0 (the first bag starts at the first id), got {int(offsets[0])}")
+            if bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[-1]) > n:
+                raise InvalidArgument(f"{where}: offsets must be non-decreasing and at most the input's length ({n})")
+
+    def _check_weights(self, weights: Any, input: torch.Tensor) -> torch.Tensor | None:
+        if weights is None:
+            return None
+        where = f"EmbeddingBag {self.name!r}"
+        if self.mode != "sum":
+            raise InvalidArgument(f"{where}: per_sample_weights need mode='sum' (as torch's), the mode is {self.mode!r}")
+        if not isinstance(weights, torch.Tensor) or weights.shape != input.shape:
+            got = list(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
+            raise InvalidArgument(f"{where}: per_sample_weights must have the input's shape {list(input.shape)}, got {got}")
+        if weights.dtype != self.dtype:
+            raise InvalidArgument(f"{where}: per_sample_weights must be {self.dtype} (the table's dtype), got {weights.dtype}")
+        return weights.reshape(-1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mode={self.mode!r}"
+
+
+class Embedding(_ShardedModule):
+    """``torch.nn.Embedding`` over a table on the ps shards: ``forward(ids)`` gives rows of shape
+    ``ids.shape + (embedding_dim,)``. Options as :class:`EmbeddingBag`'s."""
+
+    kind = "Embedding"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = self._ids(ids)
+        rows, inverse = self._rows(flat)
+        return F.embedding(inverse.reshape(ids.shape), rows)

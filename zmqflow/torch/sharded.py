@@ -1,0 +1,214 @@
+"""One embedding table on the ps shards as the torch modules use it: find-or-create, lookups, and
+sparse pushes that run in the background.
+
+A push is started on the session's loop and its future kept here, so backward never waits for the
+network. Because a session must read its own writes, every lookup of the table first waits for the
+pushes this process started on it (``PendingPushes`` is shared by every module of one session that
+names the table), and an error of any of them is raised there instead of being lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+from ..client.blocking import Session
+from ..client.embedding import AsyncEmbedding
+from ..client.session import WAIT_MARGIN
+from ..cluster import catalog_task
+from ..errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable, VariableConflict
+from ..state import optim as zf_optim
+
+__all__ = ["PendingPushes", "ShardedTable", "DEFAULT_OPTIMIZER"]
+
+DEFAULT_OPTIMIZER = zf_optim.SGD(learning_rate=0.01)  # when the table is created without one
+
+
+class PendingPushes:
+    """The background pushes of one table from one session, until someone waits for them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._futures: list[concurrent.futures.Future[Any]] = []
+
+    def add(self, fut: "concurrent.futures.Future[Any]") -> None:
+        with self._lock:
+            # pushes that finished well need no waiting; failed ones stay until they are raised
+            self._futures = [f for f in self._futures if not (f.done() and _error(f, "") is None)]
+            self._futures.append(fut)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(not f.done() for f in self._futures)
+
+    def wait(self, timeout: float, table: str) -> None:
+        """Wait for every push started so far; raise the first error (the others noted on it)."""
+        with self._lock:
+            futures, self._futures = self._futures, []
+        done, late = concurrent.futures.wait(futures, timeout)
+        errors = [e for f in futures if f in done and (e := _error(f, table)) is not None]
+        if late:
+            with self._lock:  # still ours to report: keep them for the next wait
+                self._futures = list(late) + self._futures
+            if not errors:
+                raise DeadlineExceeded(f"{len(late)} push(es) to embedding {table!r} not finished within {timeout:g}s")
+        if errors:
+            first = errors[0]
+            for other in errors[1:]:
+                first.add_note(f"another background push to {table!r} failed too: {type(other).__name__}: {other}")
+            raise first
+
+
+def _error(fut: "concurrent.futures.Future[Any]", table: str) -> BaseException | None:
+    if fut.cancelled():  # the session's loop went away with the push: an update lost is an error
+        return Unavailable(f"a background push to embedding {table!r} was cancelled (its session closed)")
+    return fut.exception()
+
+
+_pending: "weakref.WeakKeyDictionary[Session, dict[str, PendingPushes]]" = weakref.WeakKeyDictionary()
+_loops: "weakref.WeakKeyDictionary[Session, asyncio.AbstractEventLoop]" = weakref.WeakKeyDictionary()
+_registry_lock = threading.Lock()
+
+
+async def _running_loop() -> asyncio.AbstractEventLoop:
+    return asyncio.get_running_loop()
+
+
+def _session_loop(session: Session) -> asyncio.AbstractEventLoop:
+    """The loop a blocking session runs its coroutines on (asked of the session once)."""
+    with _registry_lock:
+        loop = _loops.get(session)
+    if loop is None:
+        loop = session.run_on_loop(_running_loop())
+        with _registry_lock:
+            _loops[session] = loop
+    return loop
+
+
+def _pending_for(session: Session, name: str) -> PendingPushes:
+    with _registry_lock:
+        return _pending.setdefault(session, {}).setdefault(name, PendingPushes())
+
+
+def _catalog_record(session: Session, name: str) -> dict[str, Any] | None:
+    """The catalog's record of ``name`` if it is created and ready, else None (no waiting)."""
+    task = catalog_task(session.cluster())
+    try:
+        return session.call("catalog", "lookup", {"name": name, "wait": False}, task=str(task))
+    except NotFound:
+        return None
+
+
+def _optimizer_spec(optimizer: Any, name: str) -> dict[str, Any] | None:
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, zf_optim.SyncReplicas):
+        raise InvalidArgument(f"embedding {name!r}: tables take asynchronous sparse updates; SyncReplicas is for variables")
+    if not isinstance(optimizer, zf_optim.Optimizer):
+        kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        raise InvalidArgument(f"embedding {name!r}: optimizer must be a server-side zmqflow.optim optimizer "
+                              f"(e.g. zmqflow.optim.SGD(0.1)), got {kind}")
+    return optimizer.spec()
+
+
+class ShardedTable:
+    """A table handle plus what the modules need around it: background pushes, counters."""
+
+    def __init__(self, session: Session, handle: AsyncEmbedding, optimizer: dict[str, Any] | None):
+        self.session = session
+        self.handle = handle
+        self.optimizer = optimizer  # the spec the shards apply
+        self.loop = _session_loop(session)
+        self.pending = _pending_for(session, handle.name)
+        self._lock = threading.Lock()
+        self.counters = {"lookups": 0, "ids_looked_up": 0, "pushes": 0, "ids_pushed": 0, "rows_updated": 0}
+
+    @classmethod
+    def open(cls, session: Session, name: str, num_embeddings: int | None, dim: int, *, dtype: np.dtype,
+             initializer: Any, optimizer: Any, partitions: Any, partition_strategy: str, min_frequency: int,
+             capacity: int | None) -> "ShardedTable":
+        """Get-or-create the table. Any number of processes may open one name at once: the catalog
+        serializes declarations and table parts are get-or-create. ``optimizer=None`` takes the
+        table's own (``DEFAULT_OPTIMIZER`` when this call creates it); a named optimizer must be the
+        table's, or VariableConflict."""
+        wanted = _optimizer_spec(optimizer, name)
+        found = _catalog_record(session, name)
+        spec = wanted if wanted is not None else found["optimizer"] if found is not None else DEFAULT_OPTIMIZER.spec()
+        emb = session.embedding(name, num_embeddings, dim, partitions=partitions, partition_strategy=partition_strategy,
+                                dtype=dtype, initializer=initializer, optimizer=spec, min_frequency=min_frequency,
+                                capacity=capacity)
+        record = _catalog_record(session, name)
+        actual = record["optimizer"] if record is not None else spec
+        if wanted is not None and actual != wanted:
+            raise VariableConflict(f"embedding {name!r} exists with optimizer {actual}; asked for {wanted}")
+        return cls(session, emb.handle, actual)
+
+    @property
+    def name(self) -> str:
+        return self.handle.name
+
+    @property
+    def timeout(self) -> float:
+        return self.session.async_session.timeout + WAIT_MARGIN
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self.counters[k] += v
+
+    def synchronize(self) -> None:
+        """Wait for this process's pushes to the table; raise what any of them raised."""
+        self.pending.wait(self.timeout, self.name)
+
+    def lookup(self, ids: np.ndarray, create: bool) -> np.ndarray:
+        """Rows of unique ``ids`` (after this process's pushes have landed)."""
+        self.synchronize()
+        rows = self.session.run_on_loop(self.handle.lookup(ids, create=create))
+        self._count(lookups=1, ids_looked_up=len(ids))
+        return rows
+
+    def push_async(self, ids: np.ndarray, grads: np.ndarray) -> "concurrent.futures.Future[int]":
+        """Start a sparse push of unique ``ids`` on the session's loop; returns its future."""
+        fut = asyncio.run_coroutine_threadsafe(self._push(ids, grads), self.loop)
+        self.pending.add(fut)
+        self._count(pushes=1, ids_pushed=len(ids))
+        return fut
+
+    async def _push(self, ids: np.ndarray, grads: np.ndarray) -> int:
+        updated = await self.handle.push(ids, grads)
+        self._count(rows_updated=updated)  # before the future resolves: a waiter sees the count
+        return updated
+
+    def read_all(self) -> np.ndarray:
+        """Every row of a static table, a page at a time (the whole table crosses the network)."""
+        num = self.handle.info.num_embeddings
+        if num is None:
+            raise InvalidArgument(f"embedding {self.name!r} is dynamic: it has no dense weight; use export()")
+        self.synchronize()
+        out = np.zeros((num, self.handle.dim), self.handle.info.dtype)
+        for ids, rows in self.export():
+            out[ids] = rows
+        return out
+
+    def export(self) -> Any:
+        """``(ids, rows)`` pages, shard by shard."""
+        self.synchronize()
+        agen = self.handle.export()
+        while True:
+            try:
+                yield self.session.run_on_loop(agen.__anext__())
+            except StopAsyncIteration:
+                return
+
+    def size(self) -> int:
+        self.synchronize()
+        return self.session.run_on_loop(self.handle.size())
+
+    def evict(self, older_than: Any = None, **kwargs: Any) -> int:
+        self.synchronize()
+        return self.session.run_on_loop(self.handle.evict(older_than, **kwargs))
