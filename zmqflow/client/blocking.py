@@ -6,6 +6,8 @@ wrap the async handles and reach the loop only through :class:`.port.LoopPort`.
 
 from __future__ import annotations
 
+import concurrent.futures
+
 from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
 
@@ -50,6 +52,11 @@ class Session:
         """Run ``coro`` on the session's loop and wait: its deadline (the session's by default) plus a margin."""
         limit = (self._async.timeout if timeout is None else timeout) + WAIT_MARGIN
         return self._thread.call(coro, timeout=limit)
+
+    def submit(self, coro: Awaitable[T]) -> "concurrent.futures.Future[T]":
+        """Start ``coro`` on the session's loop without waiting (a background push, say): the
+        caller keeps the future and must look at its result, or its error is lost."""
+        return self._thread.submit(coro)
 
     def call(self, service: str, op: str, body: Any = None, *, task: "TaskId | str | None" = None, timeout: float | None = None) -> Any:
         return self.run_on_loop(self._async.call(service, op, body, task=task, timeout=timeout), timeout)

@@ -9,7 +9,6 @@ names the table), and an error of any of them is raised there instead of being l
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import threading
 import weakref
@@ -71,23 +70,7 @@ def _error(fut: "concurrent.futures.Future[Any]", table: str) -> BaseException |
 
 
 _pending: "weakref.WeakKeyDictionary[Session, dict[str, PendingPushes]]" = weakref.WeakKeyDictionary()
-_loops: "weakref.WeakKeyDictionary[Session, asyncio.AbstractEventLoop]" = weakref.WeakKeyDictionary()
 _registry_lock = threading.Lock()
-
-
-async def _running_loop() -> asyncio.AbstractEventLoop:
-    return asyncio.get_running_loop()
-
-
-def _session_loop(session: Session) -> asyncio.AbstractEventLoop:
-    """The loop a blocking session runs its coroutines on (asked of the session once)."""
-    with _registry_lock:
-        loop = _loops.get(session)
-    if loop is None:
-        loop = session.run_on_loop(_running_loop())
-        with _registry_lock:
-            _loops[session] = loop
-    return loop
 
 
 def _pending_for(session: Session, name: str) -> PendingPushes:
@@ -123,7 +106,6 @@ class ShardedTable:
         self.session = session
         self.handle = handle
         self.optimizer = optimizer  # the spec the shards apply
-        self.loop = _session_loop(session)
         self.pending = _pending_for(session, handle.name)
         self._lock = threading.Lock()
         self.counters = {"lookups": 0, "ids_looked_up": 0, "pushes": 0, "ids_pushed": 0, "rows_updated": 0}
@@ -174,7 +156,7 @@ class ShardedTable:
 
     def push_async(self, ids: np.ndarray, grads: np.ndarray) -> "concurrent.futures.Future[int]":
         """Start a sparse push of unique ``ids`` on the session's loop; returns its future."""
-        fut = asyncio.run_coroutine_threadsafe(self._push(ids, grads), self.loop)
+        fut = self.session.submit(self._push(ids, grads))
         self.pending.add(fut)
         self._count(pushes=1, ids_pushed=len(ids))
         return fut
