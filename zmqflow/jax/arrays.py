@@ -9,7 +9,7 @@ every rank alike instead of leaving the others waiting.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -19,8 +19,8 @@ import numpy as np
 from ..errors import InvalidArgument
 from ..wire.dtypes import WIRE_DTYPES, dtype_name
 
-__all__ = ["Leaves", "flatten", "is_tracer", "on_gpu", "as_buffer", "to_jax", "check_dtype", "group_by_dtype", "split", "fuse",
-           "prod_of", "HAVE_CUPY", "HostFn"]
+__all__ = ["Leaves", "flatten", "is_tracer", "on_gpu", "as_buffer", "to_jax", "check_dtype", "group_by_dtype",
+           "split", "fuse", "prod_of", "HAVE_CUPY"]
 
 try:  # optional: the GPU path without a host copy
     import cupy as _cp  # type: ignore[import-not-found]
@@ -98,13 +98,13 @@ def as_buffer(x: Any) -> Any:
 
 
 def to_jax(result: Any, like: Any) -> jax.Array:
-    """``result`` as a JAX array where ``like`` lived (its sharding), or on JAX's default device."""
-    if is_cupy(result):  # pragma: no cover - GPU only
-        out = jnp.from_dlpack(result)
-        return jax.device_put(out, like.sharding) if isinstance(like, jax.Array) else out
-    if isinstance(like, jax.Array):
-        return jax.device_put(result, like.sharding)
-    return jnp.asarray(result)
+    """``result`` as a JAX array placed as ``like`` was: on its sharding when it was committed to
+    one, else uncommitted on the default device (a committed result would make every later eager
+    op on it compile anew)."""
+    out = jnp.from_dlpack(result) if is_cupy(result) else result  # cupy: GPU only
+    if isinstance(like, jax.Array) and like.committed:
+        return jax.device_put(out, like.sharding)
+    return jax.device_put(out)
 
 
 def group_by_dtype(arrays: Sequence[Any]) -> list[list[int]]:
@@ -139,5 +139,3 @@ def prod_of(stacked: Any) -> Any:
     xp = _cp if is_cupy(stacked) else np
     return xp.prod(stacked, axis=0, dtype=stacked.dtype)
 
-
-HostFn = Callable[[list[Any]], list[Any]]

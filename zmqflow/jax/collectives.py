@@ -112,7 +112,8 @@ def _run(what: str, tree: Any, host: Callable[[list[Any]], list[Any]],
     return leaves.unflatten([to_jax(r, x) for r, x in zip(results, leaves.leaves)])
 
 
-def _overlapped(ring: Ring, calls: list[Callable[[AsyncRing], Coroutine[Any, Any, Any]]], timeout: float | None) -> list[Any]:
+def _overlapped(ring: Ring, calls: list[Callable[[AsyncRing], Coroutine[Any, Any, Any]]],
+                timeout: float | None) -> list[Any]:
     """Start single-buffer collectives together (each takes one sequence number when it starts,
     in this order on every rank) and wait for all of them."""
     futures = [ring.submit(call(ring.async_ring)) for call in calls]
@@ -132,7 +133,8 @@ def allreduce(tree: Any, op: str = "mean", *, timeout: float | None = None) -> A
 
     def no_bool_mean(path: str, dt: np.dtype) -> None:
         if op == "mean" and dt.kind == "b":
-            raise InvalidArgument(f"allreduce: the mean of leaf {path} (bool) is not defined; use op='sum', 'min' or 'max'")
+            raise InvalidArgument(f"allreduce: the mean of leaf {path} (bool) is not defined; "
+                                  f"use op='sum', 'min' or 'max'")
 
     def host(arrays: list[Any]) -> list[Any]:
         ring = _ring()

@@ -31,9 +31,10 @@ __all__ = ["Embedding"]
 class Embedding:
     """Get-or-create the table ``name`` (``num_embeddings`` rows of ``embedding_dim``; ``None``
     rows for a dynamic hash table) trained by ``optimizer``, a ``zmqflow.optim`` optimizer run on
-    the shards (without one, a push adds what it is given: push ``-lr * grad``). Every rank may create the same table at once: the first
-    declaration wins, the others attach to it (a different shape or dtype is a VariableConflict).
-    The other keywords are those of ``Session.embedding``. Needs ``zmqflow.jax.init()`` first."""
+    the shards (without one, a push adds what it is given: push ``-lr * grad``). Every rank may
+    create the same table at once: the first declaration wins, the others attach to it (another
+    shape or dtype is a VariableConflict). The other keywords are those of ``Session.embedding``.
+    Needs ``zmqflow.jax.init()`` first."""
 
     def __init__(self, name: str, num_embeddings: int | None, embedding_dim: int, optimizer: Any = None, *,
                  partitions: Any = None, partition_strategy: str = "mod", dtype: Any = "float32",
