@@ -262,6 +262,12 @@ TWO_RANKS = textwrap.dedent(
     zj.barrier()  # both pushes applied
     res["emb"] = table.lookup(jnp.arange(8))
     np.savez(os.path.join(out, f"rank{r}.npz"), **{k: np.asarray(v) for k, v in res.items()})
+    try:
+        zj.allreduce({"a": jnp.zeros(2 + r)})  # the ranks disagree on the shape
+        print("mismatch unnoticed", flush=True)
+    except zf.errors.CollectiveMismatch as exc:
+        print("mismatch raised:", exc, flush=True)
+    print("then sum", float(zj.allreduce({"b": jnp.ones(())}, "sum")["b"]), flush=True)
     zj.shutdown()
     print("rank", r, "of", n, "done", flush=True)
     """
@@ -282,10 +288,11 @@ def two_ranks(tmp_path_factory):
         p.kill()
     assert code == 0, p.output
     assert "[worker:0] rank 0 of 2 done" in p.output and "[worker:1] rank 1 of 2 done" in p.output, p.output
-    return [dict(np.load(tmp / f"rank{r}.npz")) for r in range(2)]
+    return [dict(np.load(tmp / f"rank{r}.npz")) for r in range(2)], p.output
 
 
 def test_two_ranks_allreduce_a_pytree_exactly(two_ranks):
+    two_ranks, _ = two_ranks
     w = np.arange(6, dtype=np.float32).reshape(2, 3)
     want = {
         "mean/w": w + 1, "mean/i": np.full(3, 5), "mean/h": [1.5, -1.0],
@@ -301,6 +308,7 @@ def test_two_ranks_allreduce_a_pytree_exactly(two_ranks):
 
 
 def test_two_ranks_broadcast_and_allgather(two_ranks):
+    two_ranks, _ = two_ranks
     for res in two_ranks:
         np.testing.assert_array_equal(res["bcast/w"], np.full(3, 2.0))
         np.testing.assert_array_equal(res["bcast/i"], [1, 2])
@@ -308,7 +316,7 @@ def test_two_ranks_broadcast_and_allgather(two_ranks):
 
 
 def test_two_ranks_on_half_batches_train_as_one_on_the_whole(two_ranks):
-    a, b = two_ranks
+    (a, b), _ = two_ranks
     layers = sorted(k for k in a if k.startswith(("jit/", "eager/")) and not k.endswith("loss"))
     assert len(layers) == 8
     for key in layers:
@@ -318,10 +326,23 @@ def test_two_ranks_on_half_batches_train_as_one_on_the_whole(two_ranks):
     assert a["jit/loss"] < 0.9 * a["loss_before"]  # it did train
 
 
+def test_two_ranks_disagreeing_trees_raise_on_both_and_the_ring_goes_on(two_ranks):
+    _, output = two_ranks
+    for task in ("worker:0", "worker:1"):
+        assert "element count" in _line(output, f"[{task}] mismatch raised:")
+        assert _line(output, f"[{task}] then sum").endswith(" 2.0")
+
+
+def _line(output: str, start: str) -> str:
+    found = [line for line in output.splitlines() if line.startswith(start)]
+    assert found, f"no line starting {start!r} in:\n{output}"
+    return found[0]
+
+
 def test_two_ranks_embedding_pushes_add_up(two_ranks):
     want = np.zeros((8, 4), np.float32)
     want[0] = want[5] = -(1 + 2)  # SGD(1.0): each rank pushed its own (rank + 1) per occurrence
     want[2] = -(2 * 1 + 2 * 2)  # id 2 twice per rank, coalesced into one row per push
-    for res in two_ranks:
+    for res in two_ranks[0]:
         assert int(res["pushed"]) == 3
         np.testing.assert_array_equal(res["emb"], want)
