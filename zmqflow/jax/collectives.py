@@ -13,6 +13,7 @@ program order, and the eager collectives first wait for those still pending
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import threading
 from collections.abc import Callable, Coroutine, Mapping
@@ -25,13 +26,15 @@ from jax.experimental import io_callback
 from ..bridge import runtime as rt
 from ..client.ring import AsyncRing, Ring
 from ..cluster import ClusterSpec, TaskId
-from ..errors import DeadlineExceeded, InvalidArgument
+from ..errors import DeadlineExceeded, InvalidArgument, ZmqflowError
 from .arrays import Leaves, as_buffer, check_dtype, flatten, fuse, group_by_dtype, prod_of, split, to_jax
 
 __all__ = ["OPS", "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "allreduce", "broadcast", "allgather", "barrier"]
 
 OPS = ("mean", "sum", "min", "max", "prod")
+
+log = logging.getLogger(__name__)
 
 _traced_once = threading.Event()  # a collective was compiled into a jitted function: its effects may be pending
 
@@ -43,10 +46,21 @@ def init(cluster: "ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | No
     return rt.init(cluster, task, timeout=timeout)
 
 
-def shutdown() -> None:
-    """Leave the cluster; ``init()`` may be called again."""
+def shutdown(*, timeout: float | None = None) -> None:
+    """Leave the cluster; ``init()`` may be called again. Every rank calls it: the ranks meet at
+    a last barrier first, so a rank done early does not stop its server while a slower peer still
+    waits for it to acknowledge that peer's last chunk of the previous collective. The barrier's
+    own last acknowledgement may be lost the same way; by then every rank holds every chunk it
+    needs, so an error there is logged, not raised (``timeout`` bounds it: the runtime's by default)."""
     if _traced_once.is_set():
         jax.effects_barrier()  # no compiled collective may run on a ring that is gone
+    if rt.is_initialized():
+        runtime = rt.current()
+        if runtime.ring is not None and runtime.size > 1:
+            try:
+                runtime.ring.barrier(timeout=timeout)
+            except ZmqflowError as exc:
+                log.debug("zmqflow.jax.shutdown: the last barrier ended with %s", exc)
     rt.shutdown()
 
 
