@@ -1,0 +1,81 @@
+"""Embedding tables on the ps shards, read and trained from JAX.
+
+``lookup`` gives the rows of a batch of ids as a JAX array (each distinct id fetched once, from
+the shard that owns it); differentiate the loss with respect to those rows and ``push`` the
+gradient back: repeated ids are summed on the client, each shard gets its unique ids once, and
+the table's own optimizer (server-side) applies them. Pushes from several ranks add up there.
+
+    rows = table.lookup(ids)                        # (*ids.shape, dim)
+    loss, g = jax.value_and_grad(loss_fn)(rows, y)  # g: (*ids.shape, dim)
+    table.push(ids, g)
+
+Both calls talk to the shards, so they run outside ``jax.jit``; the jitted part takes the rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..bridge import runtime as rt
+from ..client.blocking import Embedding as TableHandle
+from ..errors import InvalidArgument
+from .arrays import is_tracer
+
+__all__ = ["Embedding"]
+
+
+class Embedding:
+    """Get-or-create the table ``name`` (``num_embeddings`` rows of ``embedding_dim``; ``None``
+    rows for a dynamic hash table) trained by ``optimizer``, a ``zmqflow.optim`` optimizer run on
+    the shards (without one, a push adds what it is given: push ``-lr * grad``). Every rank may
+    create the same table at once: the first declaration wins, the others attach to it (another
+    shape or dtype is a VariableConflict). The other keywords are those of ``Session.embedding``.
+    Needs ``zmqflow.jax.init()`` first."""
+
+    def __init__(self, name: str, num_embeddings: int | None, embedding_dim: int, optimizer: Any = None, *,
+                 partitions: Any = None, partition_strategy: str = "mod", dtype: Any = "float32",
+                 initializer: Any = None, min_frequency: int = 1, capacity: int | None = None):
+        session = rt.current().session
+        self.table: TableHandle = session.embedding(
+            name, num_embeddings, embedding_dim, partitions=partitions, partition_strategy=partition_strategy,
+            dtype=dtype, initializer=initializer, optimizer=optimizer, min_frequency=min_frequency, capacity=capacity)
+        info = self.table.handle.info
+        self.name: str = info.name
+        self.num_embeddings: int | None = info.num_embeddings
+        self.embedding_dim: int = info.dim
+        self.dtype: np.dtype = info.dtype
+
+    def _host(self, x: Any, what: str) -> np.ndarray:
+        if is_tracer(x):
+            raise InvalidArgument(f"{what} of embedding {self.name!r} talks to the shards, so it cannot be traced "
+                                  f"by jax.jit (or grad, vmap): call it outside, and pass the rows in")
+        return np.asarray(x)
+
+    def lookup(self, ids: Any, *, create: bool = True) -> jax.Array:
+        """The rows of ``ids`` (any integer shape): a JAX array of shape ``(*ids.shape, dim)``."""
+        return jnp.asarray(self.table.lookup(self._host(ids, "lookup"), create=create))
+
+    def push(self, ids: Any, grads: Any) -> int:
+        """Send the gradient of the looked-up rows (shape ``(*ids.shape, dim)``) to the table's
+        optimizer; rows of repeated ids are summed first. Floating gradients of another precision
+        are cast to the table's dtype. Returns how many rows were updated."""
+        g = self._host(grads, "push")
+        if g.dtype != self.dtype and _floating(g.dtype) and _floating(self.dtype):
+            g = g.astype(self.dtype)
+        return self.table.push(self._host(ids, "push"), g)
+
+    def size(self) -> int:
+        """Rows held over all shards."""
+        return self.table.size()
+
+    def __repr__(self) -> str:
+        rows = "dynamic" if self.num_embeddings is None else self.num_embeddings
+        return f"<zmqflow.jax.Embedding {self.name!r} {rows} x {self.embedding_dim} {self.dtype}>"
+
+
+def _floating(dt: np.dtype) -> bool:
+    return dt.kind == "f" or dt.name == "bfloat16"
