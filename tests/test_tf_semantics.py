@@ -146,7 +146,7 @@ def test_every_handle_call_takes_a_timeout_against_a_stalled_shard():
                         with pytest.raises(DeadlineExceeded):
                             await call()
                         took = time.monotonic() - start
-                        assert TINY * 0.9 <= took < TINY + 1.5, f"{what} took {took:.2f}s"
+                        assert TINY * 0.9 <= took < TINY + 3, f"{what} took {took:.2f}s"  # not the session's 30 s
                 finally:
                     stall.release()
                 # the shard answers again (the parked writes land too, in some order)
@@ -162,9 +162,10 @@ def test_blocking_handles_pass_their_timeout_on():
     spec = make_spec({"ps": 1, "worker": 1})
     ps = zf.Server(spec, "ps:0")
     worker = zf.Server(spec, "worker:0")
-    release = threading.Event()
+    release, stalled_now = threading.Event(), threading.Event()
 
     async def stall() -> None:
+        stalled_now.set()
         release.wait(30)  # blocks the shard's loop: connected, heartbeating (libzmq), never answering
 
     try:
@@ -172,6 +173,7 @@ def test_blocking_handles_pass_their_timeout_on():
             v = sess.variable("v", np.zeros(3))
             table = sess.embedding("t", 4, 2)
             stalled = ps.loop_thread.submit(stall())
+            assert stalled_now.wait(10)
             try:
                 for call in (lambda: v.read(timeout=TINY), lambda: v.assign_add(np.ones(3), timeout=TINY),
                              lambda: table.lookup([1], timeout=TINY), lambda: sess.pull(["v"], timeout=TINY),
@@ -179,7 +181,7 @@ def test_blocking_handles_pass_their_timeout_on():
                     start = time.monotonic()
                     with pytest.raises(DeadlineExceeded):
                         call()
-                    assert time.monotonic() - start < TINY + 1.5  # not the session's 30 s
+                    assert time.monotonic() - start < TINY + 3  # not the session's 30 s
             finally:
                 release.set()
                 stalled.result(10)

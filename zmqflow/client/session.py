@@ -16,7 +16,7 @@ import asyncio
 import datetime
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..cluster import Address, ClusterSpec, TaskId, catalog_task, load_config, shard_tasks
@@ -36,7 +36,8 @@ WAIT_MARGIN = 5.0  # what a blocking caller waits beyond the call's own deadline
 # Ops on state a shard held: a NotFound from one of them may mean the shard restarted empty.
 _STATE_OPS = frozenset({"pull", "assign", "scatter", "push", "emb_lookup", "emb_push", "emb_stats", "emb_evict",
                         "emb_export"})
-_PROBE_TIMEOUT = 2.0  # asking a shard who it is: it just answered, so this is quick or never
+_PROBE_TIMEOUT = 5.0  # at most, asking a shard who it is after a NotFound: it just answered
+_LEARN_TIMEOUT = 10.0  # at most, asking a shard who it is when a handle first names it
 
 
 def _target_endpoint(target: str | None, cluster: Any, task: "TaskId | str | None") -> tuple[str, ClusterSpec | None, TaskId | None]:
@@ -101,12 +102,12 @@ class AsyncSession:
         except NotFound as exc:
             if service != "ps" or op not in _STATE_OPS:
                 raise
-            lost = await self._state_lost(task, exc)
+            lost = await self._state_lost(task, exc, min(_PROBE_TIMEOUT, self.timeout if timeout is None else timeout))
             if lost is None:
                 raise
             raise lost from exc
 
-    async def _learn(self, tasks: "Any") -> None:
+    async def _learn(self, tasks: Iterable[TaskId]) -> None:
         """Remember who each shard of ``tasks`` is now (its incarnation), once per task: how this
         session later tells a restarted shard from an unknown name. A shard that does not answer
         is asked again next time."""
@@ -114,13 +115,14 @@ class AsyncSession:
         if not new:
             return
         spec = await self.cluster()
-        got = await asyncio.gather(*(self.client.call(spec.address(t).endpoint, "ps", "status", timeout=_PROBE_TIMEOUT,
+        limit = min(_LEARN_TIMEOUT, self.timeout)
+        got = await asyncio.gather(*(self.client.call(spec.address(t).endpoint, "ps", "status", timeout=limit,
                                                       name=str(t)) for t in new), return_exceptions=True)
         for task, status in zip(new, got):
             if isinstance(status, dict) and isinstance(status.get("incarnation"), str):
                 self._incarnations.setdefault(task, status["incarnation"])
 
-    async def _state_lost(self, task: TaskId, exc: NotFound) -> ShardStateLost | None:
+    async def _state_lost(self, task: TaskId, exc: NotFound, timeout: float) -> ShardStateLost | None:
         """:class:`ShardStateLost` when ``task``'s shard is not the one this session used (it
         restarted), else None: the NotFound stands."""
         known = self._incarnations.get(task)
@@ -128,7 +130,7 @@ class AsyncSession:
             return None
         spec = await self.cluster()
         try:
-            status = await self.client.call(spec.address(task).endpoint, "ps", "status", timeout=_PROBE_TIMEOUT,
+            status = await self.client.call(spec.address(task).endpoint, "ps", "status", timeout=timeout,
                                             name=str(task))
         except ZmqflowError:
             return None
