@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 
 import zmqflow as zf
-from zmqflow.client.checkpoint import async_restore, async_save
+from zmqflow.client.checkpoint import async_recover, async_restore, async_save
 from zmqflow.client.session import AsyncSession
+from zmqflow.cluster import holder_tasks
 from zmqflow.errors import DeadlineExceeded, NotFound, ShardStateLost, Unavailable
 from zmqflow.testing import REQUEST, faulty_cluster, local_cluster, make_spec, wait_until
 from zmqflow.wire.requests import ps as rq
+from zmqflow.wire.requests.cluster import Records
 
 from .conftest import arun
 
@@ -100,6 +102,42 @@ def test_checkpoint_save_and_restore_cover_a_variable_on_a_worker(tmp_path):
                 await sess.close()
 
     arun(scenario())
+
+
+def test_recovery_after_the_catalog_is_lost_puts_a_pinned_variable_back_on_its_worker(tmp_path):
+    async def scenario() -> None:
+        async with local_cluster({"ps": 1, "worker": 1}, timeout=20) as servers:
+            sess = AsyncSession(servers["worker:0"].target)
+            try:
+                with zf.device("worker:0"):
+                    w = await sess.variable("w", np.arange(3.0))
+                await sess.variable("p", np.ones(2))
+                path = await async_save(sess, str(tmp_path / "ckpt"), step=2)
+                await w.assign(np.zeros(3))  # a change the recovery must undo
+                spec = servers["ps:0"].spec  # ps:0 restarts empty: the catalog is gone with it
+                await servers["ps:0"].stop()
+                servers["ps:0"] = await zf.AsyncServer(spec, "ps:0", checkpoint_roots="*").start()
+                assert await async_recover(sess, path) == 2
+                again = await sess.get("w", timeout=5)
+                assert again.partitions == [{"task": "worker:0", "rows": [0, 3]}]
+                np.testing.assert_array_equal(await again.read(), np.arange(3.0))
+                np.testing.assert_array_equal((await sess.pull(["p"]))["p"], np.ones(2))
+                assert holder_tasks(spec, await sess.call_catalog("records", Records())) == [
+                    zf.TaskId("ps", 0), zf.TaskId("worker", 0)]
+            finally:
+                await sess.close()
+
+    arun(scenario())
+
+
+def test_holder_tasks_are_the_default_shards_and_every_task_a_part_is_placed_on():
+    spec = zf.ClusterSpec({"chief": ["127.0.0.1:2000"], "worker": ["127.0.0.1:2001", "127.0.0.1:2002"],
+                           "ps": ["127.0.0.1:2003", "127.0.0.1:2004"]})
+    records = [{"parts": [{"task": "worker:1", "rows": [0, 1]}, {"task": "ps:1", "rows": [1, 2]}]}]
+    assert [str(t) for t in holder_tasks(spec, records)] == ["worker:1", "ps:0", "ps:1"]
+    assert [str(t) for t in holder_tasks(spec, [])] == ["ps:0", "ps:1"]
+    local = zf.ClusterSpec({"local": ["127.0.0.1:2000", "127.0.0.1:2001"]})
+    assert [str(t) for t in holder_tasks(local, [])] == ["local:0"]  # no ps job: the first task
 
 
 # a deadline on every handle call ------------------------------------------------------------------
