@@ -132,7 +132,7 @@ def test_status_reports_every_task_and_exits_1_when_one_is_down(tmp_path, procs)
     assert report["all_reachable"] is False
     rows = {r["task"]: r for r in report["tasks"]}
     assert rows["worker:0"]["reachable"] and rows["worker:0"]["pid"] == server.proc.pid
-    assert rows["worker:0"]["roles"] == ["master", "worker", "ring"]
+    assert rows["worker:0"]["roles"] == ["master", "worker", "ring", "ps"]  # every task can hold variables
     assert not rows["ps:0"]["reachable"]
     table = procs([*ZMQFLOW, "status", "--cluster", cfile, "--timeout", "0.5"])
     assert table.wait(30) == 1

@@ -13,14 +13,15 @@ import json
 import os
 import re
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["Address", "TaskId", "ClusterSpec", "KNOWN_ROLES", "resolve", "load_config", "shard_tasks", "catalog_task"]
+__all__ = ["Address", "TaskId", "ClusterSpec", "KNOWN_ROLES", "resolve", "load_config", "shard_tasks", "catalog_task",
+           "holder_tasks"]
 
 KNOWN_ROLES = ("chief", "worker", "ps", "evaluator")
 _JOB_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]*$")
@@ -375,9 +376,20 @@ def resolve(
 
 
 def shard_tasks(spec: ClusterSpec) -> list[TaskId]:
-    """Where variables live: every ps task, or the first task of a cluster without a ps job."""
+    """Where variables go by default (round-robin, greedy, a table's parts): every ps task, or
+    the first task of a cluster without a ps job. Every task hosts a shard, so ``zf.device`` may
+    pin a variable to any task; :func:`holder_tasks` says which tasks hold some."""
     ps = [TaskId("ps", i) for i in spec.task_indices("ps")]
     return ps or [spec.tasks[0]]
+
+
+def holder_tasks(spec: ClusterSpec, records: Iterable[Mapping[str, Any]]) -> list[TaskId]:
+    """The tasks whose shards hold state, in the cluster's order: the default shards and every
+    task a catalog record places a part on (a variable pinned to a worker). What checkpoints
+    save and recoveries fence: a task holding nothing is never asked, so it need not be up."""
+    named = {TaskId.parse(p["task"]) for r in records for p in r.get("parts", ())}
+    default = set(shard_tasks(spec))
+    return [t for t in spec.tasks if t in default or t in named]
 
 
 def catalog_task(spec: ClusterSpec) -> TaskId:

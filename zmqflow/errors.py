@@ -14,6 +14,7 @@ __all__ = [
     "ClusterNotReady",
     "Unavailable",
     "Recovering",
+    "ShardStateLost",
     "DeadlineExceeded",
     "NotFound",
     "InvalidArgument",
@@ -81,6 +82,19 @@ class Recovering(Unavailable):
     ``epoch`` numbers the shard's recoveries."""
 
     code = "RECOVERING"
+
+
+class ShardStateLost(Unavailable):
+    """A ps shard restarted since this session used it and came back without the state it held:
+    its variables' names may still be known, their values are gone until restored from a
+    checkpoint (``zf.checkpoint.restore``; ``zf.checkpoint.recover`` on a running cluster).
+    Not a ``NotFound``: nothing is wrong with the name asked for. ``task`` names the shard."""
+
+    code = "SHARD_STATE_LOST"
+
+    @property
+    def task(self) -> str:
+        return str(self.details.get("task", ""))
 
 
 class DeadlineExceeded(ZmqflowError, TimeoutError):
@@ -164,6 +178,7 @@ _BY_CODE: dict[str, type[ZmqflowError]] = {
         ClusterNotReady,
         Unavailable,
         Recovering,
+        ShardStateLost,
         DeadlineExceeded,
         NotFound,
         InvalidArgument,

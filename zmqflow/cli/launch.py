@@ -9,6 +9,16 @@ first failure's.
 scripts (tasks themselves) present their task keys. Without keys, a cluster beyond loopback needs
 ``--insecure`` (passed on as ``ZMQFLOW_INSECURE=1``).
 
+torch.distributed beside it: every process that runs the command as a rank (the chief, then the
+workers by index, as :func:`zmqflow.client.ring.default_members` orders them) also gets ``RANK``,
+``WORLD_SIZE`` (the number of ranks), ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (counted over the
+ranks whose address names the same host), ``MASTER_ADDR`` (rank 0's host) and ``MASTER_PORT`` (a
+port free on that host, chosen once per launch), so ``torch.distributed.init_process_group("gloo",
+init_method="env://")`` works in the script unchanged. A restarted task keeps its rank and the same
+``MASTER_*``. Tasks that are not ranks (ps, evaluator, any other job) get ``MASTER_ADDR`` and
+``MASTER_PORT`` only: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` are removed
+from their environment, even when launch's own environment had them (launch under torchrun).
+
 Checkpoint roots: ``--checkpoint-root DIR`` confines every task's checkpoint writes (passed as
 ``ZMQFLOW_CHECKPOINT_ROOTS``). Without it, on a cluster whose every address is loopback (one
 user's processes on one machine), launch sets ``ZMQFLOW_CHECKPOINT_ROOTS=*`` (anywhere) so a
@@ -28,6 +38,7 @@ from dataclasses import dataclass, field
 
 import click
 
+from ..client.ring import default_members
 from ..cluster import ClusterSpec, TaskId, resolve
 from ..errors import ConfigError
 from ..server.checkpoint_roots import ENV as ROOTS_ENV
@@ -35,10 +46,49 @@ from ..server.checkpoint_roots import CheckpointRoots
 from ..transport.curve import KEYS_ENV, Keys, is_loopback
 from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, LOG_LEVELS, fail
 
-__all__ = ["launch", "Launcher", "generate_cluster", "launch_roots"]
+__all__ = ["launch", "Launcher", "generate_cluster", "launch_roots", "rank_env", "RANK_VARS"]
 
 COMMAND_JOBS = ("chief", "worker", "evaluator", "master")
 STOP_GRACE = 5.0
+# What torch.distributed's env:// reads; only ranks get the first four.
+RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def _host(spec: ClusterSpec, task: TaskId) -> str:
+    """The host a task's address names: loopback for ipc/inproc and wildcard binds."""
+    host = spec.address(task).host
+    return "127.0.0.1" if host in ("", "*", "0.0.0.0") else "::1" if host == "::" else host
+
+
+def master_endpoint(spec: ClusterSpec) -> tuple[str, int]:
+    """(MASTER_ADDR, MASTER_PORT): rank 0's host (the chief, else worker 0, else the first task)
+    and a port free there now. Chosen once per launch, so restarted ranks meet at the same one."""
+    from ..ports import free_port
+
+    ranks = default_members(spec)
+    host = _host(spec, ranks[0] if ranks else spec.tasks[0])
+    try:
+        port = free_port(host)
+    except OSError:  # a name this machine cannot bind (the cluster file names another host)
+        port = free_port()
+    return host, port
+
+
+def rank_env(spec: ClusterSpec, task: TaskId, master: tuple[str, int]) -> dict[str, str | None]:
+    """The torch.distributed variables for ``task``: a value to set, or None to remove.
+
+    Ranks are the chief then the workers by index; LOCAL_* count the ranks on ``task``'s host.
+    Any other task gets MASTER_ADDR/MASTER_PORT and has the rank variables removed."""
+    out: dict[str, str | None] = {"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])}
+    ranks = default_members(spec)
+    if task not in ranks:
+        out.update(dict.fromkeys(RANK_VARS))
+        return out
+    host = _host(spec, task)
+    local = [r for r in ranks if _host(spec, r) == host]
+    out.update(RANK=str(ranks.index(task)), WORLD_SIZE=str(len(ranks)), LOCAL_RANK=str(local.index(task)),
+               LOCAL_WORLD_SIZE=str(len(local)))
+    return out
 
 
 def generate_cluster(workers: int, ps: int, chief: bool, host: str = "127.0.0.1") -> ClusterSpec:
@@ -101,6 +151,7 @@ class Launcher:
         self._first_failure: int | None = None
         self._stopping = False
         self._signalled = False
+        self.master = master_endpoint(spec)
         self.children = [self._child(t) for t in spec.tasks]
 
     def _child(self, task: TaskId) -> _Child:
@@ -108,7 +159,8 @@ class Launcher:
         argv = list(self.command) if runs else [sys.executable, "-m", "zmqflow", "serve", "--log-level", self.log_level]
         return _Child(task, argv, runs)
 
-    def _env(self, task: TaskId) -> dict[str, str]:
+    def env_for(self, task: TaskId) -> dict[str, str]:
+        """The environment of the process that runs ``task`` (the same for each of its restarts)."""
         env = dict(os.environ)
         env.pop("TF_CONFIG", None)
         env.update(ZMQFLOW_CLUSTER=self.spec.to_json(), ZMQFLOW_TASK=str(task), PYTHONUNBUFFERED="1")
@@ -117,6 +169,11 @@ class Launcher:
         if self.insecure:
             env["ZMQFLOW_INSECURE"] = "1"
         env[ROOTS_ENV] = self.checkpoint_roots.to_env()
+        for key, value in rank_env(self.spec, task, self.master).items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
         return env
 
     def say(self, line: str, tag: str = "launch") -> None:
@@ -137,7 +194,7 @@ class Launcher:
         # Each child gets its own session so a terminal's Ctrl-C reaches it once, through us.
         child.proc = subprocess.Popen(
             child.argv,
-            env=self._env(child.task),
+            env=self.env_for(child.task),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -248,7 +305,14 @@ def _exit_code(returncode: int) -> int:
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, max_restarts, keys, insecure,
            checkpoint_roots, command) -> None:
-    """Start a cluster's tasks as local processes, optionally running COMMAND on chief and workers."""
+    """Start a cluster's tasks as local processes, optionally running COMMAND on chief and workers.
+
+    \b
+    Each process gets ZMQFLOW_CLUSTER and ZMQFLOW_TASK. For torch.distributed (init_method="env://"),
+    ranks (the chief, then workers by index) also get RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
+    (over ranks on the same host), MASTER_ADDR (rank 0's host) and MASTER_PORT (free, chosen once per
+    launch; a restarted task keeps its rank). ps, evaluator and other tasks get MASTER_ADDR and
+    MASTER_PORT only, with RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE removed."""
     command = list(command)
     if command and command[0] == "--":
         command = command[1:]

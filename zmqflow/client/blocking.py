@@ -88,14 +88,16 @@ class Session:
     def variables(self) -> list[dict[str, Any]]:
         return self.run_on_loop(self._async.variables())
 
-    def pull(self, names: "list[str | Variable]") -> dict[str, Any]:
-        return self.run_on_loop(self._async.pull([_unwrap(n) for n in names]))
+    def pull(self, names: "list[str | Variable]", *, timeout: float | None = None) -> dict[str, Any]:
+        return self.run_on_loop(self._async.pull([_unwrap(n) for n in names], timeout=timeout), timeout)
 
-    def push(self, grads: "Mapping[str | Variable, Any]", step: int | None = None) -> int | None:
-        return self.run_on_loop(self._async.push({_unwrap(k): v for k, v in grads.items()}, step=step))
+    def push(self, grads: "Mapping[str | Variable, Any]", step: int | None = None, *,
+             timeout: float | None = None) -> int | None:
+        return self.run_on_loop(self._async.push({_unwrap(k): v for k, v in grads.items()}, step=step, timeout=timeout),
+                                timeout)
 
-    def global_step(self) -> int:
-        return self.run_on_loop(self._async.global_step())
+    def global_step(self, *, timeout: float | None = None) -> int:
+        return self.run_on_loop(self._async.global_step(timeout=timeout), timeout)
 
     def run(self, function: str, *args: Any, task: "TaskId | str", timeout: float | None = None, **kwargs: Any) -> Any:
         return self.run_on_loop(self._async.run(function, *args, task=task, timeout=timeout, **kwargs), timeout)
@@ -129,26 +131,27 @@ class Variable:
     dtype = property(lambda self: self.handle.dtype)
     partitions = property(lambda self: self.handle.partitions)
 
-    def read(self) -> Any:
-        return self._session.run_on_loop(self.handle.read())
+    # ``timeout=``: each request's deadline (the session's by default); DeadlineExceeded past it.
+    def read(self, *, timeout: float | None = None) -> Any:
+        return self._session.run_on_loop(self.handle.read(timeout=timeout), timeout)
 
-    def assign(self, x: Any) -> None:
-        self._session.run_on_loop(self.handle.assign(x))
+    def assign(self, x: Any, *, timeout: float | None = None) -> None:
+        self._session.run_on_loop(self.handle.assign(x, timeout=timeout), timeout)
 
-    def assign_add(self, x: Any) -> None:
-        self._session.run_on_loop(self.handle.assign_add(x))
+    def assign_add(self, x: Any, *, timeout: float | None = None) -> None:
+        self._session.run_on_loop(self.handle.assign_add(x, timeout=timeout), timeout)
 
-    def assign_sub(self, x: Any) -> None:
-        self._session.run_on_loop(self.handle.assign_sub(x))
+    def assign_sub(self, x: Any, *, timeout: float | None = None) -> None:
+        self._session.run_on_loop(self.handle.assign_sub(x, timeout=timeout), timeout)
 
-    def scatter_add(self, indices: Any, rows: Any) -> None:
-        self._session.run_on_loop(self.handle.scatter_add(indices, rows))
+    def scatter_add(self, indices: Any, rows: Any, *, timeout: float | None = None) -> None:
+        self._session.run_on_loop(self.handle.scatter_add(indices, rows, timeout=timeout), timeout)
 
-    def scatter_update(self, indices: Any, rows: Any) -> None:
-        self._session.run_on_loop(self.handle.scatter_update(indices, rows))
+    def scatter_update(self, indices: Any, rows: Any, *, timeout: float | None = None) -> None:
+        self._session.run_on_loop(self.handle.scatter_update(indices, rows, timeout=timeout), timeout)
 
-    def push(self, grad: Any, *, step: int | None = None) -> int | None:
-        return self._session.run_on_loop(self.handle.push(grad, step=step))
+    def push(self, grad: Any, *, step: int | None = None, timeout: float | None = None) -> int | None:
+        return self._session.run_on_loop(self.handle.push(grad, step=step, timeout=timeout), timeout)
 
     def __repr__(self) -> str:
         return repr(self.handle).replace("AsyncVariable", "Variable")
@@ -165,31 +168,33 @@ class Embedding:
     dim = property(lambda self: self.handle.dim)
     partitions = property(lambda self: self.handle.partitions)
 
-    def lookup(self, ids: Any, *, create: bool = True) -> Any:
-        return self._session.run_on_loop(self.handle.lookup(ids, create=create))
+    # ``timeout=``: each request's deadline (the session's by default); DeadlineExceeded past it.
+    def lookup(self, ids: Any, *, create: bool = True, timeout: float | None = None) -> Any:
+        return self._session.run_on_loop(self.handle.lookup(ids, create=create, timeout=timeout), timeout)
 
     def lookup_sparse(self, ids: Any, segment_ids: Any, weights: Any = None, combiner: str = "mean",
-                      num_segments: int | None = None) -> Any:
-        return self._session.run_on_loop(self.handle.lookup_sparse(ids, segment_ids, weights, combiner, num_segments))
+                      num_segments: int | None = None, *, timeout: float | None = None) -> Any:
+        return self._session.run_on_loop(self.handle.lookup_sparse(ids, segment_ids, weights, combiner, num_segments,
+                                                                   timeout=timeout), timeout)
 
-    def push(self, ids: Any, grads: Any) -> int:
-        return self._session.run_on_loop(self.handle.push(ids, grads))
+    def push(self, ids: Any, grads: Any, *, timeout: float | None = None) -> int:
+        return self._session.run_on_loop(self.handle.push(ids, grads, timeout=timeout), timeout)
 
-    def stats(self) -> list[dict[str, Any]]:
-        return self._session.run_on_loop(self.handle.stats())
+    def stats(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
+        return self._session.run_on_loop(self.handle.stats(timeout=timeout), timeout)
 
-    def size(self) -> int:
-        return self._session.run_on_loop(self.handle.size())
+    def size(self, *, timeout: float | None = None) -> int:
+        return self._session.run_on_loop(self.handle.size(timeout=timeout), timeout)
 
-    def evict(self, older_than: Any = None, **kwargs: Any) -> int:
-        return self._session.run_on_loop(self.handle.evict(older_than, **kwargs))
+    def evict(self, older_than: Any = None, *, timeout: float | None = None, **kwargs: Any) -> int:
+        return self._session.run_on_loop(self.handle.evict(older_than, timeout=timeout, **kwargs), timeout)
 
-    def export(self, page: int = 1 << 16) -> Any:
-        """``(ids, rows)`` pages, shard by shard."""
-        agen = self.handle.export(page)
+    def export(self, page: int = 1 << 16, *, timeout: float | None = None) -> Any:
+        """``(ids, rows)`` pages, shard by shard (``timeout``: per page)."""
+        agen = self.handle.export(page, timeout=timeout)
         while True:
             try:
-                yield self._session.run_on_loop(agen.__anext__())
+                yield self._session.run_on_loop(agen.__anext__(), timeout)
             except StopAsyncIteration:
                 return
 

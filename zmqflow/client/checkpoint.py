@@ -30,7 +30,8 @@ from ..errors import InvalidArgument, NotFound, Recovering
 from ..state.partition import fixed_size_partitioner
 from ..state.snapshot import TEMP_SUFFIX, abandoned_temporary, crash_point, fsync_dir, read_arrays, write_atomic
 from ..state.store import part_label
-from ..cluster import shard_tasks
+from ..cluster import TaskId, holder_tasks, shard_tasks
+from .placement import device
 from .variables import create_parts
 from ..wire.requests import cluster as crq
 from ..wire.requests import ps as rq
@@ -100,11 +101,12 @@ async def async_save(sess: "AsyncSession", directory: str, *, step: int | None =
         step = await _global_step(sess)
     records = await sess.call_catalog("records", crq.Records())
     tag = _file_tag(step)
+    tasks = holder_tasks(spec, records)  # the ps tasks and any other task a variable is pinned to
     shards = await asyncio.gather(*(
         sess.call_task(t, "ps", "save", rq.Save(directory=os.path.abspath(directory), file=f"{tag}-{t.job}{t.index}.npz"))
-        for t in shard_tasks(spec)
+        for t in tasks
     ))
-    for task, shard in zip(shard_tasks(spec), shards):
+    for task, shard in zip(tasks, shards):
         shard["task"] = str(task)
     crash_point("before-manifest")
     os.makedirs(directory, exist_ok=True)  # the shards made it, unless they write on other hosts
@@ -243,7 +245,10 @@ async def async_recover(sess: "AsyncSession", path: str) -> int:
     then the checkpoint is restored and the fences lifted. On failure the shards stay fenced:
     the caller recovers again, and nobody trains on mixed state meanwhile."""
     manifest, pieces = _load(path)
-    tasks = shard_tasks(await sess.cluster())
+    spec = await sess.cluster()
+    # every task the catalog or the checkpoint places a part on (a variable pinned to a worker)
+    before = await sess.call_catalog("records", crq.Records(pending=True))
+    tasks = holder_tasks(spec, [*before, *_placeable(spec, manifest["records"])])
     epochs = await asyncio.gather(*(sess.call_task(t, "ps", "fence", rq.Empty()) for t in tasks))
     records = await sess.call_catalog("records", crq.Records(pending=True))
     restored = {r["name"] for r in manifest["records"]}
@@ -265,7 +270,7 @@ async def async_recover(sess: "AsyncSession", path: str) -> int:
 
 async def async_fenced(sess: "AsyncSession") -> list[str]:
     """The shards a recovery has fenced (and not lifted yet)."""
-    tasks = shard_tasks(await sess.cluster())
+    tasks = holder_tasks(await sess.cluster(), await sess.call_catalog("records", crq.Records(pending=True)))
     states = await asyncio.gather(*(sess.call_task(t, "ps", "status", rq.Empty()) for t in tasks))
     return [str(t) for t, st in zip(tasks, states) if st.get("fenced")]
 
@@ -275,6 +280,12 @@ async def _missing_parts(sess: "AsyncSession", tasks: list[Any], records: list[d
     have = {(str(t), v["name"], v["part"]) for t, vs in zip(tasks, held) for v in vs}
     return [f"{r['name']} part {i} on {p['task']}" for r in records for i, p in enumerate(r["parts"])
             if not (r.get("table") and r["table"]["kind"] == "hash") and (p["task"], r["name"], i) not in have]
+
+
+def _placeable(spec: Any, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A checkpoint's records whose every part names a task of ``spec`` (a checkpoint taken on
+    another cluster places its parts anew)."""
+    return [r for r in records if all(p["task"] in spec for p in r["parts"])]
 
 
 def _placed(records: list[dict[str, Any]], task: str) -> list[list[Any]]:
@@ -301,20 +312,11 @@ async def _restore_variable(sess: "AsyncSession", record: dict[str, Any], pieces
     value = _assemble(record, pieces, "value")
     if value is None:
         raise InvalidArgument(f"checkpoint has no value for every part of {name!r}")
-    table = record.get("table")
     # Parts are (re)created wherever the catalog places them: a shard that restarted empty gets
-    # its parts back; parts that survived are kept and then overwritten below.
-    if table:  # a static embedding table: parts are row sets by strategy, one per part
-        emb = await sess.embedding(name, table["num_embeddings"], table["dim"], partitions=len(record["parts"]),
-                                   partition_strategy=table["strategy"], dtype=record["dtype"],
-                                   initializer=record.get("initializer"), optimizer=record.get("optimizer"))
-        await create_table_parts(sess, emb.info, record)
-        tasks = list(emb.info.tasks)
-    else:
-        var = await sess.variable(name, value, optimizer=record.get("optimizer"),
-                                  partitioner=fixed_size_partitioner(len(record["parts"])) if record["shape"] else None)
-        await create_parts(sess, var.info, value)
-        tasks = [t for t, _, _ in var.info.parts]
+    # its parts back; parts that survived are kept and then overwritten below. A variable pinned
+    # to a task outside the default shards goes back there when the catalog has to place it anew.
+    with device(_pinned(await sess.cluster(), record)):
+        tasks = await _declare_again(sess, record, value)
     calls = []
     for i, task in enumerate(tasks):
         _, saved = pieces[(name, i)]
@@ -324,12 +326,40 @@ async def _restore_variable(sess: "AsyncSession", record: dict[str, Any], pieces
     await asyncio.gather(*calls)
 
 
+def _pinned(spec: Any, record: dict[str, Any]) -> str | None:
+    """The task every part of ``record`` was on, when it is a task of ``spec`` that default
+    placement would not choose (a variable pinned with ``zf.device`` to a worker); else None."""
+    where = {p["task"] for p in record["parts"]}
+    if len(where) != 1:
+        return None
+    task = next(iter(where))
+    return task if task in spec and TaskId.parse(task) not in shard_tasks(spec) else None
+
+
+async def _declare_again(sess: "AsyncSession", record: dict[str, Any], value: np.ndarray) -> list[Any]:
+    """Get-or-create the variable (or static table) of ``record`` and its parts; their tasks."""
+    name = record["name"]
+    table = record.get("table")
+    if table:  # a static embedding table: parts are row sets by strategy, one per part
+        emb = await sess.embedding(name, table["num_embeddings"], table["dim"], partitions=len(record["parts"]),
+                                   partition_strategy=table["strategy"], dtype=record["dtype"],
+                                   initializer=record.get("initializer"), optimizer=record.get("optimizer"))
+        await create_table_parts(sess, emb.info, record)
+        return list(emb.info.tasks)
+    var = await sess.variable(name, value, optimizer=record.get("optimizer"),
+                              partitioner=fixed_size_partitioner(len(record["parts"])) if record["shape"] else None)
+    await create_parts(sess, var.info, value)
+    return [t for t, _, _ in var.info.parts]
+
+
 async def _restore_table(sess: "AsyncSession", record: dict[str, Any], pieces: dict) -> None:
     t = record["table"]
     n_old = len(record["parts"])
     saved = [pieces[(record["name"], i)][1] for i in range(n_old)]
-    emb = await sess.embedding(record["name"], None, t["dim"], dtype=record["dtype"], initializer=record.get("initializer"),
-                               optimizer=record.get("optimizer"), min_frequency=t["min_frequency"], capacity=t["capacity"])
+    with device(_pinned(await sess.cluster(), record)):
+        emb = await sess.embedding(record["name"], None, t["dim"], dtype=record["dtype"],
+                                   initializer=record.get("initializer"), optimizer=record.get("optimizer"),
+                                   min_frequency=t["min_frequency"], capacity=t["capacity"])
     await create_table_parts(sess, emb.info, record)
     ids = np.concatenate([s["ids"] for s in saved])
     values = np.concatenate([s["value"] for s in saved])

@@ -167,8 +167,8 @@ class AsyncEmbedding:
                 raise InvalidArgument(f"{what} of {self.name!r}: id {int(flat[bad][0])} out of range [0, {num})")
         return flat
 
-    async def _per_part(self, uniq: np.ndarray, op: str, create: bool = True,
-                        rows: np.ndarray | None = None) -> list[tuple[np.ndarray, Any]]:
+    async def _per_part(self, uniq: np.ndarray, op: str, create: bool = True, rows: np.ndarray | None = None,
+                        timeout: float | None = None) -> list[tuple[np.ndarray, Any]]:
         """``emb_lookup`` (``rows`` None) or ``emb_push`` of ``rows`` to each part owning some ids."""
         part, local = self.info.owners(uniq)
         masks = [(p, part == p) for p in np.unique(part).tolist()]
@@ -177,11 +177,13 @@ class AsyncEmbedding:
             ids = np.require(local[mask], requirements="C")
             body: Request = (rq.EmbLookup(name=self.name, part=p, ids=ids, create=create) if rows is None else
                                 rq.EmbPush(name=self.name, part=p, ids=ids, grads=np.require(rows[mask], requirements="C")))
-            calls.append(self._session.call_task(self.info.tasks[p], "ps", op, body))
+            calls.append(self._session.call_task(self.info.tasks[p], "ps", op, body, timeout=timeout))
         results = await asyncio.gather(*calls)
         return [(mask, r) for (_, mask), r in zip(masks, results)]
 
-    async def lookup(self, ids: Any, *, create: bool = True) -> np.ndarray:
+    # Every method takes ``timeout=``: the deadline of each of its requests (the session's by
+    # default). A shard that does not answer in time: DeadlineExceeded.
+    async def lookup(self, ids: Any, *, create: bool = True, timeout: float | None = None) -> np.ndarray:
         """Rows for ``ids`` of any integer shape: an array of shape ``(*ids.shape, dim)``."""
         shape = np.shape(ids)
         flat = self._ids(ids, "lookup")
@@ -189,12 +191,12 @@ class AsyncEmbedding:
             return np.zeros((*shape, self.dim), self.info.dtype)
         uniq, inverse = np.unique(flat, return_inverse=True)
         rows = np.empty((len(uniq), self.dim), self.info.dtype)
-        for mask, got in await self._per_part(uniq, "emb_lookup", bool(create)):
+        for mask, got in await self._per_part(uniq, "emb_lookup", bool(create), timeout=timeout):
             rows[mask] = got
         return rows[inverse.reshape(-1)].reshape(*shape, self.dim)
 
     async def lookup_sparse(self, ids: Any, segment_ids: Any, weights: Any = None, combiner: str = "mean",
-                            num_segments: int | None = None) -> np.ndarray:
+                            num_segments: int | None = None, *, timeout: float | None = None) -> np.ndarray:
         """TF's embedding_lookup_sparse: rows combined per segment by ``sum``, ``mean`` or ``sqrtn``."""
         if combiner not in COMBINERS:
             raise InvalidArgument(f"combiner must be one of {', '.join(COMBINERS)}, got {combiner!r}")
@@ -206,7 +208,7 @@ class AsyncEmbedding:
         if w.shape != flat.shape:
             raise InvalidArgument(f"weights must have one value per id ({flat.size}), got {w.shape}")
         n = int(num_segments) if num_segments is not None else (int(seg.max()) + 1 if seg.size else 0)
-        emb = (await self.lookup(flat)).astype(np.float64)
+        emb = (await self.lookup(flat, timeout=timeout)).astype(np.float64)
         summed = np.zeros((n, self.dim))
         np.add.at(summed, seg, emb * w[:, None])
         if combiner != "sum":
@@ -216,7 +218,7 @@ class AsyncEmbedding:
             summed = np.divide(summed, norm[:, None], out=np.zeros_like(summed), where=norm[:, None] != 0)
         return summed.astype(self.info.dtype)
 
-    async def push(self, ids: Any, grads: Any) -> int:
+    async def push(self, ids: Any, grads: Any, *, timeout: float | None = None) -> int:
         """Sparse gradients: duplicates summed here, each shard gets its unique ids only. Returns
         how many rows were updated (rows a dynamic table has not admitted are dropped and counted)."""
         flat = self._ids(ids, "push")
@@ -228,20 +230,21 @@ class AsyncEmbedding:
         if flat.size == 0:
             return 0
         uniq, summed = unique_sum(flat, g.reshape(-1, self.dim))
-        return sum(int(r) for _, r in await self._per_part(uniq, "emb_push", rows=summed))
+        return sum(int(r) for _, r in await self._per_part(uniq, "emb_push", rows=summed, timeout=timeout))
 
-    async def stats(self) -> list[dict[str, Any]]:
+    async def stats(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(
-            self._session.call_task(t, "ps", "emb_stats", rq.EmbIds(name=self.name, part=p))
+            self._session.call_task(t, "ps", "emb_stats", rq.EmbIds(name=self.name, part=p), timeout=timeout)
             for p, t in enumerate(self.info.tasks)
         )))
 
-    async def size(self) -> int:
+    async def size(self, *, timeout: float | None = None) -> int:
         """Rows held, over all shards."""
-        return sum(s["rows"] for s in await self.stats())
+        return sum(s["rows"] for s in await self.stats(timeout=timeout))
 
     async def evict(self, older_than: "int | float | datetime.timedelta | None" = None, *,
-                    older_than_steps: int | None = None, older_than_seconds: float | None = None) -> int:
+                    older_than_steps: int | None = None, older_than_seconds: float | None = None,
+                    timeout: float | None = None) -> int:
         """Drop rows of a dynamic table not updated in the last N pushes (an int) or for a while
         (a timedelta, or ``older_than_seconds``). Returns how many were dropped."""
         if isinstance(older_than, datetime.timedelta):
@@ -254,18 +257,20 @@ class AsyncEmbedding:
             raise InvalidArgument("evict needs older_than, older_than_steps or older_than_seconds")
         counts = await asyncio.gather(*(
             self._session.call_task(t, "ps", "emb_evict", rq.EmbEvict(
-                name=self.name, part=p, older_than_step=older_than_steps, older_than_seconds=older_than_seconds))
+                name=self.name, part=p, older_than_step=older_than_steps, older_than_seconds=older_than_seconds),
+                timeout=timeout)
             for p, t in enumerate(self.info.tasks)
         ))
         return int(sum(counts))
 
-    async def export(self, page: int = 1 << 16) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
-        """``(ids, rows)`` shard by shard, a page at a time, for serving."""
+    async def export(self, page: int = 1 << 16, *, timeout: float | None = None) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
+        """``(ids, rows)`` shard by shard, a page at a time, for serving (``timeout``: per page)."""
         for p, task in enumerate(self.info.tasks):
             start = 0
             while True:
                 got = await self._session.call_task(task, "ps", "emb_export",
-                                                    rq.EmbExport(name=self.name, part=p, start=start, limit=page))
+                                                    rq.EmbExport(name=self.name, part=p, start=start, limit=page),
+                                                    timeout=timeout)
                 if len(got["ids"]):
                     yield self.info.global_ids(p, got["ids"]), got["rows"]
                 if not got["more"]:

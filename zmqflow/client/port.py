@@ -23,8 +23,9 @@ class SessionPort(Protocol):
 
     timeout: float
 
-    async def call_task(self, task: TaskId, service: str, op: str, body: Any = None) -> Any:
-        """``service.op`` on one task of the session's cluster, with the session's deadline."""
+    async def call_task(self, task: TaskId, service: str, op: str, body: Any = None, *,
+                        timeout: float | None = None) -> Any:
+        """``service.op`` on one task of the session's cluster, within ``timeout`` (the session's by default)."""
         ...
 
     async def call_catalog(self, op: str, body: Any, timeout: float | None = None) -> Any:
@@ -35,7 +36,7 @@ class SessionPort(Protocol):
         """The cluster the session talks to."""
         ...
 
-    async def push(self, grads: Mapping[Any, Any], step: int | None = None) -> int | None:
+    async def push(self, grads: Mapping[Any, Any], step: int | None = None, *, timeout: float | None = None) -> int | None:
         """Gradients through each variable's optimizer; the session keeps the step it returns."""
         ...
 

@@ -13,13 +13,14 @@ key, and its session takes the task's name; any other process presents the clien
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..cluster import Address, ClusterSpec, TaskId, catalog_task, load_config, shard_tasks
-from ..errors import ConfigError, InvalidArgument
+from ..errors import ConfigError, InvalidArgument, NotFound, ShardStateLost, ZmqflowError
 from ..rpc import DEFAULT_TIMEOUT, RpcClient
 from ..transport.base import Transport
 from ..transport.curve import Keys, keys_from
@@ -32,6 +33,11 @@ from .variables import push as _push
 __all__ = ["AsyncSession", "WAIT_MARGIN"]
 
 WAIT_MARGIN = 5.0  # what a blocking caller waits beyond the call's own deadline
+# Ops on state a shard held: a NotFound from one of them may mean the shard restarted empty.
+_STATE_OPS = frozenset({"pull", "assign", "scatter", "push", "emb_lookup", "emb_push", "emb_stats", "emb_evict",
+                        "emb_export"})
+_PROBE_TIMEOUT = 5.0  # at most, asking a shard who it is after a NotFound: it just answered
+_LEARN_TIMEOUT = 10.0  # at most, asking a shard who it is when a handle first names it
 
 
 def _target_endpoint(target: str | None, cluster: Any, task: "TaskId | str | None") -> tuple[str, ClusterSpec | None, TaskId | None]:
@@ -76,6 +82,7 @@ class AsyncSession:
         self.replicas: list[str] = []  # who contributed to the last synchronous step this session pushed
         self._client: RpcClient | None = None
         self._infos: dict[str, VarInfo] = {}
+        self._incarnations: dict[TaskId, str] = {}  # each shard this session used, as it was then
 
     @property
     def client(self) -> RpcClient:
@@ -84,10 +91,59 @@ class AsyncSession:
                                      transport=self.transport, keys=self.keys)
         return self._client
 
-    async def call_task(self, task: TaskId, service: str, op: str, body: Any = None) -> Any:
-        """``service.op`` on ``task`` of this session's cluster."""
+    async def call_task(self, task: TaskId, service: str, op: str, body: Any = None, *,
+                        timeout: float | None = None) -> Any:
+        """``service.op`` on ``task`` of this session's cluster, within ``timeout`` (the session's
+        by default). A shard's NotFound for state it held, from a shard that restarted since this
+        session learned of it, is raised as :class:`ShardStateLost` naming the shard."""
         spec = self._spec or await self.cluster()
-        return await self.client.call(spec.address(task).endpoint, service, op, body, name=str(task))
+        try:
+            return await self.client.call(spec.address(task).endpoint, service, op, body, timeout=timeout, name=str(task))
+        except NotFound as exc:
+            if service != "ps" or op not in _STATE_OPS:
+                raise
+            lost = await self._state_lost(task, exc, min(_PROBE_TIMEOUT, self.timeout if timeout is None else timeout))
+            if lost is None:
+                raise
+            raise lost from exc
+
+    async def _learn(self, tasks: Iterable[TaskId]) -> None:
+        """Remember who each shard of ``tasks`` is now (its incarnation), once per task: how this
+        session later tells a restarted shard from an unknown name. A shard that does not answer
+        is asked again next time."""
+        new = sorted({t for t in tasks if t not in self._incarnations})
+        if not new:
+            return
+        spec = await self.cluster()
+        limit = min(_LEARN_TIMEOUT, self.timeout)
+        got = await asyncio.gather(*(self.client.call(spec.address(t).endpoint, "ps", "status", timeout=limit,
+                                                      name=str(t)) for t in new), return_exceptions=True)
+        for task, status in zip(new, got):
+            if isinstance(status, dict) and isinstance(status.get("incarnation"), str):
+                self._incarnations.setdefault(task, status["incarnation"])
+
+    async def _state_lost(self, task: TaskId, exc: NotFound, timeout: float) -> ShardStateLost | None:
+        """:class:`ShardStateLost` when ``task``'s shard is not the one this session used (it
+        restarted), else None: the NotFound stands."""
+        known = self._incarnations.get(task)
+        if known is None:
+            return None
+        spec = await self.cluster()
+        try:
+            status = await self.client.call(spec.address(task).endpoint, "ps", "status", timeout=timeout,
+                                            name=str(task))
+        except ZmqflowError:
+            return None
+        now = status.get("incarnation")
+        if not isinstance(now, str) or now == known:
+            return None
+        started = status.get("started")
+        when = (f" at {datetime.datetime.fromtimestamp(started).isoformat(timespec='seconds')}"
+                if isinstance(started, (int, float)) else "")
+        return ShardStateLost(
+            f"ps shard {task} lost its state: it restarted{when} since this session used it, and the state it held "
+            f"then is gone ({exc.message}). Restore from a checkpoint: zf.checkpoint.restore(sess, dir), or "
+            f"zf.checkpoint.recover(sess, dir) on a running cluster", task=str(task), incarnation=now, previous=known)
 
     async def call_catalog(self, op: str, body: Any, timeout: float | None = None) -> Any:
         """``catalog.op`` on the task that holds the catalog."""
@@ -104,6 +160,7 @@ class AsyncSession:
         info = await declare(self, name, initial_value, shape=shape, dtype=dtype, initializer=initializer,
                              optimizer=optimizer, partitioner=partitioner)
         self._infos[name] = info
+        await self._learn(t for t, _, _ in info.parts)
         return AsyncVariable(self, info)
 
     async def embedding(self, name: str, num_embeddings: int | None, dim: int, *, partitions: Any = None,
@@ -116,6 +173,7 @@ class AsyncSession:
         info = await declare_embedding(self, name, num_embeddings, dim, partitions=partitions,
                                        partition_strategy=partition_strategy, dtype=dtype, initializer=initializer,
                                        optimizer=optimizer, min_frequency=min_frequency, capacity=capacity)
+        await self._learn(info.tasks)
         return AsyncEmbedding(self, info)
 
     async def _lookup(self, name: str, timeout: float | None) -> dict[str, Any]:
@@ -125,12 +183,15 @@ class AsyncSession:
 
     async def get_embedding(self, name: str, timeout: float | None = None) -> AsyncEmbedding:
         """An existing table by name, waiting (up to ``timeout``) until it exists."""
-        return AsyncEmbedding(self, TableInfo.from_record(await self._lookup(name, timeout)))
+        info = TableInfo.from_record(await self._lookup(name, timeout))
+        await self._learn(info.tasks)
+        return AsyncEmbedding(self, info)
 
     async def get(self, name: str, timeout: float | None = None) -> AsyncVariable:
         """The variable ``name`` without creating it, waiting (up to ``timeout``) until it exists."""
         info = VarInfo.from_record(await self._lookup(name, timeout))
         self._infos[name] = info
+        await self._learn(t for t, _, _ in info.parts)
         return AsyncVariable(self, info)
 
     async def uninitialized(self, names: list[str]) -> list[str]:
@@ -153,25 +214,31 @@ class AsyncSession:
             info = (await self.get(var, timeout=0)).info
         return info
 
-    async def pull(self, names: "list[str | AsyncVariable]") -> dict[str, Any]:
-        """Current values by name: one request per shard (more for big variables), all at once."""
+    async def pull(self, names: "list[str | AsyncVariable]", *, timeout: float | None = None) -> dict[str, Any]:
+        """Current values by name: one request per shard (more for big variables), all at once,
+        each within ``timeout`` (the session's by default)."""
         infos = [await self._info(n) for n in names]
-        return await _pull(self, infos)
+        return await _pull(self, infos, timeout)
 
-    async def push(self, grads: "Mapping[str | AsyncVariable, Any]", step: int | None = None) -> int | None:
+    async def push(self, grads: "Mapping[str | AsyncVariable, Any]", step: int | None = None, *,
+                   timeout: float | None = None) -> int | None:
         """Apply each variable's optimizer to its gradient (an array, or ``(indices, rows)``).
         Synchronous variables return the new global step once this step is applied."""
         infos = {await self._info(k): v for k, v in grads.items()}
-        result = await _push(self, infos, self.step if step is None else step)
+        result = await _push(self, infos, self.step if step is None else step, timeout)
         if result["step"] is not None:
             self.step = result["step"]
         if result["replicas"] is not None:
             self.replicas = result["replicas"]
         return result["step"]
 
-    async def global_step(self) -> int:
+    async def global_step(self, *, timeout: float | None = None) -> int:
+        """The highest synchronous step on the default shards and on every task holding a
+        variable this session has used (a variable pinned to a worker)."""
         spec = await self.cluster()
-        steps = await asyncio.gather(*(self.call_task(t, "ps", "global_step") for t in shard_tasks(spec)))
+        used = {t for info in self._infos.values() for t, _, _ in info.parts}
+        tasks = [t for t in spec.tasks if t in used or t in shard_tasks(spec)]
+        steps = await asyncio.gather(*(self.call_task(t, "ps", "global_step", timeout=timeout) for t in tasks))
         self.step = max(steps, default=0)
         return self.step
 

@@ -195,7 +195,9 @@ async def create_parts(sess: SessionPort, info: VarInfo, value: np.ndarray | Non
 # moving values ------------------------------------------------------------------------------
 
 
-async def pull(sess: SessionPort, infos: list[VarInfo]) -> dict[str, np.ndarray]:
+async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = None) -> dict[str, np.ndarray]:
+    """Every part's rows, in requests of about SLICE_BYTES all sent at once, each with ``timeout``
+    (the session's by default)."""
     outs = {info.name: np.empty(info.shape, dtype=info.dtype) for info in infos}
     where: dict[int, tuple[VarInfo, int, tuple[int | None, int | None]]] = {}
     items = []
@@ -210,7 +212,7 @@ async def pull(sess: SessionPort, infos: list[VarInfo]) -> dict[str, np.ndarray]
     for task, batches in _bundle(items).items():
         for batch in batches:
             keys = [key for key, _ in batch]
-            requests.append((keys, sess.call_task(task, "ps", "pull", rq.Pull(items=[it for _, it in batch]))))
+            requests.append((keys, sess.call_task(task, "ps", "pull", rq.Pull(items=[it for _, it in batch]), timeout=timeout)))
     results = await _all([r for _, r in requests])
     for (keys, _), arrays in zip(requests, results):
         for key, arr in zip(keys, arrays):
@@ -220,7 +222,7 @@ async def pull(sess: SessionPort, infos: list[VarInfo]) -> dict[str, np.ndarray]
     return outs
 
 
-async def assign(sess: SessionPort, info: VarInfo, x: Any, mode: str) -> None:
+async def assign(sess: SessionPort, info: VarInfo, x: Any, mode: str, timeout: float | None = None) -> None:
     x = _as_array(x, info, "value")
     items = []
     for p, (task, _, _) in enumerate(info.parts):
@@ -228,7 +230,7 @@ async def assign(sess: SessionPort, info: VarInfo, x: Any, mode: str) -> None:
             rows = _rows_of(info, p, chunk, x)
             items.append((task, rows.nbytes, rq.RowsItem(info.name, p, chunk[0], chunk[1], rows)))
     await _all([
-        sess.call_task(task, "ps", "assign", rq.Assign(items=batch, mode=mode))
+        sess.call_task(task, "ps", "assign", rq.Assign(items=batch, mode=mode), timeout=timeout)
         for task, batches in _bundle(items).items() for batch in batches
     ])
 
@@ -259,15 +261,18 @@ def _split_sparse(info: VarInfo, indices: Any, rows: Any, what: str) -> list[tup
     return out
 
 
-async def scatter(sess: SessionPort, info: VarInfo, indices: Any, rows: Any, mode: str) -> None:
+async def scatter(sess: SessionPort, info: VarInfo, indices: Any, rows: Any, mode: str,
+                  timeout: float | None = None) -> None:
     parts = _split_sparse(info, indices, rows, f"scatter_{mode}")
     await _all([
-        sess.call_task(info.parts[p][0], "ps", "scatter", rq.Scatter(name=info.name, part=p, indices=i, rows=r, mode=mode))
+        sess.call_task(info.parts[p][0], "ps", "scatter", rq.Scatter(name=info.name, part=p, indices=i, rows=r, mode=mode),
+                       timeout=timeout)
         for p, i, r in parts
     ])
 
 
-async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None) -> dict[str, Any]:
+async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None,
+               timeout: float | None = None) -> dict[str, Any]:
     """Dense gradients (arrays) or sparse ones (``(indices, rows)``) through each variable's optimizer."""
     async_items: list[tuple[TaskId, int, rq.RowsItem]] = []
     sync_dense: dict[TaskId, list[rq.RowsItem]] = defaultdict(list)
@@ -289,12 +294,12 @@ async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None
                     async_items.append((task, rows.nbytes, item))
     calls = []
     for task, batches in _bundle(async_items).items():
-        calls += [sess.call_task(task, "ps", "push", rq.Push(dense=b, step=step)) for b in batches]
+        calls += [sess.call_task(task, "ps", "push", rq.Push(dense=b, step=step), timeout=timeout) for b in batches]
     for task, items in async_sparse.items():
-        calls.append(sess.call_task(task, "ps", "push", rq.Push(sparse=items, step=step)))
+        calls.append(sess.call_task(task, "ps", "push", rq.Push(sparse=items, step=step), timeout=timeout))
     for task in set(sync_dense) | set(sync_sparse):
         body = rq.Push(dense=sync_dense.get(task, []), sparse=sync_sparse.get(task, []), step=step)
-        calls.append(sess.call_task(task, "ps", "push", body))
+        calls.append(sess.call_task(task, "ps", "push", body, timeout=timeout))
     results = await _all(calls)
     steps = [r["step"] for r in results if r.get("step") is not None]
     replicas = [r["replicas"] for r in results if isinstance(r.get("replicas"), list)]
@@ -318,27 +323,29 @@ class AsyncVariable:
         """Each part's task and row range ``[start, stop)``."""
         return self.info.describe()
 
-    async def read(self) -> np.ndarray:
-        return (await pull(self._session, [self.info]))[self.info.name]
+    # Every method takes ``timeout=``: the deadline of each of its requests (they are sent at
+    # once), the session's by default. A shard that does not answer in time: DeadlineExceeded.
+    async def read(self, *, timeout: float | None = None) -> np.ndarray:
+        return (await pull(self._session, [self.info], timeout))[self.info.name]
 
-    async def assign(self, x: Any) -> None:
-        await assign(self._session, self.info, x, "set")
+    async def assign(self, x: Any, *, timeout: float | None = None) -> None:
+        await assign(self._session, self.info, x, "set", timeout)
 
-    async def assign_add(self, x: Any) -> None:
-        await assign(self._session, self.info, x, "add")
+    async def assign_add(self, x: Any, *, timeout: float | None = None) -> None:
+        await assign(self._session, self.info, x, "add", timeout)
 
-    async def assign_sub(self, x: Any) -> None:
-        await assign(self._session, self.info, x, "sub")
+    async def assign_sub(self, x: Any, *, timeout: float | None = None) -> None:
+        await assign(self._session, self.info, x, "sub", timeout)
 
-    async def scatter_add(self, indices: Any, rows: Any) -> None:
-        await scatter(self._session, self.info, indices, rows, "add")
+    async def scatter_add(self, indices: Any, rows: Any, *, timeout: float | None = None) -> None:
+        await scatter(self._session, self.info, indices, rows, "add", timeout)
 
-    async def scatter_update(self, indices: Any, rows: Any) -> None:
-        await scatter(self._session, self.info, indices, rows, "update")
+    async def scatter_update(self, indices: Any, rows: Any, *, timeout: float | None = None) -> None:
+        await scatter(self._session, self.info, indices, rows, "update", timeout)
 
-    async def push(self, grad: Any, *, step: int | None = None) -> int | None:
+    async def push(self, grad: Any, *, step: int | None = None, timeout: float | None = None) -> int | None:
         """Apply the variable's optimizer to ``grad`` (or ``(indices, rows)``); returns the new step when synchronous."""
-        return await self._session.push({self: grad}, step=step)
+        return await self._session.push({self: grad}, step=step, timeout=timeout)
 
     def __repr__(self) -> str:
         return f"<AsyncVariable {self.name!r} shape={list(self.shape)} {self.dtype} parts={len(self.info.parts)}>"

@@ -91,12 +91,12 @@ class AsyncServer:
             "worker": WorkerService(allow_modules),
             "ring": RingService(),
         }
-        shards = shard_tasks(self.spec)
-        if self.task in shards:
-            replicas = [str(t) for t in self.spec.tasks if t.job in ("chief", "worker")]
-            self._services["ps"] = PsService(replicas, reachable=self.client_reachable, limits=limits.state(),
-                                             checkpoint_roots=CheckpointRoots.parse(checkpoint_roots))
-        if self.task == shards[0]:
+        # Every task hosts a shard, as every TF task can hold variables (``zf.device("/job:worker/task:0")``);
+        # one that holds none costs an empty store. Default placement stays on the ps tasks (shard_tasks).
+        replicas = [str(t) for t in self.spec.tasks if t.job in ("chief", "worker")]
+        self._services["ps"] = PsService(replicas, reachable=self.client_reachable, limits=limits.state(),
+                                         checkpoint_roots=CheckpointRoots.parse(checkpoint_roots))
+        if self.task == shard_tasks(self.spec)[0]:
             self._services["catalog"] = CatalogService(self.spec, limits.state())
         self._services.update(services or {})
         self._rpc: RpcServer | None = None

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import uuid
 from collections import defaultdict
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -48,6 +50,10 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
     def __init__(self, replicas: list[str] | None = None, reachable: Callable[[bytes], bool] | None = None,
                  limits: StateLimits = DEFAULT_STATE_LIMITS, checkpoint_roots: CheckpointRoots | None = None):
         super().__init__()
+        # Who this shard is since it started: a session that sees another one on the same task
+        # knows the shard restarted and lost what it held (ShardStateLost), not that a name is unknown.
+        self.incarnation = uuid.uuid4().hex[:16]
+        self.started = time.time()
         self.limits = limits
         self._building: dict[PartKey, asyncio.Future] = {}  # parts being built off the loop
         self.checkpoint_roots = checkpoint_roots or CheckpointRoots()  # none: ps.save writes nowhere
@@ -73,6 +79,8 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
     def status(self, ctx: CallContext, req: rq.Empty) -> dict[str, Any]:
         return {
             **self.fence_state(),
+            "incarnation": self.incarnation,
+            "started": self.started,
             "variables": len(self.store.parts),
             "bytes": self.store.nbytes + sum(t.nbytes for t in self.tables.values()),
             "global_step": self._step(),
