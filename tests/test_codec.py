@@ -558,7 +558,7 @@ def test_error_fields_default_to_empty_strings():
 KNOWN = [
     errors.ConfigError, errors.AddressInUse, errors.ClusterNotReady, errors.Unavailable, errors.DeadlineExceeded,
     errors.NotFound, errors.Recovering, errors.InvalidArgument, errors.VariableConflict, errors.CollectiveMismatch,
-    errors.PermissionDenied, errors.Unauthenticated, errors.ResourceExhausted,
+    errors.PermissionDenied, errors.Unauthenticated, errors.ResourceExhausted, errors.ShardStateLost,
     errors.ProtocolError, errors.VersionMismatch,
 ]
 

@@ -14,7 +14,8 @@ import pytest
 
 import zmqflow as zf
 from zmqflow import errors
-from zmqflow.testing import local_cluster
+from zmqflow.client.ring import AsyncRing
+from zmqflow.testing import REPLY, faulty_cluster, local_cluster
 
 from .conftest import arun, launch_script
 
@@ -176,3 +177,25 @@ def test_a_killed_rank_makes_the_others_raise_unavailable_within_5s(tmp_path, pr
         assert r.wait(10) == 3, r.output
         assert time.monotonic() - killed_at < 5
         assert "worker:2" in r.wait_for_line("unavailable:", 1)
+
+
+def test_a_rank_that_completed_the_last_call_and_left_is_not_taken_for_a_death():
+    """worker:0 completes an allreduce, but its acknowledgements of worker:1's chunks are lost;
+    it leaves and stops. worker:1 holds every chunk it needs: its call completes, instead of
+    failing on the lost acknowledgement or on worker:0's connection going down."""
+    async def main(leave: bool):
+        async with faulty_cluster({"worker": 2}, timeout=10) as (servers, faults):
+            a, b = servers["worker:0"], servers["worker:1"]
+            ra, rb = AsyncRing(a, timeout=10), AsyncRing(b, timeout=10)
+            faults.hold(direction=REPLY, op="ring.deposit", server="worker:0")
+            slower = asyncio.ensure_future(rb.allreduce(np.arange(8.0)))
+            np.testing.assert_array_equal(await ra.allreduce(np.arange(8.0)), 2 * np.arange(8.0))
+            assert not slower.done()  # still waiting for worker:0's acknowledgement
+            if leave:
+                await ra.leave()
+            await a.stop()
+            return await slower
+
+    np.testing.assert_array_equal(arun(main(leave=True), timeout=30), 2 * np.arange(8.0))
+    with pytest.raises(errors.Unavailable, match="worker:0"):  # without the word, a lost acknowledgement is a death
+        arun(main(leave=False), timeout=30)

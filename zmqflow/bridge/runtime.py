@@ -10,6 +10,7 @@ process as ``worker:0`` beside one ``ps:0``), so the same script runs alone.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Mapping
@@ -19,7 +20,7 @@ from typing import Any
 from ..client.blocking import Session
 from ..client.ring import Ring, default_members
 from ..cluster import ClusterSpec, TaskId, resolve
-from ..errors import ConfigError
+from ..errors import ConfigError, ZmqflowError
 from ..ports import free_port
 from ..server.task import Server
 
@@ -53,12 +54,18 @@ class Runtime:
         return len(self.members)
 
     def close(self) -> None:
+        if self.ring is not None:
+            try:  # done here: a peer finishing the last collective must not take our exit for a death
+                self.ring.leave()
+            except ZmqflowError as exc:
+                log.debug("leaving the ring ended with %s", exc)
         self.session.close()
         self.server.stop()
         for s in self._extra:
             s.stop()
 
 
+log = logging.getLogger("zmqflow.bridge")
 _lock = threading.Lock()
 _current: Runtime | None = None
 

@@ -75,6 +75,11 @@ class AsyncElasticRing:
         """Ranks waiting to join, as the leader counts them (0 on the other ranks)."""
         return self.state.waiting if self.leader == self.server.task else 0
 
+    async def leave(self, timeout: float = 5.0) -> None:
+        """Tell the current generation's members this rank is done (see :meth:`AsyncRing.leave`)."""
+        if self.ring is not None:
+            await self.ring.leave(timeout)
+
     def close(self) -> None:
         """Training is over here: refuse joins and drop the last generation's boxes."""
         self.state.close()
@@ -111,6 +116,7 @@ class ElasticRing:
 
     def close(self) -> None:
         async def close() -> None:
+            await self._async.leave()
             self._async.close()
 
-        self._server.loop_thread.call(close(), timeout=10.0)
+        self._server.loop_thread.call(close(), timeout=15.0)

@@ -73,6 +73,7 @@ class AsyncRing:
         self.chunk_bytes = int(chunk_bytes)
         self.timeout = server.default_timeout if timeout is None else float(timeout)
         self.seq = 0
+        self.completed = -1  # the last call this rank completed
         self._endpoints = [server.spec.address(m).endpoint for m in self.members]
         self._connected = False
         self._aborts: list[asyncio.Future] = []
@@ -138,6 +139,19 @@ class AsyncRing:
     async def barrier(self, *, timeout: float | None = None) -> None:
         """Return once every rank has reached its barrier."""
         await self._allreduce_buffer(np.zeros(self.size, np.int32), "sum", _meta("barrier", "sum", []), self._deadline(timeout))
+
+    async def leave(self, timeout: float = 5.0) -> None:
+        """Tell every live member this rank is done (after its last call), and wait for them to
+        hear it: a rank that completed the last call and exits is then not taken for a death by a
+        member still finishing that call (whose last acknowledgement from here may never arrive)."""
+        if self.size == 1:
+            return
+        client = self.server.client
+        body = crq.Leave(ring=self.name, src=self.rank, seq=self.completed)
+        calls = [client.start_call(ep, "ring", "leave", body, timeout=timeout, name=str(self.members[i]))
+                 for i, ep in enumerate(self._endpoints) if i != self.rank and client.peer_state(ep) != "down"]
+        if calls:
+            await asyncio.gather(*calls, return_exceptions=True)
 
     # machinery --------------------------------------------------------------------------
     def _deadline(self, timeout: float | None) -> float:
@@ -209,6 +223,7 @@ class AsyncRing:
             if sends:  # every chunk acknowledged: the right holds it, our buffer is ours again
                 await asyncio.gather(*sends)
             backend.synchronize()
+            self.completed = max(self.completed, seq)
         except ZmqflowError:
             for fut in sends:
                 if not fut.done():
@@ -226,14 +241,25 @@ class AsyncRing:
     def _send(self, seq: int, step: Step, k: int, data: Any, meta: list[Any], deadline: float) -> asyncio.Future:
         right = (self.rank + 1) % self.size
         remaining = max(0.05, deadline - asyncio.get_running_loop().time())
-        fut = self.server.client.start_call(
+        call = self.server.client.start_call(
             self._endpoints[right], "ring", "deposit",
             crq.Deposit(ring=self.name, seq=seq, phase=step.phase, step=step.index, chunk=k, src=self.rank,
                         meta=meta, data=data),
             timeout=remaining, name=str(self.members[right]),
         )
+        fut = asyncio.ensure_future(self._delivered(call, right, seq))
         fut.add_done_callback(lambda f: self._sent(f, seq))
         return fut
+
+    async def _delivered(self, call: asyncio.Future, right: int, seq: int) -> Any:
+        """A deposit's acknowledgement; one lost because the right neighbour left after completing
+        this call counts as delivered (it could not have completed without the chunk)."""
+        try:
+            return await call
+        except Unavailable:
+            if self.service.departed_after(self.name, right) >= seq:
+                return True
+            raise
 
     def _sent(self, fut: asyncio.Future, seq: int) -> None:
         if fut.cancelled():
@@ -245,7 +271,9 @@ class AsyncRing:
 
     def _first_gone(self, seq: int) -> Unavailable | None:
         client = self.server.client
-        down = [(t, i) for i, ep in enumerate(self._endpoints) if i != self.rank and (t := client.down_since(ep)) is not None]
+        service = self.service
+        down = [(t, i) for i, ep in enumerate(self._endpoints)
+                if i != self.rank and service.departed_after(self.name, i) < seq and (t := client.down_since(ep)) is not None]
         if not down:
             return None
         _, i = min(down)
@@ -351,3 +379,6 @@ class Ring:
 
     def barrier(self, *, timeout: float | None = None) -> None:
         self._call(self._async.barrier(timeout=timeout), timeout)
+
+    def leave(self, timeout: float = 5.0) -> None:
+        self._call(self._async.leave(timeout), timeout)

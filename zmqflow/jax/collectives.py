@@ -13,7 +13,6 @@ program order, and the eager collectives first wait for those still pending
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import os
 import threading
 from collections.abc import Callable, Coroutine, Mapping
@@ -26,7 +25,7 @@ from jax.experimental import io_callback
 from ..bridge import runtime as rt
 from ..client.ring import AsyncRing, Ring
 from ..cluster import ClusterSpec, TaskId
-from ..errors import DeadlineExceeded, InvalidArgument, ZmqflowError
+from ..errors import DeadlineExceeded, InvalidArgument
 from .arrays import Leaves, as_buffer, check_dtype, flatten, fuse, group_by_dtype, prod_of, split, to_jax
 
 __all__ = ["OPS", "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -34,7 +33,6 @@ __all__ = ["OPS", "init", "shutdown", "is_initialized", "rank", "size", "local_r
 
 OPS = ("mean", "sum", "min", "max", "prod")
 
-log = logging.getLogger(__name__)
 
 _traced_once = threading.Event()  # a collective was compiled into a jitted function: its effects may be pending
 
@@ -46,21 +44,11 @@ def init(cluster: "ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | No
     return rt.init(cluster, task, timeout=timeout)
 
 
-def shutdown(*, timeout: float | None = None) -> None:
-    """Leave the cluster; ``init()`` may be called again. Every rank calls it: the ranks meet at
-    a last barrier first, so a rank done early does not stop its server while a slower peer still
-    waits for it to acknowledge that peer's last chunk of the previous collective. The barrier's
-    own last acknowledgement may be lost the same way; by then every rank holds every chunk it
-    needs, so an error there is logged, not raised (``timeout`` bounds it: the runtime's by default)."""
+def shutdown() -> None:
+    """Leave the cluster; ``init()`` may be called again. The runtime tells the other ranks this
+    one is done before its server stops (see ``zmqflow.bridge.runtime.shutdown``)."""
     if _traced_once.is_set():
         jax.effects_barrier()  # no compiled collective may run on a ring that is gone
-    if rt.is_initialized():
-        runtime = rt.current()
-        if runtime.ring is not None and runtime.size > 1:
-            try:
-                runtime.ring.barrier(timeout=timeout)
-            except ZmqflowError as exc:
-                log.debug("zmqflow.jax.shutdown: the last barrier ended with %s", exc)
     rt.shutdown()
 
 

@@ -35,7 +35,7 @@ CLIENT_OPS: Mapping[str, frozenset[str]] = {
 }
 # Task-only, by decision (for the record; anything unlisted above is task-only anyway):
 # ps.fence, ps.unfence, ps.sweep, ps.restore_part, ps.emb_restore, ps.emb_evict, ps.save,
-# ring.join, ring.deposit, ring.abort.
+# ring.join, ring.deposit, ring.abort, ring.leave.
 
 
 def client_ops(service: Any) -> frozenset[str]:

@@ -22,6 +22,7 @@ from .rendezvous import Rendezvous
 __all__ = ["RingService", "BoxKey"]
 
 BoxKey = tuple[str, int, str, int, int]  # ring, seq, phase, step, chunk
+_MAX_RINGS = 1024  # departure records kept (rings are registered by this task's own code; bounded anyway)
 
 
 class RingService(Service):
@@ -33,6 +34,7 @@ class RingService(Service):
         self.aborted: dict[tuple[str, int], ZmqflowError] = {}
         self.retired: set[str] = set()
         self.members: dict[str, list[str]] = {}  # ring -> its members' task names, by rank
+        self.departed: dict[str, dict[int, int]] = {}  # ring -> rank -> the last call it completed
         self.rendezvous = Rendezvous()
 
     def _box(self, key: BoxKey) -> asyncio.Future:
@@ -63,6 +65,24 @@ class RingService(Service):
     def abort(self, ctx: CallContext, req: rq.Abort) -> bool:
         self.fail(req.ring, req.seq, error_class(req.code)(req.message, **(req.details or {})))
         return True
+
+    @op(rq.Leave)
+    def leave(self, ctx: CallContext, req: rq.Leave) -> bool:
+        """A member is done after call ``seq``: it had every chunk of those calls, so its going
+        away fails none of them here (a lost acknowledgement of the last is not a lost chunk)."""
+        names = self.members.get(req.ring)
+        if ctx.verified and names is not None and not (req.src < len(names) and names[req.src] == ctx.source):
+            raise PermissionDenied(f"ring {req.ring!r}: {ctx.source} may not leave as rank {req.src}", task=ctx.source)
+        if req.ring in self.retired or names is None:
+            return False
+        if len(self.departed) >= _MAX_RINGS and req.ring not in self.departed:
+            self.departed.pop(next(iter(self.departed)))
+        self.departed.setdefault(req.ring, {})[req.src] = req.seq
+        return True
+
+    def departed_after(self, ring: str, rank: int) -> int:
+        """The last call ``rank`` completed before it left ``ring`` (-1: it has not left)."""
+        return self.departed.get(ring, {}).get(rank, -1)
 
     def state(self) -> str | None:
         g = self.rendezvous.generation
@@ -116,6 +136,7 @@ class RingService(Service):
         """A ring generation is over: drop its boxes and refuse its chunks from now on."""
         self.retired.add(ring)
         self.members.pop(ring, None)
+        self.departed.pop(ring, None)
         for key in [k for k in self.boxes if k[0] == ring]:
             fut = self.boxes.pop(key)
             if not fut.done():

@@ -104,6 +104,14 @@ class Abort(Request):
     details: Annotated[dict[str, Any], msgspec.Meta(max_length=64, description="a map")] | None = None
 
 
+class Leave(Request):
+    """A rank is done with a ring after call ``seq`` (-1: none): its going is not a death."""
+
+    ring: Ring
+    src: Count
+    seq: Annotated[int, msgspec.Meta(ge=-1, le=(1 << 63) - 1, description="an integer >= -1")]
+
+
 class Join(Request):
     """Ask the coordinator for a place in the next ring generation."""
 
@@ -117,6 +125,7 @@ MASTER: dict[str, type[Request]] = {"ping": Empty, "status": Empty, "cluster": E
 WORKER: dict[str, type[Request]] = {"ping": Empty, "echo": OPEN, "sink": OPEN, "run": Run}
 CATALOG: dict[str, type[Request]] = {"ping": Empty, "declare": Declare, "mark_ready": ByName, "lookup": Lookup,
                                      "uninitialized": Uninitialized, "records": Records}
-RING: dict[str, type[Request]] = {"ping": Empty, "deposit": Deposit, "abort": Abort, "status": Empty, "join": Join}
+RING: dict[str, type[Request]] = {"ping": Empty, "deposit": Deposit, "abort": Abort, "leave": Leave, "status": Empty,
+                                  "join": Join}
 
 
