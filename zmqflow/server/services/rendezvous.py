@@ -192,7 +192,10 @@ class Rendezvous:
         unasked = [t for t in view if t not in kept and t not in rnd.probed]
         for t, status in zip(unasked, await asyncio.gather(*(self._status_of(t) for t in unasked))):
             rnd.probed.add(t)
-            if status is None or status.get("closed"):
+            if status is not None and status.get("closed"):  # its training is over: so is this ring's
+                raise Unavailable(f"ring rendezvous at {self.task}: {t} has finished; the ring is over, "
+                                  f"there is no generation to re-form", task=t)
+            if status is None:
                 continue
             if status["generation"] > self.generation:
                 raise Unavailable(f"ring rendezvous at {self.task}: {t} is alive at generation {status['generation']}, "
