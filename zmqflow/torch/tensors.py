@@ -90,7 +90,8 @@ def from_array(a: Any, like: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def write_into(target: torch.Tensor, a: Any) -> torch.Tensor:
-    """Copy the array ``a`` (same number of elements) into ``target`` in place; returns ``target``."""
+    """Copy ``a`` (an array or tensor of as many elements) into ``target`` in place; returns ``target``."""
+    source = a if isinstance(a, torch.Tensor) else from_array(a, target)
     with torch.no_grad():
-        target.copy_(from_array(a, target).view(target.shape))
+        target.copy_(source.view(target.shape))
     return target
