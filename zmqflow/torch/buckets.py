@@ -183,8 +183,8 @@ class GradientBuckets:
                 if not flags[i]:
                     p.grad = None  # no rank had a gradient: the optimizer skips it, as alone
                     continue
-                value = from_array(part, p).view(p.shape)
-                if p.grad is None or p.grad.layout != torch.strided:
-                    p.grad = value.clone()
+                value = from_array(part, p).view(p.shape)  # the ring's result buffer, its own for this call
+                if p.grad is None or p.grad.layout != torch.strided or p.grad.dtype != p.dtype:
+                    p.grad = value
                 else:
-                    p.grad.copy_(value)
+                    p.grad.set_(value)  # as Horovod does: the same .grad tensor, now on the averaged values, no copy
