@@ -174,3 +174,24 @@ def test_two_ranks_as_processes(procs, tmp_path):
         assert len(mismatches) == 2, p.output
         assert "element count" in mismatches[0] and "dtype" in mismatches[1], mismatches
         p.wait_for_line(f"rank {r} done", 1)
+
+
+EXIT_WITHOUT_SHUTDOWN = '''
+import torch
+import zmqflow.torch as zt
+
+zt.init()
+zt.allreduce(torch.ones(3))
+raise SystemExit(3)  # no zt.shutdown(): the exit hook stops the server before the interpreter goes
+'''
+
+
+def test_a_rank_that_exits_without_shutdown_exits_cleanly(procs, tmp_path):
+    """Left serving into interpreter teardown, a rank whose peer had gone crashed (SIGSEGV, most runs)."""
+    p = launch_script(procs, tmp_path / "bye.py", EXIT_WITHOUT_SHUTDOWN, workers=2)
+    assert p.wait(100) in (1, 3), p.output
+    for task in ("worker:0", "worker:1"):
+        # 3: its own exit; 1: it was still waiting for the other's last acknowledgement (Unavailable),
+        # the race zt.shutdown()'s barrier exists for
+        line = p.wait_for_line(f"{task} exited with code", 1)
+        assert line.endswith(("code 3", "code 1")), p.output

@@ -13,7 +13,9 @@ be in flight at once). A flag says whether this rank had a gradient for the para
 without one contributes zeros, and a parameter that no rank had a gradient for keeps ``.grad``
 None after the average, so the optimizer skips it exactly as it would in one process. Buckets
 left unstarted when backward ends (their parameters were unused) start at :meth:`synchronize`,
-in order, so no rank waits for a call another rank never makes.
+in order, so no rank waits for a call another rank never makes. (So where a parameter may go
+unused on some ranks only, call ``synchronize()`` before any other collective between backward and
+step: until then the ranks may have started different numbers of buckets.)
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ class GradientBuckets:
             parts = [torch.cat(parts)]  # the ring would cut a list this big into calls of its own
         arrays = [to_array(t.contiguous(), f"gradient bucket {b.index}") for t in parts]
         cuda_ready(template)
-        b.keep = parts
+        b.keep = arrays
         b.future = self.ring.submit(self.ring.async_ring.allreduce(arrays, self.op))
         if self._next == 0:
             self.start_order.clear()

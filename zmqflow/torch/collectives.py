@@ -8,6 +8,7 @@ views, CUDA tensors on the GPU through cupy (see :mod:`.tensors`).
 
 from __future__ import annotations
 
+import atexit
 import io
 import threading
 from collections.abc import Iterable, Mapping
@@ -29,13 +30,22 @@ __all__ = [
 ]
 
 Average, Sum, Min, Max = "mean", "sum", "min", "max"
+_exit_hook = False
 _WAIT_MARGIN = 5.0  # beyond the ring's own deadline, so its error (naming the late rank) arrives first
 
 
 def init(cluster: Any = None, task: Any = None, *, timeout: float = 60.0) -> _runtime.Runtime:
     """Join the cluster ``zmqflow launch`` describes in the environment (or ``cluster``/``task``);
-    alone, a private one-rank cluster. Once per process: later calls return the same runtime."""
-    return _runtime.init(cluster, task, timeout=timeout)
+    alone, a private one-rank cluster. Once per process: later calls return the same runtime.
+    A process that exits without :func:`shutdown` (an exception, ``sys.exit``) still stops its
+    server before the interpreter tears down: a loop thread still serving then (a peer's
+    connection dropping) could crash the exit."""
+    global _exit_hook
+    rt = _runtime.init(cluster, task, timeout=timeout)
+    if not _exit_hook:
+        atexit.register(_runtime.shutdown)
+        _exit_hook = True
+    return rt
 
 
 def shutdown() -> None:
