@@ -1,0 +1,21 @@
+"""The DistributedOptimizer-beside-DDP benchmark runs end to end (its figures are reported, never asserted)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from zmqflow.bench import torch_ddp  # noqa: E402
+
+
+def test_quick_ddp_ratio_reports_both_step_times():
+    result = torch_ddp.ddp_ratio(quick=True)
+    assert result["bench"] == "torch_ddp" and result["ranks"] == 2
+    assert result["params"] > 4_000_000
+    assert result["zmqflow_step_ms"] > 0 and result["ddp_step_ms"] > 0
+    assert result["ratio"] == pytest.approx(result["zmqflow_step_ms"] / result["ddp_step_ms"])
+    assert len(result["zmqflow_rounds_ms"]) == len(result["ddp_rounds_ms"]) == result["rounds"]
+    # the same model, data and steps on both sides: the two trained models agree
+    assert result["max_param_diff"] < 1e-4
+    assert "ratio zmqflow/DDP" in torch_ddp.format_table(result)

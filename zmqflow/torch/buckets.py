@@ -1,0 +1,192 @@
+"""Gradient buckets whose ring allreduces start during backward, as DDP's reducer does.
+
+Parameters are cut into buckets of about ``bucket_bytes`` in reverse registration order (the
+order backward produces their gradients), one dtype and device per bucket. A per-parameter
+``register_post_accumulate_grad_hook`` marks a gradient ready; once every gradient of bucket k
+is ready, and every bucket before k has started, bucket k's allreduce starts on the ring's loop
+(``Ring.submit``) while backward goes on. Bucket k never starts before bucket k-1, so every rank
+starts the same calls in the same order whatever order its hooks fired in.
+
+Each bucket is one fused flat array (the ring fuses the gradients and one flag per parameter into
+a single buffer, so one bucket is one ring call with one sequence number, and several buckets may
+be in flight at once). A flag says whether this rank had a gradient for the parameter: a parameter
+without one contributes zeros, and a parameter that no rank had a gradient for keeps ``.grad``
+None after the average, so the optimizer skips it exactly as it would in one process. Buckets
+left unstarted when backward ends (their parameters were unused) start at :meth:`synchronize`,
+in order, so no rank waits for a call another rank never makes. (So where a parameter may go
+unused on some ranks only, call ``synchronize()`` before any other collective between backward and
+step: until then the ranks may have started different numbers of buckets.)
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..client.ring import Ring
+from ..errors import InvalidArgument
+from .tensors import check_dtype, cuda_ready, from_array, to_array
+
+__all__ = ["Bucket", "GradientBuckets", "plan_buckets"]
+
+_WAIT_MARGIN = 5.0
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Parameters reduced together, in the order their gradients are laid out in the fused buffer."""
+
+    index: int
+    names: list[str]
+    params: list[torch.Tensor]
+    nbytes: int = 0
+    waiting: int = 0  # gradients not yet ready this step
+    future: Any = None  # the in-flight allreduce
+    keep: Any = field(default=None, repr=False)  # what the ring reads until it has fused it
+
+
+def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[Bucket]:
+    """Buckets over ``named`` (registration order) taken in reverse, of at most ``bucket_bytes``
+    each (a bigger parameter gets a bucket of its own), never mixing dtypes or devices."""
+    out: list[Bucket] = []
+    key = None
+    for name, p in reversed(named):
+        k = (p.dtype, p.device)
+        size = p.numel() * p.element_size()
+        if not out or k != key or (out[-1].params and out[-1].nbytes + size > bucket_bytes):
+            out.append(Bucket(len(out), [], []))
+            key = k
+        out[-1].names.append(name)
+        out[-1].params.append(p)
+        out[-1].nbytes += size
+    return out
+
+
+class GradientBuckets:
+    """The bucketed, overlapped gradient allreduce of one set of parameters on one ring.
+
+    ``passes``: backward passes accumulated locally (in ``.grad``) before a parameter's gradient
+    counts as ready; a gradient accumulated more often than that before :meth:`synchronize`
+    raises ``InvalidArgument`` out of ``backward``."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], ring: Ring, *, bucket_bytes: int, op: str = "mean",
+                 passes: int = 1, timeout: float = 60.0):
+        if op not in ("mean", "sum"):
+            raise InvalidArgument(f"gradients are averaged ('mean') or summed ('sum'), not {op!r}")
+        if not isinstance(passes, int) or passes < 1:
+            raise InvalidArgument(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
+        if bucket_bytes < 1:
+            raise InvalidArgument(f"bucket size must be positive, got {bucket_bytes} bytes")
+        for name, p in named:
+            check_dtype(p, f"parameter {name!r}")
+        self.ring = ring
+        self.op = op
+        self.passes = passes
+        self.timeout = timeout
+        self.buckets = plan_buckets(named, bucket_bytes)
+        self.start_order: list[int] = []  # bucket indices in the order this step started them
+        self._where: dict[int, Bucket] = {id(p): b for b in self.buckets for p in b.params}
+        self._counts: dict[int, int] = {}
+        self._next = 0
+        self._lock = threading.RLock()
+        self._reset()
+        self._hooks = [p.register_post_accumulate_grad_hook(self.grad_ready) for b in self.buckets for p in b.params]
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a step's allreduces have started and not been collected by :meth:`synchronize`."""
+        return self._next > 0 or any(self._counts.values())
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def grad_ready(self, p: torch.Tensor) -> None:
+        """The hook: ``p``'s gradient was accumulated; start what became startable, in order."""
+        with self._lock:
+            bucket = self._where[id(p)]
+            n = self._counts.get(id(p), 0) + 1
+            if n > self.passes:
+                name = bucket.names[next(i for i, q in enumerate(bucket.params) if q is p)]
+                raise InvalidArgument(
+                    f"the gradient of {name!r} was computed {n} times before step() (backward_passes_per_step="
+                    f"{self.passes}): call step() or synchronize() after each backward, or raise backward_passes_per_step")
+            self._counts[id(p)] = n
+            if n == self.passes:
+                bucket.waiting -= 1
+                self._launch_ready()
+
+    def synchronize(self) -> None:
+        """Start every bucket not yet started (in order), wait for all, and leave each averaged
+        gradient in its parameter's ``.grad``."""
+        with self._lock:
+            for b in self.buckets:
+                b.waiting = 0
+            self._launch_ready()
+            buckets = list(self.buckets)
+        try:
+            limit = self.timeout + _WAIT_MARGIN
+            for b in buckets:
+                self._finish(b, b.future.result(limit))
+        finally:
+            with self._lock:
+                self._reset()
+
+    # machinery -------------------------------------------------------------------------------
+    def _reset(self) -> None:
+        for b in self.buckets:
+            b.waiting, b.future, b.keep = len(b.params), None, None
+        self._counts.clear()
+        self._next = 0
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].waiting <= 0:
+            self._start(self.buckets[self._next])
+            self._next += 1
+
+    def _start(self, b: Bucket) -> None:
+        """Hand the bucket's gradients (and flags) to the ring as one fused call."""
+        template = b.params[0]
+        flags = torch.zeros(len(b.params), dtype=template.dtype, device=template.device)
+        grads = []
+        for i, (name, p) in enumerate(zip(b.names, b.params)):
+            g = p.grad
+            if g is None:
+                g = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            else:
+                if g.layout != torch.strided:
+                    raise InvalidArgument(f"the gradient of {name!r} is sparse: the ring reduces dense gradients only")
+                flags[i] = 1
+            grads.append(g.detach().reshape(-1))
+        parts = [*grads, flags]
+        if b.nbytes + flags.nbytes > self.ring.async_ring.bucket_bytes:
+            parts = [torch.cat(parts)]  # the ring would cut a list this big into calls of its own
+        arrays = [to_array(t.contiguous(), f"gradient bucket {b.index}") for t in parts]
+        cuda_ready(template)
+        b.keep = arrays
+        b.future = self.ring.submit(self.ring.async_ring.allreduce(arrays, self.op))
+        if self._next == 0:
+            self.start_order.clear()
+        self.start_order.append(b.index)
+
+    def _finish(self, b: Bucket, out: list[Any]) -> None:
+        fused = out[0] if len(out) == 1 else None
+        start = 0
+        flags = from_array(out[-1] if fused is None else fused[-len(b.params):]).cpu().tolist()
+        with torch.no_grad():
+            for i, p in enumerate(b.params):
+                n = p.numel()
+                part = out[i] if fused is None else fused[start:start + n]
+                start += n
+                if not flags[i]:
+                    p.grad = None  # no rank had a gradient: the optimizer skips it, as alone
+                    continue
+                value = from_array(part, p).view(p.shape)  # the ring's result buffer, its own for this call
+                if p.grad is None or p.grad.layout != torch.strided or p.grad.dtype != p.dtype:
+                    p.grad = value
+                else:
+                    p.grad.set_(value)  # as Horovod does: the same .grad tensor, now on the averaged values, no copy

@@ -1,0 +1,130 @@
+"""The ps backend of ``DistributedOptimizer``: dense parameters on ps shards, updated there.
+
+Each parameter is a variable on the ps shards whose server-side optimizer is the torch optimizer's
+equivalent with the same hyperparameters (``SGD`` with or without momentum, ``Adam``, ``Adagrad``);
+anything else, or an option the shards do not implement, is a ``ConfigError`` naming it. Rank 0
+creates the variables from its parameters' values (a variable that already exists is attached, not
+overwritten); every rank then loads the shards' values into its parameters. ``step()`` pushes the
+gradients (sync: SyncReplicas over every rank, one update per round of gradients, averaged; async:
+applied on arrival) and pulls the new values into ``param.data`` in place, so the module is fresh
+for the next forward. The torch optimizer's own state stays empty: the slots live on the shards.
+
+Differences from torch, by construction of the shards' optimizers: Adam adds ``eps`` to
+``sqrt(v)`` before the bias correction (TF's form), so its ``eps`` acts as torch's
+``eps / sqrt(1 - beta2**t)``: 32x larger at the first step with the default betas, the same after
+some thousands of steps. A gradient within ~100x of that moves its parameter a few percent of a
+step less than torch would in the first steps; elsewhere the two agree to float rounding.
+Adagrad's ``eps`` becomes a floor of ``eps**2`` on the accumulator (``g / sqrt(acc + eps**2)``
+for torch's ``g / (sqrt(acc) + eps)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..bridge.runtime import Runtime
+from ..errors import ConfigError
+from ..state import optim as _optim
+from .tensors import to_array, write_into
+
+__all__ = ["server_optimizer", "PsOptimizerMixin", "VARIABLE_PREFIX"]
+
+VARIABLE_PREFIX = "torch/"
+
+
+def _refuse(kind: type, group: dict[str, Any], defaults: dict[str, Any]) -> None:
+    for key, default in defaults.items():
+        value = group.get(key, default)
+        if value != default and value is not None:
+            raise ConfigError(f"backend='ps': {kind.__name__}({key}={value!r}) is not supported by the ps shards' "
+                              f"optimizer (only {key}={default!r}); use backend='ring'")
+
+
+def server_optimizer(kind: type, group: dict[str, Any]) -> _optim.Optimizer:
+    """The shards' optimizer equivalent to the torch optimizer class ``kind`` with ``group``'s hyperparameters."""
+    lr = float(group["lr"])
+    if kind is torch.optim.SGD:
+        _refuse(kind, group, {"dampening": 0, "weight_decay": 0, "maximize": False})
+        momentum = float(group.get("momentum", 0.0))
+        if momentum == 0.0:
+            return _optim.SGD(learning_rate=lr)
+        return _optim.Momentum(learning_rate=lr, momentum=momentum, nesterov=bool(group.get("nesterov", False)))
+    if kind is torch.optim.Adam:
+        _refuse(kind, group, {"weight_decay": 0, "amsgrad": False, "maximize": False})
+        beta1, beta2 = (float(b) for b in group["betas"])
+        return _optim.Adam(learning_rate=lr, beta1=beta1, beta2=beta2, epsilon=float(group["eps"]))
+    if kind is torch.optim.Adagrad:
+        _refuse(kind, group, {"lr_decay": 0, "weight_decay": 0, "maximize": False})
+        floor = float(group.get("eps", 1e-10)) ** 2  # the shards divide by sqrt(acc): no zero accumulator
+        return _optim.Adagrad(learning_rate=lr, initial_accumulator_value=max(float(group["initial_accumulator_value"]), floor))
+    raise ConfigError(f"backend='ps' runs the optimizer on the ps shards, which have SGD (with momentum), Adam and "
+                      f"Adagrad; {kind.__module__}.{kind.__qualname__} is not supported: use backend='ring'")
+
+
+_HYPER = ("lr", "momentum", "nesterov", "betas", "eps", "initial_accumulator_value")
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    """What the shards' optimizer was made from, comparable (a tensor learning rate as its number)."""
+    return {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k in _HYPER}
+
+
+class PsOptimizerMixin:
+    """Methods of the torch optimizer subclass for ``backend='ps'`` (see the module docstring)."""
+
+    def init_distributed(self, named: list[tuple[str, torch.Tensor]], runtime: Runtime, sync: bool, kind: type) -> None:
+        """Create (rank 0) or find the variables, then load their values into the parameters.
+        ``kind``: the wrapped torch optimizer's class."""
+        self._zf_runtime = runtime
+        self._zf_named = named
+        self._zf_names = [VARIABLE_PREFIX + n for n, _ in named]
+        groups = {id(p): g for g in self.param_groups for p in g["params"]}  # type: ignore[attr-defined]
+        self._zf_hyper = [_hyper(g) for g in self.param_groups]  # type: ignore[attr-defined]
+        sess = runtime.session
+        if runtime.rank == 0:
+            size = runtime.size
+            for (name, p), var in zip(named, self._zf_names):
+                opt: Any = server_optimizer(kind, groups[id(p)])
+                if sync:
+                    opt = _optim.SyncReplicas(opt, replicas_to_aggregate=size, total_num_replicas=size)
+                sess.variable(var, to_array(p.detach().cpu().contiguous(), f"parameter {name!r}").copy(), optimizer=opt)
+        else:
+            for (_, p) in named:
+                server_optimizer(kind, groups[id(p)])  # refuse here too, not only on rank 0
+        for var in self._zf_names:
+            sess.get(var, timeout=runtime.timeout)  # waits for rank 0 to create it
+        self._zf_pull()
+        if sync:
+            sess.global_step()  # pushes carry the shards' step
+
+    def _zf_pull(self) -> None:
+        values = self._zf_runtime.session.pull(self._zf_names)
+        for (_, p), var in zip(self._zf_named, self._zf_names):
+            write_into(p.data, values[var])
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: ``step()`` pushes and pulls synchronously."""
+
+    def step(self, closure: Any = None) -> Any:
+        """Push this rank's gradients (zeros for a parameter without one, so a sync round always
+        completes), then load the shards' new values into the parameters."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        now = [_hyper(g) for g in self.param_groups]  # type: ignore[attr-defined]
+        if now != self._zf_hyper:
+            raise ConfigError("backend='ps': the optimizer's hyperparameters changed after DistributedOptimizer was "
+                              "made (an LR scheduler?); the ps shards keep the ones they were created with")
+        grads = {}
+        for (name, p), var in zip(self._zf_named, self._zf_names):
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            grads[var] = to_array(g.detach().cpu().contiguous(), f"gradient of {name!r}")
+        self._zf_runtime.session.push(grads)
+        self._zf_pull()
+        return loss
+
+
+PsOptimizerMixin.step.hooked = True  # type: ignore[attr-defined]  # torch must not wrap it again
