@@ -61,13 +61,13 @@ class Recorder:
         self.fail: list[BaseException] = []  # errors the next emb_push calls raise
         sess.async_session.call_task = self.call_task
 
-    async def call_task(self, task, service, op, body=None):
+    async def call_task(self, task, service, op, body=None, **kwargs):
         if op == "emb_push":
             if self.fail:
                 raise self.fail.pop(0)
             if self.gate is not None:
                 await asyncio.get_running_loop().run_in_executor(None, self.gate.wait, 30)
-        result = await self.inner(task, service, op, body)
+        result = await self.inner(task, service, op, body, **kwargs)
         if op in ("emb_lookup", "emb_push"):
             self.calls.append((str(task), op, body.ids.tolist()))
         return result

@@ -10,6 +10,7 @@ process as ``worker:0`` beside one ``ps:0``), so the same script runs alone.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -68,6 +69,7 @@ class Runtime:
 log = logging.getLogger("zmqflow.bridge")
 _lock = threading.Lock()
 _current: Runtime | None = None
+_exit_hook = False
 
 
 def init(cluster: "ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | None" = None,
@@ -105,6 +107,10 @@ def init(cluster: "ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | No
                 s.stop()
             raise
         _current = runtime
+        global _exit_hook
+        if not _exit_hook:  # a process that exits without shutdown() (an exception, sys.exit) still
+            atexit.register(shutdown)  # stops its server first: one still serving at teardown can crash it
+            _exit_hook = True
         return runtime
 
 

@@ -8,7 +8,6 @@ views, CUDA tensors on the GPU through cupy (see :mod:`.tensors`).
 
 from __future__ import annotations
 
-import atexit
 import io
 import threading
 from collections.abc import Iterable, Mapping
@@ -19,7 +18,7 @@ import torch
 
 from ..bridge import runtime as _runtime
 from ..client.ring import Ring
-from ..errors import CollectiveMismatch, ConfigError, InvalidArgument, Unavailable
+from ..errors import CollectiveMismatch, ConfigError, InvalidArgument
 from ..state.reduce import OPS
 from .tensors import from_array, to_array, write_into
 
@@ -30,41 +29,22 @@ __all__ = [
 ]
 
 Average, Sum, Min, Max = "mean", "sum", "min", "max"
-_exit_hook = False
 _WAIT_MARGIN = 5.0  # beyond the ring's own deadline, so its error (naming the late rank) arrives first
 
 
 def init(cluster: Any = None, task: Any = None, *, timeout: float = 60.0) -> _runtime.Runtime:
     """Join the cluster ``zmqflow launch`` describes in the environment (or ``cluster``/``task``);
-    alone, a private one-rank cluster. Once per process: later calls return the same runtime.
-    A process that exits without :func:`shutdown` (an exception, ``sys.exit``) still stops its
-    server before the interpreter tears down: a loop thread still serving then (a peer's
-    connection dropping) could crash the exit."""
-    global _exit_hook
-    rt = _runtime.init(cluster, task, timeout=timeout)
-    if not _exit_hook:
-        atexit.register(_runtime.shutdown)
-        _exit_hook = True
-    return rt
+    alone, a private one-rank cluster. Once per process: later calls return the same runtime."""
+    return _runtime.init(cluster, task, timeout=timeout)
 
 
 def shutdown() -> None:
-    """Leave the cluster; ``init`` may follow. Every rank should call it at the end: it waits at a
-    barrier first, so no rank stops serving while another still waits on it to acknowledge the
-    last chunk of a collective. (The barrier's own last acknowledgements may find a rank already
-    gone: that ``Unavailable`` is expected here and ignored.) Async collectives not synchronized
-    are dropped."""
+    """Leave the cluster; ``init`` may follow. The runtime tells the other ranks this one is done
+    before its server stops, so a rank finishing the last collective does not take this one's
+    exit for a death. Async collectives not synchronized are dropped."""
     with _lock:
         _pending.clear()
-    try:
-        rt = _runtime.current() if _runtime.is_initialized() else None
-        if rt is not None and rt.ring is not None and rt.size > 1:
-            try:
-                rt.ring.barrier()
-            except Unavailable:
-                pass
-    finally:
-        _runtime.shutdown()
+    _runtime.shutdown()
 
 
 def is_initialized() -> bool:
