@@ -11,7 +11,7 @@ shard instead of receiving it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -37,7 +37,7 @@ class DataConfig:
     interaction_scale: float = 0.9
     dense_scale: float = 0.35
     seed: int = 0
-    effect_features: tuple[int, ...] = field(default=(0, 1, 2, 3, 4, 5, 6, 7))
+    effect_features: tuple[int, ...] | None = None  # features with a hidden per-id effect; None: all
 
     def __post_init__(self) -> None:
         if self.samples < 1 or self.held_out < 1:
@@ -45,7 +45,7 @@ class DataConfig:
         if not self.vocab_sizes or min(self.vocab_sizes) < 2:
             raise InvalidArgument(f"DataConfig: every vocabulary needs at least 2 ids, got {self.vocab_sizes}")
         k = len(self.vocab_sizes)
-        bad = [f for f in (*self.effect_features, *self.interaction_pair) if not 0 <= f < k]
+        bad = [f for f in (*(self.effect_features or ()), *self.interaction_pair) if not 0 <= f < k]
         if bad:
             raise InvalidArgument(f"DataConfig: features {bad} are outside the {k} categorical features")
 
@@ -100,7 +100,7 @@ def make_data(config: DataConfig = DataConfig()) -> tuple[ClickData, ClickData]:
     centred = (dense - dense.mean(0)) / dense.std(0)
     logit = centred @ (rng.normal(0.0, config.dense_scale, DENSE_FEATURES))
     logit += config.dense_scale * centred[:, 0] * centred[:, 1]  # a dense interaction, for the bottom MLP
-    for f in config.effect_features:
+    for f in range(k) if config.effect_features is None else config.effect_features:
         logit += rng.normal(0.0, config.effect_scale, config.vocab_sizes[f])[sparse[:, f]]
     a, b = config.interaction_pair
     d = config.interaction_dim
