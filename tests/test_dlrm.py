@@ -133,3 +133,69 @@ def test_the_demo_trains_dlrm_over_a_local_cluster(procs, tmp_path):
     assert result["embedding_ms"] > 0 and result["dense_comm_ms"] > 0 and result["compute_ms"] > 0
     assert "reference" in auc_lines[0] and "samples/s" in p.output and "dense communication" in p.output
     assert any("step 40/40" in line for line in p.lines), p.output  # the progress bar reached its end
+
+
+@pytest.fixture
+def runtime():
+    """This process as worker:0 of a private cluster beside one ps:0."""
+    pytest.importorskip("torch")
+    from zmqflow.bridge import runtime as rt
+
+    yield rt.init(timeout=30)
+    rt.shutdown()
+
+
+def test_hybrid_puts_tables_on_ps_shards_and_steps_the_rest(runtime):
+    import torch
+
+    from zmqflow.examples.dlrm.model import DLRM
+    from zmqflow.state.optim import Adagrad
+    from zmqflow.torch.embedding import EmbeddingBag
+    from zmqflow.torch.hybrid import HybridStrategy
+
+    torch.manual_seed(0)
+    train, _ = make_data(SMALL)
+    model = DLRM(SMALL.vocab_sizes, dim=8)
+    local_tables = [t.weight for t in model.tables]
+    dense_opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    hybrid = HybridStrategy(model, dense_opt, embedding_optimizer=Adagrad(0.5), prefix="test/")
+    assert all(isinstance(t, EmbeddingBag) for t in model.tables)
+    assert [t.name for t in model.tables] == [f"test/tables.{f}" for f in range(len(SMALL.vocab_sizes))]
+    held = {id(p) for group in dense_opt.param_groups for p in group["params"]}
+    assert not held & {id(w) for w in local_tables}  # the local weights left the dense optimizer
+    assert {id(p) for p in model.parameters()} <= {id(p) for g in hybrid.optimizer.param_groups for p in g["params"]}
+
+    batch = train.batch(slice(0, 64))
+    ids = torch.from_numpy(batch.sparse[:, 5].copy())
+    before = model.tables[5].read(ids).clone()
+    dense_before = model.top[0].weight.detach().clone()
+    for _ in range(3):
+        hybrid.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            model(torch.from_numpy(batch.dense), torch.from_numpy(batch.sparse)), torch.from_numpy(batch.labels))
+        loss.backward()
+        hybrid.step()
+    hybrid.flush()
+    assert not torch.equal(model.tables[5].read(ids), before)  # the shards applied the sparse gradients
+    assert not torch.equal(model.top[0].weight, dense_before)  # and the dense optimizer stepped
+    t = hybrid.times
+    assert t.steps == 3 and t.embedding_s > 0 and t.total_s >= t.embedding_s + t.dense_comm_s
+
+
+def test_hybrid_refuses_what_it_cannot_do(runtime):
+    import torch
+
+    from zmqflow.torch.hybrid import HybridStrategy
+
+    model = torch.nn.Sequential(torch.nn.EmbeddingBag(10, 4), torch.nn.EmbeddingBag(10, 4, padding_idx=0))
+    with pytest.raises(InvalidArgument, match="table '1' uses max_norm or padding_idx"):
+        HybridStrategy(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert isinstance(model[0], torch.nn.EmbeddingBag)  # nothing was changed
+    model = torch.nn.Sequential(torch.nn.EmbeddingBag(10, 4))
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    model(torch.tensor([[1, 2]])).sum().backward()
+    opt.step()
+    with pytest.raises(InvalidArgument, match="already stepped"):
+        HybridStrategy(model, opt)
+    with pytest.raises(InvalidArgument, match="dense_optimizer must be a torch.optim.Optimizer"):
+        HybridStrategy(torch.nn.Linear(2, 2), "adam")

@@ -35,7 +35,7 @@ DIGITS_STEPS = 400
 @click.option("--ps", type=click.IntRange(0, 64), default=None,
               help="ps tasks (default: digits 1, or 0 for ring; dlrm 2).")
 @click.option("--steps", type=click.IntRange(1, 10**6), default=None,
-              help=f"training steps (default: digits {DIGITS_STEPS}, dlrm 600).")
+              help=f"training steps (default: digits {DIGITS_STEPS}, dlrm 400).")
 @click.option("--batch", type=click.IntRange(1, 10**6), default=None,
               help="dlrm: global batch over all workers (default 1024).")
 @click.option("--samples", type=click.IntRange(1, 10**8), default=None,

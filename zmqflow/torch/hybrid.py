@@ -77,8 +77,17 @@ class HybridStrategy:
             raise InvalidArgument(f"HybridStrategy: dense_optimizer must be a torch.optim.Optimizer, "
                                   f"got {type(dense_optimizer).__name__}")
         self.model = model
-        dropped = self._place_tables(prefix, embedding_optimizer, initializer)
-        self._drop_from(dense_optimizer, dropped)
+        local = [(path, m) for path, m in model.named_modules() if isinstance(m, torch.nn.EmbeddingBag)]
+        for path, table in local:  # refuse before changing anything
+            if table.max_norm is not None or table.padding_idx is not None:
+                raise InvalidArgument(f"HybridStrategy: table {path!r} uses max_norm or padding_idx, which tables "
+                                      "on ps shards do not support")
+        if local and dense_optimizer.state:
+            raise InvalidArgument("HybridStrategy: dense_optimizer has already stepped; build the strategy before "
+                                  "training")
+        dropped = self._place_tables(local, prefix, embedding_optimizer, initializer)
+        for group in dense_optimizer.param_groups:  # the shards' optimizer updates the tables now
+            group["params"] = [p for p in group["params"] if id(p) not in dropped]
         self.tables = [m for m in model.modules() if isinstance(m, EmbeddingBag)]
         self.optimizer = DistributedOptimizer(dense_optimizer, named_parameters=model.named_parameters(), backend="ring")
         collectives.broadcast_parameters(model.state_dict(), root_rank=root_rank)
@@ -91,14 +100,11 @@ class HybridStrategy:
         self._step_began = time.perf_counter()
 
     # setting up ------------------------------------------------------------------------------
-    def _place_tables(self, prefix: str, optimizer: Any, initializer: Any) -> set[int]:
-        """Swap every torch.nn.EmbeddingBag for a sharded one; the ids of the weights dropped."""
+    def _place_tables(self, local: list[tuple[str, torch.nn.EmbeddingBag]], prefix: str, optimizer: Any,
+                      initializer: Any) -> set[int]:
+        """Swap each local table for a sharded one; the ids of the weights dropped."""
         dropped: set[int] = set()
-        local = [(path, m) for path, m in self.model.named_modules() if isinstance(m, torch.nn.EmbeddingBag)]
         for path, old in local:
-            if old.max_norm is not None or old.padding_idx is not None:
-                raise InvalidArgument(f"HybridStrategy: table {path!r} uses max_norm or padding_idx, which tables "
-                                      "on ps shards do not support")
             name = f"{prefix}{path}"
             init = initializer
             if init is None:  # torch's N(0, 1), a seed of its own per table so tables differ
@@ -109,17 +115,6 @@ class HybridStrategy:
             setattr(self.model.get_submodule(parent_path), attr, new)
             dropped.add(id(old.weight))
         return dropped
-
-    @staticmethod
-    def _drop_from(optimizer: torch.optim.Optimizer, dropped: set[int]) -> None:
-        """The local tables' weights leave ``optimizer`` (the shards' optimizer updates them now)."""
-        if not dropped:
-            return
-        if optimizer.state:
-            raise InvalidArgument("HybridStrategy: dense_optimizer has already stepped; build the strategy before "
-                                  "training")
-        for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if id(p) not in dropped]
 
     # timing ----------------------------------------------------------------------------------
     def _enter_table(self, module: torch.nn.Module, args: Any) -> None:

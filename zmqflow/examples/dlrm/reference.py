@@ -21,7 +21,7 @@ __all__ = ["TrainConfig", "predict", "evaluate", "batches", "train_reference"]
 class TrainConfig:
     """One run's optimisation settings; ``batch`` is the global batch (all workers together)."""
 
-    steps: int = 600
+    steps: int = 400
     batch: int = 1024
     dense_lr: float = 2e-3
     embedding_lr: float = 0.05
@@ -86,6 +86,7 @@ def main(argv: "list[str] | None" = None) -> int:
     parser.add_argument("--batch", type=int, default=TrainConfig.batch)
     parser.add_argument("--samples", type=int, default=DataConfig.samples)
     args = parser.parse_args(argv)
+    torch.sparse.check_sparse_tensor_invariants.disable()  # said outright, so torch does not warn on every run
     torch.set_num_threads(1)  # one core each: threads fighting other processes for 2 cores cost 10x
     data_config = DataConfig(samples=args.samples)
     train, held_out = make_data(data_config)

@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--result", help="rank 0 writes its results (JSON) here")
     parser.add_argument("--quiet", action="store_true", help="no summary lines (the demo prints them from --result)")
     args = parser.parse_args(argv)
+    torch.sparse.check_sparse_tensor_invariants.disable()  # said outright, so torch does not warn on every run
     torch.set_num_threads(1)  # one core per rank: threads fighting the other processes cost far more than they win
     data_config = DataConfig(samples=args.samples, held_out=args.held_out)
     train_config = TrainConfig(steps=args.steps, batch=args.batch)
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         loss.backward()
         hybrid.step()
         if rank == 0:
-            progress(step, args.steps, float(loss), shown)
+            progress(step, args.steps, loss.item(), shown)
     hybrid.flush()
     times = hybrid.times
     zt.barrier()  # every rank's last sparse gradients have landed before rank 0 reads the tables
