@@ -1,0 +1,160 @@
+"""Hybrid parallelism for recommendation models: embedding tables on the ps shards, everything
+else replicated with its gradients averaged over the ring.
+
+Why both: a model's tables are large (millions of rows) and each step touches few of their
+rows, so they are best kept once, sharded, and updated sparsely by a server-side optimizer; its
+dense layers are small and every step touches all of them, so each rank keeps a copy and the
+ring averages their gradients. ``HybridStrategy`` is the one object that sets this up::
+
+    zt.init()
+    model = DLRM(...)                                    # torch.nn.EmbeddingBag tables
+    hybrid = HybridStrategy(model, torch.optim.Adam(model.parameters(), lr=1e-3),
+                            embedding_optimizer=zf.optim.Adagrad(0.05))
+    for batch in data:
+        hybrid.zero_grad()
+        loss_fn(model(...), y).backward()
+        hybrid.step()
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import InvalidArgument
+from ..state import init as zf_init
+from . import collectives
+from .embedding import EmbeddingBag
+from .optimizer import DistributedOptimizer
+
+__all__ = ["HybridStrategy", "StepTimes"]
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent over ``steps`` steps: in the embedding tables (lookups, and waits for the
+    previous step's pushes), waiting for the dense gradients' allreduce, and the rest (compute)."""
+
+    steps: int = 0
+    total_s: float = 0.0
+    embedding_s: float = 0.0
+    dense_comm_s: float = 0.0
+
+    @property
+    def compute_s(self) -> float:
+        return max(0.0, self.total_s - self.embedding_s - self.dense_comm_s)
+
+    def per_step_ms(self) -> dict[str, float]:
+        n = max(self.steps, 1)
+        return {"step_ms": 1e3 * self.total_s / n, "compute_ms": 1e3 * self.compute_s / n,
+                "embedding_ms": 1e3 * self.embedding_s / n, "dense_comm_ms": 1e3 * self.dense_comm_s / n}
+
+
+class HybridStrategy:
+    """Puts ``model``'s embedding tables on the ps shards and averages its other gradients by ring.
+
+    Each ``torch.nn.EmbeddingBag`` of ``model`` is replaced by a ``zmqflow.torch.EmbeddingBag`` of
+    the same shape and mode, named ``{prefix}{module path}`` on the cluster and updated by
+    ``embedding_optimizer`` (a ``zmqflow.optim`` optimizer) on the shards; its local weight is
+    dropped, from the model and from ``dense_optimizer``. Tables that already are
+    ``zmqflow.torch.EmbeddingBag`` modules are kept as they are. What remains, every
+    ``nn.Parameter``, is wrapped in a ring ``DistributedOptimizer`` and broadcast from
+    ``root_rank`` so every rank starts from the same weights. ``initializer`` (a ``zmqflow.init``
+    initializer) fills new tables; by default each is N(0, 1) as torch's.
+
+    Call ``zmqflow.torch.init()`` first; every rank must build the same model and optimizers.
+    """
+
+    def __init__(self, model: torch.nn.Module, dense_optimizer: torch.optim.Optimizer, embedding_optimizer: Any = None,
+                 *, prefix: str = "", initializer: Any = None, root_rank: int = 0):
+        if not isinstance(model, torch.nn.Module):
+            raise InvalidArgument(f"HybridStrategy: model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(dense_optimizer, torch.optim.Optimizer):
+            raise InvalidArgument(f"HybridStrategy: dense_optimizer must be a torch.optim.Optimizer, "
+                                  f"got {type(dense_optimizer).__name__}")
+        self.model = model
+        local = [(path, m) for path, m in model.named_modules() if isinstance(m, torch.nn.EmbeddingBag)]
+        for path, table in local:  # refuse before changing anything
+            if table.max_norm is not None or table.padding_idx is not None:
+                raise InvalidArgument(f"HybridStrategy: table {path!r} uses max_norm or padding_idx, which tables "
+                                      "on ps shards do not support")
+        if local and dense_optimizer.state:
+            raise InvalidArgument("HybridStrategy: dense_optimizer has already stepped; build the strategy before "
+                                  "training")
+        dropped = self._place_tables(local, prefix, embedding_optimizer, initializer)
+        for group in dense_optimizer.param_groups:  # the shards' optimizer updates the tables now
+            group["params"] = [p for p in group["params"] if id(p) not in dropped]
+        self.tables = [m for m in model.modules() if isinstance(m, EmbeddingBag)]
+        self.optimizer = DistributedOptimizer(dense_optimizer, named_parameters=model.named_parameters(), backend="ring")
+        collectives.broadcast_parameters(model.state_dict(), root_rank=root_rank)
+        self.times = StepTimes()
+        self._in_tables = 0.0
+        self._entered: float | None = None
+        for table in self.tables:
+            table.register_forward_pre_hook(self._enter_table)
+            table.register_forward_hook(self._leave_table)
+        self._step_began = time.perf_counter()
+
+    # setting up ------------------------------------------------------------------------------
+    def _place_tables(self, local: list[tuple[str, torch.nn.EmbeddingBag]], prefix: str, optimizer: Any,
+                      initializer: Any) -> set[int]:
+        """Swap each local table for a sharded one; the ids of the weights dropped."""
+        dropped: set[int] = set()
+        for path, old in local:
+            name = f"{prefix}{path}"
+            init = initializer
+            if init is None:  # torch's N(0, 1), a seed of its own per table so tables differ
+                init = zf_init.normal(stddev=1.0, seed=zlib.crc32(name.encode()))
+            new = EmbeddingBag(name, old.num_embeddings, old.embedding_dim, mode=old.mode, optimizer=optimizer,
+                               initializer=init, include_last_offset=old.include_last_offset)
+            parent_path, _, attr = path.rpartition(".")
+            setattr(self.model.get_submodule(parent_path), attr, new)
+            dropped.add(id(old.weight))
+        return dropped
+
+    # timing ----------------------------------------------------------------------------------
+    def _enter_table(self, module: torch.nn.Module, args: Any) -> None:
+        self._entered = time.perf_counter()
+
+    def _leave_table(self, module: torch.nn.Module, args: Any, out: Any) -> None:
+        if self._entered is not None:
+            self._in_tables += time.perf_counter() - self._entered
+            self._entered = None
+
+    # training --------------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    def step(self) -> None:
+        """Finish this step: wait for the dense gradients' average, then update the dense
+        parameters. (Backward already sent the tables' sparse gradients to their shards; the
+        next lookup of each table waits for them.)"""
+        began = time.perf_counter()
+        self.optimizer.synchronize()
+        waited = time.perf_counter() - began
+        with self.optimizer.skip_synchronize():
+            self.optimizer.step()
+        now = time.perf_counter()
+        self.times.steps += 1
+        self.times.total_s += now - self._step_began
+        self.times.embedding_s += self._in_tables
+        self.times.dense_comm_s += waited
+        self._in_tables = 0.0
+        self._step_began = now
+
+    def reset_times(self) -> None:
+        """Start the clocks again (after warm-up steps, say)."""
+        self.times = StepTimes()
+        self._in_tables = 0.0
+        self._step_began = time.perf_counter()
+
+    def flush(self) -> None:
+        """Wait until this rank's sparse gradients have landed on the shards."""
+        began = time.perf_counter()
+        for table in self.tables:
+            table.flush()
+        self.times.embedding_s += time.perf_counter() - began
