@@ -67,3 +67,23 @@ def recovery(quick: bool, json_out: str | None) -> None:
     from ..bench.recovery import format_table, run
 
     click.echo(format_table(run(quick=quick, json_out=json_out)))
+
+
+@bench.command("torch")
+@click.option("--quick", is_flag=True, help="Fewer steps and a smaller table.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Append JSON lines here.")
+@click.option("--only", type=click.Choice(["ddp", "embedding"]), help="Run one of the two parts.")
+def torch_bench(quick: bool, json_out: str | None, only: str | None) -> None:
+    """DistributedOptimizer vs torch DDP over gloo (2 ranks); EmbeddingBag vs torch's (needs [torch])."""
+    try:
+        import torch  # noqa: F401  (an optional extra: say so plainly when it is missing)
+    except ImportError:
+        raise click.ClickException("zmqflow bench torch needs PyTorch: pip install 'zmqflow[torch]'") from None
+    if only in (None, "ddp"):
+        from ..bench import torch_ddp
+
+        click.echo(torch_ddp.format_table(torch_ddp.run(quick=quick, json_out=json_out)))
+    if only in (None, "embedding"):
+        from ..bench import torch_embedding
+
+        click.echo(torch_embedding.format_table(torch_embedding.run(quick=quick, json_out=json_out)))

@@ -12,6 +12,8 @@
 Collectives (``allreduce``, ``allgather``, ``broadcast``, ...) run on the ring of every rank;
 ``DistributedOptimizer`` averages gradients over that ring in buckets overlapped with backward
 (``backend='ring'``) or keeps the parameters on the ps shards (``backend='ps'``).
+``EmbeddingBag``/``Embedding`` are modules whose tables live sharded on the ps tasks;
+``HybridStrategy`` puts a model's tables there and averages the rest by ring.
 """
 
 from .collectives import (
@@ -40,11 +42,13 @@ from .collectives import (
     size,
     synchronize,
 )
+from .embedding import Embedding, EmbeddingBag
+from .hybrid import HybridStrategy
 from .optimizer import DistributedOptimizer
 
 __all__ = [
     "Average", "Sum", "Min", "Max", "Handle", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
     "local_size", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather", "broadcast",
     "broadcast_", "broadcast_object", "broadcast_parameters", "broadcast_optimizer_state", "barrier", "synchronize",
-    "DistributedOptimizer",
+    "DistributedOptimizer", "EmbeddingBag", "Embedding", "HybridStrategy",
 ]
