@@ -167,3 +167,14 @@ def procs():
             print(f"--- still running at teardown: {' '.join(p.proc.args)}\n{p.output[-20000:]}")
             p.signal(signal.SIGKILL)
         p.kill()
+
+
+@pytest.fixture
+def local():
+    """The bridge runtime's private one-rank cluster (this process as worker:0, beside a ps:0)."""
+    from zmqflow.bridge import runtime
+
+    runtime.shutdown()
+    runtime.init(timeout=20)
+    yield
+    runtime.shutdown()

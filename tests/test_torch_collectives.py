@@ -16,14 +16,6 @@ from zmqflow.torch.tensors import from_array, to_array  # noqa: E402
 from .conftest import launch_script  # noqa: E402
 
 
-@pytest.fixture
-def local():
-    runtime.shutdown()
-    zt.init(timeout=20)
-    yield
-    runtime.shutdown()
-
-
 def test_rank_before_init_is_a_clear_error():
     runtime.shutdown()
     with pytest.raises(ConfigError, match="not initialised"):

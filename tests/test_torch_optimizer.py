@@ -76,15 +76,6 @@ def _reference(kind: str) -> dict:
     return ns["train"](model, ns["make_opt"](kind, model.parameters())).state_dict()
 
 
-@pytest.fixture
-def local():
-    """The private one-rank cluster (this process as worker:0, beside a ps:0)."""
-    runtime.shutdown()
-    zt.init(timeout=20)
-    yield
-    runtime.shutdown()
-
-
 def _tolerance(backend: str, kind: str) -> dict:
     """torch.testing's float32 defaults, except for Adam on the ps shards: their Adam adds eps before
     the bias correction (TF's form), an eps in effect 32x torch's at step 1 (sqrt(1 - 0.999) = 1/32),
