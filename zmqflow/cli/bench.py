@@ -119,6 +119,6 @@ def cluster(netns: bool, quick: bool, rates: tuple[float, ...], ps: tuple[int, .
             return
         rows = run(quick=quick, netns=netns, rates=rates, ps=ps, workers=workers, model_mb=model_mb,
                    seconds=seconds, json_out=json_out, echo=click.echo, ip=ip, tc=tc)
-    except ZmqflowError as exc:
+    except (ZmqflowError, RuntimeError) as exc:  # RuntimeError: a task process failed, its log in the message
         raise click.ClickException(f"bench cluster: {exc}") from None
     click.echo(format_table(rows))

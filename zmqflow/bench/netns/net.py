@@ -15,6 +15,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Sequence
+from typing import Self
 
 from ...errors import InvalidArgument, Unavailable
 from .plan import FAMILY, Topology
@@ -94,7 +95,7 @@ def cleanup(family: str = FAMILY, ip: str = "ip") -> list[str]:
     end the processes in them; returns the names removed."""
     if not family or "-" in family:
         raise InvalidArgument(f"cleanup needs a family without '-', got {family!r}")
-    ours = sorted((ns for ns in list_namespaces(ip) if ns.startswith(family + "-")),
+    ours = sorted(sorted(ns for ns in list_namespaces(ip) if ns.startswith(family + "-")),
                   key=lambda ns: ns.endswith("-br"))  # bridges last
     left = _delete(ours, ip)
     if left:
@@ -109,7 +110,7 @@ class Network:
         self.topo, self.ip, self.tc = topo, ip, tc
         self.rate_bits: float | None = None
 
-    def __enter__(self) -> "Network":
+    def __enter__(self) -> Self:
         try:
             for argv in self.topo.setup_commands(self.ip):
                 run_cmd(argv)

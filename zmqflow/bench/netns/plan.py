@@ -57,7 +57,7 @@ class Topology:
     workers: tuple[Host, ...]
 
     @classmethod
-    def make(cls, prefix: str, ps: int, workers: int) -> "Topology":
+    def make(cls, prefix: str, ps: int, workers: int) -> Topology:
         if not 1 <= ps <= 50 or not 1 <= workers <= 50:
             raise InvalidArgument(f"a simulated cluster holds 1-50 ps and 1-50 workers, got {ps} and {workers}")
         return cls(

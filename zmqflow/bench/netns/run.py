@@ -53,9 +53,10 @@ class _Proc:
     def __init__(self, argv: list[str], log_dir: str, name: str, talk: bool = False):
         self.name = name
         self.log_path = os.path.join(log_dir, f"{name}.log")
-        self._log = open(self.log_path, "w")
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed by stop())
         self.proc = subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE if talk else subprocess.DEVNULL,
-                                     stdin=subprocess.PIPE if talk else subprocess.DEVNULL, stderr=self._log, text=True)
+                                     stdin=subprocess.PIPE if talk else subprocess.DEVNULL, stderr=self._log, text=True,
+                                     start_new_session=True)  # Ctrl-C reaches the runner, which stops them in order
         self.lines: queue.Queue[str | None] = queue.Queue()
         if talk:
             threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True).start()
