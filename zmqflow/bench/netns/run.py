@@ -229,7 +229,9 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     out = align(lines)
     out.append("limit: the most pull+push the links allow, each link full duplex at the rate: each worker moves at "
                "most the rate (it pulls, then pushes); the busiest ps link at most twice the rate over its share "
-               f"of the model. Headers leave {payload_fraction():.3f} of a link for payload (MTU 1500). "
+               "of the model, reached only when workers' pulls and pushes interleave (workers pulling together "
+               f"halve it). Headers leave {payload_fraction():.3f} of a link for payload (MTU 1500). Rows near "
+               "what loopback moves (the command without --netns) are bound by CPU, not links. "
                "other CPUs: load from processes outside this run.")
     return "\n".join(out)
 
