@@ -87,3 +87,38 @@ def torch_bench(quick: bool, json_out: str | None, only: str | None) -> None:
         from ..bench import torch_embedding
 
         click.echo(torch_embedding.format_table(torch_embedding.run(quick=quick, json_out=json_out)))
+
+
+@bench.command("cluster")
+@click.option("--netns", is_flag=True, help="Each task on its own simulated host: a network namespace with a "
+              "rate-limited link to one bridge (needs root and `ip netns`). Without it: loopback, no limit.")
+@click.option("--quick", is_flag=True, help="An 8 MB model, ps 1 and 4, shorter runs (about a minute).")
+@click.option("--rate", "rates", multiple=True, type=click.FloatRange(min=0.001), metavar="GBIT",
+              help="Link rate in Gbit/s, each way; repeatable; default 1 and 10.")
+@click.option("--ps", "ps", multiple=True, type=click.IntRange(1, 16), help="ps task counts; repeatable; default 1, 2, 4.")
+@click.option("--workers", "workers", multiple=True, type=click.IntRange(1, 16), help="Worker counts; repeatable; default 2, 4.")
+@click.option("--model-mb", type=click.FloatRange(min=0.001), help="Model size in MB (default 32; 8 with --quick).")
+@click.option("--seconds", type=click.FloatRange(min=0.1), help="Measured seconds per row (default 4; 2 with --quick).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Append JSON lines here.")
+@click.option("--cleanup", is_flag=True, help="Remove the namespaces (and their processes) any run left behind, then exit.")
+@click.option("--ip", "ip", default="ip", show_default=True, metavar="PATH", help="iproute2's ip.")
+@click.option("--tc", "tc", default="tc", show_default=True, metavar="PATH", help="iproute2's tc.")
+def cluster(netns: bool, quick: bool, rates: tuple[float, ...], ps: tuple[int, ...], workers: tuple[int, ...],
+            model_mb: float | None, seconds: float | None, json_out: str | None, cleanup: bool, ip: str, tc: str) -> None:
+    """PS throughput as ps tasks go 1 -> 4 and workers 2 -> 4, each task its own host on a limited link."""
+    from ..bench.netns.net import check_netns
+    from ..bench.netns.net import cleanup as sweep
+    from ..bench.netns.run import format_table, run
+    from ..errors import ZmqflowError
+
+    try:
+        if cleanup:
+            check_netns(ip, tc)
+            removed = sweep(ip=ip)
+            click.echo(f"removed {len(removed)} namespace(s){': ' + ' '.join(removed) if removed else ''}")
+            return
+        rows = run(quick=quick, netns=netns, rates=rates, ps=ps, workers=workers, model_mb=model_mb,
+                   seconds=seconds, json_out=json_out, echo=click.echo, ip=ip, tc=tc)
+    except (ZmqflowError, RuntimeError) as exc:  # RuntimeError: a task process failed, its log in the message
+        raise click.ClickException(f"bench cluster: {exc}") from None
+    click.echo(format_table(rows))
