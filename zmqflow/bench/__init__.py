@@ -11,6 +11,8 @@ Each benchmark has ``run(quick=..., json_out=...)`` and ``format_table(result)``
 * :mod:`.torch_ddp`: ``zmqflow.torch.DistributedOptimizer`` (ring) vs torch DDP over gloo, 2 ranks.
 * :mod:`.torch_embedding`: ``zmqflow.torch`` EmbeddingBag lookup+push vs ``torch.nn.EmbeddingBag``.
   (The two run together as ``zmqflow bench torch``.)
+* :mod:`.netns`: ``zmqflow bench cluster --netns``: ps and workers each in a network namespace,
+  joined by rate-limited veth links (1, 10 Gbit/s), PS throughput as a fraction of the link limit.
 * :mod:`.recovery`: how long sync training stops when a ps shard is killed, vs a bare restart.
 
 Shared by them: :mod:`.procs` (server processes), :mod:`.stats` (timing and statistics),
