@@ -17,7 +17,7 @@ import pytest
 import zmqflow as zf
 from zmqflow import checkpoint, errors
 from zmqflow.bridge import runtime
-from zmqflow.testing import make_spec
+from zmqflow.testing import make_spec, wait_until
 
 from .conftest import launch_script
 
@@ -381,3 +381,38 @@ def test_bench_quick_reports_both_rates():
     assert row["ratio"] == pytest.approx(row["zmqflow_rows_per_s"] / row["torch_rows_per_s"])
     assert row["shards"] == 2 and row["batch_ids"] > 0 and 0 < row["unique_ids_per_batch"] <= row["batch_ids"]
     assert "zmqflow" in bench.format_table([row])
+
+
+def test_prefetched_lookups_of_several_tables_travel_at_once_and_give_the_same_rows(cluster):
+    tables = [EmbeddingBag(f"pre{i}", 50, 4, mode="sum", session=cluster.sess) for i in range(3)]
+    inputs = [torch.tensor([[1, 2], [3, 1]]) + 10 * i for i in range(3)]
+    expected = [t(x).detach() for t, x in zip(tables, inputs)]
+    inner = cluster.sess.async_session.call_task
+    entered: list[str] = []
+    gate = threading.Event()
+
+    async def held(task, service, op, body=None, **kwargs):  # lookups wait at the gate, once entered
+        if op == "emb_lookup":
+            entered.append(str(task))
+            await asyncio.get_running_loop().run_in_executor(None, gate.wait, 30)
+        return await inner(task, service, op, body, **kwargs)
+
+    cluster.sess.async_session.call_task = held
+    try:
+        starter = threading.Thread(target=lambda: [t.prefetch(x) for t, x in zip(tables, inputs)])
+        starter.start()
+        starter.join(10)
+        assert not starter.is_alive()  # prefetch only starts: a lookup waited for would hang at the gate
+        wait_until(lambda: len(entered) == 6, 10, what="every table's lookups in flight at once (3 tables x 2 shards)")
+    finally:
+        gate.set()
+        cluster.sess.async_session.call_task = inner
+    got = [t(x) for t, x in zip(tables, inputs)]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g.detach(), e)
+    got[0].sum().backward()  # a prefetched lookup's rows push their gradient like any other
+    tables[0].flush()
+    assert tables[0].counters["pushes"] == 1
+    other = torch.tensor([[4, 5]])
+    tables[1].prefetch(inputs[1])  # then called on another tensor: looked up anew
+    torch.testing.assert_close(tables[1](other).detach(), tables[1].read(other).sum(1))

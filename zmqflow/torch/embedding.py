@@ -70,6 +70,7 @@ class _ShardedModule(torch.nn.Module):
         self.embedding_dim = embedding_dim
         self.dtype = dtype
         self.push_gradients = True
+        self._prefetched: tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any] | None = None
 
     # the table -----------------------------------------------------------------------------
     @property
@@ -142,15 +143,33 @@ class _ShardedModule(torch.nn.Module):
             raise InvalidArgument(f"{self.kind} {self.name!r}: ids must be integers, got {ids.dtype}")
         return ids.reshape(-1).long()
 
-    def _rows(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows of the unique ids, requiring grad when a backward should push; inverse indices)."""
+    def prefetch(self, input: torch.Tensor) -> None:
+        """Start fetching the rows ``forward(input)`` (this very tensor) will need, and return: a
+        model with several tables prefetches each before the first forward, so their lookups
+        travel at once instead of one round trip after another."""
+        flat = self._ids(input)
+        uniq, inverse = self._unique(flat)
+        self._prefetched = (input, uniq, inverse, self.table.lookup_async(uniq.cpu().numpy(), create=self.training))
+
+    def _unique(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         uniq, inverse = torch.unique(flat, return_inverse=True)  # sorted: the ends are the extremes
         num = self.num_embeddings
         if num is not None and len(uniq) and (int(uniq[0]) < 0 or int(uniq[-1]) >= num):
             bad = int(uniq[0]) if int(uniq[0]) < 0 else int(uniq[-1])
             raise InvalidArgument(f"{self.kind} {self.name!r}: id {bad} out of range [0, {num})")
+        return uniq, inverse
+
+    def _rows(self, flat: torch.Tensor, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows of the unique ids, requiring grad when a backward should push; inverse indices)."""
+        pre, self._prefetched = self._prefetched, None
+        if pre is not None and pre[0] is input:  # prefetched for this tensor: its lookup is under way
+            _, uniq, inverse, fut = pre
+            found = self.table.result(fut)
+        else:
+            uniq, inverse = self._unique(flat)
+            found = self.table.lookup(uniq.cpu().numpy(), create=self.training)
         ids = uniq.cpu().numpy()
-        rows = torch.from_numpy(self.table.lookup(ids, create=self.training)).to(flat.device)
+        rows = torch.from_numpy(found).to(flat.device)
         if self.push_gradients and torch.is_grad_enabled() and len(ids):
             rows.requires_grad_(True)
             rows.register_hook(self._push_hook(ids))
@@ -211,7 +230,7 @@ class EmbeddingBag(_ShardedModule):
             raise InvalidArgument(f"EmbeddingBag {self.name!r}: input must be 2-D (bags of equal length) or 1-D "
                                   f"with offsets, got shape {list(input.shape)}")
         weights = self._check_weights(per_sample_weights, input)
-        rows, inverse = self._rows(flat)
+        rows, inverse = self._rows(flat, input)
         return F.embedding_bag(inverse, rows, offsets, mode=self.mode, per_sample_weights=weights,
                                include_last_offset=self.include_last_offset)
 
@@ -255,5 +274,5 @@ class Embedding(_ShardedModule):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = self._ids(ids)
-        rows, inverse = self._rows(flat)
+        rows, inverse = self._rows(flat, ids)
         return F.embedding(inverse.reshape(ids.shape), rows)

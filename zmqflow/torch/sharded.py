@@ -149,10 +149,22 @@ class ShardedTable:
 
     def lookup(self, ids: np.ndarray, create: bool) -> np.ndarray:
         """Rows of unique ``ids`` (after this process's pushes have landed)."""
+        return self.result(self.lookup_async(ids, create))
+
+    def result(self, fut: "concurrent.futures.Future[np.ndarray]") -> np.ndarray:
+        """What a started lookup gave (its own deadline, the session's, comes first)."""
+        try:
+            return fut.result(self.timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise DeadlineExceeded(f"lookup in embedding {self.name!r} did not finish within {self.timeout:g}s") from None
+
+    def lookup_async(self, ids: np.ndarray, create: bool) -> "concurrent.futures.Future[np.ndarray]":
+        """Start the lookup of unique ``ids`` once this process's pushes have landed; its future.
+        Several tables' lookups started this way are in flight at once."""
         self.synchronize()
-        rows = self.session.run_on_loop(self.handle.lookup(ids, create=create))
         self._count(lookups=1, ids_looked_up=len(ids))
-        return rows
+        return self.session.submit(self.handle.lookup(ids, create=create))
 
     def push_async(self, ids: np.ndarray, grads: np.ndarray) -> "concurrent.futures.Future[int]":
         """Start a sparse push of unique ``ids`` on the session's loop; returns its future."""

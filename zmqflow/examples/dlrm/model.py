@@ -62,7 +62,12 @@ class DLRM(nn.Module):
                                   f"{dense.shape[0]} rows, got {tuple(sparse.shape)}")
         x = self.bottom(dense)
         offsets = torch.arange(sparse.shape[0], dtype=torch.int64)
-        vectors = [x] + [table(sparse[:, f].contiguous(), offsets) for f, table in enumerate(self.tables)]
+        columns = [sparse[:, f].contiguous() for f in range(len(self.tables))]
+        for table, ids in zip(self.tables, columns):
+            prefetch = getattr(table, "prefetch", None)  # tables on ps shards: every lookup at once
+            if prefetch is not None:
+                prefetch(ids)
+        vectors = [x] + [table(ids, offsets) for table, ids in zip(self.tables, columns)]
         stacked = torch.stack(vectors, dim=1)  # (B, K + 1, dim)
         dots = torch.bmm(stacked, stacked.transpose(1, 2))[:, self.pair_rows, self.pair_cols]
         return self.top(torch.cat([x, dots], dim=1)).squeeze(1)
