@@ -1,0 +1,136 @@
+"""The TensorFlow side of the tf1 anchor: ps tasks and the worker that measures, each a spawned
+process that imports tensorflow itself (the parent never does: a heavy import, threads, and an
+optional extra).
+
+TF1 between-graph replication as it was deployed: every task runs a ``tf.distribute.Server``
+(gRPC); variables are placed on ``/job:ps/task:i`` by ``replica_device_setter`` (round robin, as
+zmqflow's default placement); the worker's ``tf.compat.v1.Session`` talks to its own server, which
+runs each step's ops on the ps tasks. Every measurement mirrors one of zmqflow's in
+:mod:`.tf1`: same shapes, dtypes, ids, gradients and learning rates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from ..embedding import BATCH, DIM, zipf_ids
+
+__all__ = ["tf_ps_process", "tf_worker_process", "DENSE_LR", "EMB_LR"]
+
+DENSE_LR = 0.01
+EMB_LR = 0.1
+
+
+def _import_tf() -> Any:
+    """tensorflow in graph mode (TF1 semantics: ref variables, sessions), its C++ logs quiet."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    tf.get_logger().setLevel("ERROR")
+    tf.compat.v1.disable_v2_behavior()
+    return tf
+
+
+def tf_ps_process(spec_json: str, index: int, conn: Any) -> None:
+    """Process entry (see :mod:`zmqflow.bench.procs`): ps task ``index`` of the TF cluster."""
+    try:
+        tf = _import_tf()
+        server = tf.distribute.Server(tf.train.ClusterSpec(json.loads(spec_json)), job_name="ps", task_index=index)
+    except Exception as exc:  # an import or bind failure is reported to the parent, not lost
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", server.target))
+    conn.poll(None)  # a stop message or EOF (parent gone)
+    # a gRPC server has no clean stop in TF; its threads would hold the exit: leave at once
+    os._exit(0)
+
+
+def _dense_block(tf: Any, graph: Any, n_ps: int, mb: float, nvars: int) -> tuple[list, Any, dict]:
+    """``nvars`` float32 variables of ``mb`` MB in all on the ps tasks, and an SGD push of fed gradients."""
+    per_var = int(mb * 1e6) // nvars // 4
+    with graph.device(tf.compat.v1.train.replica_device_setter(ps_tasks=n_ps, worker_device="/job:worker/task:0")):
+        vs = [tf.compat.v1.get_variable(f"d{mb:g}_{i}", shape=(per_var,), initializer=tf.compat.v1.zeros_initializer())
+              for i in range(nvars)]
+        feeds = [tf.compat.v1.placeholder(tf.float32, (per_var,)) for _ in vs]
+        push = tf.compat.v1.train.GradientDescentOptimizer(DENSE_LR).apply_gradients(list(zip(feeds, vs)))
+    grads = {f: np.full(per_var, 1e-3, np.float32) for f in feeds}
+    return vs, push, grads
+
+
+def _embedding_block(tf: Any, graph: Any, n_ps: int, rows: int) -> tuple[Any, Any, Any, Any]:
+    """A ``rows`` x DIM table in ``n_ps`` partitions; a ``mod`` lookup and its sparse SGD push
+    (the lookup's gradient per partition, applied with ``scatter_sub`` on that partition's ps)."""
+    with graph.device(tf.compat.v1.train.replica_device_setter(ps_tasks=n_ps, worker_device="/job:worker/task:0")):
+        table = tf.compat.v1.get_variable("emb", shape=(rows, DIM),
+                                          initializer=tf.compat.v1.random_normal_initializer(stddev=0.01),
+                                          partitioner=tf.compat.v1.fixed_size_partitioner(n_ps))
+        ids = tf.compat.v1.placeholder(tf.int64, (BATCH,))
+        looked = tf.compat.v1.nn.embedding_lookup(table, ids, partition_strategy="mod")
+        upstream = tf.compat.v1.placeholder(tf.float32, (BATCH, DIM))
+        parts = list(table)
+        grads = tf.gradients(looked, parts, grad_ys=upstream)
+        push = tf.group(*[tf.compat.v1.scatter_sub(p, g.indices, EMB_LR * g.values) for p, g in zip(parts, grads)])
+    return ids, upstream, looked, push
+
+
+def _timed(call: Any) -> float:
+    t0 = time.perf_counter()
+    call()
+    return time.perf_counter() - t0
+
+
+def tf_worker_process(spec_json: str, plan: dict[str, Any], out: Any) -> None:
+    """Process entry (:func:`zmqflow.bench.procs.run_to_end`): worker:0 builds one graph with every
+    measure's variables, initializes them and times each; puts ``("tf", results)`` on ``out``."""
+    tf = _import_tf()
+    spec = json.loads(spec_json)
+    n_ps = len(spec["ps"])
+    server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name="worker", task_index=0)
+    graph = tf.Graph()
+    with graph.as_default():
+        with graph.device("/job:ps/task:0"):
+            scalar = tf.compat.v1.get_variable("scalar", initializer=0.0)
+        add_one = tf.compat.v1.assign_add(scalar, 1.0).op  # the op only: zmqflow's assign_add returns nothing
+        dense = {mb: _dense_block(tf, graph, n_ps, mb, plan["nvars"]) for mb in plan["model_mbs"]}
+        ids, upstream, looked, emb_push = _embedding_block(tf, graph, n_ps, plan["rows"])
+        init = tf.compat.v1.global_variables_initializer()
+    config = tf.compat.v1.ConfigProto(device_filters=["/job:ps", "/job:worker/task:0"])
+    results: dict[str, Any] = {}
+    with tf.compat.v1.Session(server.target, graph=graph, config=config) as sess:
+        sess.run(init)
+        trips, reps = plan["trips"], plan["reps"]
+
+        def round_trips() -> None:
+            for _ in range(trips):
+                sess.run(add_one)
+
+        round_trips()  # warm up
+        results["scalar_per_s"] = [trips / _timed(round_trips) for _ in range(reps)]
+        results["dense"] = {}
+        for mb, (vs, push, grads) in dense.items():
+            sess.run(vs)
+            sess.run(push, feed_dict=grads)  # warm up
+            pulls, pushes = [], []
+            for _ in range(reps):
+                pulls.append(_timed(lambda: sess.run(vs)))
+                pushes.append(_timed(lambda: sess.run(push, feed_dict=grads)))
+            results["dense"][mb] = {"pull_s": pulls, "push_s": pushes}
+        rng = np.random.default_rng(plan["seed"])
+        batches = [zipf_ids(rng, BATCH, plan["rows"]) for _ in range(plan["batches"])]
+        g = np.full((BATCH, DIM), 1e-3, np.float32)
+        for b in batches[:3]:  # warm up
+            sess.run(looked, {ids: b})
+            sess.run(emb_push, {ids: b, upstream: g})
+        lookups, pushes = [], []
+        for b in batches:
+            lookups.append(_timed(lambda: sess.run(looked, {ids: b})))
+            pushes.append(_timed(lambda: sess.run(emb_push, {ids: b, upstream: g})))
+        results["embedding"] = {"lookup_s": lookups, "push_s": pushes}
+        results["check"] = float(statistics.fmean(sess.run(dense[plan["model_mbs"][0]][0][0])[:4]))
+    out.put(("tf", results))
