@@ -11,10 +11,13 @@ runs each step's ops on the ps tasks. Every measurement mirrors one of zmqflow's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
+import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -27,13 +30,29 @@ DENSE_LR = 0.01
 EMB_LR = 0.1
 
 
-def _import_tf() -> Any:
-    """tensorflow in graph mode (TF1 semantics: ref variables, sessions), its C++ logs quiet."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Native stderr to /dev/null meanwhile: TF's C++ start-up notices (oneDNN, absl) ignore
+    TF_CPP_MIN_LOG_LEVEL and would bury the table; Python errors still surface as exceptions."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
-    tf.get_logger().setLevel("ERROR")
-    tf.compat.v1.disable_v2_behavior()
+
+def _import_tf() -> Any:
+    """tensorflow in graph mode (TF1 semantics: ref variables, sessions), its logs quiet."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    with _quiet_stderr():
+        import tensorflow as tf
+
+        tf.get_logger().setLevel("ERROR")
+        tf.compat.v1.disable_v2_behavior()
     return tf
 
 
@@ -41,7 +60,8 @@ def tf_ps_process(spec_json: str, index: int, conn: Any) -> None:
     """Process entry (see :mod:`zmqflow.bench.procs`): ps task ``index`` of the TF cluster."""
     try:
         tf = _import_tf()
-        server = tf.distribute.Server(tf.train.ClusterSpec(json.loads(spec_json)), job_name="ps", task_index=index)
+        with _quiet_stderr():
+            server = tf.distribute.Server(tf.train.ClusterSpec(json.loads(spec_json)), job_name="ps", task_index=index)
     except Exception as exc:  # an import or bind failure is reported to the parent, not lost
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
@@ -91,7 +111,8 @@ def tf_worker_process(spec_json: str, plan: dict[str, Any], out: Any) -> None:
     tf = _import_tf()
     spec = json.loads(spec_json)
     n_ps = len(spec["ps"])
-    server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name="worker", task_index=0)
+    with _quiet_stderr():
+        server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name="worker", task_index=0)
     graph = tf.Graph()
     with graph.as_default():
         with graph.device("/job:ps/task:0"):
