@@ -19,10 +19,11 @@ Run ``zmqflow bench ps --vs tf1 [--quick] [--shards N ...] [--model-mb MB ...] [
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import statistics
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,13 +34,13 @@ from ...cluster import ClusterSpec
 from ...ports import free_port
 from ...state import init, optim
 from ...transport.memory import keep_big_blocks
-from ..embedding import BATCH, DIM, zipf_ids
+from ..embedding import BATCH, DIM
 from ..machine import OtherLoad
-from ..procs import Procs, run_to_end, spawn_queue, zf_task_process
+from ..procs import Procs, zf_task_process
 from ..ps import zf_model, zf_round_trips
 from ..report import align, cell, write_jsonl
 from ..stats import seconds_async
-from .tf1_side import DENSE_LR, EMB_LR, tf_ps_process, tf_worker_process
+from .tf1_side import DENSE_LR, EMB_LR, id_batches, tf_ps_process, tf_worker_process
 
 __all__ = ["MISSING_TF", "format_table", "plan", "run", "tf_available"]
 
@@ -66,117 +67,146 @@ def plan(quick: bool = False, model_mbs: Sequence[float] = (64,), nvars: int = 1
     }
 
 
-async def _zf_side(spec: ClusterSpec, p: dict[str, Any]) -> dict[str, Any]:
-    """zmqflow's half: the same measures, in the same order, as :func:`.tf1_side.tf_worker_process`."""
+class _TfWorker:
+    """The TF worker process: one repetition of a measure per call, run while zmqflow's side waits."""
+
+    def __init__(self, conn: Any):
+        self.conn = conn
+
+    def call(self, kind: str, arg: Any = None) -> Any:
+        self.conn.send((kind, arg))
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"the TF worker failed: {value}")
+        return value
+
+
+async def _pair(zf_rep: Callable[[], Awaitable[Any]], tf: _TfWorker | None, kind: str, arg: Any, i: int,
+                zf_out: list[Any], tf_out: list[Any]) -> None:
+    """One repetition on each side, who goes first alternating with ``i``: both see the same load
+    (the machine may be shared), neither always runs just after the other."""
+    async def theirs() -> None:
+        if tf is not None:
+            tf_out.append(await asyncio.to_thread(tf.call, kind, arg))
+
+    if i % 2:
+        await theirs()
+    zf_out.append(await zf_rep())
+    if not i % 2:
+        await theirs()
+
+
+async def _lockstep(spec: ClusterSpec, p: dict[str, Any], tf: _TfWorker | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every measure on both sides, repetition by repetition; TF's results empty without ``tf``."""
     reps, trips = p["reps"], p["trips"]
-    out: dict[str, Any] = {"dense": {}}
+    zf: dict[str, Any] = {"scalar_s": [], "dense": {}, "embedding": []}
+    theirs: dict[str, Any] = {"scalar_s": [], "dense": {}, "embedding": []}
     async with AsyncSession(cluster=spec, task="ps:0", timeout=300) as sess:
         await sess.wait_for_cluster(30)
-        await zf_round_trips(sess, trips)  # warm up
-        out["scalar_per_s"] = [await zf_round_trips(sess, trips) for _ in range(reps)]
+
+        async def scalar() -> float:
+            return trips / await zf_round_trips(sess, trips)
+
+        for i in range(reps + 1):  # the first of each is a warm-up
+            await _pair(scalar, tf, "scalar", None, i, zf["scalar_s"], theirs["scalar_s"])
         for mb in p["model_mbs"]:
             per_var = int(mb * 1e6) // p["nvars"] // 4
             names = [f"d{mb:g}_{i}" for i in range(p["nvars"])]
             for name in names:
                 await sess.variable(name, shape=(per_var,), optimizer=optim.SGD(DENSE_LR))
             grads = {name: np.full(per_var, 1e-3, np.float32) for name in names}
-            await zf_model(sess, names, grads, 1)  # warm up
-            pulls, pushes = await zf_model(sess, names, grads, reps)
-            out["dense"][mb] = {"pull_s": pulls, "push_s": pushes}
+
+            async def dense() -> list[float]:
+                pulls, pushes = await zf_model(sess, names, grads, 1)
+                return [pulls[0], pushes[0]]
+
+            zf["dense"][mb], theirs["dense"][mb] = [], []
+            for i in range(reps + 1):
+                await _pair(dense, tf, "dense", mb, i, zf["dense"][mb], theirs["dense"][mb])
         first = f"d{p['model_mbs'][0]:g}_0"
-        out["check"] = float(np.mean((await sess.pull([first]))[first][:4]))
+        zf["check"] = float(np.mean((await sess.pull([first]))[first][:4]))
+        theirs["check"] = None if tf is None else tf.call("check", p["model_mbs"][0])
         emb = await sess.embedding("emb", p["rows"], DIM, initializer=init.normal(0.01), optimizer=optim.SGD(EMB_LR))
-        rng = np.random.default_rng(p["seed"])
-        batches = [zipf_ids(rng, BATCH, p["rows"]) for _ in range(p["batches"])]
+        batches = id_batches(p)
         g = np.full((BATCH, DIM), 1e-3, np.float32)
-        for ids in batches[:3]:  # warm up
-            await emb.lookup(ids)
-            await emb.push(ids, g)
-        lookups, pushes = [], []
-        for ids in batches:
-            lookups.append(await seconds_async(lambda: emb.lookup(ids)))
-            pushes.append(await seconds_async(lambda: emb.push(ids, g)))
-        out["embedding"] = {"lookup_s": lookups, "push_s": pushes}
-    return out
+        warm = min(3, len(batches))
+        for i, ids in enumerate([*batches[:warm], *batches]):  # the first few again, as warm-ups
+
+            async def step(ids: np.ndarray = ids) -> list[float]:
+                return [await seconds_async(lambda: emb.lookup(ids)), await seconds_async(lambda: emb.push(ids, g))]
+
+            await _pair(step, tf, "embedding", i - warm if i >= warm else i, i, zf["embedding"], theirs["embedding"])
+    for side in (zf, theirs):  # drop the warm-ups
+        side["scalar_s"] = side["scalar_s"][1:]
+        side["dense"] = {mb: v[1:] for mb, v in side["dense"].items()}
+        side["embedding"] = side["embedding"][warm:]
+    return zf, theirs
 
 
-def _measure_zf(n_ps: int, p: dict[str, Any]) -> dict[str, Any]:
+def _measure(n_ps: int, p: dict[str, Any], with_tf: bool) -> tuple[dict[str, Any], dict[str, Any] | None, float | None]:
+    """Both systems' clusters up side by side (idle while the other measures), then the lock-step run;
+    also the CPUs other processes used meanwhile."""
     procs = Procs()
     try:
         spec = ClusterSpec({"ps": [f"127.0.0.1:{free_port()}" for _ in range(n_ps)]})
         for t in spec.tasks:
             procs.start(zf_task_process, spec.to_json(), str(t))
+        tf = None
+        if with_tf:
+            spec_json = json.dumps({"ps": [f"127.0.0.1:{free_port()}" for _ in range(n_ps)],
+                                    "worker": [f"127.0.0.1:{free_port()}"]})
+            for i in range(n_ps):
+                procs.start(tf_ps_process, spec_json, i)
+            procs.start(tf_worker_process, spec_json, p)
+            tf = _TfWorker(procs.children[-1].conn)
         load = OtherLoad()
-        res = zf_loop.run(_zf_side(spec, p))
-        res["other_load_cpus"] = load.cpus()
-        return res
-    finally:
-        procs.close()
-
-
-def _measure_tf(n_ps: int, p: dict[str, Any]) -> dict[str, Any]:
-    procs = Procs()
-    try:
-        spec_json = json.dumps({"ps": [f"127.0.0.1:{free_port()}" for _ in range(n_ps)],
-                                "worker": [f"127.0.0.1:{free_port()}"]})
-        for i in range(n_ps):
-            procs.start(tf_ps_process, spec_json, i)
-        out = spawn_queue()
-        load = OtherLoad()
-        run_to_end(tf_worker_process, [(spec_json, p, out)], 1800)
-        _, res = out.get(timeout=60)
-        res["other_load_cpus"] = load.cpus()
-        return res
+        zf, theirs = zf_loop.run(_lockstep(spec, p, tf))
+        return zf, theirs if with_tf else None, load.cpus()
     finally:
         procs.close()
 
 
 def _row(measure: str, n_ps: int, size: str, size_bytes: int, unit: str, work: float,
-         zf_s: Sequence[float], tf_s: Sequence[float] | None) -> dict[str, Any]:
-    """One measure's medians: ``work`` (bytes, rows or calls) per timed repetition, as throughput."""
+         zf_s: Sequence[float], tf_s: Sequence[float] | None, calls: int = 1) -> dict[str, Any]:
+    """One measure's medians: ``work`` (bytes, rows or calls) per timed repetition, as throughput;
+    milliseconds per call (a repetition of ``calls`` calls)."""
     zf_med = statistics.median(zf_s)
     tf_med = statistics.median(tf_s) if tf_s else None
     return {
         "bench": "ps_vs_tf1", "measure": measure, "ps": n_ps, "size": size, "size_bytes": size_bytes, "unit": unit,
         "zmqflow": work / zf_med, "tf1": None if tf_med is None else work / tf_med,
-        "zmqflow_ms": zf_med * 1e3, "tf1_ms": None if tf_med is None else tf_med * 1e3,
+        "zmqflow_ms": zf_med / calls * 1e3, "tf1_ms": None if tf_med is None else tf_med / calls * 1e3,
         "ratio": None if tf_med is None else tf_med / zf_med, "reps": len(zf_s),
     }
 
 
-def _rows(n_ps: int, p: dict[str, Any], zf: dict[str, Any], tf: dict[str, Any] | None) -> list[dict[str, Any]]:
+def _rows(n_ps: int, p: dict[str, Any], zf: dict[str, Any], tf: dict[str, Any] | None,
+          load: float | None) -> list[dict[str, Any]]:
     """The table's rows for ``n_ps`` ps tasks; TF's columns are ``None`` where TF did not run."""
-    def secs(side: dict[str, Any] | None, *path: Any) -> Any:
-        for key in path:
-            if side is None:
-                return None
-            side = side[key]
-        return side
+    def col(side: dict[str, Any] | None, key: Any, sub: Any = None, j: int | None = None) -> list[float] | None:
+        if side is None:
+            return None
+        got = side[key] if sub is None else side[key][sub]
+        return got if j is None else [x[j] if j >= 0 else sum(x) for x in got]
 
-    def step(side: dict[str, Any] | None, part: str, a: str, b: str) -> list[float] | None:
-        got = secs(side, part)
-        return None if got is None else [x + y for x, y in zip(got[a], got[b])]
-
-    rows = [_row("assign_add", n_ps, "4 B", 4, "calls/s", 1.0, [1 / r for r in zf["scalar_per_s"]],
-                 None if tf is None else [1 / r for r in tf["scalar_per_s"]])]
+    rows = [_row("assign_add", n_ps, "4 B", 4, "calls/s", p["trips"], zf["scalar_s"], col(tf, "scalar_s"),
+                 calls=p["trips"])]
     for mb in p["model_mbs"]:
         nbytes = int(mb * 1e6) // p["nvars"] // 4 * 4 * p["nvars"]
         size = f"{mb:g} MB"
-        for what in ("pull", "push"):
-            rows.append(_row(f"dense {what}", n_ps, size, nbytes, "GB/s", nbytes / 1e9, zf["dense"][mb][f"{what}_s"],
-                             secs(tf, "dense", mb, f"{what}_s")))
-        rows.append(_row("dense step", n_ps, size, nbytes, "GB/s", 2 * nbytes / 1e9,
-                         step(zf["dense"], mb, "pull_s", "push_s"), step(secs(tf, "dense"), mb, "pull_s", "push_s")))
-        rows[-1]["final_value"] = {"zmqflow": zf["check"], "tf1": secs(tf, "check")}
-    ids = f"{BATCH} ids"
-    for what in ("lookup", "push"):
-        rows.append(_row(f"embedding {what}", n_ps, ids, BATCH * DIM * 4, "rows/s", BATCH, zf["embedding"][f"{what}_s"],
-                         secs(tf, "embedding", f"{what}_s")))
-    rows.append(_row("embedding step", n_ps, ids, BATCH * DIM * 4, "rows/s", BATCH,
-                     step(zf, "embedding", "lookup_s", "push_s"), step(tf, "embedding", "lookup_s", "push_s")))
+        for j, what in enumerate(("pull", "push")):
+            rows.append(_row(f"dense {what}", n_ps, size, nbytes, "GB/s", nbytes / 1e9, col(zf, "dense", mb, j),
+                             col(tf, "dense", mb, j)))
+        rows.append(_row("dense step", n_ps, size, nbytes, "GB/s", 2 * nbytes / 1e9, col(zf, "dense", mb, -1),
+                         col(tf, "dense", mb, -1)))
+        if mb == p["model_mbs"][0]:
+            rows[-1]["final_value"] = {"zmqflow": zf["check"], "tf1": None if tf is None else tf["check"]}
+    for j, what in enumerate(("lookup", "push", "step")):
+        rows.append(_row(f"embedding {what}", n_ps, f"{BATCH} ids", BATCH * DIM * 4, "rows/s", BATCH,
+                         col(zf, "embedding", None, j if j < 2 else -1), col(tf, "embedding", None, j if j < 2 else -1)))
     for r in rows:
         r["table_rows"] = p["rows"] if r["measure"].startswith("embedding") else None
-        r["other_load_cpus"] = {"zmqflow": zf["other_load_cpus"], "tf1": secs(tf, "other_load_cpus")}
+        r["other_load_cpus"] = load
     return rows
 
 
@@ -188,9 +218,7 @@ def run(quick: bool = False, shards: Sequence[int] = (1, 2), model_mbs: Sequence
     p = plan(quick, model_mbs, **sizes)
     out: list[dict[str, Any]] = []
     for n in shards:
-        zf = _measure_zf(n, p)
-        theirs = _measure_tf(n, p) if tf else None
-        rows = _rows(n, p, zf, theirs)
+        rows = _rows(n, p, *_measure(n, p, tf))
         step = next(r for r in rows if r["measure"] == "dense step")
         echo(f"measured {n} ps: dense step {step['zmqflow_ms']:.1f} ms"
              + (f" vs tf1 {step['tf1_ms']:.1f} ms" if step["tf1_ms"] is not None else ""))
@@ -209,13 +237,15 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             cell(r["zmqflow_ms"], ".2f"), cell(r["tf1_ms"], ".2f"), cell(r["ratio"], ".2f") + ("x" if r["ratio"] else ""),
         ])
     out = align(lines)
-    reps = sorted({r["reps"] for r in rows})
-    out.append(f"medians of {'/'.join(map(str, reps))} repetitions; ratio = zmqflow throughput / tf1 throughput "
+    reps = {r["reps"] for r in rows if not r["measure"].startswith("embedding")}
+    batches = {r["reps"] for r in rows if r["measure"].startswith("embedding")}
+    out.append(f"medians of {'/'.join(map(str, sorted(reps)))} repetitions (embedding: of "
+               f"{'/'.join(map(str, sorted(batches)))} id batches); ratio = zmqflow throughput / tf1 throughput "
                "(above 1: zmqflow faster); dense step GB/s counts the bytes pulled and pushed")
-    loads = {(r["ps"], side): v for r in rows for side, v in r["other_load_cpus"].items() if v is not None}
+    loads = {r["ps"]: r["other_load_cpus"] for r in rows if r["other_load_cpus"] is not None}
     if loads:
         out.append("CPUs kept busy by other processes meanwhile: "
-                   + ", ".join(f"{side} {n} ps {v:.2f}" for (n, side), v in sorted(loads.items())))
+                   + ", ".join(f"{v:.2f} ({n} ps)" for n, v in sorted(loads.items())))
     return "\n".join(out)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ import numpy as np
 
 from ..embedding import BATCH, DIM, zipf_ids
 
-__all__ = ["tf_ps_process", "tf_worker_process", "DENSE_LR", "EMB_LR"]
+__all__ = ["DENSE_LR", "EMB_LR", "id_batches", "tf_ps_process", "tf_worker_process"]
 
 DENSE_LR = 0.01
 EMB_LR = 0.1
@@ -105,53 +104,69 @@ def _timed(call: Any) -> float:
     return time.perf_counter() - t0
 
 
-def tf_worker_process(spec_json: str, plan: dict[str, Any], out: Any) -> None:
-    """Process entry (:func:`zmqflow.bench.procs.run_to_end`): worker:0 builds one graph with every
-    measure's variables, initializes them and times each; puts ``("tf", results)`` on ``out``."""
-    tf = _import_tf()
-    spec = json.loads(spec_json)
-    n_ps = len(spec["ps"])
-    with _quiet_stderr():
-        server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name="worker", task_index=0)
-    graph = tf.Graph()
-    with graph.as_default():
-        with graph.device("/job:ps/task:0"):
-            scalar = tf.compat.v1.get_variable("scalar", initializer=0.0)
-        add_one = tf.compat.v1.assign_add(scalar, 1.0).op  # the op only: zmqflow's assign_add returns nothing
-        dense = {mb: _dense_block(tf, graph, n_ps, mb, plan["nvars"]) for mb in plan["model_mbs"]}
-        ids, upstream, looked, emb_push = _embedding_block(tf, graph, n_ps, plan["rows"])
-        init = tf.compat.v1.global_variables_initializer()
-    config = tf.compat.v1.ConfigProto(device_filters=["/job:ps", "/job:worker/task:0"])
-    results: dict[str, Any] = {}
-    with tf.compat.v1.Session(server.target, graph=graph, config=config) as sess:
+def tf_worker_process(spec_json: str, plan: dict[str, Any], conn: Any) -> None:
+    """Process entry (see :mod:`zmqflow.bench.procs`): worker:0 builds one graph with every
+    measure's variables, initializes them, answers ready, then runs one repetition per request
+    (``(kind, arg)`` -> ``("ok", seconds)``), so the parent interleaves it with zmqflow's."""
+    try:
+        tf = _import_tf()
+        spec = json.loads(spec_json)
+        n_ps = len(spec["ps"])
+        with _quiet_stderr():
+            server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name="worker", task_index=0)
+        graph = tf.Graph()
+        with graph.as_default():
+            with graph.device("/job:ps/task:0"):
+                scalar = tf.compat.v1.get_variable("scalar", initializer=0.0)
+            add_one = tf.compat.v1.assign_add(scalar, 1.0).op  # the op only: zmqflow's assign_add returns nothing
+            dense = {mb: _dense_block(tf, graph, n_ps, mb, plan["nvars"]) for mb in plan["model_mbs"]}
+            ids, upstream, looked, emb_push = _embedding_block(tf, graph, n_ps, plan["rows"])
+            init = tf.compat.v1.global_variables_initializer()
+        config = tf.compat.v1.ConfigProto(device_filters=["/job:ps", "/job:worker/task:0"])
+        sess = tf.compat.v1.Session(server.target, graph=graph, config=config)
         sess.run(init)
-        trips, reps = plan["trips"], plan["reps"]
+    except Exception as exc:  # reported to the parent, not lost
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    batches = id_batches(plan)
+    g = np.full((BATCH, DIM), 1e-3, np.float32)
 
-        def round_trips() -> None:
-            for _ in range(trips):
+    def round_trips(_: Any) -> float:
+        def trips() -> None:
+            for _ in range(plan["trips"]):
                 sess.run(add_one)
 
-        round_trips()  # warm up
-        results["scalar_per_s"] = [trips / _timed(round_trips) for _ in range(reps)]
-        results["dense"] = {}
-        for mb, (vs, push, grads) in dense.items():
-            sess.run(vs)
-            sess.run(push, feed_dict=grads)  # warm up
-            pulls, pushes = [], []
-            for _ in range(reps):
-                pulls.append(_timed(lambda: sess.run(vs)))
-                pushes.append(_timed(lambda: sess.run(push, feed_dict=grads)))
-            results["dense"][mb] = {"pull_s": pulls, "push_s": pushes}
-        rng = np.random.default_rng(plan["seed"])
-        batches = [zipf_ids(rng, BATCH, plan["rows"]) for _ in range(plan["batches"])]
-        g = np.full((BATCH, DIM), 1e-3, np.float32)
-        for b in batches[:3]:  # warm up
-            sess.run(looked, {ids: b})
-            sess.run(emb_push, {ids: b, upstream: g})
-        lookups, pushes = [], []
-        for b in batches:
-            lookups.append(_timed(lambda: sess.run(looked, {ids: b})))
-            pushes.append(_timed(lambda: sess.run(emb_push, {ids: b, upstream: g})))
-        results["embedding"] = {"lookup_s": lookups, "push_s": pushes}
-        results["check"] = float(statistics.fmean(sess.run(dense[plan["model_mbs"][0]][0][0])[:4]))
-    out.put(("tf", results))
+        return _timed(trips)
+
+    def dense_step(mb: float) -> list[float]:
+        vs, push, grads = dense[mb]
+        return [_timed(lambda: sess.run(vs)), _timed(lambda: sess.run(push, feed_dict=grads))]
+
+    def embedding_step(i: int) -> list[float]:
+        b = batches[i]
+        return [_timed(lambda: sess.run(looked, {ids: b})), _timed(lambda: sess.run(emb_push, {ids: b, upstream: g}))]
+
+    def check(mb: float) -> float:
+        return float(np.mean(sess.run(dense[mb][0][0])[:4]))
+
+    ops = {"scalar": round_trips, "dense": dense_step, "embedding": embedding_step, "check": check}
+    conn.send(("ready", None))
+    while True:
+        try:
+            kind, arg = conn.recv()
+        except EOFError:  # parent gone
+            break
+        if kind == "stop":
+            break
+        try:
+            conn.send(("ok", ops[kind](arg)))
+        except Exception as exc:
+            conn.send(("error", f"{kind}: {type(exc).__name__}: {exc}"))
+    sess.close()
+    os._exit(0)  # as the ps tasks: the gRPC server's threads would hold the exit
+
+
+def id_batches(plan: dict[str, Any]) -> list[np.ndarray]:
+    """The id batches both sides look up and push, in order (the same seed, the same ids)."""
+    rng = np.random.default_rng(plan["seed"])
+    return [zipf_ids(rng, BATCH, plan["rows"]) for _ in range(plan["batches"])]
