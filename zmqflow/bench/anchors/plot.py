@@ -35,6 +35,7 @@ def _draw(path: str, title: str, xlabel: str, ylabel: str, series: Series, logx:
                     linestyle="--" if label.startswith(("tf1", "raw", "gloo", "ps ")) else "-", label=label)
         if logx:
             ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)  # ratios read honestly off the heights
         ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
