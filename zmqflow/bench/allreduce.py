@@ -8,11 +8,12 @@ equivalent (every worker pushes its gradient to one ps shard and pulls the resul
 where each wins. Targets (reported, never asserted): ring busbw >= 1.0x gloo at 16 MB and up on
 2 ranks, >= 0.5x at 64 KB.
 
-Run ``zmqflow bench allreduce [--quick] [--json FILE]``.
+Run ``zmqflow bench allreduce [--quick] [--vs gloo] [--json FILE] [--plot FILE]``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Sequence
@@ -20,13 +21,14 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ConfigError
 from ..ports import free_port
 from ..transport.memory import keep_big_blocks
 from .procs import Procs, run_to_end, spawn_queue, zf_task_process
 from .report import KiB, MiB, align, cell, script_main, size_label, write_jsonl
 from .stats import median_seconds, memcpy_gbps
 
-__all__ = ["format_table", "run"]
+__all__ = ["format_table", "gloo_available", "run"]
 
 SIZES = (KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB)
 QUICK_SIZES = (KiB, 64 * KiB, MiB, 16 * MiB)
@@ -109,16 +111,21 @@ def _ps_rank(spec_json: str, rank: int, sizes: Sequence[int], quick: bool, out: 
         ring.barrier()
 
 
-def run(quick: bool = False, ranks: Sequence[int] = (2, 3), json_out: str | None = None, echo: Any = print) -> list[dict[str, Any]]:
-    """One row per rank count x size: the ring, gloo (``None`` without torch), PS and memcpy."""
+def gloo_available() -> bool:
+    """Whether torch (and so gloo) can be found, without importing it here."""
+    return importlib.util.find_spec("torch") is not None
+
+
+def run(quick: bool = False, ranks: Sequence[int] = (2, 3), json_out: str | None = None, echo: Any = print,
+        gloo: bool | None = None) -> list[dict[str, Any]]:
+    """One row per rank count x size: the ring, gloo, PS and memcpy. ``gloo``: None runs it when
+    torch is installed (its columns ``None`` otherwise), True requires it (``--vs gloo``: a
+    missing torch is a ConfigError before anything runs), False leaves it out."""
     keep_big_blocks()
     sizes = QUICK_SIZES if quick else SIZES
-    try:
-        import torch  # noqa: F401
-
-        have_torch = True
-    except ImportError:
-        have_torch = False
+    have_torch = gloo_available() if gloo is None else gloo
+    if have_torch and not gloo_available():
+        raise ConfigError("the gloo anchor needs PyTorch: pip install 'zmqflow[torch]'")
     rows = []
     for n in ranks:
         out = spawn_queue()

@@ -33,7 +33,7 @@ from .procs import Procs, zf_task_process
 from .report import align, script_main, write_jsonl
 from .stats import seconds, seconds_async
 
-__all__ = ["format_table", "run"]
+__all__ = ["format_table", "run", "zf_model", "zf_round_trips"]
 
 MB = 1e6
 
@@ -102,7 +102,7 @@ def _raw_round_trips(sock: zmq.Socket, n: int) -> float:
     return n / seconds(trips)
 
 
-async def _zf_model(sess: AsyncSession, names: list[str], grads: dict[str, np.ndarray], reps: int) -> tuple[list[float], list[float]]:
+async def zf_model(sess: AsyncSession, names: list[str], grads: dict[str, np.ndarray], reps: int) -> tuple[list[float], list[float]]:
     """Seconds of each pull of every variable and of each push of a gradient for every variable."""
     pulls, pushes = [], []
     for _ in range(reps):
@@ -111,7 +111,7 @@ async def _zf_model(sess: AsyncSession, names: list[str], grads: dict[str, np.nd
     return pulls, pushes
 
 
-async def _zf_round_trips(sess: AsyncSession, n: int) -> float:
+async def zf_round_trips(sess: AsyncSession, n: int) -> float:
     """Scalar ``assign_add`` calls per second, one in flight."""
     var = await sess.variable("scalar", 0.0)
 
@@ -150,9 +150,9 @@ def _measure(shards: int, model_bytes: int, nvars: int, reps: int, trips: int) -
                 await sess.wait_for_cluster(30)
                 for n in names:
                     await sess.variable(n, shape=(per_var,))
-                await _zf_model(sess, names, grads, 1)  # warm up connections and pages
-                pulls, pushes = await _zf_model(sess, names, grads, reps)
-                return pulls, pushes, await _zf_round_trips(sess, trips)
+                await zf_model(sess, names, grads, 1)  # warm up connections and pages
+                pulls, pushes = await zf_model(sess, names, grads, reps)
+                return pulls, pushes, await zf_round_trips(sess, trips)
 
         _raw_pull_push(socks, plan, payload)  # warm up
         raw = [_raw_pull_push(socks, plan, payload) for _ in range(reps)]

@@ -29,14 +29,46 @@ def transport(quick: bool, transports: tuple[str, ...], json_out: str | None, cu
 
 
 @bench.command("ps")
-@click.option("--quick", is_flag=True, help="A 20 MB model and fewer repetitions.")
-@click.option("--shards", "shards", multiple=True, type=click.IntRange(1, 16), help="Repeatable; default 1, 2, 4.")
+@click.option("--quick", is_flag=True, help="A smaller model (20 MB; with --vs tf1 64 MB still) and fewer repetitions.")
+@click.option("--shards", "shards", multiple=True, type=click.IntRange(1, 16),
+              help="Repeatable; default 1, 2, 4 (1, 2 with --vs tf1).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Append JSON lines here.")
-def ps(quick: bool, shards: tuple[int, ...], json_out: str | None) -> None:
-    """Pull/push of a whole model over 1-4 ps shards and scalar updates, vs raw pyzmq."""
+@click.option("--vs", "rival", type=click.Choice(["tf1"]),
+              help="Do the same work on a rival in the same run: tf1 = TensorFlow gRPC ps tasks and a "
+                   "tf.compat.v1 worker session (needs the [anchors] extra).")
+@click.option("--model-mb", "model_mbs", multiple=True, type=click.FloatRange(min=0.1),
+              help="Model size in MB; repeatable (several draw a curve with --plot). "
+                   "Default 100 (20 with --quick); 64 with --vs tf1.")
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False),
+              help="Draw throughput against model size into this image (needs the [plot] extra).")
+def ps(quick: bool, shards: tuple[int, ...], json_out: str | None, rival: str | None, model_mbs: tuple[float, ...],
+       plot_out: str | None) -> None:
+    """Pull/push of a whole model over 1-4 ps shards and scalar updates, vs raw pyzmq (or vs TF1 ps)."""
+    from ..bench.anchors import plot
+
+    if plot_out and not plot.available():
+        raise click.ClickException(plot.MISSING)
+    if rival == "tf1":
+        from ..bench.anchors import tf1
+
+        if not tf1.tf_available():  # an optional extra: say so before anything runs
+            raise click.ClickException(tf1.MISSING_TF)
+        rows = tf1.run(quick=quick, shards=shards or (1, 2), model_mbs=model_mbs or (64,), json_out=json_out,
+                       echo=click.echo)
+        click.echo(tf1.format_table(rows))
+        if plot_out:
+            plot.plot_ps_vs_tf1(rows, plot_out)
+            click.echo(f"plot: {plot_out}")
+        return
     from ..bench.ps import format_table, run
 
-    click.echo(format_table(run(quick=quick, shards=shards or (1, 2, 4), json_out=json_out)))
+    rows = []
+    for mb in model_mbs or (None,):
+        rows += run(quick=quick, shards=shards or (1, 2, 4), model_mb=mb, json_out=json_out, echo=click.echo)
+    click.echo(format_table(rows))
+    if plot_out:
+        plot.plot_ps(rows, plot_out)
+        click.echo(f"plot: {plot_out}")
 
 
 @bench.command("embedding")
@@ -52,11 +84,25 @@ def embedding(quick: bool, json_out: str | None) -> None:
 @bench.command("allreduce")
 @click.option("--quick", is_flag=True, help="Sizes up to 16 MB, fewer repetitions.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Append JSON lines here.")
-def allreduce(quick: bool, json_out: str | None) -> None:
+@click.option("--vs", "rival", type=click.Choice(["gloo"]),
+              help="Require the rival: gloo = torch.distributed's allreduce (needs the [torch] extra). "
+                   "Without it gloo runs only when torch is installed.")
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False),
+              help="Draw bus bandwidth against size into this image (needs the [plot] extra).")
+def allreduce(quick: bool, json_out: str | None, rival: str | None, plot_out: str | None) -> None:
     """Ring allreduce vs gloo (when torch is installed) vs memcpy vs PS push/pull."""
-    from ..bench.allreduce import format_table, run
+    from ..bench.allreduce import format_table, gloo_available, run
+    from ..bench.anchors import plot
 
-    click.echo(format_table(run(quick=quick, json_out=json_out)))
+    if plot_out and not plot.available():
+        raise click.ClickException(plot.MISSING)
+    if rival == "gloo" and not gloo_available():
+        raise click.ClickException("zmqflow bench allreduce --vs gloo needs PyTorch: pip install 'zmqflow[torch]'")
+    rows = run(quick=quick, json_out=json_out, echo=click.echo, gloo=True if rival == "gloo" else None)
+    click.echo(format_table(rows))
+    if plot_out:
+        plot.plot_allreduce(rows, plot_out)
+        click.echo(f"plot: {plot_out}")
 
 
 @bench.command("recovery")

@@ -1,0 +1,120 @@
+"""Rival anchors of the benchmarks: a missing optional extra is a clear message before anything
+runs, the tf1 rows and JSON have their shape with zmqflow's side alone, and (where tensorflow is
+installed) both sides do the same work. Figures are reported, never asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from zmqflow.bench import allreduce as allreduce_bench
+from zmqflow.bench.anchors import plot, tf1
+from zmqflow.bench.anchors.tf1_side import DENSE_LR
+from zmqflow.cli.bench import bench
+
+TINY = {"reps": 2, "trips": 20, "rows": 2000, "batches": 3}
+MEASURES = ["assign_add", "dense pull", "dense push", "dense step", "embedding lookup", "embedding push",
+            "embedding step"]
+needs_tf = pytest.mark.skipif(not tf1.tf_available(), reason="tensorflow is not installed (the [anchors] extra)")
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(bench, list(args))
+
+
+def _clean_failure(result, *words: str) -> None:
+    """A non-zero exit with the message, and no traceback (a ClickException, not a crash)."""
+    assert result.exit_code != 0
+    assert isinstance(result.exception, SystemExit)
+    for word in words:
+        assert word in result.output
+    assert "Traceback" not in result.output
+
+
+def test_vs_tf1_without_tensorflow_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setattr(tf1, "tf_available", lambda: False)  # as in an environment without the extra
+    out = tmp_path / "rows.jsonl"
+    result = _invoke("ps", "--vs", "tf1", "--quick", "--json", str(out))
+    _clean_failure(result, "TensorFlow", "pip install 'zmqflow[anchors]'")
+    assert not out.exists()  # refused before anything ran
+
+
+def test_vs_gloo_without_torch_names_the_extra(monkeypatch):
+    monkeypatch.setattr(allreduce_bench, "gloo_available", lambda: False)
+    _clean_failure(_invoke("allreduce", "--vs", "gloo", "--quick"), "PyTorch", "pip install 'zmqflow[torch]'")
+
+
+@pytest.mark.skipif(plot.available(), reason="matplotlib is installed: the plots themselves are tested")
+@pytest.mark.parametrize("command", ["ps", "allreduce"])
+def test_plot_without_matplotlib_names_the_extra(command, tmp_path):
+    _clean_failure(_invoke(command, "--quick", "--plot", str(tmp_path / "x.png")), "matplotlib", "zmqflow[plot]")
+    assert not (tmp_path / "x.png").exists()
+
+
+def _check_rows(rows: list[dict], shards: tuple[int, ...], with_tf: bool) -> None:
+    assert [(r["ps"], r["measure"]) for r in rows] == [(n, m) for n in shards for m in MEASURES]
+    for r in rows:
+        assert r["zmqflow"] > 0 and r["zmqflow_ms"] > 0
+        if with_tf:
+            assert r["tf1"] > 0 and r["tf1_ms"] > 0
+            assert r["ratio"] == pytest.approx(r["zmqflow"] / r["tf1"])
+        else:
+            assert r["tf1"] is None and r["tf1_ms"] is None and r["ratio"] is None
+    steps = [r for r in rows if r["measure"] == "dense step"]
+    pulls = [r for r in rows if r["measure"] == "dense pull"]
+    for step, pull in zip(steps, pulls):
+        # a step moves the model twice (pull, push); its throughput counts both
+        assert step["size_bytes"] == pull["size_bytes"] == 1_000_000
+        # warm-up + reps SGD pushes of 1e-3 on zeros: the pushes were applied, not only sent
+        expected = -(TINY["reps"] + 1) * DENSE_LR * 1e-3
+        assert step["final_value"]["zmqflow"] == pytest.approx(expected, rel=1e-4)
+        if with_tf:
+            assert step["final_value"]["tf1"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_tf1_rows_json_and_table_with_zmqflow_alone(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    rows = tf1.run(shards=(1, 2), model_mbs=(1,), json_out=str(out), echo=lambda _: None, tf=False, **TINY)
+    _check_rows(rows, (1, 2), with_tf=False)
+    assert [json.loads(line) for line in out.read_text().splitlines()] == rows
+    assert all(r["bench"] == "ps_vs_tf1" for r in rows)
+    table = tf1.format_table(rows)
+    for m in MEASURES:
+        assert m in table
+    assert "above 1: zmqflow faster" in table
+
+
+@pytest.mark.skipif(not plot.available(), reason="matplotlib is not installed (the [plot] extra)")
+def test_plots_are_drawn(tmp_path):
+    rows = tf1.run(shards=(1,), model_mbs=(1, 2), echo=lambda _: None, tf=False, **TINY)
+    ar_rows = [{"ranks": 2, "bytes": b, "zf_busbw": 0.1 * i + 0.1, "gloo_busbw": None, "ps_busbw": 0.05}
+               for i, b in enumerate((1024, 65536))]
+    ps_rows = [{"shards": 1, "model_mb": mb, "zf_pull_gbps": 1.0, "raw_pull_gbps": 1.2, "zf_push_gbps": 0.9,
+                "raw_push_gbps": 1.1} for mb in (1, 2)]
+    for draw, data in ((plot.plot_ps_vs_tf1, rows), (plot.plot_allreduce, ar_rows), (plot.plot_ps, ps_rows)):
+        path = tmp_path / f"{draw.__name__}.png"
+        draw(data, str(path))
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_tf
+def test_tf1_tiny_run_does_the_same_work_on_both_sides():
+    rows = tf1.run(shards=(2,), model_mbs=(1,), echo=lambda _: None, **TINY)  # 2 ps: partitioned on both sides
+    _check_rows(rows, (2,), with_tf=True)
+
+
+@needs_tf
+def test_cli_vs_tf1_prints_the_ratio_table_and_writes_json(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    args = ["ps", "--vs", "tf1", "--quick", "--shards", "1", "--model-mb", "1", "--json", str(out)]
+    if plot.available():
+        args += ["--plot", str(tmp_path / "curve.png")]
+    result = _invoke(*args)
+    assert result.exit_code == 0, result.output
+    assert "ratio" in result.output and "dense step" in result.output
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["measure"] for r in lines] == MEASURES and all(r["ratio"] > 0 for r in lines)
+    if plot.available():
+        assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
