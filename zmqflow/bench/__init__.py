@@ -8,6 +8,8 @@ Each benchmark has ``run(quick=..., json_out=...)`` and ``format_table(result)``
 * :mod:`.ps`: pull and push of a whole model over 1-4 ps shards, and scalar updates, vs raw pyzmq.
 * :mod:`.embedding`: sharded lookups and pushes vs numpy ``take``; the memory of a big table.
 * :mod:`.allreduce`: the ring vs gloo (with torch), memcpy, and PS push/pull.
+* :mod:`.anchors`: the same work on TF's gRPC parameter servers (``zmqflow bench ps --vs tf1``,
+  with the ``[anchors]`` extra), run side by side with zmqflow's; ``plot`` draws the curves.
 * :mod:`.torch_ddp`: ``zmqflow.torch.DistributedOptimizer`` (ring) vs torch DDP over gloo, 2 ranks.
 * :mod:`.torch_embedding`: ``zmqflow.torch`` EmbeddingBag lookup+push vs ``torch.nn.EmbeddingBag``.
   (The two run together as ``zmqflow bench torch``.)
