@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from zmqflow import errors
 from zmqflow.state.admission import Sightings
-from zmqflow.state.hash_index import EMPTY, HashIndex
+from zmqflow.state.hash_index import DELETED, EMPTY, HashIndex
 from zmqflow.state import init, optim
 from zmqflow.state.tables import HashTable
 
@@ -32,10 +32,10 @@ def batches(max_size: int = 24) -> Any:
 
 
 def check_invariants(index: HashIndex, keys: np.ndarray, model: dict[int, int]) -> None:
-    table = index.table
-    assert index.live == len(model) == int(np.count_nonzero(table >= 0))
-    assert index.used == int(np.count_nonzero(table != EMPTY))
-    assert index.used <= index.max_load * len(table)
+    ctrl = index.bytes
+    assert index.live == len(model) == int(np.count_nonzero(ctrl >= 0x80))
+    assert index.used == int(np.count_nonzero(ctrl != EMPTY)) and set(np.unique(ctrl)) <= {EMPTY, DELETED} | set(range(128, 256))
+    assert index.used <= index.max_load * index.buckets
     assert sorted(model.values()) == index.values().tolist()
     assert {int(keys[h]) for h in index.values()} == set(model)
 
@@ -104,7 +104,7 @@ def test_index_survives_heavy_churn_and_colliding_ids() -> None:
         probe = np.concatenate([np.array(list(model) + gone, np.int64), pool])
         assert index.find(probe, keys).tolist() == [model.get(int(i), -1) for i in probe]
     check_invariants(index, keys, model)
-    assert len(index.table) <= 8 * 1024  # churn rebuilt the table in place rather than growing it
+    assert index.buckets <= 8 * 1024  # churn rebuilt the table in place rather than growing it
 
 
 def test_index_rejects_a_bad_load_factor() -> None:

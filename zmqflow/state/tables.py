@@ -73,11 +73,15 @@ _FREE = np.iinfo(np.int64).max  # ``last_used`` of a slot that holds no row: nev
 
 
 def _first_seen(ids: np.ndarray) -> np.ndarray:
-    """``ids`` without repeats, in order of first appearance (the order a loop over them sees)."""
+    """``ids`` without repeats, in order of first appearance (the order a loop over them sees);
+    ``ids`` itself when it has none (clients send unique ids: one sort tells)."""
     if len(ids) < 2:
         return ids
-    uniq, first = np.unique(ids, return_index=True)
-    return uniq[np.argsort(first, kind="stable")] if len(uniq) < len(ids) else ids
+    ordered = np.sort(ids)
+    if not (ordered[1:] == ordered[:-1]).any():
+        return ids
+    first = np.unique(ids, return_index=True)[1]
+    return ids[np.sort(first)]
 
 
 class HashTable:
@@ -190,8 +194,9 @@ class HashTable:
         self.fresh += fresh
         return out
 
-    def _create(self, new_ids: np.ndarray) -> None:
-        """Rows for ``new_ids`` (unique, absent), evicting the least recently used past the capacity."""
+    def _create(self, new_ids: np.ndarray) -> np.ndarray:
+        """Rows for ``new_ids`` (unique, absent), evicting the least recently used past the
+        capacity; returns their slots (fewer when there are more new ids than the capacity)."""
         excess = len(self.index) + len(new_ids) - self.capacity
         if excess > 0:
             self._evict_lru(excess)
@@ -209,6 +214,7 @@ class HashTable:
         self.last_used[slots] = self.tick
         self.updated_step[slots] = self.step
         self.updated_time[slots] = time.time()
+        return slots
 
     def _initial(self, n: int) -> np.ndarray:
         if self.init.kind == "constant":
@@ -216,13 +222,16 @@ class HashTable:
         seed = int(self._rng.integers(0, 2**62))
         return _init.build(_init.Initializer(**{**self.init.spec(), "seed": seed}), (n, self.dim), (0, n), self.dtype)
 
-    def _admit(self, unseen: np.ndarray) -> None:
+    def _admit(self, unseen: np.ndarray) -> np.ndarray:
         """One more sighting of each of ``unseen`` (unique, absent); create those that reach
-        ``min_frequency``, and forget the oldest pending ids past ``max_pending``."""
-        if self.min_frequency > 1:
-            unseen = unseen[self.sightings.sight(unseen, self.min_frequency)]
-        if len(unseen):
-            self._create(unseen)
+        ``min_frequency``. Returns the slot of each (-1 where none was created)."""
+        slots = np.full(len(unseen), -1, np.int64)
+        admit = np.flatnonzero(self.sightings.sight(unseen, self.min_frequency)) if self.min_frequency > 1 \
+            else np.arange(len(unseen))
+        if len(admit):
+            made = self._create(unseen[admit])
+            slots[admit[: len(made)]] = made
+        return slots
 
     def _release(self, slots: np.ndarray) -> None:
         self.index.remove(slots, self.ids)
@@ -256,12 +265,15 @@ class HashTable:
         ids = np.asarray(ids, dtype=np.int64)
         slots = self.index.find(ids, self.ids)
         if create:
-            miss = slots < 0
-            if miss.any():
+            miss = np.flatnonzero(slots < 0)
+            if len(miss):
                 evicted = self.evicted
-                self._admit(_first_seen(ids[miss]))
+                unseen = _first_seen(ids[miss])
+                made = self._admit(unseen)
                 if self.evicted != evicted:  # rows of this very batch may have made room
                     slots = self.index.find(ids, self.ids)
+                elif len(unseen) == len(miss):  # no repeats: the new slots line up with the misses
+                    slots[miss] = made
                 else:
                     slots[miss] = self.index.find(ids[miss], self.ids)
             if len(self.sightings) > self.max_pending:
