@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import pages
 from .hash_index import HashIndex
 
 __all__ = ["Sightings"]
@@ -105,8 +106,8 @@ class Sightings:
         need = len(keep) + room
         size = need + need // 2 + 16
         if size > len(self.ids) or len(self.ids) > 2 * size:
-            self.ids = np.zeros(size, np.int64)
-            self.counts = np.zeros(size, np.int32)
+            self.ids = pages.zeros(size, np.int64)
+            self.counts = pages.zeros(size, np.int32)
         else:
             self.counts[: self.end] = 0
         self.ids[: len(keep)] = ids

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import pages
+
 __all__ = ["HashIndex", "EMPTY", "DELETED"]
 
 EMPTY = 0x00
@@ -91,9 +93,9 @@ class HashIndex:
         self._reset(_MIN_GROUPS)
 
     def _reset(self, groups: int) -> None:
-        self.ctrl = np.zeros(groups, _U64)  # 8 control bytes per group
+        self.ctrl = pages.zeros(groups, _U64)  # 8 control bytes per group
         self.bytes = self.ctrl.view(np.uint8)  # the same bytes, one per bucket
-        self.handles = np.zeros(groups * GROUP, self.dtype)
+        self.handles = pages.zeros(groups * GROUP, self.dtype)
         self.gmask = np.uint64(groups - 1)
         bits = groups.bit_length() - 1
         self.gshift = np.uint64(64 - bits)

@@ -22,6 +22,7 @@ import numpy as np
 
 from . import init as _init
 from . import optim as _optim
+from . import pages
 from .admission import Sightings
 from .hash_index import HashIndex
 from ..errors import InvalidArgument
@@ -166,19 +167,21 @@ class HashTable:
         return np.flatnonzero(self.last_used[: self.fresh] != _FREE)
 
     def _grow(self) -> None:
-        """Double the row arrays, never past the capacity (which bounds them)."""
+        """Double the row arrays, never past the capacity (which bounds them). The new arrays
+        are mappings of their own: the old ones go back to the OS, and rows not yet used are
+        not resident (:mod:`zmqflow.state.pages`)."""
         old = len(self.ids)
         new = min(old * 2, self.capacity)
         for name in ("ids", "steps", "last_used", "updated_step", "updated_time"):
             arr = getattr(self, name)
-            grown = np.zeros(new, arr.dtype)
+            grown = pages.zeros(new, arr.dtype)
             grown[:old] = arr
             setattr(self, name, grown)
-        grown_v = np.zeros((new, self.dim), self.dtype)
+        grown_v = pages.zeros((new, self.dim), self.dtype)
         grown_v[:old] = self.values
         self.values = grown_v
         for k, s in self.slots.items():
-            g = np.zeros((new, self.dim), self.dtype)
+            g = pages.zeros((new, self.dim), self.dtype)
             g[:old] = s
             self.slots[k] = g
 
@@ -238,7 +241,7 @@ class HashTable:
         self.last_used[slots] = _FREE
         end = self._nfreed + len(slots)
         if end > len(self._freed):
-            grown = np.zeros(max(end, 2 * len(self._freed), 64), np.int64)
+            grown = pages.zeros(max(end, 2 * len(self._freed), 64), np.int64)
             grown[: self._nfreed] = self._freed[: self._nfreed]
             self._freed = grown
         self._freed[self._nfreed: end] = slots
