@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from zmqflow import errors
 from zmqflow.state.admission import Sightings
 from zmqflow.state.hash_index import DELETED, EMPTY, HashIndex
-from zmqflow.state import init, optim
+from zmqflow.bench import embedding as embedding_bench
+from zmqflow.state import init, optim, pages
 from zmqflow.state.tables import HashTable
 
 FAST = settings(max_examples=120, derandomize=True, deadline=None, database=None,
@@ -297,3 +298,22 @@ def test_repeats_in_one_lookup_are_one_sighting_and_get_their_rows() -> None:
     assert table.fresh == 2  # one row each, no slot lost to a repeat
     with pytest.raises(errors.InvalidArgument, match="gradients"):
         table.push(np.array([7], np.int64), np.ones((2, 2), np.float32))
+
+
+def test_big_arrays_are_zeroed_mappings_of_their_own() -> None:
+    small, big = pages.zeros(10, np.int64), pages.zeros((1 << 16, 64), np.float32)
+    assert small.shape == (10,) and not small.any()
+    assert big.shape == (1 << 16, 64) and big.dtype == np.float32 and big.flags.writeable and not big[::997].any()
+    big[-1] = 1.0
+    assert big.sum() == 64 and isinstance(pages.trim(), bool)
+
+
+def test_the_bench_measures_the_index_beside_a_dict() -> None:
+    result = embedding_bench._dynamic_index(20_000, 3)
+    for key in ("find_p50_us", "dict_find_p50_us", "lookup_p50_us", "dict_lookup_p50_us", "insert_ns_per_id",
+                "dict_insert_ns_per_id", "find_speedup", "lookup_speedup", "insert_speedup"):
+        assert result[key] > 0, key
+    assert 4 < result["index_bytes_per_id"] <= 40 and result["dict_bytes_per_id"] > 60
+    assert 12 <= result["pending_bytes_per_id"] <= 40 and result["dict_pending_bytes_per_id"] > 40
+    text = embedding_bench.format_table({"throughput": [], "dynamic": result})
+    assert "4096-id Zipf lookup" in text and "bytes per id pending admission" in text

@@ -41,6 +41,7 @@ _BYTE_INDEX = np.uint64(0x0001020304050607)  # (1 << 8j) * this >> 56 == j
 _U1, _U3, _U7, _U56 = np.uint64(1), np.uint64(3), np.uint64(7), np.uint64(56)
 _SEVEN_BITS, _TOP = np.uint64(0x7F), np.uint64(0x80)
 _MIN_GROUPS = 2
+_TRIM_AFTER = 1 << 20  # ids re-placed by a rebuild big enough to hand its temporaries back
 _SPAN = 4  # groups the ids left after the first round probe at once
 _SPAN_STEPS = np.arange(_SPAN, dtype=np.uint64)
 
@@ -85,7 +86,7 @@ class HashIndex:
     only ids that are absent and unique, and removes only handles that are present.
     """
 
-    def __init__(self, handle_dtype: np.dtype | type = np.int32, max_load: float = 0.7):
+    def __init__(self, handle_dtype: np.dtype | type = np.int32, max_load: float = 0.75):
         if not 0.0 < max_load <= 0.875:
             raise ValueError(f"max_load must be in (0, 0.875], got {max_load}")
         self.dtype = np.dtype(handle_dtype)
@@ -262,6 +263,9 @@ class HashIndex:
         live = self.handles[self.bytes >= 0x80]
         self._reset(self._groups_for(need))
         self._fill(np.take(keys, live.astype(np.int64)), live)
+        if len(live) >= _TRIM_AFTER:
+            del live
+            pages.trim()  # the rebuild's temporaries came from the heap: give their pages back
 
     def _fill(self, ids: np.ndarray, handles: np.ndarray) -> None:
         """Place ids in an empty index at once: sorted by home group, the k-th id of a group
@@ -269,6 +273,8 @@ class HashIndex:
         if len(ids) == 0:
             return
         group, fp = self._hash(ids)
+        if len(self.ctrl) <= 1 << 32:
+            group = group.astype(np.uint32)  # sorts faster, and half the temporaries
         order = np.argsort(group)
         home = group[order]
         first = np.ones(len(ids), bool)
@@ -277,7 +283,7 @@ class HashIndex:
         rank = np.arange(len(ids)) - starts[np.cumsum(first) - 1]
         fits = rank < GROUP
         at = order[fits]
-        slot = (home[fits] << _U3) | rank[fits].astype(np.uint64)
+        slot = (home[fits].astype(np.uint64) << _U3) | rank[fits].astype(np.uint64)
         self.handles[slot] = handles[at]
         self.bytes[slot] = (fp[at] & np.uint64(0xFF)).astype(np.uint8)
         self.live += len(at)

@@ -184,6 +184,8 @@ class HashTable:
             g = pages.zeros((new, self.dim), self.dtype)
             g[:old] = s
             self.slots[k] = g
+        if new >= 1 << 20:
+            pages.trim()  # what the requests that filled the table left free in the heap
 
     def _take_slots(self, count: int) -> np.ndarray:
         """``count`` free slots: the last given back first, then fresh ones (growing the arrays)."""
