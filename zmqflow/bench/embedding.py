@@ -5,7 +5,13 @@ static table spread over 1, 2 and 4 ps shards, each a separate process on tcp lo
 it, in the same run: numpy ``take`` of the same ids from one in-process array of the same size,
 the physical reference for a gather. Then a ``num_rows`` x 64 float32 table (10,000,000 rows,
 2.56 GB, by default) is created over 4 shards and each shard's resident memory is compared with
-the bytes it holds (target: within 1.3x; reported, never asserted).
+the bytes it holds (target: within 1.3x; reported, never asserted), and the same for a dynamic
+table filled with as many ids.
+
+A dynamic table's index, in process: new-id insertion per id (the index alone, and through the
+table's lookup, rows created), a 4096-id Zipf lookup (the index alone, and the table's whole
+lookup with its rows), and bytes of index per id (and per id pending admission), beside the dict-based index dynamic tables had before (``_DictTable``), in the same
+run (targets: lookup >= 10x faster, <= 40 bytes per id).
 
 Run ``zmqflow bench embedding [--quick] [--json FILE]``.
 """
@@ -13,6 +19,8 @@ Run ``zmqflow bench embedding [--quick] [--json FILE]``.
 from __future__ import annotations
 
 import statistics
+import time
+import tracemalloc
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +31,8 @@ from ..client.session import AsyncSession
 from ..cluster import ClusterSpec
 from ..ports import free_port
 from ..state import init, optim
+from ..state.hash_index import HashIndex
+from ..state.tables import HashTable
 from ..transport.memory import keep_big_blocks
 from .machine import rss_bytes
 from .procs import Procs, zf_task_process
@@ -33,6 +43,7 @@ __all__ = ["format_table", "run"]
 
 DIM = 64
 BATCH = 4096
+FILL_BATCH = 1 << 16  # ids per lookup filling a dynamic table
 
 
 def zipf_ids(rng: np.random.Generator, n: int, rows: int, a: float = 1.2) -> np.ndarray:
@@ -88,8 +99,9 @@ def _throughput(shards: int, rows: int, batches: int) -> dict[str, Any]:
         procs.close()
 
 
-def _memory(rows: int, shards: int = 4) -> dict[str, Any]:
-    """Each shard's resident memory beside the bytes it holds, for a ``rows`` x DIM table."""
+def _memory(rows: int, shards: int = 4, dynamic: bool = False) -> dict[str, Any]:
+    """Each shard's resident memory beside the bytes it holds, for a ``rows`` x DIM table: static,
+    or dynamic and filled with ``rows`` ids (rows, index and admission state all counted)."""
     procs = Procs()
     try:
         spec = _cluster(shards, procs)
@@ -97,7 +109,10 @@ def _memory(rows: int, shards: int = 4) -> dict[str, Any]:
 
         async def main() -> list[int]:
             async with AsyncSession(cluster=spec, task="ps:0", timeout=600) as sess:
-                emb = await sess.embedding("big", rows, DIM, initializer=init.normal(0.01), optimizer=optim.SGD(0.1))
+                emb = await sess.embedding("big", None if dynamic else rows, DIM, initializer=init.normal(0.01),
+                                           optimizer=optim.SGD(0.1))
+                for start in range(0, rows if dynamic else 0, FILL_BATCH):
+                    await emb.lookup(np.arange(start, min(rows, start + FILL_BATCH)))
                 rng = np.random.default_rng(2)
                 for _ in range(5):
                     ids = zipf_ids(rng, BATCH, rows)
@@ -108,6 +123,7 @@ def _memory(rows: int, shards: int = 4) -> dict[str, Any]:
         held = zf_loop.run(main())
         rss = [rss_bytes(pid) for pid in procs.pids]
         return {
+            "kind": "dynamic" if dynamic else "static",
             "rows": rows,
             "table_gb": rows * DIM * 4 / 1e9,
             "shards": shards,
@@ -115,27 +131,190 @@ def _memory(rows: int, shards: int = 4) -> dict[str, Any]:
             "rss_bytes": rss,
             "idle_rss_bytes": base,
             "rss_over_held": [r / h for r, h in zip(rss, held)],
+            "growth_over_held": [(r - b) / h for r, b, h in zip(rss, base, held)],
         }
     finally:
         procs.close()
 
 
+class _DictTable:
+    """The baseline: dynamic tables as they were before their numpy index, a dict from id to
+    slot, a list of free slots and a dict of pending counts over the same row arrays, with the
+    same lookup (admission loop, then the found rows) and the same growth of the row arrays.
+    Filled up to its capacity, no further: it has no eviction."""
+
+    def __init__(self, capacity: int, min_frequency: int = 1):
+        self.index: dict[int, int] = {}
+        self.sightings: dict[int, int] = {}
+        self.min_frequency = min_frequency
+        self.capacity = capacity
+        n = min(1024, capacity)
+        self.ids = np.zeros(n, np.int64)
+        self.values = np.zeros((n, DIM), np.float32)
+        self.steps, self.last_used, self.updated_step = (np.zeros(n, np.int64) for _ in range(3))
+        self.updated_time = np.zeros(n)
+        self.free = list(range(n - 1, -1, -1))
+        self.tick = 0
+
+    def _grow(self) -> None:
+        old = len(self.ids)
+        new = min(old * 2, self.capacity)
+        for name in ("ids", "values", "steps", "last_used", "updated_step", "updated_time"):
+            arr = getattr(self, name)
+            grown = np.zeros((new, *arr.shape[1:]), arr.dtype)
+            grown[:old] = arr
+            setattr(self, name, grown)
+        self.free.extend(range(new - 1, old - 1, -1))
+
+    def _create(self, new_ids: list[int]) -> None:
+        while len(self.free) < len(new_ids):
+            self._grow()
+        slots = np.array([self.free.pop() for _ in new_ids], dtype=np.int64)
+        for i, s in zip(new_ids, slots):
+            self.index[i] = int(s)
+            self.sightings.pop(i, None)
+        self.ids[slots] = new_ids
+        self.values[slots] = 0.0
+        self.steps[slots] = 0
+        self.last_used[slots] = self.tick
+        self.updated_step[slots] = 0
+        self.updated_time[slots] = time.time()
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        self.tick += 1
+        keys = ids.tolist()
+        unseen = []
+        for i in keys:
+            if i in self.index:
+                continue
+            seen = self.sightings.get(i, 0) + 1
+            if seen >= self.min_frequency:
+                unseen.append(i)
+            else:
+                self.sightings[i] = seen
+        if unseen:
+            self._create(unseen)
+        out = np.zeros((len(keys), DIM), np.float32)
+        found = [(k, self.index[i]) for k, i in enumerate(keys) if i in self.index]
+        if found:
+            pos = np.array([k for k, _ in found], dtype=np.int64)
+            slots = np.array([s for _, s in found], dtype=np.int64)
+            out[pos] = self.values[slots]
+            self.last_used[slots] = self.tick
+        return out
+
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        """The index alone: each id's slot, -1 where absent."""
+        index = self.index
+        return np.array([index.get(i, -1) for i in ids.tolist()], np.int64)
+
+
+def _traced_bytes(build: Any) -> tuple[Any, int]:
+    """What ``build()`` returns, and the bytes of Python objects it left allocated."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        made = build()
+        return made, tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
+def _dict_of(ids: np.ndarray, value: Any) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for start in range(0, len(ids), FILL_BATCH):
+        for k, i in enumerate(ids[start:start + FILL_BATCH].tolist()):
+            out[i] = value(start + k)
+    return out
+
+
+def _dynamic_index(rows: int, batches: int) -> dict[str, Any]:
+    """A dynamic table part's index beside the dict-based baseline, in this process: ``rows``
+    random int64 ids inserted 4096 at a time through lookups (the best of three fills), then
+    ``batches`` Zipf lookups (medians)."""
+    rng = np.random.default_rng(3)
+    ids = np.unique(rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, rows + rows // 100))[:rows]
+    ids = ids[rng.permutation(len(ids))]
+    fill = {"index": float("inf"), "dict": float("inf")}
+    for rep in range(3):  # fresh tables each time, in turns: the first to fault in fresh pages alternates
+        table, base = HashTable(DIM, np.dtype(np.float32), capacity=rows), _DictTable(rows)
+        for name in ("index", "dict") if rep % 2 == 0 else ("dict", "index"):
+            lookup = table.lookup if name == "index" else base.lookup
+            took = sum(seconds(lambda: lookup(ids[start:start + BATCH])) for start in range(0, rows, BATCH))
+            fill[name] = min(fill[name], took)
+    index_fill = {"index": float("inf"), "dict": float("inf")}
+    for _ in range(3):  # the index alone: a HashIndex over ``ids`` (slot k holds ids[k]), and a dict
+        index, slots, plain = HashIndex(np.int32), np.arange(rows), {}
+        index_fill["index"] = min(index_fill["index"], sum(
+            seconds(lambda: index.insert(ids[start:start + BATCH], slots[start:start + BATCH], ids))
+            for start in range(0, rows, BATCH)))
+        index_fill["dict"] = min(index_fill["dict"], sum(
+            seconds(lambda: plain.update(zip(ids[start:start + BATCH].tolist(), range(start, start + BATCH))))
+            for start in range(0, rows, BATCH)))
+    queries = [ids[zipf_ids(rng, BATCH, rows)] for _ in range(batches)]
+    calls = {"find": lambda q: table.index.find(q, table.ids), "dict_find": base.find,
+             "lookup": table.lookup, "dict_lookup": base.lookup}
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(3):  # each in turn over every batch, three times, so that all see the same machine
+        for name, call in calls.items():
+            times[name] += [seconds(lambda: call(q)) for q in queries]
+    p50 = {k: statistics.median(v) for k, v in times.items()}
+    _, dict_bytes = _traced_bytes(lambda: _dict_of(ids, lambda k: k + 1000))  # slots are ints past the cache
+    pending = HashTable(DIM, np.dtype(np.float32), capacity=rows, min_frequency=2, max_pending=rows + 1)
+    for start in range(0, rows, BATCH):
+        pending.lookup(ids[start:start + BATCH])
+    _, dict_pending = _traced_bytes(lambda: _dict_of(ids, lambda k: 1))
+    out = {
+        "rows": rows,
+        "insert_ns_per_id": fill["index"] / rows * 1e9,
+        "index_insert_ns_per_id": index_fill["index"] / rows * 1e9,
+        "dict_index_insert_ns_per_id": index_fill["dict"] / rows * 1e9,
+        "dict_insert_ns_per_id": fill["dict"] / rows * 1e9,
+        "find_p50_us": p50["find"] * 1e6,
+        "dict_find_p50_us": p50["dict_find"] * 1e6,
+        "lookup_p50_us": p50["lookup"] * 1e6,
+        "dict_lookup_p50_us": p50["dict_lookup"] * 1e6,
+        "index_bytes_per_id": table.index.nbytes / len(table),
+        "dict_bytes_per_id": dict_bytes / rows,
+        "pending_bytes_per_id": pending.sightings.nbytes / len(pending.sightings),
+        "dict_pending_bytes_per_id": dict_pending / rows,
+        "index_load": len(table) / table.index.buckets,
+    }
+    out["find_speedup"] = out["dict_find_p50_us"] / out["find_p50_us"]
+    out["lookup_speedup"] = out["dict_lookup_p50_us"] / out["lookup_p50_us"]
+    out["insert_speedup"] = out["dict_insert_ns_per_id"] / out["insert_ns_per_id"]
+    out["index_insert_speedup"] = out["dict_index_insert_ns_per_id"] / out["index_insert_ns_per_id"]
+    return out
+
+
+PARTS = ("throughput", "memory", "dynamic", "dynamic_memory")
+
+
 def run(quick: bool = False, shards: Sequence[int] = (1, 2, 4), json_out: str | None = None,
-        memory_rows: int | None = None, echo: Any = print) -> dict[str, Any]:
-    """``{"throughput": [one row per shard count], "memory": {...}}``, appended to ``json_out``."""
+        memory_rows: int | None = None, echo: Any = print, parts: Sequence[str] = PARTS) -> dict[str, Any]:
+    """``{"throughput": [one row per shard count], "memory": {...}, "dynamic": {...},
+    "dynamic_memory": {...}}`` (the ``parts`` asked for), appended to ``json_out``."""
     keep_big_blocks()
     rows, batches = (200_000, 20) if quick else (1_000_000, 50)
-    out: dict[str, Any] = {"throughput": [], "memory": None}
-    for n in shards:
+    out: dict[str, Any] = {"throughput": [], "memory": None, "dynamic": None, "dynamic_memory": None}
+    for n in shards if "throughput" in parts else ():
         row = _throughput(n, rows, batches)
         echo(f"{n} shard(s): lookup {row['lookup_rows_per_s']:,.0f} rows/s, push {row['push_rows_per_s']:,.0f} rows/s")
         out["throughput"].append(row)
     mem_rows = memory_rows or (1_000_000 if quick else 10_000_000)
-    out["memory"] = _memory(mem_rows)
-    echo(f"memory: {mem_rows:,} x {DIM} float32 over 4 shards measured")
+    if "memory" in parts:
+        out["memory"] = _memory(mem_rows)
+        echo(f"memory: {mem_rows:,} x {DIM} float32 over 4 shards measured")
+    if "dynamic" in parts:
+        out["dynamic"] = _dynamic_index(rows, batches * 2)
+        echo(f"dynamic index: {rows:,} ids measured beside a dict")
+    if "dynamic_memory" in parts:
+        out["dynamic_memory"] = _memory(mem_rows, dynamic=True)
+        echo(f"memory: dynamic table of {mem_rows:,} ids x {DIM} float32 over 4 shards measured")
     if json_out:
-        write_jsonl(json_out, [*({"bench": "embedding", **row} for row in out["throughput"]),
-                               {"bench": "embedding_memory", **out["memory"]}])
+        records = [{"bench": "embedding", **row} for row in out["throughput"]]
+        records += [{"bench": f"embedding_{k}", **out[k]} for k in ("memory", "dynamic", "dynamic_memory") if out[k]]
+        write_jsonl(json_out, records)
     return out
 
 
@@ -148,12 +327,31 @@ def format_table(result: dict[str, Any]) -> str:
             f"{r['lookup_p50_ms']:.2f}", f"{r['push_rows_per_s']:,.0f}", f"{r['push_p50_ms']:.2f}",
             f"{r['numpy_take_rows_per_s']:,.0f}", f"{r['lookup_ratio']:.3f}x",
         ])
-    out = align(lines)
-    m = result.get("memory")
-    if m:
-        out.append(f"\n{m['rows']:,} x {DIM} float32 table ({m['table_gb']:.2f} GB) over {m['shards']} shards:")
-        for i, (held, rss, ratio) in enumerate(zip(m["held_bytes"], m["rss_bytes"], m["rss_over_held"])):
-            out.append(f"  ps:{i}  holds {held / 1e9:.3f} GB  resident {rss / 1e9:.3f} GB  ({ratio:.2f}x; target <= 1.30x)")
+    out = align(lines) if result["throughput"] else []
+    for m in (result.get("memory"), result.get("dynamic_memory")):
+        if m:
+            out.append(f"\n{m['rows']:,} x {DIM} float32 {m['kind']} table ({m['table_gb']:.2f} GB) over {m['shards']} shards:")
+            for i, (held, rss, ratio, grew) in enumerate(zip(m["held_bytes"], m["rss_bytes"], m["rss_over_held"],
+                                                             m["growth_over_held"])):
+                out.append(f"  ps:{i}  holds {held / 1e9:.3f} GB  resident {rss / 1e9:.3f} GB  ({ratio:.2f}x; "
+                           f"{grew:.2f}x less the idle process; target <= 1.30x static, 1.10x dynamic)")
+    d = result.get("dynamic")
+    if d:
+        out.append(f"\ndynamic table index, {d['rows']:,} ids (load {d['index_load']:.2f}), beside a dict:")
+        out += align([
+            ["", "numpy index", "dict", "speedup"],
+            ["4096-id Zipf lookup, index (us)", f"{d['find_p50_us']:.0f}", f"{d['dict_find_p50_us']:.0f}",
+             f"{d['find_speedup']:.1f}x"],
+            ["4096-id Zipf lookup, with rows (us)", f"{d['lookup_p50_us']:.0f}", f"{d['dict_lookup_p50_us']:.0f}",
+             f"{d['lookup_speedup']:.1f}x"],
+            ["new id, index alone (ns/id)", f"{d['index_insert_ns_per_id']:.0f}",
+             f"{d['dict_index_insert_ns_per_id']:.0f}", f"{d['index_insert_speedup']:.1f}x"],
+            ["new id, through the table's lookup (ns/id)", f"{d['insert_ns_per_id']:.0f}", f"{d['dict_insert_ns_per_id']:.0f}",
+             f"{d['insert_speedup']:.1f}x"],
+            ["index bytes per id", f"{d['index_bytes_per_id']:.1f}", f"{d['dict_bytes_per_id']:.1f}", ""],
+            ["bytes per id pending admission", f"{d['pending_bytes_per_id']:.1f}", f"{d['dict_pending_bytes_per_id']:.1f}", ""],
+        ])
+        out.append("  targets: lookup >= 10x the dict, <= 40 bytes per id")
     return "\n".join(out)
 
 

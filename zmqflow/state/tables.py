@@ -8,11 +8,13 @@ and create rows on demand, after ``min_frequency`` sightings, up to ``capacity``
 (``DEFAULT_CAPACITY`` when none is named: never unbounded) with least-recently-used eviction.
 Ids still counting towards admission are bounded too (``max_pending``): past it, the ids first
 sighted longest ago are forgotten, so a stream of ids seen once cannot grow the shard's memory.
+Both the rows and the pending ids are found through numpy open-addressing indexes
+(:mod:`zmqflow.state.hash_index`): a batch of ids is resolved in a few vectorised probing rounds,
+at a few bytes per id, where a dict would take a Python loop and about 100 bytes per id.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from typing import Any
 
@@ -20,6 +22,9 @@ import numpy as np
 
 from . import init as _init
 from . import optim as _optim
+from . import pages
+from .admission import Sightings
+from .hash_index import HashIndex
 from ..errors import InvalidArgument
 from .limits import DEFAULT_STATE_LIMITS
 
@@ -65,8 +70,29 @@ def hash_owner(ids: np.ndarray, parts: int) -> np.ndarray:
     return (_mix64(ids) % np.uint64(parts)).astype(np.int64)
 
 
+_FREE = np.iinfo(np.int64).max  # ``last_used`` of a slot that holds no row: never the least recently used
+
+
+def _first_seen(ids: np.ndarray) -> np.ndarray:
+    """``ids`` without repeats, in order of first appearance (the order a loop over them sees);
+    ``ids`` itself when it has none (clients send unique ids: one sort tells)."""
+    if len(ids) < 2:
+        return ids
+    ordered = np.sort(ids)
+    if not (ordered[1:] == ordered[:-1]).any():
+        return ids
+    first = np.unique(ids, return_index=True)[1]
+    return ids[np.sort(first)]
+
+
 class HashTable:
-    """One part of a dynamic table: id -> row, created on demand, with admission and eviction."""
+    """One part of a dynamic table: id -> row, created on demand, with admission and eviction.
+
+    Rows live in slots of the row arrays; ``index`` maps an id to its slot (the slot's id is
+    ``ids[slot]``, which the index compares against, so it holds no copy of the ids). A slot that
+    holds no row has ``last_used == _FREE``; slots at or past ``fresh`` never held one. Freed
+    slots are reused before fresh ones. Ids may repeat within a batch: a repeat is one sighting.
+    """
 
     def __init__(self, dim: int, dtype: np.dtype, *, initializer: Any = None, optimizer: Any = None,
                  min_frequency: int = 1, capacity: int | None = None, seed_salt: int = 0,
@@ -91,8 +117,8 @@ class HashTable:
         self.max_pending = int(max_pending)
         self.pending_pruned = 0
         self._rng = np.random.default_rng([self.init.seed, 0x5EED, seed_salt])
-        self.index: dict[int, int] = {}
-        self.sightings: dict[int, int] = {}
+        self.index = HashIndex(np.int32 if self.capacity <= 1 << 31 else np.int64)
+        self.sightings = Sightings()
         n = min(1024, self.capacity)
         self.ids = np.zeros(n, np.int64)
         self.values = np.zeros((n, self.dim), self.dtype)
@@ -101,7 +127,9 @@ class HashTable:
         self.last_used = np.zeros(n, np.int64)  # lookup/push tick, for LRU
         self.updated_step = np.zeros(n, np.int64)
         self.updated_time = np.zeros(n, np.float64)
-        self.free = list(range(n - 1, -1, -1))
+        self.fresh = 0  # slots below it have held a row
+        self._freed = np.zeros(0, np.int64)  # a stack of slots given back, the top at _nfreed - 1
+        self._nfreed = 0
         self.tick = 0
         self.step = 0
         self.dropped_pushes = 0
@@ -129,36 +157,60 @@ class HashTable:
     def nbytes(self) -> int:
         return len(self.index) * self.row_bytes
 
+    @property
+    def index_bytes(self) -> int:
+        """Bytes of the id index, the pending-admission counts and the free-slot stack."""
+        return self.index.nbytes + self.sightings.nbytes + int(self._freed.nbytes)
+
+    def live_slots(self) -> np.ndarray:
+        """The slots holding rows, ascending."""
+        return np.flatnonzero(self.last_used[: self.fresh] != _FREE)
+
     def _grow(self) -> None:
-        """Double the row arrays, never past the capacity (which bounds them)."""
+        """Double the row arrays, never past the capacity (which bounds them). The new arrays
+        are mappings of their own: the old ones go back to the OS, and rows not yet used are
+        not resident (:mod:`zmqflow.state.pages`)."""
         old = len(self.ids)
         new = min(old * 2, self.capacity)
         for name in ("ids", "steps", "last_used", "updated_step", "updated_time"):
             arr = getattr(self, name)
-            grown = np.zeros(new, arr.dtype)
+            grown = pages.zeros(new, arr.dtype)
             grown[:old] = arr
             setattr(self, name, grown)
-        grown_v = np.zeros((new, self.dim), self.dtype)
+        grown_v = pages.zeros((new, self.dim), self.dtype)
         grown_v[:old] = self.values
         self.values = grown_v
         for k, s in self.slots.items():
-            g = np.zeros((new, self.dim), self.dtype)
+            g = pages.zeros((new, self.dim), self.dtype)
             g[:old] = s
             self.slots[k] = g
-        self.free.extend(range(new - 1, old - 1, -1))
+        if new >= 1 << 20:
+            pages.trim()  # what the requests that filled the table left free in the heap
 
-    def _create(self, new_ids: list[int]) -> None:
+    def _take_slots(self, count: int) -> np.ndarray:
+        """``count`` free slots: the last given back first, then fresh ones (growing the arrays)."""
+        reuse = min(count, self._nfreed)
+        taken = self._freed[self._nfreed - reuse: self._nfreed][::-1]
+        self._nfreed -= reuse
+        fresh = count - reuse
+        while self.fresh + fresh > len(self.ids):
+            self._grow()
+        out = np.concatenate([taken, np.arange(self.fresh, self.fresh + fresh, dtype=np.int64)])
+        self.fresh += fresh
+        return out
+
+    def _create(self, new_ids: np.ndarray) -> np.ndarray:
+        """Rows for ``new_ids`` (unique, absent), evicting the least recently used past the
+        capacity; returns their slots (fewer when there are more new ids than the capacity)."""
         excess = len(self.index) + len(new_ids) - self.capacity
         if excess > 0:
             self._evict_lru(excess)
         new_ids = new_ids[: self.capacity]
-        while len(self.free) < len(new_ids):
-            self._grow()
-        slots = np.array([self.free.pop() for _ in new_ids], dtype=np.int64)
-        for i, s in zip(new_ids, slots):
-            self.index[i] = int(s)
-            self.sightings.pop(i, None)
+        slots = self._take_slots(len(new_ids))
         self.ids[slots] = new_ids
+        self.index.insert(new_ids, slots, self.ids)
+        if len(self.sightings):
+            self.sightings.discard(new_ids)
         self.values[slots] = self._initial(len(new_ids))
         opt = self.optimizer
         for k, s in self.slots.items():
@@ -167,6 +219,7 @@ class HashTable:
         self.last_used[slots] = self.tick
         self.updated_step[slots] = self.step
         self.updated_time[slots] = time.time()
+        return slots
 
     def _initial(self, n: int) -> np.ndarray:
         if self.init.kind == "constant":
@@ -174,55 +227,70 @@ class HashTable:
         seed = int(self._rng.integers(0, 2**62))
         return _init.build(_init.Initializer(**{**self.init.spec(), "seed": seed}), (n, self.dim), (0, n), self.dtype)
 
-    def _prune_pending(self) -> None:
-        """Forget the ids first sighted longest ago (dicts keep insertion order), down to three
-        quarters of ``max_pending``, so pruning is amortized O(1) per sighting."""
-        drop = len(self.sightings) - self.max_pending * 3 // 4
-        for i in list(itertools.islice(self.sightings, drop)):
-            del self.sightings[i]
-        self.pending_pruned += drop
+    def _admit(self, unseen: np.ndarray) -> np.ndarray:
+        """One more sighting of each of ``unseen`` (unique, absent); create those that reach
+        ``min_frequency``. Returns the slot of each (-1 where none was created)."""
+        slots = np.full(len(unseen), -1, np.int64)
+        admit = np.flatnonzero(self.sightings.sight(unseen, self.min_frequency)) if self.min_frequency > 1 \
+            else np.arange(len(unseen))
+        if len(admit):
+            made = self._create(unseen[admit])
+            slots[admit[: len(made)]] = made
+        return slots
 
     def _release(self, slots: np.ndarray) -> None:
-        for s in slots.tolist():
-            del self.index[int(self.ids[s])]
-            self.free.append(s)
+        self.index.remove(slots, self.ids)
+        self.last_used[slots] = _FREE
+        end = self._nfreed + len(slots)
+        if end > len(self._freed):
+            grown = pages.zeros(max(end, 2 * len(self._freed), 64), np.int64)
+            grown[: self._nfreed] = self._freed[: self._nfreed]
+            self._freed = grown
+        self._freed[self._nfreed: end] = slots
+        self._nfreed = end
         self.evicted += len(slots)
 
     def _evict_lru(self, count: int) -> None:
-        live = np.fromiter(self.index.values(), dtype=np.int64, count=len(self.index))
-        if count >= len(live):
-            victims = live
-        else:
-            victims = live[np.argpartition(self.last_used[live], count - 1)[:count]]
-        self._release(victims)
+        """Drop the ``count`` least recently used rows; of rows used at the same tick, the lowest
+        slots (the older rows, unless slots were reused) go first."""
+        if count >= len(self.index):
+            self._release(self.live_slots())
+            return
+        used = self.last_used[: self.fresh]
+        kth = np.partition(used, count - 1)[count - 1]
+        below = np.flatnonzero(used < kth)
+        ties = np.flatnonzero(used == kth)[: count - len(below)]
+        self._release(np.concatenate([below, ties]))
 
     # operations -------------------------------------------------------------------------
     def lookup(self, ids: np.ndarray, create: bool = True) -> np.ndarray:
-        """Rows for ``ids`` (unique); unknown ids get the default (zero) row, and are created
-        (or counted towards admission) when ``create``."""
+        """Rows for ``ids``; unknown ids get the default (zero) row, and are created (or counted
+        towards admission, once per call however often they repeat in it) when ``create``."""
         self.tick += 1
-        keys = ids.tolist()
+        ids = np.asarray(ids, dtype=np.int64)
+        slots = self.index.find(ids, self.ids)
         if create:
-            unseen = []
-            for i in keys:
-                if i in self.index:
-                    continue
-                seen = self.sightings.get(i, 0) + 1
-                if seen >= self.min_frequency:
-                    unseen.append(i)
+            miss = np.flatnonzero(slots < 0)
+            if len(miss):
+                evicted = self.evicted
+                unseen = _first_seen(ids[miss])
+                made = self._admit(unseen)
+                if self.evicted != evicted:  # rows of this very batch may have made room
+                    slots = self.index.find(ids, self.ids)
+                elif len(unseen) == len(miss):  # no repeats: the new slots line up with the misses
+                    slots[miss] = made
                 else:
-                    self.sightings[i] = seen
-            if unseen:
-                self._create(unseen)
+                    slots[miss] = self.index.find(ids[miss], self.ids)
             if len(self.sightings) > self.max_pending:
-                self._prune_pending()
-        out = np.zeros((len(keys), self.dim), self.dtype)
-        found = [(k, self.index[i]) for k, i in enumerate(keys) if i in self.index]
-        if found:
-            pos = np.array([k for k, _ in found], dtype=np.int64)
-            slots = np.array([s for _, s in found], dtype=np.int64)
-            out[pos] = self.values[slots]
-            self.last_used[slots] = self.tick
+                self.pending_pruned += self.sightings.prune(self.max_pending * 3 // 4)
+        hit = slots >= 0
+        if hit.all():
+            out = np.take(self.values, slots, axis=0)
+        else:
+            out = np.zeros((len(ids), self.dim), self.dtype)
+            slots = slots[hit]
+            out[hit] = np.take(self.values, slots, axis=0)
+        self.last_used[slots] = self.tick
         return out
 
     def push(self, ids: np.ndarray, grads: np.ndarray) -> int:
@@ -234,14 +302,15 @@ class HashTable:
             raise InvalidArgument(f"gradients must be {self.dtype} {[len(ids), self.dim]}, got {got}")
         self.tick += 1
         self.step += 1
-        keys = ids.tolist()
-        found = [(k, self.index[i]) for k, i in enumerate(keys) if i in self.index]
-        self.dropped_pushes += len(keys) - len(found)
+        slots = self.index.find(np.asarray(ids, dtype=np.int64), self.ids)
+        hit = slots >= 0
+        found = int(np.count_nonzero(hit))
+        self.dropped_pushes += len(ids) - found
         if not found:
             return 0
-        pos = np.array([k for k, _ in found], dtype=np.int64)
-        slots = np.array([s for _, s in found], dtype=np.int64)
-        g = grads[pos]
+        g = grads
+        if found < len(ids):
+            slots, g = slots[hit], grads[hit]
         if self.optimizer is None:
             self.values[slots] += g
         else:
@@ -254,11 +323,11 @@ class HashTable:
         self.last_used[slots] = self.tick
         self.updated_step[slots] = self.step
         self.updated_time[slots] = time.time()
-        return len(found)
+        return found
 
     def evict(self, older_than_step: int | None = None, older_than_seconds: float | None = None, now: float | None = None) -> int:
         """Drop rows not updated in the last ``older_than_step`` pushes or ``older_than_seconds``."""
-        live = np.fromiter(self.index.values(), dtype=np.int64, count=len(self.index))
+        live = self.live_slots()
         old = np.zeros(len(live), bool)
         if older_than_step is not None:
             old |= self.updated_step[live] < self.step - int(older_than_step)
@@ -276,11 +345,12 @@ class HashTable:
         unknown = set(slots) - set(self.slots)
         if unknown:
             raise InvalidArgument(f"the table has no optimizer slots {sorted(unknown)}")
-        new = [int(i) for i in ids.tolist() if int(i) not in self.index]
-        if new:
-            self._create(new)
-        at = np.array([self.index[int(i)] for i in ids.tolist() if int(i) in self.index], dtype=np.int64)
-        keep = np.array([int(i) in self.index for i in ids.tolist()], dtype=bool)
+        at = self.index.find(ids, self.ids)
+        if (at < 0).any():
+            self._create(_first_seen(ids[at < 0]))
+            at = self.index.find(ids, self.ids)
+        keep = at >= 0
+        at = at[keep]
         self.values[at] = values[keep]
         for k, v in slots.items():
             self.slots[k][at] = v[keep]
@@ -290,9 +360,8 @@ class HashTable:
 
     def export(self) -> tuple[np.ndarray, np.ndarray]:
         """Every (id, row), ids ascending."""
-        live = np.fromiter(self.index.values(), dtype=np.int64, count=len(self.index))
-        order = np.argsort(self.ids[live], kind="stable")
-        live = live[order]
+        live = self.live_slots()
+        live = live[np.argsort(self.ids[live], kind="stable")]
         return self.ids[live].copy(), self.values[live].copy()
 
     def stats(self) -> dict[str, Any]:
@@ -304,4 +373,5 @@ class HashTable:
             "pending_pruned": self.pending_pruned,
             "dropped_pushes": self.dropped_pushes,
             "evicted": self.evicted,
+            "index_bytes": self.index_bytes,
         }

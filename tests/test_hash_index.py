@@ -1,0 +1,319 @@
+"""The numpy open-addressing index, the pending-admission counts and the dynamic table built on
+them, each checked against a plain dict model under random sequences of operations: repeats
+within a batch, id 0, negative ids and the int64 extremes, growth, deletion and reuse."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from zmqflow import errors
+from zmqflow.state.admission import Sightings
+from zmqflow.state.hash_index import DELETED, EMPTY, HashIndex
+from zmqflow.bench import embedding as embedding_bench
+from zmqflow.state import init, optim, pages
+from zmqflow.state.tables import HashTable
+
+FAST = settings(max_examples=120, derandomize=True, deadline=None, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+I64 = np.iinfo(np.int64)
+SPECIAL = [0, 1, -1, 2, -2, I64.min, I64.max, I64.min + 1, I64.max - 1, 1 << 32, -(1 << 32)]
+# ids that differ only in their top bits, or only in their bottom bits: the hash must spread both
+SPECIAL += [k << 58 for k in range(-8, 8)] + [(1 << 62) + k for k in range(8)]
+ids_st = st.one_of(st.sampled_from(SPECIAL), st.integers(-40, 40), st.integers(I64.min, I64.max))
+
+
+def batches(max_size: int = 24) -> Any:
+    return st.lists(ids_st, max_size=max_size)
+
+
+def check_invariants(index: HashIndex, keys: np.ndarray, model: dict[int, int]) -> None:
+    ctrl = index.bytes
+    assert index.live == len(model) == int(np.count_nonzero(ctrl >= 0x80))
+    assert index.used == int(np.count_nonzero(ctrl != EMPTY)) and set(np.unique(ctrl)) <= {EMPTY, DELETED} | set(range(128, 256))
+    assert index.used <= index.max_load * index.buckets
+    assert sorted(model.values()) == index.values().tolist()
+    assert {int(keys[h]) for h in index.values()} == set(model)
+
+
+# the index --------------------------------------------------------------------------------------
+
+
+@FAST
+@given(st.lists(st.tuples(st.sampled_from(["insert", "find", "remove"]), batches()), max_size=30))
+def test_index_behaves_like_a_dict(ops: list[tuple[str, list[int]]]) -> None:
+    index = HashIndex(np.int32)
+    keys = np.zeros(2, np.int64)
+    model: dict[int, int] = {}
+    free: list[int] = []
+    top = 0
+    for op, batch in ops:
+        if op == "insert":
+            new = list(dict.fromkeys(i for i in batch if i not in model))
+            handles = []
+            for _ in new:
+                if free:
+                    handles.append(free.pop())
+                else:
+                    handles.append(top)
+                    top += 1
+            if top > len(keys):  # the caller's key array grows: the index reads the new one
+                grown = np.zeros(2 * top, np.int64)
+                grown[: len(keys)] = keys
+                keys = grown
+            keys[handles] = new
+            index.insert(np.array(new, np.int64), np.array(handles, np.int64), keys)
+            model.update(zip(new, handles))
+        elif op == "find":
+            got = index.find(np.array(batch, np.int64), keys)
+            assert got.dtype == np.int64 and got.tolist() == [model.get(i, -1) for i in batch]
+        else:
+            gone = list(dict.fromkeys(i for i in batch if i in model))
+            handles = np.array([model.pop(i) for i in gone], np.int64)
+            assert index.remove(handles, keys) == len(gone)
+            free.extend(handles.tolist())
+        check_invariants(index, keys, model)
+    everything = list(model) + SPECIAL
+    assert index.find(np.array(everything, np.int64), keys).tolist() == [model.get(i, -1) for i in everything]
+
+
+def test_index_survives_heavy_churn_and_colliding_ids() -> None:
+    """Ids sharing their home bucket, inserted and removed in waves: tombstones are reclaimed, the
+    table does not grow without bound, and every answer stays right."""
+    index = HashIndex(np.int32)
+    size = 4096
+    keys = np.zeros(size, np.int64)
+    rng = np.random.default_rng(0)
+    model: dict[int, int] = {}
+    free = list(range(size))
+    for wave in range(60):
+        pool = np.concatenate([np.arange(-50, 50) << np.int64(56), rng.integers(I64.min, I64.max, 300)])
+        new = [int(i) for i in np.unique(pool) if int(i) not in model][: len(free)]
+        handles = [free.pop() for _ in new]
+        keys[handles] = new
+        index.insert(np.array(new, np.int64), np.array(handles, np.int64), keys)
+        model.update(zip(new, handles))
+        gone = [i for i in model if rng.random() < 0.7]
+        index.remove(np.array([model[i] for i in gone], np.int64), keys)
+        for i in gone:
+            free.append(model.pop(i))
+        probe = np.concatenate([np.array(list(model) + gone, np.int64), pool])
+        assert index.find(probe, keys).tolist() == [model.get(int(i), -1) for i in probe]
+    check_invariants(index, keys, model)
+    assert index.buckets <= 8 * 1024  # churn rebuilt the table in place rather than growing it
+
+
+def test_index_rejects_a_bad_load_factor() -> None:
+    with pytest.raises(ValueError, match="max_load"):
+        HashIndex(np.int32, max_load=1.0)
+
+
+# pending admission ------------------------------------------------------------------------------
+
+
+@FAST
+@given(st.lists(st.tuples(st.sampled_from(["sight", "sight", "discard", "prune"]), batches(), st.integers(1, 4)),
+                max_size=30))
+def test_sightings_behave_like_an_ordered_dict(ops: list[tuple[str, list[int], int]]) -> None:
+    s = Sightings()
+    model: dict[int, int] = {}  # dicts keep insertion order: first sighting first
+    for op, batch, k in ops:
+        uniq = list(dict.fromkeys(batch))
+        arr = np.array(uniq, np.int64)
+        if op == "sight":
+            want = []
+            for i in uniq:
+                seen = model.get(i, 0) + 1
+                want.append(seen >= k)
+                if seen < k:
+                    model[i] = seen
+            assert s.sight(arr, k).tolist() == want
+        elif op == "discard":
+            s.discard(arr)
+            for i in uniq:
+                model.pop(i, None)
+        else:
+            keep = len(model) * k // 5
+            assert s.prune(keep) == max(0, len(model) - keep)
+            model = dict(list(model.items())[max(0, len(model) - keep):])
+        ids, counts = s.items()
+        assert list(zip(ids.tolist(), counts.tolist())) == list(model.items())
+        assert len(s) == len(model) and s.get(arr).tolist() == [model.get(i, 0) for i in uniq]
+        assert all((i in s) == (i in model) for i in uniq + SPECIAL[:4])
+    assert "not an id" not in s
+
+
+# the table ---------------------------------------------------------------------------------------
+
+
+class TableModel:
+    """The dynamic table's semantics with dicts: admission after ``min_frequency`` sightings in
+    separate calls, pending ids capped (oldest first sighted forgotten), least recently used rows
+    evicted past the capacity (rows used at the same tick in any order), eviction by age."""
+
+    def __init__(self, capacity: int, min_frequency: int, max_pending: int, lr: float):
+        self.capacity, self.min_frequency, self.max_pending, self.lr = capacity, min_frequency, max_pending, lr
+        self.rows: dict[int, np.ndarray] = {}
+        self.used: dict[int, int] = {}
+        self.updated: dict[int, int] = {}
+        self.pending: dict[int, int] = {}
+        self.tick = self.step = self.evicted = self.dropped = self.pruned = 0
+
+    def evict_lru(self, count: int, table_ids: set[int]) -> None:
+        """Drop ``count`` least recently used rows; which of a tie went is read from the table."""
+        order = sorted(self.used.values())
+        if not order:
+            return
+        kth = order[min(count, len(order)) - 1]
+        must = [i for i, t in self.used.items() if t < kth]
+        tie = [i for i, t in self.used.items() if t == kth]
+        gone_tie = [i for i in tie if i not in table_ids]
+        assert len(must) + len(gone_tie) == min(count, len(order)), "evicted rows were not the least recently used"
+        for i in must + gone_tie:
+            self.drop(i)
+
+    def drop(self, i: int) -> None:
+        del self.rows[i], self.used[i], self.updated[i]
+        self.evicted += 1
+
+    def create(self, new: list[int], table_ids: set[int]) -> None:
+        excess = len(self.rows) + len(new) - self.capacity
+        if excess > 0:
+            self.evict_lru(excess, table_ids)
+        for i in new[: self.capacity]:
+            self.rows[i] = np.ones(2, np.float32)
+            self.used[i], self.updated[i] = self.tick, self.step
+            self.pending.pop(i, None)
+
+    def lookup(self, ids: list[int], create: bool, table_ids: set[int]) -> np.ndarray:
+        self.tick += 1
+        if create:
+            admitted = []
+            for i in dict.fromkeys(ids):
+                if i in self.rows:
+                    continue
+                seen = self.pending.get(i, 0) + 1
+                if seen >= self.min_frequency:
+                    admitted.append(i)
+                else:
+                    self.pending[i] = seen
+            if admitted:
+                self.create(admitted, table_ids)
+            if len(self.pending) > self.max_pending:
+                drop = len(self.pending) - self.max_pending * 3 // 4
+                self.pending = dict(list(self.pending.items())[drop:])
+                self.pruned += drop
+        for i in ids:
+            if i in self.rows:
+                self.used[i] = self.tick
+        return np.array([self.rows.get(i, np.zeros(2, np.float32)) for i in ids], np.float32).reshape(-1, 2)
+
+    def push(self, ids: list[int]) -> int:
+        self.tick += 1
+        self.step += 1
+        found = [i for i in ids if i in self.rows]
+        for i in found:
+            self.rows[i] = self.rows[i] - np.float32(self.lr)
+            self.used[i], self.updated[i] = self.tick, self.step
+        self.dropped += len(ids) - len(found)
+        return len(found)
+
+
+table_ops = st.tuples(st.sampled_from(["lookup", "lookup", "lookup", "peek", "push", "evict", "load"]),
+                      st.lists(st.one_of(st.integers(-12, 12), st.sampled_from(SPECIAL)), max_size=12),
+                      st.integers(0, 4))
+
+
+@FAST
+@given(st.integers(1, 10), st.integers(1, 3), st.integers(1, 8), st.lists(table_ops, max_size=40))
+def test_table_behaves_like_the_dict_model(capacity: int, min_frequency: int, max_pending: int,
+                                          ops: list[tuple[str, list[int], int]]) -> None:
+    lr = 0.5
+    table = HashTable(2, np.dtype("float32"), initializer=init.ones(),
+                      optimizer=optim.SGD(lr), min_frequency=min_frequency, capacity=capacity,
+                      max_pending=max_pending)
+    model = TableModel(capacity, min_frequency, max_pending, lr)
+    for op, ids, k in ops:
+        arr = np.array(ids, np.int64)
+        if op in ("lookup", "peek"):
+            out = table.lookup(arr, create=op == "lookup")
+            want = model.lookup(ids, op == "lookup", set(table.export()[0].tolist()))
+            np.testing.assert_array_equal(out, want)
+        elif op == "push":
+            uniq = list(dict.fromkeys(ids))
+            assert table.push(np.array(uniq, np.int64), np.ones((len(uniq), 2), np.float32)) == model.push(uniq)
+        elif op == "evict":
+            old = [i for i, s in model.updated.items() if s < model.step - k]
+            assert table.evict(older_than_step=k) == len(old)
+            for i in old:
+                model.drop(i)
+        else:
+            uniq = list(dict.fromkeys(ids))
+            rows = np.full((len(uniq), 2), 3.0, np.float32)
+            kept = table.load(np.array(uniq, np.int64), rows, {}, None)
+            new = [i for i in uniq if i not in model.rows]
+            if new:
+                model.create(new, set(table.export()[0].tolist()))
+            assert kept == sum(i in model.rows for i in uniq)
+            for i in uniq:
+                if i in model.rows:
+                    model.rows[i] = np.full(2, 3.0, np.float32)
+        exported, values = table.export()
+        assert exported.tolist() == sorted(model.rows)
+        np.testing.assert_array_equal(values, np.array([model.rows[i] for i in sorted(model.rows)], np.float32).reshape(-1, 2))
+        stats = table.stats()
+        assert (stats["rows"], stats["evicted"], stats["dropped_pushes"], stats["pending_pruned"]) == \
+            (len(model.rows), model.evicted, model.dropped, model.pruned)
+        pending, counts = table.sightings.items()
+        assert list(zip(pending.tolist(), counts.tolist())) == list(model.pending.items())
+        assert len(table) <= capacity and len(table.sightings) <= max_pending
+
+
+def test_a_full_table_streams_new_ids_in_constant_memory() -> None:
+    """A full table fed new ids every batch keeps evicting: its index is rebuilt in place (no
+    growth from tombstones), and the pending counts stay within their cap."""
+    table = HashTable(4, np.dtype("float32"), capacity=5000, min_frequency=2, max_pending=3000, initializer=init.ones())
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        batch = rng.integers(I64.min, I64.max, 1500)
+        table.lookup(batch)
+        table.lookup(batch[:1000])
+    assert len(table) == 5000 and len(table.sightings) <= 3000
+    assert table.index.buckets <= 16384 and table.stats()["index_bytes"] < 40 * (5000 + 3000)
+    ids, _ = table.export()
+    assert (table.lookup(ids, create=False) == 1.0).all() and len(np.unique(table.index.find(ids, table.ids))) == 5000
+
+
+def test_repeats_in_one_lookup_are_one_sighting_and_get_their_rows() -> None:
+    table = HashTable(2, np.dtype("float32"), min_frequency=2, initializer=init.constant(2.0))
+    out = table.lookup(np.array([7, 7, 7, I64.min, I64.min], np.int64))
+    assert not out.any() and len(table) == 0 and table.sightings.get(np.array([7, I64.min])).tolist() == [1, 1]
+    out = table.lookup(np.array([I64.min, 7, 7], np.int64))
+    assert (out == 2.0).all() and len(table) == 2 and len(table.sightings) == 0
+    assert table.fresh == 2  # one row each, no slot lost to a repeat
+    with pytest.raises(errors.InvalidArgument, match="gradients"):
+        table.push(np.array([7], np.int64), np.ones((2, 2), np.float32))
+
+
+def test_big_arrays_are_zeroed_mappings_of_their_own() -> None:
+    small, big = pages.zeros(10, np.int64), pages.zeros((1 << 16, 64), np.float32)
+    assert small.shape == (10,) and not small.any()
+    assert big.shape == (1 << 16, 64) and big.dtype == np.float32 and big.flags.writeable and not big[::997].any()
+    big[-1] = 1.0
+    assert big.sum() == 64 and isinstance(pages.trim(), bool)
+
+
+def test_the_bench_measures_the_index_beside_a_dict() -> None:
+    result = embedding_bench._dynamic_index(20_000, 3)
+    for key in ("find_p50_us", "dict_find_p50_us", "lookup_p50_us", "dict_lookup_p50_us", "insert_ns_per_id",
+                "dict_insert_ns_per_id", "find_speedup", "lookup_speedup", "insert_speedup"):
+        assert result[key] > 0, key
+    assert 4 < result["index_bytes_per_id"] <= 40 and result["dict_bytes_per_id"] > 60
+    assert 12 <= result["pending_bytes_per_id"] <= 40 and result["dict_pending_bytes_per_id"] > 40
+    text = embedding_bench.format_table({"throughput": [], "dynamic": result})
+    assert "4096-id Zipf lookup" in text and "bytes per id pending admission" in text
