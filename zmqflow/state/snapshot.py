@@ -60,7 +60,7 @@ def part_arrays(p: Part, key: str) -> dict[str, np.ndarray]:
 
 
 def table_arrays(t: HashTable, key: str) -> dict[str, np.ndarray]:
-    live = np.fromiter(t.index.values(), dtype=np.int64, count=len(t.index))
+    live = t.live_slots()
     live = live[np.argsort(t.ids[live], kind="stable")]
     out = {f"{key}.ids": t.ids[live], f"{key}.value": t.values[live], f"{key}.steps": t.steps[live]}
     for name, slot in t.slots.items():
