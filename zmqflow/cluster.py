@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import slurm as _slurm
 from .errors import ConfigError
 
 __all__ = ["Address", "TaskId", "ClusterSpec", "KNOWN_ROLES", "resolve", "load_config", "shard_tasks", "catalog_task",
-           "holder_tasks"]
+           "holder_tasks", "from_slurm"]
 
 KNOWN_ROLES = ("chief", "worker", "ps", "evaluator")
 _JOB_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]*$")
@@ -339,7 +340,11 @@ def resolve(
     *,
     require_task: bool = True,
 ) -> tuple[ClusterSpec, TaskId | None]:
-    """Find the cluster and this process's task: flags, then ZMQFLOW_*, then TF_CONFIG."""
+    """Find the cluster and this process's task: flags, then ZMQFLOW_*, then TF_CONFIG, then
+    Slurm's variables (:func:`from_slurm`, with ZMQFLOW_SLURM_PS and ZMQFLOW_SLURM_BASE_PORT).
+    Slurm comes last so a process ``zmqflow launch`` starts inside a Slurm job follows the
+    ZMQFLOW_* it was given, and it is read only when nothing else names a cluster: its task
+    is then Slurm's unless a task was named."""
     env = os.environ if env is None else env
     spec: ClusterSpec | None = None
     file_task: TaskId | None = None
@@ -364,8 +369,13 @@ def resolve(
             spec = tf_spec
         if tid is None:
             tid = tf_task
+    if spec is None and _slurm.is_slurm(env):
+        spec, slurm_task = from_slurm(env, ps=_env_int(env, "ZMQFLOW_SLURM_PS", 0),
+                                      base_port=_env_int(env, "ZMQFLOW_SLURM_BASE_PORT", 2222))
+        if tid is None:
+            tid = slurm_task
     if spec is None:
-        raise ConfigError("no cluster given: pass --cluster, or set ZMQFLOW_CLUSTER or TF_CONFIG")
+        raise ConfigError("no cluster given: pass --cluster, or set ZMQFLOW_CLUSTER or TF_CONFIG, or run under Slurm")
     if tid is None and require_task:
         raise ConfigError("no task given: pass --task, or set ZMQFLOW_TASK or TF_CONFIG's 'task'")
     if tid is not None and tid not in spec:
@@ -394,3 +404,32 @@ def holder_tasks(spec: ClusterSpec, records: Iterable[Mapping[str, Any]]) -> lis
 
 def catalog_task(spec: ClusterSpec) -> TaskId:
     return shard_tasks(spec)[0]
+
+
+def from_slurm(environ: Mapping[str, str] | None = None, *, ps: int = 0,
+               base_port: int = 2222) -> tuple[ClusterSpec, TaskId]:
+    """The cluster of a Slurm step and this process's task, from SLURM_JOB_NODELIST (or the
+    step's SLURM_STEP_NODELIST), SLURM_NTASKS, SLURM_TASKS_PER_NODE, SLURM_PROCID and
+    SLURM_LOCALID. Ranks are placed in block order on their nodes, each serving on
+    ``base_port + local id``; the first ``ps`` ranks are ``ps:0..``, the rest ``worker:0..``.
+    Every rank computes the same spec, so no rank has to publish its address."""
+    env = os.environ if environ is None else environ
+    if isinstance(ps, bool) or not isinstance(ps, int) or ps < 0:
+        raise ConfigError(f"ps {ps!r}: expected a non-negative integer")
+    layout = _slurm.layout(env, base_port)
+    if ps >= len(layout.tasks):
+        raise ConfigError(f"ps={ps} leaves no worker: the Slurm step has {len(layout.tasks)} tasks")
+    jobs: dict[str, list[str]] = {"ps": [], "worker": []} if ps else {"worker": []}
+    for t in layout.tasks:
+        jobs["ps" if t.rank < ps else "worker"].append(str(Address("tcp", t.host, t.port)))
+    me = TaskId("ps", layout.rank) if layout.rank < ps else TaskId("worker", layout.rank - ps)
+    return ClusterSpec(jobs), me
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    if not _is_digits(text):
+        raise ConfigError(f"{name}={env.get(name)!r}: expected a non-negative integer")
+    return int(text)
