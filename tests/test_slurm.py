@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import pathlib
 import socket
 import sys
 
@@ -217,3 +219,48 @@ def test_serve_and_a_session_find_each_other_from_slurm_variables_alone(tmp_path
     assert f"read [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] from localhost:{base}" in client.output
     server.signal(2)
     assert server.wait(30) == 0, server.output
+
+
+FAKE_SRUN = """#!/bin/bash
+# srun on one node: every rank of SLURM_NTASKS runs the command here, block-placed.
+while [ "${1#--}" != "$1" ]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do
+    SLURM_PROCID=$i SLURM_LOCALID=$i SLURM_STEP_NUM_TASKS=$SLURM_NTASKS "$@" &
+    pids+=($!)
+done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+exit $rc
+"""
+
+WORKER = """
+import sys
+import numpy as np
+import zmqflow as zf
+spec, me = zf.cluster.resolve()
+with zf.Session(cluster=spec, task="ps:0", timeout=30) as sess:
+    v = sess.variable(f"w{me.index}", np.full(3, me.index + 1.0))
+    print(me, "read", v.read().tolist(), flush=True)
+"""
+
+
+def test_the_sbatch_script_serves_ps_and_runs_workers_until_they_finish(tmp_path, procs):
+    script = pathlib.Path(__file__).resolve().parents[1] / "deploy" / "slurm" / "train.sbatch"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "zmqflow").write_text(f"#!/bin/bash\nexec {sys.executable} -m zmqflow \"$@\"\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    (tmp_path / "worker.py").write_text(WORKER)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "42",
+           "SLURM_JOB_NODELIST": "localhost", "SLURM_NTASKS": "3", "SLURM_TASKS_PER_NODE": "3",
+           "ZMQFLOW_SLURM_BASE_PORT": str(_free_base(3)),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(script.parents[2]), os.environ.get("PYTHONPATH")) if p)}
+    job = procs(["bash", str(script), sys.executable, str(tmp_path / "worker.py")], env=env, cwd=tmp_path)
+    assert job.wait(90) == 0, job.output
+    assert "worker:0 read [1.0, 1.0, 1.0]" in job.output and "worker:1 read [2.0, 2.0, 2.0]" in job.output
+    assert "serving ps:0" in job.output and "stopping ps:0" in job.output
+    assert sorted(p.name for p in (tmp_path / ".zmqflow-done-42").iterdir()) == ["1", "2"]
+    assert (tmp_path / "zmqflow-keys" / "allow.json").exists()
