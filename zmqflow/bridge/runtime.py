@@ -1,7 +1,7 @@
 """One process's place in the cluster, for the framework bridges (``zmqflow.torch``, ``zmqflow.jax``).
 
 ``init()`` finds the cluster and this task as ``zmqflow launch`` gives them (``ZMQFLOW_CLUSTER``
-and ``ZMQFLOW_TASK``, then ``TF_CONFIG``), or as passed, hosts this task's server in-process, and
+and ``ZMQFLOW_TASK``, then ``TF_CONFIG``, then Slurm's variables under ``srun``), or as passed, hosts this task's server in-process, and
 opens a session on it and, for a rank (the chief, then every worker), the ring of all ranks. It
 is process-wide, as Horovod's ``hvd.init()`` is, because the collectives of every rank must run
 in the same order on one ring. Without any cluster it starts a private one in-process (this
@@ -24,6 +24,7 @@ from ..cluster import ClusterSpec, TaskId, resolve
 from ..errors import ConfigError, ZmqflowError
 from ..ports import free_port
 from ..server.task import Server
+from ..slurm import is_slurm
 
 __all__ = ["Runtime", "init", "current", "shutdown", "is_initialized"]
 
@@ -83,7 +84,8 @@ def init(cluster: "ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | No
         if _current is not None:
             return _current
         extra: list[Server] = []
-        if cluster is None and task is None and not (os.environ.get("ZMQFLOW_CLUSTER") or os.environ.get("TF_CONFIG")):
+        if cluster is None and task is None and not (os.environ.get("ZMQFLOW_CLUSTER") or os.environ.get("TF_CONFIG")
+                                                     or is_slurm(os.environ)):
             spec = ClusterSpec({"worker": [f"127.0.0.1:{free_port()}"], "ps": [f"127.0.0.1:{free_port()}"]})
             me = TaskId("worker", 0)
             extra.append(Server(spec, "ps:0", default_timeout=timeout))

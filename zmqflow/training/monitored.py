@@ -21,6 +21,7 @@ from ..client.ring import default_members
 from ..cluster import ClusterSpec, TaskId, resolve
 from ..errors import ConfigError
 from ..server.task import Server
+from ..slurm import is_slurm
 from .context import TrainingContext
 from .hooks import Hook, ProgressHook, StopAtStep
 from .parameter_server import ParameterServerStrategy
@@ -256,4 +257,4 @@ def _saved_already(directory: str, step: int) -> bool:
 
 
 def _env_has_cluster() -> bool:
-    return bool(os.environ.get("ZMQFLOW_CLUSTER") or os.environ.get("TF_CONFIG"))
+    return bool(os.environ.get("ZMQFLOW_CLUSTER") or os.environ.get("TF_CONFIG") or is_slurm(os.environ))
