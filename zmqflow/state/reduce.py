@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import InvalidArgument
 
-__all__ = ["OPS", "NumpyBackend", "CupyBackend", "backend_for", "finish_mean", "is_cupy", "array_module", "as_array", "write_back"]
+__all__ = ["OPS", "reduce_in_order", "NumpyBackend", "CupyBackend", "backend_for", "finish_mean", "is_cupy", "array_module", "as_array", "write_back"]
 
 OPS = ("sum", "mean", "min", "max")
 _UFUNC = {"sum": "add", "mean": "add", "min": "minimum", "max": "maximum"}  # mean divides at the end
@@ -82,6 +82,18 @@ class CupyBackend:  # pragma: no cover - runs where a GPU is present
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+
+
+def reduce_in_order(parts: list[np.ndarray], op: str) -> np.ndarray:
+    """A new array: ``parts`` folded left to right (``mean`` as a sum divided by their count).
+    The fixed order makes every rank that folds the same parts get the very same bits."""
+    out = parts[0].copy()
+    ufunc = getattr(np, _UFUNC[op])
+    for part in parts[1:]:
+        ufunc(out, part, out=out)
+    if op == "mean":
+        finish_mean(out, len(parts))
+    return out
 
 
 def backend_for(buf: Any) -> "NumpyBackend | CupyBackend":
