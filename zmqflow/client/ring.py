@@ -110,6 +110,10 @@ class AsyncRing:
             if 1 < self.size and nbytes <= self.small_bytes and not is_cupy(arrays_in[0]):
                 flat = arrays_in[0].reshape(-1) if len(arrays_in) == 1 else np.concatenate([a.reshape(-1) for a in arrays_in])
                 fused = await self._exchange(flat, op, meta, deadline)  # never writes into ``flat``
+            elif len(arrays_in) == 1 and not is_cupy(arrays_in[0]) and self.size > 1:
+                src = arrays_in[0].reshape(-1)  # only read: the result goes to a new buffer, no copy first
+                fused = np.empty_like(src)
+                await self._allreduce_buffer(fused, op, meta, deadline, src=src)
             else:
                 fused = xp.concatenate([a.reshape(-1) for a in arrays_in]) if arrays_in else xp.zeros(0)
                 await self._allreduce_buffer(fused, op, meta, deadline)
@@ -179,14 +183,15 @@ class AsyncRing:
             size += a.nbytes
         return out
 
-    async def _allreduce_buffer(self, buf: Any, op: str, meta: list[Any], deadline: float) -> None:
+    async def _allreduce_buffer(self, buf: Any, op: str, meta: list[Any], deadline: float, src: Any = None) -> None:
         steps = scatter_reduce(self.rank, self.size) + allgather_steps(self.rank, self.size)
-        await self._run(buf, steps, op, meta, deadline)
+        await self._run(buf, steps, op, meta, deadline, src=src)
         if op == "mean" and self.size > 1:
             finish_mean(buf, self.size)
 
     async def _run(self, buf: Any, steps: list[Step], op: str, meta: list[Any], deadline: float, *,
-                   receive: bool = True, send: bool = True, whole: bool = False, equal: bool = False) -> None:
+                   receive: bool = True, send: bool = True, whole: bool = False, equal: bool = False,
+                   src: Any = None) -> None:
         seq = self.seq
         self.seq += 1
         if self.size == 1:
@@ -197,7 +202,7 @@ class AsyncRing:
         chunk = max(1, self.chunk_bytes // max(1, buf.dtype.itemsize))
         segs = [(0, len(buf))] if whole else segments(len(buf), n)
         count = chunks(len(buf), 1 if whole else n, chunk)
-        backend = backend_for(buf)
+        backend = backend_for(buf, src)
         sends: list[asyncio.Future] = []
         service = self.service
 
@@ -212,7 +217,8 @@ class AsyncRing:
 
         def send_chunk(step: Step, k: int) -> None:
             a, b = chunk_range(segs[step.send], k, chunk)
-            sends.append(self._send(seq, step, k, backend.outgoing(a, b), meta, deadline))
+            own = step.phase == RS and step.index == 0  # this rank's own segment: still only in ``src``
+            sends.append(self._send(seq, step, k, backend.outgoing(a, b, own), meta, deadline))
 
         async def chain(k: int) -> None:
             for step in steps:
