@@ -33,7 +33,7 @@ __all__ = ["Ring", "AsyncRing", "default_members", "DEFAULT_BUCKET_BYTES", "DEFA
 
 DEFAULT_BUCKET_BYTES = 25 << 20
 DEFAULT_CHUNK_BYTES = 4 << 20
-DEFAULT_SMALL_BYTES = 256 << 10  # buckets up to this size take one all-to-all exchange, not 2(n-1) ring steps
+DEFAULT_SMALL_BYTES = 1 << 20  # buckets up to this size take one all-to-all exchange, not 2(n-1) ring steps
 _WATCH_S = 0.05
 
 
