@@ -3,7 +3,11 @@
 ``Ring(server)`` joins the ring of the cluster's ``chief`` and ``worker`` tasks (or ``members``)
 through this task's in-process server: chunks go to the right neighbour's ``ring`` service and
 arrive from the left one's. Tensors are fused into buckets (~25 MB); each bucket is one ring call
-whose chunks (4 MB) are pipelined: chunk k is reduced while chunk k+1 is on the wire. Every
+whose chunks (4 MB) are pipelined: chunk k is reduced while chunk k+1 is on the wire. A bucket of
+at most ``small_bytes`` (1 MiB) is latency-bound instead: every rank sends all of it to every
+other rank in one step and folds the ``n`` buffers locally in rank order (the same bits on every
+rank, as the ring's allgather gives). A single-array bucket is reduced from the caller's array
+into a new one, without copying it into the buffer first; numpy inputs are never written. Every
 chunk carries the call's sequence number, op, dtype and shapes; a rank that sees a mismatch
 aborts the call on every rank with ``CollectiveMismatch`` naming both sides. A member that dies
 makes the others raise ``Unavailable`` naming it within seconds; a silent one ``DeadlineExceeded``.
