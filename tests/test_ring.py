@@ -146,7 +146,7 @@ KILLED = textwrap.dedent(
     import sys, numpy as np, zmqflow as zf
     with zf.Server.from_env() as server:
         ring = zf.Ring(server, timeout=60)
-        x = np.ones(2_000_000, np.float32)
+        x = np.ones(int(sys.argv[1]), np.float32)
         try:
             for i in range(100000):
                 ring.allreduce(x)
@@ -158,7 +158,8 @@ KILLED = textwrap.dedent(
 )
 
 
-def test_a_killed_rank_makes_the_others_raise_unavailable_within_5s(tmp_path, procs):
+@pytest.mark.parametrize("elements", [2_000_000, 1000])  # the ring, and the small buffers' exchange
+def test_a_killed_rank_makes_the_others_raise_unavailable_within_5s(tmp_path, procs, elements):
     script = tmp_path / "killed.py"
     script.write_text(KILLED)
     cfile = tmp_path / "c.json"
@@ -166,7 +167,7 @@ def test_a_killed_rank_makes_the_others_raise_unavailable_within_5s(tmp_path, pr
 
     cfile.write_text(json.dumps({"worker": [f"127.0.0.1:{free_port()}" for _ in range(3)]}))
     ranks = [
-        procs([sys.executable, str(script)], env={"ZMQFLOW_CLUSTER": str(cfile), "ZMQFLOW_TASK": f"worker:{i}"})
+        procs([sys.executable, str(script), str(elements)], env={"ZMQFLOW_CLUSTER": str(cfile), "ZMQFLOW_TASK": f"worker:{i}"})
         for i in range(3)
     ]
     for r in ranks:
