@@ -146,7 +146,7 @@ KILLED = textwrap.dedent(
     import sys, numpy as np, zmqflow as zf
     with zf.Server.from_env() as server:
         ring = zf.Ring(server, timeout=60)
-        x = np.ones(2_000_000, np.float32)
+        x = np.ones(int(sys.argv[1]), np.float32)
         try:
             for i in range(100000):
                 ring.allreduce(x)
@@ -158,7 +158,8 @@ KILLED = textwrap.dedent(
 )
 
 
-def test_a_killed_rank_makes_the_others_raise_unavailable_within_5s(tmp_path, procs):
+@pytest.mark.parametrize("elements", [2_000_000, 1000])  # the ring, and the small buffers' exchange
+def test_a_killed_rank_makes_the_others_raise_unavailable_within_5s(tmp_path, procs, elements):
     script = tmp_path / "killed.py"
     script.write_text(KILLED)
     cfile = tmp_path / "c.json"
@@ -166,7 +167,7 @@ def test_a_killed_rank_makes_the_others_raise_unavailable_within_5s(tmp_path, pr
 
     cfile.write_text(json.dumps({"worker": [f"127.0.0.1:{free_port()}" for _ in range(3)]}))
     ranks = [
-        procs([sys.executable, str(script)], env={"ZMQFLOW_CLUSTER": str(cfile), "ZMQFLOW_TASK": f"worker:{i}"})
+        procs([sys.executable, str(script), str(elements)], env={"ZMQFLOW_CLUSTER": str(cfile), "ZMQFLOW_TASK": f"worker:{i}"})
         for i in range(3)
     ]
     for r in ranks:
@@ -199,3 +200,57 @@ def test_a_rank_that_completed_the_last_call_and_left_is_not_taken_for_a_death()
     np.testing.assert_array_equal(arun(main(leave=True), timeout=30), 2 * np.arange(8.0))
     with pytest.raises(errors.Unavailable, match="worker:0"):  # without the word, a lost acknowledgement is a death
         arun(main(leave=False), timeout=30)
+
+
+def order_sensitive(rank: int, size: int) -> np.ndarray:
+    """float32 values whose sum depends on the order of addition (large and tiny mixed)."""
+    rng = np.random.default_rng(77 + rank)
+    return (rng.uniform(-1, 1, size) * 10.0 ** rng.integers(-6, 7, size)).astype(np.float32)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_every_rank_gets_the_same_bits_on_the_exchange_and_ring_paths(n):
+    """The small path reduces all buffers locally in rank order; the ring reduces each segment in
+    a different order then allgathers: either way every rank must hold identical bytes."""
+    async def main():
+        async with local_cluster({"worker": n}, timeout=20, transport="tcp") as servers:
+            rings = [AsyncRing(servers[f"worker:{i}"], small_bytes=4096, chunk_bytes=1024) for i in range(n)]
+            for size in (1000, 100_003):  # 4 KB: one exchange; 400 KB: the ring, chunked
+                inputs = [order_sensitive(r, size) for r in range(n)]
+                kept = [x.copy() for x in inputs]
+                outs = await asyncio.gather(*(ring.allreduce(x) for ring, x in zip(rings, inputs)))
+                for r in range(n):
+                    np.testing.assert_array_equal(inputs[r], kept[r])  # numpy inputs are left alone
+                    assert outs[r] is not inputs[r] and outs[r].tobytes() == outs[0].tobytes(), (size, r)
+                ref = np.sum(np.stack(inputs).astype(np.float64), axis=0)
+                np.testing.assert_allclose(outs[0], ref, rtol=1e-4, atol=1e-3)
+                if size == 1000:  # the exchange folds in rank order: exactly numpy's left-to-right sum
+                    expected = inputs[0].copy()
+                    for x in inputs[1:]:
+                        expected += x
+                    assert outs[0].tobytes() == expected.tobytes()
+                means = await asyncio.gather(*(ring.allreduce([x], op="mean") for ring, x in zip(rings, inputs)))
+                assert all(m[0].tobytes() == means[0][0].tobytes() for m in means)
+
+    arun(main(), timeout=60)
+
+
+def test_a_rank_on_the_ring_and_one_on_the_exchange_raise_a_mismatch_not_a_deadlock():
+    """Different sizes pick different algorithms; the exchange deposits where the ring's first
+    chunk goes, so both sides still see each other's description."""
+    async def main():
+        async with local_cluster({"worker": 2}, timeout=10, transport="tcp") as servers:
+            rings = [AsyncRing(servers[f"worker:{i}"], small_bytes=1024) for i in range(2)]
+            start = time.monotonic()
+            results = await asyncio.gather(
+                rings[0].allreduce(np.ones(10, np.float32), timeout=8),
+                rings[1].allreduce(np.ones(5000, np.float32), timeout=8), return_exceptions=True)
+            assert time.monotonic() - start < 5
+            for res in results:
+                assert isinstance(res, errors.CollectiveMismatch), res
+                assert "element count" in str(res) and "worker:0" in str(res) and "worker:1" in str(res)
+            again = await asyncio.gather(*(r.allreduce(np.full(3, i + 1.0)) for i, r in enumerate(rings)))
+            for out in again:
+                np.testing.assert_array_equal(out, np.full(3, 3.0))
+
+    arun(main(), timeout=30)

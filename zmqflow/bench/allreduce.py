@@ -40,15 +40,17 @@ def _reps(size: int, quick: bool) -> int:
     return max(3, base // (2 if quick else 1))
 
 
-def _zf_rank(spec_json: str, rank: int, sizes: Sequence[int], quick: bool, out: Any) -> None:
-    """Process entry: one rank of the ring; rank 0 puts ("zf", size, median seconds) on ``out``."""
+def _zf_rank(spec_json: str, rank: int, sizes: Sequence[int], quick: bool, out: Any,
+             ring_kwargs: dict[str, Any] | None = None) -> None:
+    """Process entry: one rank of the ring; rank 0 puts ("zf", size, median seconds) on ``out``.
+    ``ring_kwargs`` (e.g. ``chunk_bytes``) go to the Ring, to tune it."""
     keep_big_blocks()
     from ..client.ring import Ring
     from ..cluster import ClusterSpec
     from ..server.task import Server
 
     with Server(ClusterSpec.from_json(spec_json), f"worker:{rank}") as server:
-        ring = Ring(server, timeout=120)
+        ring = Ring(server, timeout=120, **(ring_kwargs or {}))
         ring.barrier()
         for size in sizes:
             x = np.ones(size // 4, np.float32)
@@ -57,6 +59,7 @@ def _zf_rank(spec_json: str, rank: int, sizes: Sequence[int], quick: bool, out: 
             if rank == 0:
                 out.put(("zf", size, median))
         ring.barrier()
+        ring.leave()  # a rank done first must not look dead to one still finishing the last barrier
 
 
 def _gloo_rank(port: int, rank: int, world: int, sizes: Sequence[int], quick: bool, out: Any) -> None:
@@ -117,12 +120,14 @@ def gloo_available() -> bool:
 
 
 def run(quick: bool = False, ranks: Sequence[int] = (2, 3), json_out: str | None = None, echo: Any = print,
-        gloo: bool | None = None) -> list[dict[str, Any]]:
+        gloo: bool | None = None, sizes: Sequence[int] | None = None, ps: bool = True,
+        ring_kwargs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One row per rank count x size: the ring, gloo, PS and memcpy. ``gloo``: None runs it when
     torch is installed (its columns ``None`` otherwise), True requires it (``--vs gloo``: a
-    missing torch is a ConfigError before anything runs), False leaves it out."""
+    missing torch is a ConfigError before anything runs), False leaves it out. ``sizes``
+    overrides the sizes, ``ps=False`` skips the PS columns, ``ring_kwargs`` tune the ring."""
     keep_big_blocks()
-    sizes = QUICK_SIZES if quick else SIZES
+    sizes = tuple(sizes) if sizes else (QUICK_SIZES if quick else SIZES)
     have_torch = gloo_available() if gloo is None else gloo
     if have_torch and not gloo_available():
         raise ConfigError("the gloo anchor needs PyTorch: pip install 'zmqflow[torch]'")
@@ -130,17 +135,18 @@ def run(quick: bool = False, ranks: Sequence[int] = (2, 3), json_out: str | None
     for n in ranks:
         out = spawn_queue()
         workers = [f"127.0.0.1:{free_port()}" for _ in range(n)]
-        run_to_end(_zf_rank, [(json.dumps({"worker": workers}), r, sizes, quick, out) for r in range(n)], 900)
+        run_to_end(_zf_rank, [(json.dumps({"worker": workers}), r, sizes, quick, out, ring_kwargs) for r in range(n)], 900)
         if have_torch:
             port = free_port()
             run_to_end(_gloo_rank, [(port, r, n, sizes, quick, out) for r in range(n)], 900)
         ps_spec = json.dumps({"ps": [f"127.0.0.1:{free_port()}"], "worker": [f"127.0.0.1:{free_port()}" for _ in range(n)]})
-        ps_server = Procs()
-        try:
-            ps_server.start(zf_task_process, ps_spec, "ps:0")
-            run_to_end(_ps_rank, [(ps_spec, r, sizes, quick, out) for r in range(n)], 900)
-        finally:
-            ps_server.close()
+        if ps:
+            ps_server = Procs()
+            try:
+                ps_server.start(zf_task_process, ps_spec, "ps:0")
+                run_to_end(_ps_rank, [(ps_spec, r, sizes, quick, out) for r in range(n)], 900)
+            finally:
+                ps_server.close()
         got: dict[tuple[str, int], float] = {}
         while not out.empty():
             kind, size, seconds = out.get()
@@ -157,7 +163,7 @@ def run(quick: bool = False, ranks: Sequence[int] = (2, 3), json_out: str | None
             row["busbw_vs_gloo"] = (row["zf_busbw"] / row["gloo_busbw"]) if row["gloo_busbw"] else None
             rows.append(row)
             echo(f"{n} ranks {_label(size)}: ring {row['zf_ms']:.2f} ms"
-                 + (f", gloo {row['gloo_ms']:.2f} ms" if row["gloo_ms"] else "") + f", ps {row['ps_ms']:.2f} ms")
+                 + (f", gloo {row['gloo_ms']:.2f} ms" if row["gloo_ms"] else "") + (f", ps {row['ps_ms']:.2f} ms" if row["ps_ms"] else ""))
     if json_out:
         write_jsonl(json_out, ({"bench": "allreduce", "cpus": os.cpu_count(), **row} for row in rows))
     return rows

@@ -3,7 +3,11 @@
 ``Ring(server)`` joins the ring of the cluster's ``chief`` and ``worker`` tasks (or ``members``)
 through this task's in-process server: chunks go to the right neighbour's ``ring`` service and
 arrive from the left one's. Tensors are fused into buckets (~25 MB); each bucket is one ring call
-whose chunks (4 MB) are pipelined: chunk k is reduced while chunk k+1 is on the wire. Every
+whose chunks (4 MB) are pipelined: chunk k is reduced while chunk k+1 is on the wire. A bucket of
+at most ``small_bytes`` (1 MiB) is latency-bound instead: every rank sends all of it to every
+other rank in one step and folds the ``n`` buffers locally in rank order (the same bits on every
+rank, as the ring's allgather gives). A single-array bucket is reduced from the caller's array
+into a new one, without copying it into the buffer first; numpy inputs are never written. Every
 chunk carries the call's sequence number, op, dtype and shapes; a rank that sees a mismatch
 aborts the call on every rank with ``CollectiveMismatch`` naming both sides. A member that dies
 makes the others raise ``Unavailable`` naming it within seconds; a silent one ``DeadlineExceeded``.
@@ -20,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..cluster import ClusterSpec, TaskId
-from ..state.reduce import OPS, array_module, as_array, backend_for, finish_mean, is_cupy, write_back
+from ..state.reduce import OPS, array_module, as_array, backend_for, finish_mean, is_cupy, reduce_in_order, write_back
 from ..state.ring_schedule import RS, Step, chunk_range, chunks, scatter_reduce, segments
 from ..state.ring_schedule import allgather as allgather_steps
 from ..errors import CollectiveMismatch, ConfigError, DeadlineExceeded, InvalidArgument, Unavailable, ZmqflowError
@@ -29,10 +33,11 @@ from ..rpc.health import wait_for_tasks
 from ..wire.dtypes import dtype_name
 from ..wire.requests import cluster as crq
 
-__all__ = ["Ring", "AsyncRing", "default_members", "DEFAULT_BUCKET_BYTES", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["Ring", "AsyncRing", "default_members", "DEFAULT_BUCKET_BYTES", "DEFAULT_CHUNK_BYTES", "DEFAULT_SMALL_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 25 << 20
 DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_SMALL_BYTES = 1 << 20  # buckets up to this size take one all-to-all exchange, not 2(n-1) ring steps
 _WATCH_S = 0.05
 
 
@@ -57,7 +62,7 @@ class AsyncRing:
 
     def __init__(self, server: AsyncServer, members: Sequence["TaskId | str"] | None = None, *, name: str = "default",
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 timeout: float | None = None):
+                 small_bytes: int = DEFAULT_SMALL_BYTES, timeout: float | None = None):
         self.server = server
         self.members = [TaskId.parse(m) for m in members] if members is not None else default_members(server.spec)
         if server.task not in self.members:
@@ -71,6 +76,7 @@ class AsyncRing:
         self.size = len(self.members)
         self.bucket_bytes = int(bucket_bytes)
         self.chunk_bytes = int(chunk_bytes)
+        self.small_bytes = int(small_bytes)  # must be the same on every rank (it picks the algorithm)
         self.timeout = server.default_timeout if timeout is None else float(timeout)
         self.seq = 0
         self.completed = -1  # the last call this rank completed
@@ -103,8 +109,18 @@ class AsyncRing:
         for bucket in self._buckets([a for a, _ in items]):
             arrays_in = [items[i][0] for i in bucket]
             xp = array_module(arrays_in[0])
-            fused = xp.concatenate([a.reshape(-1) for a in arrays_in]) if arrays_in else xp.zeros(0)
-            await self._allreduce_buffer(fused, op, _meta("allreduce", op, arrays_in), deadline)
+            meta = _meta("allreduce", op, arrays_in)
+            nbytes = sum(a.nbytes for a in arrays_in)
+            if 1 < self.size and nbytes <= self.small_bytes and not is_cupy(arrays_in[0]):
+                flat = arrays_in[0].reshape(-1) if len(arrays_in) == 1 else np.concatenate([a.reshape(-1) for a in arrays_in])
+                fused = await self._exchange(flat, op, meta, deadline)  # never writes into ``flat``
+            elif len(arrays_in) == 1 and not is_cupy(arrays_in[0]) and self.size > 1:
+                src = arrays_in[0].reshape(-1)  # only read: the result goes to a new buffer, no copy first
+                fused = np.empty_like(src)
+                await self._allreduce_buffer(fused, op, meta, deadline, src=src)
+            else:
+                fused = xp.concatenate([a.reshape(-1) for a in arrays_in]) if arrays_in else xp.zeros(0)
+                await self._allreduce_buffer(fused, op, meta, deadline)
             start = 0
             for i in bucket:
                 a, original = items[i]
@@ -171,14 +187,15 @@ class AsyncRing:
             size += a.nbytes
         return out
 
-    async def _allreduce_buffer(self, buf: Any, op: str, meta: list[Any], deadline: float) -> None:
+    async def _allreduce_buffer(self, buf: Any, op: str, meta: list[Any], deadline: float, src: Any = None) -> None:
         steps = scatter_reduce(self.rank, self.size) + allgather_steps(self.rank, self.size)
-        await self._run(buf, steps, op, meta, deadline)
+        await self._run(buf, steps, op, meta, deadline, src=src)
         if op == "mean" and self.size > 1:
             finish_mean(buf, self.size)
 
     async def _run(self, buf: Any, steps: list[Step], op: str, meta: list[Any], deadline: float, *,
-                   receive: bool = True, send: bool = True, whole: bool = False, equal: bool = False) -> None:
+                   receive: bool = True, send: bool = True, whole: bool = False, equal: bool = False,
+                   src: Any = None) -> None:
         seq = self.seq
         self.seq += 1
         if self.size == 1:
@@ -189,10 +206,9 @@ class AsyncRing:
         chunk = max(1, self.chunk_bytes // max(1, buf.dtype.itemsize))
         segs = [(0, len(buf))] if whole else segments(len(buf), n)
         count = chunks(len(buf), 1 if whole else n, chunk)
-        backend = backend_for(buf)
+        backend = backend_for(buf, src)
         sends: list[asyncio.Future] = []
         service = self.service
-        watcher = asyncio.ensure_future(self._watch(seq, meta, deadline))
 
         async def receive_chunk(step: Step, k: int) -> None:
             src, their_meta, data = await service.take((self.name, seq, step.phase, step.index, k))
@@ -205,7 +221,8 @@ class AsyncRing:
 
         def send_chunk(step: Step, k: int) -> None:
             a, b = chunk_range(segs[step.send], k, chunk)
-            sends.append(self._send(seq, step, k, backend.outgoing(a, b), meta, deadline))
+            own = step.phase == RS and step.index == 0  # this rank's own segment: still only in ``src``
+            sends.append(self._send(seq, step, k, backend.outgoing(a, b, own), meta, deadline))
 
         async def chain(k: int) -> None:
             for step in steps:
@@ -218,11 +235,52 @@ class AsyncRing:
                 send_chunk(step, k)  # send first: every rank sends before it waits, so no one deadlocks
                 await receive_chunk(step, k)
 
-        try:
+        async def body() -> None:
             await asyncio.gather(*(chain(k) for k in range(count)))
             if sends:  # every chunk acknowledged: the right holds it, our buffer is ours again
                 await asyncio.gather(*sends)
             backend.synchronize()
+
+        await self._guarded(seq, meta, deadline, sends, body())
+
+    async def _exchange(self, flat: np.ndarray, op: str, meta: list[Any], deadline: float) -> np.ndarray:
+        """Allreduce a small host buffer in one step: every rank deposits all of it at every other
+        rank, then reduces the ``n`` buffers locally in rank order, so every rank computes the very
+        same bits (as the ring's allgather guarantees) with one message latency instead of
+        ``2(n - 1)``. Returns a new array; ``flat`` is only read."""
+        seq = self.seq
+        self.seq += 1
+        if not self._connected:
+            await self.connect(max(0.05, deadline - asyncio.get_running_loop().time()))
+        n, rank, service = self.size, self.rank, self.service
+        sends: list[asyncio.Future] = []
+        parts: list[Any] = [None] * n
+        parts[rank] = flat
+
+        async def receive(src: int) -> None:
+            # the left neighbour's buffer takes the key of the ring's first chunk, so a rank that
+            # runs the ring against this one (a different size) meets a mismatch, not a deadlock
+            got_src, their_meta, data = await service.take((self.name, seq, RS, (rank - src) % n - 1, 0))
+            self._check(seq, got_src, meta, their_meta, data, len(flat), flat.dtype)
+            parts[src] = data
+
+        async def body() -> None:
+            for dst in range(n):
+                if dst != rank:
+                    sends.append(self._send(seq, Step(RS, (dst - rank) % n - 1, 0, 0), 0, flat, meta, deadline, dst))
+            await asyncio.gather(*(receive(src) for src in range(n) if src != rank))
+            await asyncio.gather(*sends)  # acknowledged: nobody holds ``flat`` for a resend any more
+
+        await self._guarded(seq, meta, deadline, sends, body())
+        return reduce_in_order(parts, op)
+
+    async def _guarded(self, seq: int, meta: list[Any], deadline: float, sends: list[asyncio.Future], body: Any) -> None:
+        """Run one call's ``body`` under its watcher; on failure cancel its sends and let the other
+        members hear why before the caller moves on."""
+        service = self.service
+        watcher = asyncio.ensure_future(self._watch(seq, meta, deadline))
+        try:
+            await body
             self.completed = max(self.completed, seq)
         except ZmqflowError:
             for fut in sends:
@@ -238,8 +296,9 @@ class AsyncRing:
             watcher.cancel()
             service.forget(self.name, seq)
 
-    def _send(self, seq: int, step: Step, k: int, data: Any, meta: list[Any], deadline: float) -> asyncio.Future:
-        right = (self.rank + 1) % self.size
+    def _send(self, seq: int, step: Step, k: int, data: Any, meta: list[Any], deadline: float,
+              right: int | None = None) -> asyncio.Future:
+        right = (self.rank + 1) % self.size if right is None else right
         remaining = max(0.05, deadline - asyncio.get_running_loop().time())
         call = self.server.client.start_call(
             self._endpoints[right], "ring", "deposit",

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import InvalidArgument
 
-__all__ = ["OPS", "NumpyBackend", "CupyBackend", "backend_for", "finish_mean", "is_cupy", "array_module", "as_array", "write_back"]
+__all__ = ["OPS", "reduce_in_order", "NumpyBackend", "CupyBackend", "backend_for", "finish_mean", "is_cupy", "array_module", "as_array", "write_back"]
 
 OPS = ("sum", "mean", "min", "max")
 _UFUNC = {"sum": "add", "mean": "add", "min": "minimum", "max": "maximum"}  # mean divides at the end
@@ -30,19 +30,23 @@ def is_cupy(x: Any) -> bool:
 
 
 class NumpyBackend:
-    """A host buffer; chunks go on the wire as views."""
+    """A host buffer; chunks go on the wire as views. With ``src`` (the caller's input, only
+    read) the buffer starts empty: a rank's own data is sent from ``src`` and each fold reads it
+    there, so the input is never copied into the buffer first (in a ring every range is folded
+    at most once before it is overwritten by allgather)."""
 
     xp = np
 
-    def __init__(self, buf: np.ndarray):
+    def __init__(self, buf: np.ndarray, src: np.ndarray | None = None):
         self.buf = buf
+        self.src = buf if src is None else src
 
-    def outgoing(self, a: int, b: int) -> np.ndarray:
-        return self.buf[a:b]
+    def outgoing(self, a: int, b: int, own: bool = False) -> np.ndarray:
+        """``own``: this rank's own data (the first scatter-reduce step), not yet in the buffer."""
+        return self.src[a:b] if own else self.buf[a:b]
 
     def fold(self, a: int, b: int, incoming: np.ndarray, op: str) -> None:
-        target = self.buf[a:b]
-        getattr(np, _UFUNC[op])(target, incoming, out=target)
+        getattr(np, _UFUNC[op])(self.src[a:b], incoming, out=self.buf[a:b])
 
     def place(self, a: int, b: int, incoming: np.ndarray) -> None:
         self.buf[a:b] = incoming
@@ -64,7 +68,7 @@ class CupyBackend:  # pragma: no cover - runs where a GPU is present
         mem = _cp.cuda.alloc_pinned_memory(max(1, n * self.buf.dtype.itemsize))
         return np.frombuffer(mem, self.buf.dtype, n)
 
-    def outgoing(self, a: int, b: int) -> np.ndarray:
+    def outgoing(self, a: int, b: int, own: bool = False) -> np.ndarray:
         host = self._pinned(b - a)
         with self.stream:
             self.buf[a:b].get(out=host, stream=self.stream)
@@ -84,8 +88,25 @@ class CupyBackend:  # pragma: no cover - runs where a GPU is present
         self.stream.synchronize()
 
 
-def backend_for(buf: Any) -> "NumpyBackend | CupyBackend":
-    return CupyBackend(buf) if is_cupy(buf) else NumpyBackend(buf)
+def reduce_in_order(parts: list[np.ndarray], op: str) -> np.ndarray:
+    """A new array: ``parts`` folded left to right (``mean`` as a sum divided by their count).
+    The fixed order makes every rank that folds the same parts get the very same bits."""
+    out = parts[0].copy()
+    ufunc = getattr(np, _UFUNC[op])
+    for part in parts[1:]:
+        ufunc(out, part, out=out)
+    if op == "mean":
+        finish_mean(out, len(parts))
+    return out
+
+
+def backend_for(buf: Any, src: Any = None) -> "NumpyBackend | CupyBackend":
+    """``src``: a separate read-only input (host buffers only; see :class:`NumpyBackend`)."""
+    if is_cupy(buf):
+        if src is not None and src is not buf:
+            raise InvalidArgument("a separate input buffer is for host arrays only")
+        return CupyBackend(buf)
+    return NumpyBackend(buf, src)
 
 
 def finish_mean(buf: Any, n: int) -> None:
