@@ -24,6 +24,13 @@ Checkpoint roots: ``--checkpoint-root DIR`` confines every task's checkpoint wri
 user's processes on one machine), launch sets ``ZMQFLOW_CHECKPOINT_ROOTS=*`` (anywhere) so a
 script's ``checkpoint_dir`` works wherever it points, as it always did; it says so on start. A
 cluster reachable from other hosts gets no such default: give ``--checkpoint-root``.
+
+Output: each line once, tagged ``[job:index]`` (``zmqflow serve`` under launch leaves the tag out
+of its log format, told by ``ZMQFLOW_OUTPUT_TAGGED``); ``--log-dir DIR`` also appends each task's
+lines, untagged, to ``DIR/job-index.log`` with a marker line per start and exit. A task that
+fails (and is not brought back) is summarised at the end: its exit code or signal and last lines.
+Restarted processes see ``ZMQFLOW_RESTART_COUNT`` (0 on the first start). Ctrl-C is passed to
+every task's process group; launch exits 130 once none is left.
 """
 
 from __future__ import annotations
@@ -270,8 +277,9 @@ class Launcher:
                          f"(restart {child.restarts} of {self.max_restarts})")
                 self._start(child)
                 continue
-            if code != 0 and not self._stopping and self._interrupt is None:
-                child.failure = returncode
+            if code != 0 and not self._stopping:
+                if self._interrupt is None:  # a task that a passed-on signal ended did not fail
+                    child.failure = returncode
                 if self._first_failure is None:
                     self._first_failure = code
             pending.discard(child)
