@@ -166,3 +166,23 @@ def test_a_valid_cluster_file_still_works(tmp_path, procs):
     p.wait_for_line("serving ps:0", 60)
     p.signal(signal.SIGTERM)
     assert p.wait(20) == 0, p.output
+
+
+STUBBORN = textwrap.dedent(
+    """
+    import os, signal, time
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # deaf to Ctrl-C: launch must end it another way
+    print("pid", os.getpid(), flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def test_ctrl_c_ends_a_task_that_ignores_it(tmp_path, procs):
+    script = tmp_path / "job.py"
+    script.write_text(STUBBORN)
+    p = procs([*ZMQFLOW, "launch", "--workers", "1", "--", sys.executable, str(script)])
+    pid = int(p.wait_for_line("[worker:0] pid ", 60).split()[2])
+    p.signal(signal.SIGINT)
+    assert p.wait(30) == 130, p.output
+    wait_until(lambda: not _alive(pid), 10, what=f"pid {pid} gone")
