@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import NoReturn
 
 import click
 
-__all__ = ["EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "setup_logging", "fail", "LOG_LEVELS"]
+__all__ = ["EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "setup_logging", "fail", "LOG_LEVELS", "TAGGED_ENV"]
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# Set by ``zmqflow launch``, which already tags each line with its task: log lines then omit theirs.
+TAGGED_ENV = "ZMQFLOW_OUTPUT_TAGGED"
 
 
 def setup_logging(level: str, task: str = "") -> None:
-    prefix = f"[{task}] " if task else ""
+    prefix = f"[{task}] " if task and os.environ.get(TAGGED_ENV) != "1" else ""
     logging.basicConfig(
         level=getattr(logging, level.upper()),
         format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s",

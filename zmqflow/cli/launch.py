@@ -24,10 +24,18 @@ Checkpoint roots: ``--checkpoint-root DIR`` confines every task's checkpoint wri
 user's processes on one machine), launch sets ``ZMQFLOW_CHECKPOINT_ROOTS=*`` (anywhere) so a
 script's ``checkpoint_dir`` works wherever it points, as it always did; it says so on start. A
 cluster reachable from other hosts gets no such default: give ``--checkpoint-root``.
+
+Output: each line once, tagged ``[job:index]`` (``zmqflow serve`` under launch leaves the tag out
+of its log format, told by ``ZMQFLOW_OUTPUT_TAGGED``); ``--log-dir DIR`` also appends each task's
+lines, untagged, to ``DIR/job-index.log`` with a marker line per start and exit. A task that
+fails (and is not brought back) is summarised at the end: its exit code or signal and last lines.
+Restarted processes see ``ZMQFLOW_RESTART_COUNT`` (0 on the first start). Ctrl-C is passed to
+every task's process group; launch exits 130 once none is left.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -35,6 +43,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import click
 
@@ -44,14 +53,19 @@ from ..errors import ConfigError
 from ..server.checkpoint_roots import ENV as ROOTS_ENV
 from ..server.checkpoint_roots import CheckpointRoots
 from ..transport.curve import KEYS_ENV, Keys, is_loopback
-from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, LOG_LEVELS, fail
+from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, LOG_LEVELS, TAGGED_ENV, fail
+from .launch_output import TaskOutput, describe_exit
 
-__all__ = ["launch", "Launcher", "generate_cluster", "launch_roots", "rank_env", "RANK_VARS"]
+__all__ = ["launch", "Launcher", "generate_cluster", "launch_roots", "rank_env", "RANK_VARS", "RESTART_ENV",
+           "load_cluster_arg", "EXIT_INTERRUPTED"]
 
 COMMAND_JOBS = ("chief", "worker", "evaluator", "master")
 STOP_GRACE = 5.0
 # What torch.distributed's env:// reads; only ranks get the first four.
 RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+# How many times launch restarted this task before this process (0 on the first start).
+RESTART_ENV = "ZMQFLOW_RESTART_COUNT"
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # what a shell reports for Ctrl-C
 
 
 def _host(spec: ClusterSpec, task: TaskId) -> str:
@@ -127,6 +141,7 @@ class _Child:
     runs_command: bool
     proc: subprocess.Popen | None = None
     restarts: int = 0
+    failure: int | None = None  # the returncode of its final, failed run
     pump: threading.Thread | None = field(default=None, repr=False)
 
 
@@ -135,7 +150,7 @@ class Launcher:
 
     def __init__(self, spec: ClusterSpec, command: list[str], *, log_level: str = "info", out=None,
                  restart: str = "never", max_restarts: int = 3, keys: str | None = None, insecure: bool = False,
-                 checkpoint_roots: CheckpointRoots | None = None):
+                 checkpoint_roots: CheckpointRoots | None = None, log_dir: str | None = None):
         self.spec = spec
         self.keys = keys
         self.insecure = insecure
@@ -144,13 +159,14 @@ class Launcher:
         self.max_restarts = max_restarts
         self.command = command
         self.log_level = log_level
-        self.out = out or sys.stdout
-        self._lock = threading.Lock()
+        self.output = TaskOutput(out or sys.stdout, log_dir)
         self._events: list[tuple[str, _Child]] = []
-        self._cond = threading.Condition(self._lock)
+        self._cond = threading.Condition(self.output.lock)
         self._first_failure: int | None = None
         self._stopping = False
         self._signalled = False
+        self._interrupt: int | None = None  # the signal launch itself received, if any
+        self._interrupted_at = 0.0
         self.master = master_endpoint(spec)
         self.children = [self._child(t) for t in spec.tasks]
 
@@ -159,11 +175,14 @@ class Launcher:
         argv = list(self.command) if runs else [sys.executable, "-m", "zmqflow", "serve", "--log-level", self.log_level]
         return _Child(task, argv, runs)
 
-    def env_for(self, task: TaskId) -> dict[str, str]:
-        """The environment of the process that runs ``task`` (the same for each of its restarts)."""
+    def env_for(self, task: TaskId, restarts: int = 0) -> dict[str, str]:
+        """The environment of the process that runs ``task``: the same for each of its restarts
+        but ``ZMQFLOW_RESTART_COUNT``."""
         env = dict(os.environ)
         env.pop("TF_CONFIG", None)
         env.update(ZMQFLOW_CLUSTER=self.spec.to_json(), ZMQFLOW_TASK=str(task), PYTHONUNBUFFERED="1")
+        env[RESTART_ENV] = str(restarts)
+        env[TAGGED_ENV] = "1"  # launch prefixes each line with the task: logging need not
         if self.keys is not None:
             env[KEYS_ENV] = os.path.abspath(self.keys)
         if self.insecure:
@@ -177,9 +196,7 @@ class Launcher:
         return env
 
     def say(self, line: str, tag: str = "launch") -> None:
-        with self._lock:
-            self.out.write(f"[{tag}] {line}\n")
-            self.out.flush()
+        self.output.say(line, tag)
 
     def start(self) -> None:
         self.say(f"cluster {self.spec.to_json()}")
@@ -191,60 +208,88 @@ class Launcher:
             self._start(child)
 
     def _start(self, child: _Child) -> None:
+        if self._signalled:  # interrupted while starting: start no more
+            return
         # Each child gets its own session so a terminal's Ctrl-C reaches it once, through us.
         child.proc = subprocess.Popen(
             child.argv,
-            env=self.env_for(child.task),
+            env=self.env_for(child.task, child.restarts),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        self.output.started(child.task, child.proc.pid, child.restarts)
         child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
         child.pump.start()
 
     def _pump(self, child: _Child) -> None:
         assert child.proc is not None and child.proc.stdout is not None
-        tag = str(child.task)
         for raw in child.proc.stdout:
-            self.say(raw.decode(errors="replace").rstrip("\n"), tag)
+            self.output.line(child.task, raw.decode(errors="replace").rstrip("\n"))
         code = child.proc.wait()
+        self.output.ended(child.task, code)
+        if code != 0 and not (self._stopping and not child.runs_command):
+            self.say(f"{child.task} exited with {describe_exit(code)}")
         with self._cond:
             self._events.append(("exit", child))
             self._cond.notify_all()
-        if code != 0 and not (self._stopping and not child.runs_command):
-            self.say(f"{child.task} exited with code {_exit_code(code)}")
 
     def signal_all(self, sig: int) -> None:
+        """``sig`` to every running task's process group (its own children too)."""
         self._signalled = True  # tasks ending now were asked to: never restart them
         for child in self.children:
             if child.proc is not None and child.proc.poll() is None:
                 try:
-                    child.proc.send_signal(sig)
-                except ProcessLookupError:
+                    os.killpg(child.proc.pid, sig)  # its own session: the group id is its pid
+                except (ProcessLookupError, PermissionError):
                     pass
+
+    def interrupt(self, sig: int) -> None:
+        """Launch got ``sig`` (Ctrl-C, SIGTERM): pass it on. Safe in a signal handler: it writes
+        nothing and takes no lock; :meth:`wait` reports it and stops whatever lingers."""
+        if self._interrupt is None:
+            self._interrupt = sig
+            self._interrupted_at = time.monotonic()
+        self.signal_all(sig)
 
     def wait(self) -> int:
         """Until the commands end (or, without one, any task ends); then stop the rest."""
-        pending = {c for c in self.children if (c.runs_command if self.command else True)}
+        pending = {c for c in self.children if (c.runs_command if self.command else True) and c.proc is not None}
+        announced = False
         while pending:
             with self._cond:
                 while not self._events:
-                    self._cond.wait(0.5)
+                    if self._interrupt is not None and not announced:
+                        announced = True
+                        self.say(f"got {signal.Signals(self._interrupt).name}: passed it to every task")
+                    if self._interrupt is not None and time.monotonic() - self._interrupted_at > STOP_GRACE:
+                        break
+                    self._cond.wait(0.2)
+                if not self._events:  # interrupted, and some task has not ended: stop() ends it
+                    break
                 kind, child = self._events.pop(0)
-            code = _exit_code(child.proc.returncode if child.proc else 1)
+            returncode = child.proc.returncode if child.proc else 1
+            code = _exit_code(returncode)
             if code != 0 and self._should_restart(child):
                 child.restarts += 1
                 self.say(f"restarting {child.task} on {self.spec.address(child.task)} "
                          f"(restart {child.restarts} of {self.max_restarts})")
                 self._start(child)
                 continue
-            if code != 0 and self._first_failure is None and not self._stopping:
-                self._first_failure = code
+            if code != 0 and not self._stopping:
+                if self._interrupt is None:  # a task that a passed-on signal ended did not fail
+                    child.failure = returncode
+                if self._first_failure is None:
+                    self._first_failure = code
             pending.discard(child)
             if not self.command or (code != 0 and not child.runs_command):
                 break  # a server ended on its own: nothing left to wait for
         self.stop()
+        self.output.summary([(c.task, c.failure, c.restarts) for c in self.children if c.failure is not None])
+        self.output.close()
+        if self._interrupt == signal.SIGINT:
+            return EXIT_INTERRUPTED
         return self._first_failure or EXIT_OK
 
     def _should_restart(self, child: _Child) -> bool:
@@ -265,6 +310,10 @@ class Launcher:
                 self.say(f"{child.task} did not stop within {STOP_GRACE:g}s; killing it")
                 child.proc.kill()
                 child.proc.wait()
+            try:  # whatever the task itself started and left behind in its group
+                os.killpg(child.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             if child.pump is not None:
                 child.pump.join(2.0)
 
@@ -279,6 +328,45 @@ def check_keys(spec: ClusterSpec, keys: str | None, insecure: bool) -> None:
     if exposed and not insecure:
         raise ConfigError(f"tasks {', '.join(exposed)} would listen beyond loopback without keys: make keys with "
                           "`zmqflow keys generate DIR --cluster c.json` and pass --keys DIR, or pass --insecure")
+
+
+_CLUSTER_SHAPE = 'a JSON object mapping job names to address lists, e.g. {"worker": ["127.0.0.1:2222"]}'
+_JSON_KINDS = {list: "a JSON array", str: "a JSON string", int: "a JSON number", float: "a JSON number",
+               bool: "a JSON boolean", type(None): "JSON null"}
+
+
+def load_cluster_arg(value: str) -> ClusterSpec:
+    """``--cluster``'s value: inline JSON (it starts with ``{`` or ``[``) or a file's path.
+
+    Every error is one line naming the value and what was expected."""
+    shown = value if len(value) <= 80 else value[:77] + "..."
+    text = value.strip()
+    if text[:1] in ("{", "["):
+        source = f"--cluster {shown!r}"
+    else:
+        source = f"--cluster file {shown!r}"
+        if not os.path.exists(value):
+            raise ConfigError(f"--cluster {shown!r}: no such file; expected a cluster file's path or inline JSON, "
+                              f"{_CLUSTER_SHAPE}")
+        try:
+            with open(value, encoding="utf-8") as fh:
+                text = fh.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{source}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        data: Any = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{source} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
+                          f"expected {_CLUSTER_SHAPE}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source} is {_JSON_KINDS.get(type(data), 'not an object')}; expected {_CLUSTER_SHAPE}")
+    if not data:
+        raise ConfigError(f"{source} names no jobs; expected {_CLUSTER_SHAPE}")
+    try:
+        spec, _ = resolve(data, None, env={}, require_task=False)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    return spec
 
 
 def _exit_code(returncode: int) -> int:
@@ -302,9 +390,11 @@ def _exit_code(returncode: int) -> int:
 @click.option("--checkpoint-root", "checkpoint_roots", multiple=True, metavar="DIR",
               help="Confine every task's checkpoint writes under DIR; repeatable. Default: anywhere on a "
                    "loopback cluster, nowhere on one other hosts can reach.")
+@click.option("--log-dir", metavar="DIR", type=click.Path(file_okay=False),
+              help="Also write each task's output to DIR/JOB-INDEX.log (appended across restarts).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, max_restarts, keys, insecure,
-           checkpoint_roots, command) -> None:
+           checkpoint_roots, log_dir, command) -> None:
     """Start a cluster's tasks as local processes, optionally running COMMAND on chief and workers.
 
     \b
@@ -312,7 +402,12 @@ def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, m
     ranks (the chief, then workers by index) also get RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
     (over ranks on the same host), MASTER_ADDR (rank 0's host) and MASTER_PORT (free, chosen once per
     launch; a restarted task keeps its rank). ps, evaluator and other tasks get MASTER_ADDR and
-    MASTER_PORT only, with RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE removed."""
+    MASTER_PORT only, with RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE removed. A restarted
+    process gets ZMQFLOW_RESTART_COUNT (0 on the first start).
+
+    \b
+    When a task fails, launch ends with a summary: each failed task, its exit code or signal and
+    its last lines. Ctrl-C is passed to every task; launch then exits 130 with none left running."""
     command = list(command)
     if command and command[0] == "--":
         command = command[1:]
@@ -320,7 +415,7 @@ def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, m
         if cluster is not None:
             if workers is not None or ps is not None or chief:
                 raise ConfigError("give either --cluster or --workers/--ps/--chief, not both")
-            spec, _ = resolve(cluster, None, env={}, require_task=False)
+            spec = load_cluster_arg(cluster)
         else:
             spec = generate_cluster(2 if workers is None else workers, 0 if ps is None else ps, chief, host)
         check_keys(spec, keys, insecure)
@@ -330,12 +425,14 @@ def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, m
     if cluster_out:
         with open(cluster_out, "w") as fh:
             fh.write(spec.to_json() + "\n")
-    launcher = Launcher(spec, command, log_level=log_level, restart=restart, max_restarts=max_restarts, keys=keys,
-                        insecure=insecure, checkpoint_roots=roots)
+    try:
+        launcher = Launcher(spec, command, log_level=log_level, restart=restart, max_restarts=max_restarts,
+                            keys=keys, insecure=insecure, checkpoint_roots=roots, log_dir=log_dir)
+    except OSError as exc:
+        fail("launch", f"--log-dir {log_dir!r}: {exc.strerror or exc}", EXIT_USAGE)
 
     def forward(sig: int, _frame: object) -> None:
-        launcher.say(f"forwarding {signal.Signals(sig).name} to every task")
-        launcher.signal_all(sig)
+        launcher.interrupt(sig)
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
