@@ -65,8 +65,8 @@ def _run(workers: int, ps: int, command: list[str]) -> int:
     except ConfigError as exc:
         fail("demo", exc, EXIT_USAGE)
     launcher = Launcher(spec, command, log_level="warning")
-    signal.signal(signal.SIGINT, lambda s, f: launcher.signal_all(s))
-    signal.signal(signal.SIGTERM, lambda s, f: launcher.signal_all(s))
+    signal.signal(signal.SIGINT, lambda s, f: launcher.interrupt(s))
+    signal.signal(signal.SIGTERM, lambda s, f: launcher.interrupt(s))
     launcher.start()
     return launcher.wait()
 
