@@ -167,6 +167,7 @@ class Launcher:
         self._signalled = False
         self._interrupt: int | None = None  # the signal launch itself received, if any
         self._interrupted_at = 0.0
+        self._announced = False
         self.master = master_endpoint(spec)
         self.children = [self._child(t) for t in spec.tasks]
 
@@ -256,13 +257,11 @@ class Launcher:
     def wait(self) -> int:
         """Until the commands end (or, without one, any task ends); then stop the rest."""
         pending = {c for c in self.children if (c.runs_command if self.command else True) and c.proc is not None}
-        announced = False
         while pending:
             with self._cond:
+                self._announce()  # before any event: the tasks a passed-on signal ended report at once
                 while not self._events:
-                    if self._interrupt is not None and not announced:
-                        announced = True
-                        self.say(f"got {signal.Signals(self._interrupt).name}: passed it to every task")
+                    self._announce()
                     if self._interrupt is not None and time.monotonic() - self._interrupted_at > STOP_GRACE:
                         break
                     self._cond.wait(0.2)
@@ -285,12 +284,19 @@ class Launcher:
             pending.discard(child)
             if not self.command or (code != 0 and not child.runs_command):
                 break  # a server ended on its own: nothing left to wait for
+        self._announce()
         self.stop()
         self.output.summary([(c.task, c.failure, c.restarts) for c in self.children if c.failure is not None])
         self.output.close()
         if self._interrupt == signal.SIGINT:
             return EXIT_INTERRUPTED
         return self._first_failure or EXIT_OK
+
+    def _announce(self) -> None:
+        """Say once that launch got a signal and passed it on (the handler itself writes nothing)."""
+        if self._interrupt is not None and not self._announced:
+            self._announced = True
+            self.say(f"got {signal.Signals(self._interrupt).name}: passed it to every task")
 
     def _should_restart(self, child: _Child) -> bool:
         return (self.restart == "on-failure" and not self._stopping and not self._signalled
