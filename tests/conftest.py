@@ -178,3 +178,12 @@ def local():
     runtime.init(timeout=20)
     yield
     runtime.shutdown()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

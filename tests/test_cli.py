@@ -16,7 +16,7 @@ from zmqflow.rpc import RpcClient
 from zmqflow.errors import Unavailable
 from zmqflow.testing import async_wait_until, free_port, wait_until
 
-from .conftest import ZMQFLOW
+from .conftest import ZMQFLOW, pid_alive
 
 
 def _cluster_file(tmp_path, jobs):
@@ -152,15 +152,7 @@ def test_launch_serves_a_cluster_that_status_sees_and_stops_on_sigterm(tmp_path,
     launcher.signal(signal.SIGTERM)
     assert launcher.wait(20) == 0
     for pid in pids:  # every task process is gone
-        wait_until(lambda: not _alive(pid), 10, what=f"pid {pid} gone")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+        wait_until(lambda: not pid_alive(pid), 10, what=f"pid {pid} gone")
 
 
 SCRIPT = textwrap.dedent(

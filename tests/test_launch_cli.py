@@ -14,15 +14,7 @@ import pytest
 from zmqflow.cli.launch_output import describe_exit, log_path
 from zmqflow.testing import wait_until
 
-from .conftest import ZMQFLOW
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+from .conftest import ZMQFLOW, pid_alive
 
 
 def test_describe_exit_names_the_signal():
@@ -129,12 +121,12 @@ def test_ctrl_c_exits_130_and_leaves_nothing_running(tmp_path, procs):
     p.wait_for_line("[ps:0] ", 60)  # the server is up too
     ps_marker = (logs / "ps-0.log").read_text().splitlines()[0]
     pids.append(int(re.search(r"pid (\d+)", ps_marker).group(1)))
-    assert all(_alive(pid) for pid in pids)
+    assert all(pid_alive(pid) for pid in pids)
     p.signal(signal.SIGINT)
     assert p.wait(30) == 130, p.output
     assert "got SIGINT" in p.output and "failed" not in p.output
     for pid in pids:  # the scripts, what they started, and the ps server
-        wait_until(lambda: not _alive(pid), 10, what=f"pid {pid} gone")
+        wait_until(lambda: not pid_alive(pid), 10, what=f"pid {pid} gone")
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -185,4 +177,4 @@ def test_ctrl_c_ends_a_task_that_ignores_it(tmp_path, procs):
     pid = int(p.wait_for_line("[worker:0] pid ", 60).split()[2])
     p.signal(signal.SIGINT)
     assert p.wait(30) == 130, p.output
-    wait_until(lambda: not _alive(pid), 10, what=f"pid {pid} gone")
+    wait_until(lambda: not pid_alive(pid), 10, what=f"pid {pid} gone")
