@@ -44,12 +44,16 @@ class Runtime:
     timeout: float
     _extra: list[Server] = field(default_factory=list, repr=False)  # the private cluster's other tasks
 
-    @property
-    def rank(self) -> int:
+    def require_ring(self) -> Ring:
+        """The ring of the ranks; a ``ConfigError`` on a task that is none (a ps task, say)."""
         if self.ring is None:
             raise ConfigError(f"task {self.task} is not a rank: ranks are the chief and the workers "
                               f"({', '.join(map(str, self.members))})")
-        return self.ring.rank
+        return self.ring
+
+    @property
+    def rank(self) -> int:
+        return self.require_ring().rank
 
     @property
     def size(self) -> int:

@@ -76,11 +76,7 @@ def local_size() -> int:
 
 
 def _ring() -> Ring:
-    runtime = rt.current()
-    if runtime.ring is None:
-        _ = runtime.rank  # raises: a task that is no rank (a ps) is told which tasks are
-    assert runtime.ring is not None
-    return runtime.ring
+    return rt.current().require_ring()
 
 
 def _settle() -> None:

@@ -18,7 +18,7 @@ import torch
 
 from ..bridge import runtime as _runtime
 from ..client.ring import Ring
-from ..errors import CollectiveMismatch, ConfigError, InvalidArgument
+from ..errors import CollectiveMismatch, InvalidArgument
 from ..state.reduce import OPS
 from .tensors import from_array, to_array, write_into
 
@@ -69,11 +69,7 @@ def local_size() -> int:
 
 def ring() -> Ring:
     """This process's ring (a ``ConfigError`` on a task that is no rank, such as a ps task)."""
-    rt = _runtime.current()
-    if rt.ring is None:
-        raise ConfigError(f"task {rt.task} is not a rank: ranks are the chief and the workers "
-                          f"({', '.join(map(str, rt.members))})")
-    return rt.ring
+    return _runtime.current().require_ring()
 
 
 def _check_op(op: str) -> str:

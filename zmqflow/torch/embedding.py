@@ -70,7 +70,7 @@ class _ShardedModule(torch.nn.Module):
         self.embedding_dim = embedding_dim
         self.dtype = dtype
         self.push_gradients = True
-        self._prefetched: tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any] | None = None
+        self._prefetched: tuple[torch.Tensor, np.ndarray, torch.Tensor, Any] | None = None
 
     # the table -----------------------------------------------------------------------------
     @property
@@ -147,28 +147,27 @@ class _ShardedModule(torch.nn.Module):
         """Start fetching the rows ``forward(input)`` (this very tensor) will need, and return: a
         model with several tables prefetches each before the first forward, so their lookups
         travel at once instead of one round trip after another."""
-        flat = self._ids(input)
-        uniq, inverse = self._unique(flat)
-        self._prefetched = (input, uniq, inverse, self.table.lookup_async(uniq.cpu().numpy(), create=self.training))
+        ids, inverse = self._unique(self._ids(input))
+        self._prefetched = (input, ids, inverse, self.table.lookup_async(ids, create=self.training))
 
-    def _unique(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _unique(self, flat: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+        """(the unique ids, checked against the table's range, as numpy; the inverse indices)."""
         uniq, inverse = torch.unique(flat, return_inverse=True)  # sorted: the ends are the extremes
         num = self.num_embeddings
         if num is not None and len(uniq) and (int(uniq[0]) < 0 or int(uniq[-1]) >= num):
             bad = int(uniq[0]) if int(uniq[0]) < 0 else int(uniq[-1])
             raise InvalidArgument(f"{self.kind} {self.name!r}: id {bad} out of range [0, {num})")
-        return uniq, inverse
+        return uniq.cpu().numpy(), inverse
 
     def _rows(self, flat: torch.Tensor, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows of the unique ids, requiring grad when a backward should push; inverse indices)."""
         pre, self._prefetched = self._prefetched, None
         if pre is not None and pre[0] is input:  # prefetched for this tensor: its lookup is under way
-            _, uniq, inverse, fut = pre
+            _, ids, inverse, fut = pre
             found = self.table.result(fut)
         else:
-            uniq, inverse = self._unique(flat)
-            found = self.table.lookup(uniq.cpu().numpy(), create=self.training)
-        ids = uniq.cpu().numpy()
+            ids, inverse = self._unique(flat)
+            found = self.table.lookup(ids, create=self.training)
         rows = torch.from_numpy(found).to(flat.device)
         if self.push_gradients and torch.is_grad_enabled() and len(ids):
             rows.requires_grad_(True)
