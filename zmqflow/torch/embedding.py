@@ -20,6 +20,7 @@ Tables are variables like any other: ``zmqflow.checkpoint`` saves and restores t
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -71,6 +72,7 @@ class _ShardedModule(torch.nn.Module):
         self.dtype = dtype
         self.push_gradients = True
         self._prefetched: tuple[torch.Tensor, np.ndarray, torch.Tensor, Any] | None = None
+        self.prefetch_s = 0.0  # seconds spent in prefetch(): embedding time outside forward
 
     # the table -----------------------------------------------------------------------------
     @property
@@ -147,8 +149,10 @@ class _ShardedModule(torch.nn.Module):
         """Start fetching the rows ``forward(input)`` (this very tensor) will need, and return: a
         model with several tables prefetches each before the first forward, so their lookups
         travel at once instead of one round trip after another."""
+        began = time.perf_counter()
         ids, inverse = self._unique(self._ids(input))
         self._prefetched = (input, ids, inverse, self.table.lookup_async(ids, create=self.training))
+        self.prefetch_s += time.perf_counter() - began  # it waits for the table's pending pushes first
 
     def _unique(self, flat: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
         """(the unique ids, checked against the table's range, as numpy; the inverse indices)."""

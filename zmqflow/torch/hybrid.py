@@ -93,6 +93,7 @@ class HybridStrategy:
         collectives.broadcast_parameters(model.state_dict(), root_rank=root_rank)
         self.times = StepTimes()
         self._in_tables = 0.0
+        self._prefetched = sum(t.prefetch_s for t in self.tables)  # the tables' prefetch seconds counted so far
         self._entered: float | None = None
         for table in self.tables:
             table.register_forward_pre_hook(self._enter_table)
@@ -141,15 +142,17 @@ class HybridStrategy:
         now = time.perf_counter()
         self.times.steps += 1
         self.times.total_s += now - self._step_began
-        self.times.embedding_s += self._in_tables
+        prefetched = sum(t.prefetch_s for t in self.tables)  # lookups started (and pushes awaited) before forward
+        self.times.embedding_s += self._in_tables + prefetched - self._prefetched
         self.times.dense_comm_s += waited
-        self._in_tables = 0.0
+        self._in_tables, self._prefetched = 0.0, prefetched
         self._step_began = now
 
     def reset_times(self) -> None:
         """Start the clocks again (after warm-up steps, say)."""
         self.times = StepTimes()
         self._in_tables = 0.0
+        self._prefetched = sum(t.prefetch_s for t in self.tables)
         self._step_began = time.perf_counter()
 
     def flush(self) -> None:
