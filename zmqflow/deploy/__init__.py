@@ -1,0 +1,1 @@
+"""Where clusters run: manifests rendered from a cluster's shape (Kubernetes)."""
