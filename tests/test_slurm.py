@@ -47,17 +47,17 @@ def test_node_lists_expand_in_order(text, hosts):
 
 @pytest.mark.parametrize("text, needle", [
     ("", "empty node list"),
-    ("n[1-3", "never closed"),
-    ("n]1", "without '['"),
-    ("n[[1-2]]", "nested"),
-    ("n[3-1]", "backwards"),
-    ("n[a-b]", "malformed range"),
-    ("n[1-]", "malformed range"),
-    ("n[]", "malformed range"),
+    ("n[1-3", "unbalanced brackets"),
+    ("n]1", "unbalanced brackets"),
+    ("n[[1-2]]", "nested brackets"),
+    ("n[3-1]", "start > stop"),
+    ("n[a-b]", "bad range"),
+    ("n[1-]", "bad range"),
+    ("n[]", "bad range"),
     ("a,,b", "empty entry"),
     ("n[1-2],n2", "listed twice"),
     ("bad!host", "malformed host name"),
-    ("n[0-99999999]", "more than"),
+    ("n[0-99999999]", "range too large"),
 ])
 def test_malformed_node_lists_name_the_variable_and_value(text, needle):
     with pytest.raises(ConfigError) as info:

@@ -1,7 +1,7 @@
 """Slurm's job description read from its environment: node lists, tasks per node, this task's rank.
 
-Slurm writes its layout in compressed forms (``gpu-[01-02],cpu7``; ``2(x3),1``); this module
-expands them without a third-party parser so the core package keeps its small dependency set.
+Slurm writes its layout in compressed forms (``gpu-[01-02],cpu7``; ``2(x3),1``); python-hostlist
+expands them, and this module checks what it gives (names, duplicates, counts that agree).
 It returns plain data (host, port, rank) and never builds a ClusterSpec itself: ``zmqflow.cluster``
 imports it, so it must not import ``zmqflow.cluster`` back.
 """
@@ -12,13 +12,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import hostlist
+
 from .errors import ConfigError
 
 __all__ = ["SlurmLayout", "SlurmTask", "expand_hostlist", "expand_tasks_per_node", "is_slurm", "layout"]
 
-_MAX_HOSTS = 1 << 20  # a range like n[0-999999999] would otherwise eat the memory before failing
+_MAX_HOSTS = hostlist.MAX_SIZE  # a count like 1(x999999999) would otherwise eat the memory before failing
 _NAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9\-\._]*[A-Za-z0-9])?$")
-_RANGE_RE = re.compile(r"^(?P<lo>\d+)(-(?P<hi>\d+))?$", re.ASCII)
 _COUNT_RE = re.compile(r"^(?P<n>\d+)(\(x(?P<rep>\d+)\))?$", re.ASCII)
 
 # srun sets the STEP_ forms for its own step, which may span fewer nodes than the allocation.
@@ -45,78 +46,38 @@ class SlurmLayout:
     rank: int
 
 
-def _split_top(text: str, var: str) -> list[str]:
-    """Split on commas outside brackets: ``a[1,3],b`` is two items."""
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch == "[":
-            depth += 1
-            if depth > 1:
-                raise ConfigError(f"{var}={text!r}: nested '[' at position {i}")
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ConfigError(f"{var}={text!r}: ']' without '[' at position {i}")
-        elif ch == "," and depth == 0:
-            items.append(text[start:i])
-            start = i + 1
-    if depth:
-        raise ConfigError(f"{var}={text!r}: '[' never closed")
-    items.append(text[start:])
-    return items
-
-
-def _expand_ranges(body: str, text: str, var: str) -> list[str]:
-    """``01-03,7`` -> ['01', '02', '03', '7']; a zero-padded low bound sets the width."""
-    out: list[str] = []
-    for part in body.split(","):
-        m = _RANGE_RE.match(part.strip())
-        if not m:
-            raise ConfigError(f"{var}={text!r}: malformed range {part!r} in '[{body}]'")
-        lo_text, hi_text = m["lo"], m["hi"]
-        lo, hi = int(lo_text), int(hi_text if hi_text is not None else lo_text)
-        if hi < lo:
-            raise ConfigError(f"{var}={text!r}: range {part!r} runs backwards")
-        if hi - lo + 1 + len(out) > _MAX_HOSTS:
-            raise ConfigError(f"{var}={text!r}: more than {_MAX_HOSTS} hosts")
-        width = len(lo_text)
-        out.extend(str(n).zfill(width) for n in range(lo, hi + 1))
-    return out
-
-
-def _expand_item(item: str, text: str, var: str) -> list[str]:
-    """One comma-free item; several bracket groups multiply (``a[1-2]b[1-2]`` is four hosts)."""
-    open_at = item.find("[")
-    if open_at < 0:
-        return [item]
-    close_at = item.index("]", open_at)  # _split_top checked the brackets pair up
-    head, body, tail = item[:open_at], item[open_at + 1:close_at], item[close_at + 1:]
-    rests = _expand_item(tail, text, var)
-    out = [head + value + rest for value in _expand_ranges(body, text, var) for rest in rests]
-    if len(out) > _MAX_HOSTS:
-        raise ConfigError(f"{var}={text!r}: more than {_MAX_HOSTS} hosts")
-    return out
-
-
 def expand_hostlist(text: str, var: str = "SLURM_JOB_NODELIST") -> list[str]:
     """Slurm's compressed host list, in order: ``gpu-[01-02],cpu7`` -> gpu-01, gpu-02, cpu7.
 
-    Duplicates are refused: two ranks would then share a host and, by local id, a port."""
+    python-hostlist expands it (within its cap on the number of hosts); duplicates are refused
+    here: two ranks would then share a host and, by local id, a port."""
     if not isinstance(text, str) or not text.strip():
         raise ConfigError(f"{var}={text!r}: empty node list")
-    hosts: list[str] = []
-    for item in _split_top(text.strip(), var):
-        item = item.strip()
-        if not item:
-            raise ConfigError(f"{var}={text!r}: empty entry in the node list")
-        for host in _expand_item(item, text, var):
-            if not _NAME_RE.match(host):
-                raise ConfigError(f"{var}={text!r}: malformed host name {host!r}")
-            hosts.append(host)
+    if any(not item.strip() for item in _split_outside_brackets(text.strip())):
+        raise ConfigError(f"{var}={text!r}: empty entry in the node list")
+    try:
+        hosts = hostlist.expand_hostlist(text.strip(), allow_duplicates=True)
+    except hostlist.BadHostlist as exc:
+        raise ConfigError(f"{var}={text!r}: {exc}") from None
+    for host in hosts:
+        if not _NAME_RE.match(host):
+            raise ConfigError(f"{var}={text!r}: malformed host name {host!r}")
     if len(set(hosts)) != len(hosts):
         dup = next(h for i, h in enumerate(hosts) if h in hosts[:i])
         raise ConfigError(f"{var}={text!r}: host {dup!r} listed twice")
     return hosts
+
+
+def _split_outside_brackets(text: str) -> list[str]:
+    """Top-level items (python-hostlist silently drops empty ones; a node list with one is malformed)."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return items
 
 
 def expand_tasks_per_node(text: str, var: str = "SLURM_TASKS_PER_NODE") -> list[int]:
@@ -131,7 +92,7 @@ def expand_tasks_per_node(text: str, var: str = "SLURM_TASKS_PER_NODE") -> list[
         rep = int(m["rep"]) if m["rep"] is not None else 1
         if rep < 1 or len(counts) + rep > _MAX_HOSTS:
             raise ConfigError(f"{var}={text!r}: bad repeat count in {part!r}")
-        counts.extend([int(m["n"])] * rep)
+        counts.extend(hostlist.parse_slurm_tasks_per_node(part.strip()))
     return counts
 
 
