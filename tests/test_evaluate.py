@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
+import tempfile
 import sys
 import textwrap
 import threading
@@ -17,7 +19,9 @@ import zmqflow as zf
 from zmqflow import checkpoint
 from zmqflow.cluster import ClusterSpec, TaskId, shard_tasks, training_tasks
 from zmqflow.errors import InvalidArgument
+from zmqflow.training.evaluate import task_role
 from zmqflow.testing import make_spec
+from zmqflow.transport.curve import generate
 
 from .conftest import ZMQFLOW
 
@@ -119,7 +123,7 @@ def test_final_marker_without_checkpoints_stops_at_once_and_a_chief_starting_cle
     assert checkpoint.final_step(ckpt) is None
 
 
-def test_evaluator_restores_privately_and_writes_metrics(tmp_path, trainer):
+def test_evaluator_restores_privately_and_writes_metrics(tmp_path, trainer, monkeypatch):
     ckpt = str(tmp_path / "ckpt")
     trainer(10, 1.0)
     trainer(20, 2.0)
@@ -138,6 +142,17 @@ def test_evaluator_restores_privately_and_writes_metrics(tmp_path, trainer):
     np.testing.assert_array_equal(trainer.session.get("w").read(), np.full(3, 100.0))  # training's shard untouched
     lines = [json.loads(x) for x in Path(ckpt, "eval", "metrics.jsonl").read_text().splitlines()]
     assert [(x["step"], x["mean"]) for x in lines] == [(10, 1.0), (20, 2.0)]
+    # under launch --keys the training cluster's keys are in the environment: the private cluster makes its own
+    keys = tmp_path / "keys"
+    generate(keys, make_spec({"worker": 1, "evaluator": 1}, "tcp"))
+    monkeypatch.setenv("ZMQFLOW_KEYS", str(keys))
+    monkeypatch.setenv("ZMQFLOW_TASK", "evaluator:0")
+    ev = zf.Evaluator(eval_fn, ckpt, output_dir=str(tmp_path / "keyed"), poll_secs=0.02)
+    private_keys = lambda: {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("zmqflow-eval-keys-")}  # noqa: E731
+    before = private_keys()
+    assert ev.run() == {"mean": 2.0, "n": 3.0}
+    assert private_keys() == before  # its own keys, removed when it ends
+    monkeypatch.delenv("ZMQFLOW_KEYS")
     with pytest.raises(InvalidArgument, match="mapping"):
         zf.Evaluator(lambda ck: 1.0, ckpt, output_dir=str(tmp_path / "e2")).run()
 
@@ -146,6 +161,10 @@ def test_the_evaluator_is_no_part_of_training():
     spec = ClusterSpec({"evaluator": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]})
     assert training_tasks(spec) == [TaskId("worker", 0), TaskId("worker", 1)]
     assert shard_tasks(spec) == [TaskId("worker", 0)]  # state never lands on the evaluator
+    # TF's TF_CONFIG for the evaluator often leaves it out of the cluster: it is still the evaluator
+    tf = {"cluster": {"worker": ["127.0.0.1:2"]}, "task": {"type": "evaluator", "index": 0}}
+    assert task_role(tf) == "evaluator"
+    assert task_role(spec, "worker:1") == "worker"
     # a training task waits for every training task, not for the evaluator (it serves nothing)
     spec = make_spec({"worker": 1, "ps": 1, "evaluator": 1}, "tcp")
     with zf.Server(spec, "ps:0"), zf.Server(spec, "worker:0") as worker:
@@ -248,3 +267,15 @@ def test_train_and_evaluate_without_a_cluster_trains_then_evaluates(tmp_path, mo
     assert [x["step"] for x in lines] == [3, 6, 9]
     with pytest.raises(InvalidArgument, match="checkpoint_dir"):
         zf.train_and_evaluate(train, lambda ck: {}, checkpoint_dir="")
+
+
+def test_with_evaluator_adds_one_task_to_a_cluster_that_trains():
+    from zmqflow.cli.launch_roles import with_evaluator
+    from zmqflow.errors import ConfigError
+
+    spec = with_evaluator(ClusterSpec({"worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]}))
+    assert spec.task_indices("evaluator") == [0] and spec.num_tasks("worker") == 1
+    with pytest.raises(ConfigError, match="already has an evaluator"):
+        with_evaluator(spec)
+    with pytest.raises(ConfigError, match="no chief or worker"):
+        with_evaluator(ClusterSpec({"ps": ["127.0.0.1:3"]}))

@@ -378,7 +378,7 @@ def resolve(
         raise ConfigError("no cluster given: pass --cluster, or set ZMQFLOW_CLUSTER or TF_CONFIG, or run under Slurm")
     if tid is None and require_task:
         raise ConfigError("no task given: pass --task, or set ZMQFLOW_TASK or TF_CONFIG's 'task'")
-    if tid is not None and tid not in spec:
+    if tid is not None and tid not in spec and tid.job not in NOT_TRAINING:  # TF's evaluator may be left out
         if not require_task:  # a tool that only needs the cluster ignores a stray task name
             return spec, None
         raise ConfigError(f"unknown task {tid} (job {tid.job!r} index {tid.index}); cluster has {spec.describe()}")

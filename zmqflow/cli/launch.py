@@ -3,7 +3,8 @@
 Without a command every task runs ``zmqflow serve``. With one, ps (and other non-training) tasks
 serve while chief, worker and evaluator tasks run the command with ``ZMQFLOW_CLUSTER`` and
 ``ZMQFLOW_TASK`` set; when the commands end the servers are stopped, and the exit code is the
-first failure's.
+first failure's. An evaluator (``--evaluator``, or an ``evaluator`` job in the cluster) runs the
+command beside training and does not decide the exit code (:mod:`zmqflow.cli.launch_roles`).
 
 ``--keys DIR`` hands every process ``ZMQFLOW_KEYS``: servers admit only listed keys, and training
 scripts (tasks themselves) present their task keys. Without keys, a cluster beyond loopback needs

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ from ..errors import InvalidArgument, NotFound
 from ..ports import free_port
 from ..server.task import Server
 from ..slurm import is_slurm
+from ..transport.curve import KEYS_ENV, Keys, generate
 
 __all__ = ["EvalCheckpoint", "Evaluator", "train_and_evaluate", "task_role", "METRICS_FILE"]
 
@@ -75,6 +78,7 @@ class Evaluator:
     _session: Session | None = field(default=None, repr=False)
     _jsonl: Any = field(default=None, repr=False)
     _tb: Any = field(default=None, repr=False)
+    _keydir: str | None = field(default=None, repr=False)
 
     def run(self) -> dict[str, float] | None:
         """The loop: evaluate each new checkpoint; return the last metrics once training ended
@@ -135,8 +139,13 @@ class Evaluator:
         onto the training shards (a restore there would overwrite what training is doing)."""
         if self._session is None:
             spec = ClusterSpec({"ps": [f"127.0.0.1:{free_port()}"]})
-            self._server = Server(spec, "ps:0")
-            self._session = Session(self._server.target, name="evaluator")
+            if os.environ.get(KEYS_ENV):  # the training cluster's keys (launch --keys) name no task of this one
+                self._keydir = tempfile.mkdtemp(prefix="zmqflow-eval-keys-")
+                generate(self._keydir, spec)
+            self._server = Server(spec, "ps:0", keys=self._keydir)
+            # with keys, the session is the task's own (as a task's session is): restores need a task key
+            keys = Keys.load(self._keydir, "ps:0", require_task=True) if self._keydir else None
+            self._session = Session(self._server.target, keys=keys, name=None if keys else "evaluator")
         return self._session
 
     def close(self) -> None:
@@ -148,7 +157,9 @@ class Evaluator:
         for writer in (self._jsonl, self._tb):
             if writer is not None:
                 writer.close()
-        self._session = self._server = self._jsonl = self._tb = None
+        if self._keydir is not None:
+            shutil.rmtree(self._keydir, ignore_errors=True)
+        self._session = self._server = self._jsonl = self._tb = self._keydir = None
 
 
 def task_role(cluster: Any = None, task: "TaskId | str | None" = None) -> str:
