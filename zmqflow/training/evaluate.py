@@ -71,14 +71,14 @@ class Evaluator:
     timeout_fn: Callable[[], bool] | None = None
     min_interval_secs: float = 0
     poll_secs: float = checkpoint_watch.POLL_SECS
-    last_metrics: dict[str, float] | None = None
-    last_step: int | None = None
-    history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
-    _server: Server | None = field(default=None, repr=False)
-    _session: Session | None = field(default=None, repr=False)
-    _jsonl: Any = field(default=None, repr=False)
-    _tb: Any = field(default=None, repr=False)
-    _keydir: str | None = field(default=None, repr=False)
+    last_metrics: dict[str, float] | None = field(default=None, init=False)
+    last_step: int | None = field(default=None, init=False)
+    history: list[tuple[int, dict[str, float]]] = field(default_factory=list, init=False)
+    _server: Server | None = field(default=None, init=False, repr=False)
+    _session: Session | None = field(default=None, init=False, repr=False)
+    _jsonl: Any = field(default=None, init=False, repr=False)
+    _tb: Any = field(default=None, init=False, repr=False)
+    _keydir: str | None = field(default=None, init=False, repr=False)
 
     def run(self) -> dict[str, float] | None:
         """The loop: evaluate each new checkpoint; return the last metrics once training ended
