@@ -378,7 +378,7 @@ def resolve(
         raise ConfigError("no cluster given: pass --cluster, or set ZMQFLOW_CLUSTER or TF_CONFIG, or run under Slurm")
     if tid is None and require_task:
         raise ConfigError("no task given: pass --task, or set ZMQFLOW_TASK or TF_CONFIG's 'task'")
-    if tid is not None and tid not in spec:
+    if tid is not None and tid not in spec and tid.job not in NOT_TRAINING:  # TF's evaluator may be left out
         if not require_task:  # a tool that only needs the cluster ignores a stray task name
             return spec, None
         raise ConfigError(f"unknown task {tid} (job {tid.job!r} index {tid.index}); cluster has {spec.describe()}")
@@ -390,7 +390,20 @@ def shard_tasks(spec: ClusterSpec) -> list[TaskId]:
     the first task of a cluster without a ps job. Every task hosts a shard, so ``zf.device`` may
     pin a variable to any task; :func:`holder_tasks` says which tasks hold some."""
     ps = [TaskId("ps", i) for i in spec.task_indices("ps")]
-    return ps or [spec.tasks[0]]
+    return ps or [training_tasks(spec)[0]]
+
+
+# Jobs named in a cluster that take no part in training (TF's evaluator): nobody waits for them,
+# no state is placed on them, and they are never ranks.
+NOT_TRAINING = ("evaluator",)
+
+
+def training_tasks(spec: ClusterSpec) -> list[TaskId]:
+    """Every task but the evaluator's: what training waits for and may place state on. The
+    evaluator reads checkpoints from disk and need not even serve its address. A cluster of
+    evaluators alone keeps them all (there is nothing else to name)."""
+    tasks = [t for t in spec.tasks if t.job not in NOT_TRAINING]
+    return tasks or spec.tasks
 
 
 def holder_tasks(spec: ClusterSpec, records: Iterable[Mapping[str, Any]]) -> list[TaskId]:

@@ -3,7 +3,8 @@
 Without a command every task runs ``zmqflow serve``. With one, ps (and other non-training) tasks
 serve while chief, worker and evaluator tasks run the command with ``ZMQFLOW_CLUSTER`` and
 ``ZMQFLOW_TASK`` set; when the commands end the servers are stopped, and the exit code is the
-first failure's.
+first failure's. An evaluator (``--evaluator``, or an ``evaluator`` job in the cluster) runs the
+command beside training and does not decide the exit code (:mod:`zmqflow.cli.launch_roles`).
 
 ``--keys DIR`` hands every process ``ZMQFLOW_KEYS``: servers admit only listed keys, and training
 scripts (tasks themselves) present their task keys. Without keys, a cluster beyond loopback needs
@@ -55,6 +56,7 @@ from ..server.checkpoint_roots import CheckpointRoots
 from ..transport.curve import KEYS_ENV, Keys, is_loopback
 from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, LOG_LEVELS, TAGGED_ENV, fail
 from .launch_output import TaskOutput, describe_exit
+from .launch_roles import EVALUATOR_GRACE, await_side_tasks, is_side_task, with_evaluator
 
 __all__ = ["launch", "Launcher", "generate_cluster", "launch_roots", "rank_env", "RANK_VARS", "RESTART_ENV",
            "load_cluster_arg", "EXIT_INTERRUPTED"]
@@ -150,8 +152,10 @@ class Launcher:
 
     def __init__(self, spec: ClusterSpec, command: list[str], *, log_level: str = "info", out=None,
                  restart: str = "never", max_restarts: int = 3, keys: str | None = None, insecure: bool = False,
-                 checkpoint_roots: CheckpointRoots | None = None, log_dir: str | None = None):
+                 checkpoint_roots: CheckpointRoots | None = None, log_dir: str | None = None,
+                 evaluator_grace: float = EVALUATOR_GRACE):
         self.spec = spec
+        self.evaluator_grace = evaluator_grace
         self.keys = keys
         self.insecure = insecure
         self.checkpoint_roots = checkpoint_roots or launch_roots(spec, [], os.environ)
@@ -256,7 +260,9 @@ class Launcher:
 
     def wait(self) -> int:
         """Until the commands end (or, without one, any task ends); then stop the rest."""
-        pending = {c for c in self.children if (c.runs_command if self.command else True) and c.proc is not None}
+        # an evaluator's command is not waited for here, and its exit code is not launch's (launch_roles)
+        pending = {c for c in self.children if (c.runs_command and not is_side_task(c.task) if self.command else True)
+                   and c.proc is not None}
         while pending:
             with self._cond:
                 self._announce()  # before any event: the tasks a passed-on signal ended report at once
@@ -279,11 +285,14 @@ class Launcher:
             if code != 0 and not self._stopping:
                 if self._interrupt is None:  # a task that a passed-on signal ended did not fail
                     child.failure = returncode
-                if self._first_failure is None:
+                if self._first_failure is None and not (self.command and is_side_task(child.task)):
                     self._first_failure = code
             pending.discard(child)
             if not self.command or (code != 0 and not child.runs_command):
                 break  # a server ended on its own: nothing left to wait for
+        if self.command and self._first_failure is None and self._interrupt is None:
+            await_side_tasks([(c.task, c.proc) for c in self.children if is_side_task(c.task) and c.proc is not None],
+                             self.evaluator_grace, self.say)
         self._announce()
         self.stop()
         self.output.summary([(c.task, c.failure, c.restarts) for c in self.children if c.failure is not None])
@@ -398,9 +407,13 @@ def _exit_code(returncode: int) -> int:
                    "loopback cluster, nowhere on one other hosts can reach.")
 @click.option("--log-dir", metavar="DIR", type=click.Path(file_okay=False),
               help="Also write each task's output to DIR/JOB-INDEX.log (appended across restarts).")
+@click.option("--evaluator", is_flag=True, help="Add an evaluator:0 task running COMMAND beside training "
+              "(zmqflow.train_and_evaluate evaluates each checkpoint there); launch's exit code stays the training tasks'.")
+@click.option("--evaluator-grace", type=click.FloatRange(0), default=EVALUATOR_GRACE, show_default=True,
+              metavar="SECONDS", help="After training ends, how long the evaluator may take to finish before it is stopped.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, max_restarts, keys, insecure,
-           checkpoint_roots, log_dir, command) -> None:
+           checkpoint_roots, log_dir, evaluator, evaluator_grace, command) -> None:
     """Start a cluster's tasks as local processes, optionally running COMMAND on chief and workers.
 
     \b
@@ -424,6 +437,8 @@ def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, m
             spec = load_cluster_arg(cluster)
         else:
             spec = generate_cluster(2 if workers is None else workers, 0 if ps is None else ps, chief, host)
+        if evaluator:
+            spec = with_evaluator(spec, host)
         check_keys(spec, keys, insecure)
         roots = launch_roots(spec, list(checkpoint_roots), os.environ)
     except ConfigError as exc:
@@ -433,7 +448,8 @@ def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, m
             fh.write(spec.to_json() + "\n")
     try:
         launcher = Launcher(spec, command, log_level=log_level, restart=restart, max_restarts=max_restarts,
-                            keys=keys, insecure=insecure, checkpoint_roots=roots, log_dir=log_dir)
+                            keys=keys, insecure=insecure, checkpoint_roots=roots, log_dir=log_dir,
+                            evaluator_grace=evaluator_grace)
     except OSError as exc:
         fail("launch", f"--log-dir {log_dir!r}: {exc.strerror or exc}", EXIT_USAGE)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ..cluster import ClusterSpec, TaskId
+from ..cluster import ClusterSpec, TaskId, training_tasks
 from ..errors import ClusterNotReady, ZmqflowError
 from .client import RpcClient
 
@@ -22,10 +22,11 @@ async def probe(client: RpcClient, spec: ClusterSpec, task: TaskId, timeout: flo
 
 
 async def wait_for_tasks(client: RpcClient, spec: ClusterSpec, timeout: float, tasks: list[TaskId] | None = None) -> None:
-    """Return when every task answers a ping; else raise ClusterNotReady naming the silent ones."""
+    """Return when every task answers a ping; else raise ClusterNotReady naming the silent ones.
+    By default every task that trains: an evaluator is not waited for (it may not serve at all)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    waiting = list(tasks if tasks is not None else spec.tasks)
+    waiting = list(tasks if tasks is not None else training_tasks(spec))
     while waiting:
         remaining = deadline - loop.time()
         if remaining <= 0:

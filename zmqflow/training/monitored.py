@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..client import checkpoint
+from ..client import checkpoint, checkpoint_watch
 from ..client.blocking import Session
 from ..client.ring import default_members
 from ..cluster import ClusterSpec, TaskId, resolve
@@ -81,6 +81,7 @@ class MonitoredTrainingSession:
         self._started = time.perf_counter()
         self._created = False
         self._stop_requested = False
+        self._failed = False  # closed by an exception: training did not finish, no final marker
         self.strategy.bind(self.ctx)
 
     # identity: read from the context the strategy shares ----------------------------------
@@ -153,6 +154,8 @@ class MonitoredTrainingSession:
         """The chief creates the parameters (with ``optimizer``); every other worker waits for them."""
         self.ctx.wait_for(self.strategy.needs(), self.wait_timeout)
         t = time.perf_counter()
+        if self.checkpoint_dir and self.is_chief:  # training (again): an evaluator must not stop at an old end
+            checkpoint_watch.clear_final(self.checkpoint_dir)
         restore = checkpoint.latest(self.checkpoint_dir) if self.checkpoint_dir and self.is_chief else None
         self.ctx.restored_from = restore  # the strategy clears it when live state made a restore needless
         self.ctx.step = self.strategy.create({k: np.asarray(v) for k, v in params.items()}, optimizer, restore)
@@ -223,6 +226,8 @@ class MonitoredTrainingSession:
         if self._created and self.checkpoint_dir and self.is_chief and self.step != self.ctx.saved_step \
                 and not _saved_already(self.checkpoint_dir, self.step):
             self.save_checkpoint()
+        if self._created and self.checkpoint_dir and self.is_chief and not self._failed:
+            checkpoint_watch.mark_final(self.checkpoint_dir)  # evaluators stop after the newest checkpoint
         for hook in self.hooks:
             hook.end(self)
         self.strategy.close()
@@ -235,6 +240,7 @@ class MonitoredTrainingSession:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._failed = exc[0] is not None
         self.close()
 
 
