@@ -21,6 +21,7 @@ from .client.embedding import AsyncEmbedding
 from .client.blocking import Embedding, Session, Variable
 from .client.session import AsyncSession
 from .client.variables import AsyncVariable
+from .observe.progress import report_progress
 
 __all__ = [
     "__version__",
@@ -60,4 +61,5 @@ __all__ = [
     "GreedyLoadBalancing",
     "fixed_size_partitioner",
     "min_max_variable_partitioner",
+    "report_progress",
 ]
