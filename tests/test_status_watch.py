@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zmqflow as zf
+from zmqflow.bridge import runtime
 from zmqflow.cli.status import cluster_status
 from zmqflow.cli.status_watch import error_text, rate_text
 from zmqflow.cluster import ClusterSpec
@@ -275,3 +276,27 @@ def test_task_probes_only_that_task(tmp_path, procs):
         assert "Traceback" not in watch.output and "1/2 up" in watch.output
     finally:
         silent.close()
+
+
+def test_torch_optimizer_steps_are_counted_and_a_failed_step_noted(fresh, local):
+    torch = pytest.importorskip("torch")
+    import zmqflow.torch as zt
+
+    assert zt.report_progress is zf.report_progress
+    model = torch.nn.Linear(3, 1)
+    opt = zt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.ones(2, 3)).sum().backward()
+        opt.step()
+    zt.report_progress(samples=2)
+
+    def closure():
+        raise RuntimeError("loss is nan")
+
+    with pytest.raises(RuntimeError):
+        opt.step(closure)
+    snap = progress.snapshot()
+    assert snap["step"] == 3 and snap["samples"] == 2 and snap["error"] == "RuntimeError: loss is nan"
+    rows = arun(cluster_status(runtime.current().spec, 5.0, tasks=[zf.TaskId("worker", 0)]))
+    assert rows[0]["progress"]["step"] == 3  # the worker's server answers with this process's progress
