@@ -22,6 +22,7 @@ from .client.embedding import AsyncEmbedding
 from .client.blocking import Embedding, Session, Variable
 from .client.session import AsyncSession
 from .client.variables import AsyncVariable
+from .observe.progress import report_progress
 
 # zf.checkpoint also holds the directory watch (checkpoints_iterator, mark_final, ...): one public
 # namespace for checkpoints, as tf.train's, though the watch lives in a module of its own.
@@ -70,4 +71,5 @@ __all__ = [
     "GreedyLoadBalancing",
     "fixed_size_partitioner",
     "min_max_variable_partitioner",
+    "report_progress",
 ]

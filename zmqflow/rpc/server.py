@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import DeadlineExceeded, NotFound, ResourceExhausted, ZmqflowError
+from ..observe.progress import note_error
 from ..transport import registry
 from ..transport.base import Listener, SendFailed, Transport
 from ..transport.curve import Keys
@@ -198,6 +199,7 @@ class RpcServer:
         self.counters.errors += 1
         if not isinstance(exc, ZmqflowError):  # a bug, not a refusal: its traceback stays here unless debugging
             log.warning("%s: request %d failed: %s: %s", self.name, rid, type(exc).__name__, exc, exc_info=exc)
+            note_error(f"{self.name}: a request failed: {type(exc).__name__}: {exc}")
         self._reply(identity, error_message(rid, exc, source=self.name, with_traceback=self.debug), deadline)
 
     def _reply(self, identity: bytes, msg: Message, deadline: float | None, *, record: bool = True) -> None:

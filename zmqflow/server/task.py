@@ -125,6 +125,11 @@ class AsyncServer:
         """What each service has to say about its state (a shard recovering, a ring's generation)."""
         return {name: s for name, svc in self._services.items() if (s := svc.state())}
 
+    def progress_step(self) -> int | None:
+        """The step this task's ps shard holds, if any (what its status shows when nothing here trains)."""
+        ps = self._services.get("ps")
+        return ps.progress_step() if isinstance(ps, PsService) else None
+
     def service(self, name: str) -> Service:
         try:
             return self._services[name]

@@ -42,6 +42,7 @@ from .collectives import (
     size,
     synchronize,
 )
+from ..observe.progress import report_progress
 from .embedding import Embedding, EmbeddingBag
 from .hybrid import HybridStrategy
 from .optimizer import DistributedOptimizer
@@ -50,5 +51,5 @@ __all__ = [
     "Average", "Sum", "Min", "Max", "Handle", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
     "local_size", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather", "broadcast",
     "broadcast_", "broadcast_object", "broadcast_parameters", "broadcast_optimizer_state", "barrier", "synchronize",
-    "DistributedOptimizer", "EmbeddingBag", "Embedding", "HybridStrategy",
+    "DistributedOptimizer", "EmbeddingBag", "Embedding", "HybridStrategy", "report_progress",
 ]

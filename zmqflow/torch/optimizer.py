@@ -21,6 +21,7 @@ import torch
 
 from ..bridge import runtime as _runtime
 from ..errors import ConfigError, InvalidArgument
+from ..observe.progress import counts_steps
 from .buckets import GradientBuckets
 from .collectives import ring
 from .ps_optimizer import PsOptimizerMixin
@@ -60,6 +61,7 @@ class RingOptimizerMixin:
         finally:
             self._zf_skip = False
 
+    @counts_steps
     def step(self, closure: Any = None) -> Any:
         """Average the gradients (unless :meth:`synchronize` already did for this backward), then step.
         A ``closure`` runs first (its backward feeds the buckets); the wrapped step gets none."""

@@ -26,6 +26,7 @@ import torch
 
 from ..bridge.runtime import Runtime
 from ..errors import ConfigError
+from ..observe.progress import counts_steps
 from ..state import optim as _optim
 from .tensors import to_array, write_into
 
@@ -107,6 +108,7 @@ class PsOptimizerMixin:
     def synchronize(self) -> None:
         """Nothing to wait for: ``step()`` pushes and pulls synchronously."""
 
+    @counts_steps
     def step(self, closure: Any = None) -> Any:
         """Push this rank's gradients (zeros for a parameter without one, so a sync round always
         completes), then load the shards' new values into the parameters."""

@@ -20,6 +20,7 @@ from ..client.blocking import Session
 from ..client.ring import default_members
 from ..cluster import ClusterSpec, TaskId, resolve
 from ..errors import ConfigError
+from ..observe import progress
 from ..server.task import Server
 from ..slurm import is_slurm
 from .context import TrainingContext
@@ -162,6 +163,7 @@ class MonitoredTrainingSession:
         self.comm_seconds += time.perf_counter() - t
         self.ctx.saved_step = self.step if self.restored_from else -1
         self._created = True
+        progress.report_progress(step=self.step)
         for hook in self.hooks:
             hook.begin(self)
         self._started = time.perf_counter()
@@ -178,9 +180,14 @@ class MonitoredTrainingSession:
         the mean, then the optimizer locally). ``metrics`` go to the hooks. Returns the new step."""
         self._need_created()
         t = time.perf_counter()
-        self.ctx.step = self.strategy.apply({k: np.asarray(v) for k, v in grads.items()})
+        try:
+            self.ctx.step = self.strategy.apply({k: np.asarray(v) for k, v in grads.items()})
+        except Exception as exc:
+            progress.note_error(exc)
+            raise
         self.comm_seconds += time.perf_counter() - t
         self.steps_done += 1
+        progress.report_progress(step=self.step)
         shown = {k: float(v) for k, v in (metrics or {}).items()}
         for hook in self.hooks:
             hook.after_step(self, self.step, shown)
@@ -239,8 +246,10 @@ class MonitoredTrainingSession:
     def __enter__(self) -> MonitoredTrainingSession:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._failed = exc[0] is not None
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._failed = exc_type is not None
+        if isinstance(exc, Exception):  # the training loop failed: ``zmqflow status`` shows why
+            progress.note_error(exc)
         self.close()
 
 

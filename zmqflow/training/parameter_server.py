@@ -12,6 +12,7 @@ from ..client import checkpoint as _ckpt
 from ..client.blocking import Session
 from ..cluster import TaskId, shard_tasks
 from ..errors import DeadlineExceeded, NotFound, Recovering, Unavailable
+from ..observe.progress import note_error
 from ..state import optim as _optim
 from .context import TrainingContext
 from .strategy import Strategy
@@ -144,6 +145,7 @@ class ParameterServerStrategy(Strategy):
         deadline = time.monotonic() + self.recovery_timeout
         if not ctx.recovering:
             log.warning("%s: a ps shard failed (%s); recovering", ctx.task_name, exc)
+            note_error(f"a ps shard failed, recovering: {type(exc).__name__}: {exc}")
             ctx.recovering = True
         delay = 0.05
         fenced_since = time.monotonic()

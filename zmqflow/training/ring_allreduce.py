@@ -19,6 +19,7 @@ from ..client import checkpoint as _ckpt
 from ..client.elastic_ring import ElasticRing, Formation
 from ..cluster import TaskId
 from ..errors import ClusterNotReady, DeadlineExceeded, Unavailable
+from ..observe.progress import note_error
 from .strategy import LocalParams, Strategy
 
 __all__ = ["RingAllReduceStrategy"]
@@ -156,6 +157,7 @@ class RingAllReduceStrategy(Strategy):
         ctx = self.ctx
         log.warning("%s: ring generation %d failed (%s); re-forming with the live members", ctx.task_name,
                     self.generation, exc)
+        note_error(f"ring generation {self.generation} failed, re-forming: {type(exc).__name__}: {exc}")
         ctx.recovering = True
         try:
             self._reform("recovered")

@@ -8,6 +8,7 @@ import time
 from typing import Any, Protocol
 
 from ...cluster import ClusterSpec, TaskId
+from ...observe import progress
 from ...version import __version__
 from ...rpc import CallContext, Counters, RpcClient, Service, op
 from ...wire import VERSION
@@ -35,6 +36,8 @@ class TaskRuntime(Protocol):
     def service_names(self) -> list[str]: ...
 
     def service_states(self) -> dict[str, str]: ...
+
+    def progress_step(self) -> int | None: ...
 
 
 class MasterService(Service):
@@ -64,7 +67,16 @@ class MasterService(Service):
             "version": __version__,
             "protocol": VERSION,
             "counters": rt.counters.as_dict(),
+            "progress": self.progress(),
         }
+
+    def progress(self) -> dict[str, Any]:
+        """This process's training progress; a task that trains nothing itself (a served ps)
+        shows the step its shard holds, if any."""
+        out = progress.snapshot()
+        if "step" not in out and (step := self.runtime.progress_step()) is not None:
+            out["step"] = step
+        return out
 
     @op(Empty)
     def cluster(self, ctx: CallContext, req: Empty) -> dict[str, Any]:

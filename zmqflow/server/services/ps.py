@@ -91,6 +91,14 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
     def global_step(self, ctx: CallContext, req: rq.Empty) -> int:
         return self._step()
 
+    def progress_step(self) -> int | None:
+        """The training step this shard knows: its sync step, else the ``global_step`` variable
+        when it holds it (asynchronous training), else None."""
+        if any(p.sync is not None for p in self.store.parts.values()):
+            return self._step()
+        part = self.store.parts.get(("global_step", 0))
+        return int(part.value.reshape(-1)[0]) if part is not None and part.value.size == 1 else None
+
     def _step(self) -> int:
         steps = [p.sync.step for p in self.store.parts.values() if p.sync is not None]
         return max(steps, default=0)
