@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import checkpoint_files as files
+from . import checkpoint_files as ckfiles
 from .checkpoint_files import FORMAT, checkpoints, field, latest, manifest_name
 from .embedding import create_table_parts
 from ..state.tables import hash_owner
@@ -51,8 +51,8 @@ __all__ = ["save", "restore", "recover", "fenced", "manifest_name", "async_fence
 
 # What a save writes before its manifest (shard files, temporaries): the step is in the name.
 _WRITTEN = re.compile(r"^(?:step(\d{10})-.*\.(?:safetensors|npz)|checkpoint-(\d{10})\.json)(?P<tmp>" + TEMP_SUFFIX + ")?$")
-_MANIFEST = files.MANIFEST
-_complete = files.complete
+_MANIFEST = ckfiles.MANIFEST
+_complete = ckfiles.complete
 
 log = logging.getLogger("zmqflow.checkpoint")
 
@@ -137,14 +137,14 @@ async def _global_step(sess: "AsyncSession") -> int:
         return 0
 
 
-Shard = files.Piece
+Shard = ckfiles.Piece
 
 
 def _load(path: str) -> tuple[dict[str, Any], dict[tuple[str, int], Shard]]:
     """(manifest, {(name, part): (entry, its open file)}), every file's header checked before
     anything changes (a truncated or foreign file is refused here, naming it)."""
-    _, manifest, shards = files.read(path, open_shard_file)
-    return manifest, files.pieces(shards)
+    _, manifest, shards = ckfiles.read(path, open_shard_file)
+    return manifest, ckfiles.pieces(shards)
 
 
 async def async_restore(sess: "AsyncSession", path: str) -> int:
@@ -223,7 +223,7 @@ def _sweep(records: list[dict[str, Any]], task: str) -> rq.Sweep:
 
 
 def _slots(piece: Shard, start: int | None = None, stop: int | None = None) -> dict[str, np.ndarray]:
-    return {k[len("slot."):]: field(piece, k, start, stop) for k in files.fields(piece) if k.startswith("slot.")}
+    return {k[len("slot."):]: field(piece, k, start, stop) for k in ckfiles.fields(piece) if k.startswith("slot.")}
 
 
 def _piece(record: dict[str, Any], pieces: dict, i: int) -> Shard:
@@ -365,6 +365,6 @@ def save_store(store: Any, directory: str, step: int, keep: int = 5) -> str:
 
 def restore_store(path: str) -> tuple[int, dict[str, dict[str, np.ndarray]]]:
     """(step, {name: {"value", "slot.*", "steps"}}) from a replica checkpoint (single-part variables)."""
-    _, manifest, shards = files.read(path, open_shard_file)
-    return int(manifest["step"]), {name: {k: field(piece, k) for k in files.fields(piece)}
-                                   for (name, _), piece in files.pieces(shards).items()}
+    _, manifest, shards = ckfiles.read(path, open_shard_file)
+    return int(manifest["step"]), {name: {k: field(piece, k) for k in ckfiles.fields(piece)}
+                                   for (name, _), piece in ckfiles.pieces(shards).items()}

@@ -4,9 +4,11 @@ the ids it dropped, written by each shard where its checkpoint roots allow.
 A delta is a directory entry of ``delta-<tag>.json`` (written last: the commit marker, as a
 checkpoint's manifest is) naming one safetensors file per table part, each holding ``ids``
 (int64, ascending), ``values`` (their current rows) and ``dropped`` (int64 ids to forget).
-``since`` is inclusive: a row whose last change was at step ``since`` is in the delta, so a
-server that asks for ``since = <the previous delta's step>`` misses nothing (a row at that step
-may arrive twice; applying a delta is idempotent).
+``since`` is inclusive: a row whose last change was at step ``since`` is in the delta. Each
+part keeps its own clock (the latest step its pushes carried), and a part that saw no push for a
+while lags: a row it creates is stamped with its lagging clock. So the manifest's ``next_since``
+is the smallest part clock at export time, and a server that asks next for
+``since = next_since`` misses nothing (some rows arrive twice; applying a delta is idempotent).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ..state.snapshot import write_atomic
 from ..wire.requests import ps as rq
 from .port import SessionPort
 
-__all__ = ["DELTA_FORMAT", "export_delta", "delta_manifests"]
+__all__ = ["DELTA_FORMAT", "export_delta", "delta_manifests", "describe_delta"]
 
 DELTA_FORMAT = "zmqflow-delta/1"
 
@@ -65,9 +67,37 @@ async def export_delta(session: SessionPort, name: str, tasks: tuple[Any, ...], 
     for task, part in zip(tasks, parts):
         part["task"] = str(task)
     manifest = {"format": DELTA_FORMAT, "table": name, "since": since, "step": max(p["step"] for p in parts),
+                "next_since": min(p["step"] for p in parts),
                 "dim": dim, "dtype": dtype, "time": time.time(), "rows": sum(p["rows"] for p in parts),
                 "dropped": sum(p["dropped"] for p in parts), "parts": parts}
     os.makedirs(directory, exist_ok=True)  # the shards made it, unless they write on other hosts
     path = os.path.join(directory, f"delta-{tag}.json")
     write_atomic(path, text=json.dumps(manifest, indent=1))
     return path
+
+
+def describe_delta(path: str) -> dict[str, Any]:
+    """What the delta at ``path`` (its manifest) holds, from the manifest and file headers: the
+    table, ``since``, the step it reaches, rows and dropped ids per part, files and bytes."""
+    from ..errors import NotFound
+    from ..state.tensorfile import TensorFile
+
+    try:
+        with open(path) as fh:
+            manifest = json.load(fh)
+    except FileNotFoundError:
+        raise NotFound(f"no delta at {path!r}") from None
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"cannot read delta manifest {path!r}: {exc}", file=path) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != DELTA_FORMAT:
+        raise InvalidArgument(f"{path!r} is not a delta manifest of format {DELTA_FORMAT}", file=path)
+    directory = os.path.dirname(os.path.abspath(path))
+    parts = []
+    for p in manifest["parts"]:
+        f = TensorFile(os.path.join(directory, p["file"]))  # header checked: a truncated file is named
+        parts.append({"part": p["part"], "task": p.get("task"), "file": p["file"], "bytes": f.size,
+                      "rows": f.shape("ids")[0], "dropped": f.shape("dropped")[0], "step": p.get("step")})
+    return {"path": path, "table": manifest["table"], "since": manifest["since"], "step": manifest["step"],
+            "next_since": manifest.get("next_since"),
+            "dim": manifest.get("dim"), "dtype": manifest.get("dtype"), "rows": sum(p["rows"] for p in parts),
+            "dropped": sum(p["dropped"] for p in parts), "parts": parts, "bytes": sum(p["bytes"] for p in parts)}

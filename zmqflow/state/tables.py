@@ -104,7 +104,7 @@ class HashTable:
 
     def __init__(self, dim: int, dtype: np.dtype, *, initializer: Any = None, optimizer: Any = None,
                  min_frequency: int = 1, capacity: int | None = None, seed_salt: int = 0,
-                 max_pending: int = DEFAULT_MAX_PENDING, drop_log: int = DEFAULT_DROP_LOG):
+                 max_pending: int = DEFAULT_MAX_PENDING, drop_log: int | None = None):
         if dim < 1:
             raise InvalidArgument(f"embedding dim must be >= 1, got {dim}")
         if min_frequency < 1:
@@ -140,7 +140,8 @@ class HashTable:
         self._nfreed = 0
         self.tick = 0
         self.step = 0  # the clock: the latest step pushes carried, or one more per push without one
-        self.drops = DropLog(drop_log)
+        # a quarter of the capacity (at most 4 bytes per row the part may hold), within 64..1M entries
+        self.drops = DropLog(max(64, min(DEFAULT_DROP_LOG, self.capacity // 4)) if drop_log is None else drop_log)
         self.dropped_pushes = 0
         self.evicted = 0
 

@@ -91,7 +91,7 @@ def write_tensors(fh: IO[bytes], tensors: Mapping[str, np.ndarray], metadata: Ma
     fh.write(raw)
     for arr in arrays:
         if arr.nbytes:
-            fh.write(memoryview(arr.reshape(-1)).cast("B"))
+            fh.write(memoryview(arr.reshape(-1).view(np.uint8)))  # bytes: a buffer of any dtype (bfloat16 too)
     return 8 + len(raw) + offset
 
 
