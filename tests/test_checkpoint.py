@@ -112,7 +112,7 @@ def test_keep_the_last_n(tmp_path):
                 checkpoint.save(sess, str(tmp_path), step=step, keep=2)
             found = checkpoint.checkpoints(str(tmp_path))
             assert [os.path.basename(p) for p in found] == ["checkpoint-0000000003.json", "checkpoint-0000000004.json"]
-            assert len([f for f in os.listdir(tmp_path) if f.endswith(".npz")]) == 2
+            assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) == 2
             assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
     finally:
         for s in [worker, *servers]:
@@ -307,7 +307,7 @@ def test_two_writers_saving_one_step_in_one_millisecond_never_share_a_file(tmp_p
     def between_shards_and_manifest(where: str) -> None:  # both writers' shard files are on disk here
         if where == "before-manifest":
             both_written.wait()
-            shard_files.append(len([f for f in os.listdir(tmp_path) if f.endswith(".npz")]))
+            shard_files.append(len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]))
             both_written.wait()
 
     monkeypatch.setattr(checkpoint, "crash_point", between_shards_and_manifest)
@@ -323,15 +323,15 @@ def test_restoring_a_directorys_latest_while_a_writer_prunes_it_reads_the_newest
     """A chief restoring while another still saves (keep=1): the checkpoint it chose is pruned
     between reading the manifest and its files; it chooses the newest again."""
     checkpoint.save_store(_replica("w", 1.0), str(tmp_path), 1, keep=1)
-    read = checkpoint.read_arrays
+    read = checkpoint.open_shard_file
     pruned: list[str] = []
 
-    def read_after_a_prune(path: str) -> dict:
+    def read_after_a_prune(path: str):
         if not pruned:
             pruned.append(checkpoint.save_store(_replica("w", 2.0), str(tmp_path), 2, keep=1))
             assert [os.path.basename(p) for p in checkpoint.checkpoints(str(tmp_path))] == ["checkpoint-0000000002.json"]
         return read(path)
 
-    monkeypatch.setattr(checkpoint, "read_arrays", read_after_a_prune)
+    monkeypatch.setattr(checkpoint, "open_shard_file", read_after_a_prune)
     step, saved = checkpoint.restore_store(str(tmp_path))
     assert pruned and step == 2 and saved["w"]["value"].tolist() == [2.0] * 3

@@ -94,12 +94,12 @@ def test_a_save_outside_the_roots_is_refused_and_creates_nothing(confined, tmp_p
         with pytest.raises(errors.PermissionDenied, match="outside this task's checkpoint roots"):
             checkpoint.save(sess, str(directory), step=1)
         with pytest.raises(errors.PermissionDenied):  # the raw request, as any peer could send it
-            sess.call("ps", "save", {"directory": str(directory), "file": "x.npz"}, task="ps:0")
+            sess.call("ps", "save", {"directory": str(directory), "file": "x.safetensors"}, task="ps:0")
         assert tree(tmp_path) == before, directory
     path = checkpoint.save(sess, str(root / "run" / "1"), step=1)  # inside: as ever
     assert checkpoint.latest(str(root / "run" / "1")) == path
-    reply = sess.call("ps", "save", {"directory": str(root / "raw"), "file": "x.npz"}, task="ps:0")
-    assert reply["file"] == "x.npz" and (root / "raw" / "x.npz").is_file()
+    reply = sess.call("ps", "save", {"directory": str(root / "raw"), "file": "x.safetensors"}, task="ps:0")
+    assert reply["file"] == "x.safetensors" and (root / "raw" / "x.safetensors").is_file()
     assert tree(outside) == []
 
 
@@ -123,12 +123,12 @@ def test_serve_without_a_root_refuses_with_the_hint_and_with_one_saves(procs, tm
     rooted.wait_for_line("serving ps:1", 30)
     with zf.Server(spec, "worker:0") as worker, zf.Session(worker.target) as sess:
         with pytest.raises(errors.PermissionDenied, match="--checkpoint-root DIR"):
-            sess.call("ps", "save", {"directory": str(tmp_path / "ckpt"), "file": "x.npz"}, task="ps:0")
+            sess.call("ps", "save", {"directory": str(tmp_path / "ckpt"), "file": "x.safetensors"}, task="ps:0")
         assert not (tmp_path / "ckpt").exists()
-        sess.call("ps", "save", {"directory": str(tmp_path / "ckpt" / "a"), "file": "x.npz"}, task="ps:1")
-        assert (tmp_path / "ckpt" / "a" / "x.npz").is_file()
+        sess.call("ps", "save", {"directory": str(tmp_path / "ckpt" / "a"), "file": "x.safetensors"}, task="ps:1")
+        assert (tmp_path / "ckpt" / "a" / "x.safetensors").is_file()
         with pytest.raises(errors.PermissionDenied, match="outside"):
-            sess.call("ps", "save", {"directory": str(tmp_path / "other"), "file": "x.npz"}, task="ps:1")
+            sess.call("ps", "save", {"directory": str(tmp_path / "other"), "file": "x.safetensors"}, task="ps:1")
     assert not (tmp_path / "other").exists()
 
 

@@ -6,6 +6,7 @@ import click
 
 from ..version import __version__
 from .bench import bench
+from .checkpoint import checkpoint
 from .demo import demo
 from .keys import keys
 from .launch import launch
@@ -27,3 +28,4 @@ main.add_command(status)
 main.add_command(bench)
 main.add_command(demo)
 main.add_command(keys)
+main.add_command(checkpoint)

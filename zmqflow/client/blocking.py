@@ -177,8 +177,12 @@ class Embedding:
         return self._session.run_on_loop(self.handle.lookup_sparse(ids, segment_ids, weights, combiner, num_segments,
                                                                    timeout=timeout), timeout)
 
-    def push(self, ids: Any, grads: Any, *, timeout: float | None = None) -> int:
-        return self._session.run_on_loop(self.handle.push(ids, grads, timeout=timeout), timeout)
+    def push(self, ids: Any, grads: Any, *, step: int | None = None, timeout: float | None = None) -> int:
+        return self._session.run_on_loop(self.handle.push(ids, grads, step=step, timeout=timeout), timeout)
+
+    def export_delta(self, since_step: int, directory: str, *, timeout: float | None = None) -> str:
+        """Rows changed at steps >= ``since_step`` and ids dropped since, as files; the manifest's path."""
+        return self._session.run_on_loop(self.handle.export_delta(since_step, directory, timeout=timeout), timeout)
 
     def stats(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
         return self._session.run_on_loop(self.handle.stats(timeout=timeout), timeout)

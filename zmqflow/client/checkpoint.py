@@ -4,11 +4,14 @@
 sync steps, dynamic-table rows), then writes a JSON manifest last: the manifest is the commit
 marker, so a checkpoint exists only once every shard file it names is complete. Each file goes to
 a temporary name, is fsynced and renamed; a crash at any moment leaves the previous checkpoint
-intact. Nothing is pickled: arrays are ``.npz`` read back with ``allow_pickle=False``.
+intact. Shard files are safetensors (:mod:`zmqflow.state.snapshot`): nothing is pickled, and any
+safetensors reader opens them.
 
-``restore`` reads the files (the checkpoint directory is shared, as TF's is) and puts every
-variable and table back on the shards of the current cluster, which may have a different number
-of ps tasks: parts keep their row ranges and are placed anew; dynamic-table rows are re-hashed.
+``restore`` opens the files (the checkpoint directory is shared, as TF's is; every header is
+checked first) and puts every variable and table back on the shards of the current cluster, which
+may have a different number of ps tasks: parts keep their row ranges and are placed anew;
+dynamic-table rows are re-hashed. Data is read through the files' memory mappings a part at a
+time, so a restore does not hold a second copy of the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -24,11 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import checkpoint_files as ckfiles
+from .checkpoint_files import FORMAT, checkpoints, field, latest, manifest_name
 from .embedding import create_table_parts
 from ..state.tables import hash_owner
 from ..errors import InvalidArgument, NotFound, Recovering
 from ..state.partition import fixed_size_partitioner
-from ..state.snapshot import TEMP_SUFFIX, abandoned_temporary, crash_point, fsync_dir, read_arrays, write_atomic
+from ..state.snapshot import (FILE_FORMAT, TEMP_SUFFIX, abandoned_temporary, crash_point, fsync_dir, open_shard_file,
+                              part_prefix, write_atomic)
 from ..state.store import part_label
 from ..cluster import TaskId, holder_tasks, shard_tasks
 from .placement import device
@@ -43,47 +49,12 @@ if TYPE_CHECKING:
 __all__ = ["save", "restore", "recover", "fenced", "manifest_name", "async_fenced", "latest", "checkpoints", "async_save", "async_restore", "async_recover",
            "save_store", "restore_store"]
 
-FORMAT = 1
-_MANIFEST = re.compile(r"^checkpoint-(\d+)\.json$")
 # What a save writes before its manifest (shard files, temporaries): the step is in the name.
-_WRITTEN = re.compile(r"^(?:step(\d{10})-.*\.npz|checkpoint-(\d{10})\.json)(?P<tmp>" + TEMP_SUFFIX + ")?$")
+_WRITTEN = re.compile(r"^(?:step(\d{10})-.*\.(?:safetensors|npz)|checkpoint-(\d{10})\.json)(?P<tmp>" + TEMP_SUFFIX + ")?$")
+_MANIFEST = ckfiles.MANIFEST
+_complete = ckfiles.complete
 
 log = logging.getLogger("zmqflow.checkpoint")
-
-
-def manifest_name(step: int) -> str:
-    return f"checkpoint-{step:010d}.json"
-
-
-def checkpoints(directory: str) -> list[str]:
-    """Manifests in ``directory`` whose shard files all exist, oldest first."""
-    return [path for path, _ in _complete(directory)]
-
-
-def _complete(directory: str) -> list[tuple[str, set[str]]]:
-    """(manifest, the shard files it names) for every complete checkpoint, oldest first; each
-    manifest read once."""
-    try:
-        names = sorted(n for n in os.listdir(directory) if _MANIFEST.match(n))
-    except FileNotFoundError:
-        return []
-    out = []
-    for name in names:
-        path = os.path.join(directory, name)
-        try:
-            with open(path) as fh:
-                files = {s["file"] for s in json.load(fh).get("shards", [])}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            continue  # half-written, or removed meanwhile by another process pruning
-        if all(os.path.exists(os.path.join(directory, f)) for f in files):
-            out.append((path, files))
-    return out
-
-
-def latest(directory: str) -> str | None:
-    """The newest complete checkpoint's manifest, or None."""
-    found = checkpoints(directory)
-    return found[-1] if found else None
 
 
 def _file_tag(step: int) -> str:
@@ -103,7 +74,7 @@ async def async_save(sess: "AsyncSession", directory: str, *, step: int | None =
     tag = _file_tag(step)
     tasks = holder_tasks(spec, records)  # the ps tasks and any other task a variable is pinned to
     shards = await asyncio.gather(*(
-        sess.call_task(t, "ps", "save", rq.Save(directory=os.path.abspath(directory), file=f"{tag}-{t.job}{t.index}.npz"))
+        sess.call_task(t, "ps", "save", rq.Save(directory=os.path.abspath(directory), file=f"{tag}-{t.job}{t.index}.safetensors"))
         for t in tasks
     ))
     for task, shard in zip(tasks, shards):
@@ -166,59 +137,14 @@ async def _global_step(sess: "AsyncSession") -> int:
         return 0
 
 
-def _open_manifest(path: str) -> tuple[str, str, dict[str, Any]]:
-    """(manifest path, its directory, its contents) for a manifest or a directory's latest."""
-    if os.path.isdir(path):
-        found = latest(path)
-        if found is None:
-            raise NotFound(f"no complete checkpoint in {path!r}")
-        path = found
-    try:
-        with open(path) as fh:
-            return path, os.path.dirname(os.path.abspath(path)), json.load(fh)
-    except FileNotFoundError:
-        raise NotFound(f"no checkpoint at {path!r}") from None
-    except (OSError, ValueError) as exc:
-        raise InvalidArgument(f"cannot read checkpoint manifest {path!r}: {exc}") from None
-
-
-Shard = tuple[dict[str, Any], dict[str, np.ndarray]]
-_READ_TRIES = 3
-
-
-def _read(path: str) -> tuple[str, dict[str, Any], list[Shard]]:
-    """(manifest path, manifest, [(shard entry, its arrays)]) of the checkpoint at ``path`` (a
-    manifest, or a directory: its newest), every file read before anything changes. A writer
-    saving into the directory meanwhile prunes all but its newest few checkpoints, possibly the
-    one chosen here: then the newest is chosen again (a named manifest is never chosen again)."""
-    for attempt in range(_READ_TRIES):
-        try:
-            chosen, directory, manifest = _open_manifest(path)
-            shards = [(shard, read_arrays(os.path.join(directory, shard["file"]))) for shard in manifest["shards"]]
-            return chosen, manifest, shards
-        except (NotFound, InvalidArgument):
-            if not os.path.isdir(path) or attempt == _READ_TRIES - 1:
-                raise
-    raise AssertionError("unreachable")
-
-
-def _entries(shards: list[Shard]) -> dict[tuple[str, int], Shard]:
-    """{(name, part): (entry, its arrays without the entry's key prefix)}."""
-    out: dict[tuple[str, int], Shard] = {}
-    for shard, arrays in shards:
-        for entry in shard["entries"]:
-            prefix = entry["key"] + "."
-            out[(entry["name"], entry["part"])] = (entry, {k[len(prefix):]: v for k, v in arrays.items()
-                                                           if k.startswith(prefix)})
-    return out
+Shard = ckfiles.Piece
 
 
 def _load(path: str) -> tuple[dict[str, Any], dict[tuple[str, int], Shard]]:
-    """(manifest, {(name, part): (entry, arrays)}), every file read and checked before anything changes."""
-    chosen, manifest, shards = _read(path)
-    if manifest.get("format") != FORMAT:
-        raise InvalidArgument(f"checkpoint {chosen!r} has format {manifest.get('format')!r}; this version reads {FORMAT}")
-    return manifest, _entries(shards)
+    """(manifest, {(name, part): (entry, its open file)}), every file's header checked before
+    anything changes (a truncated or foreign file is refused here, naming it)."""
+    _, manifest, shards = ckfiles.read(path, open_shard_file)
+    return manifest, ckfiles.pieces(shards)
 
 
 async def async_restore(sess: "AsyncSession", path: str) -> int:
@@ -296,12 +222,19 @@ def _sweep(records: list[dict[str, Any]], task: str) -> rq.Sweep:
     return rq.Sweep(keep=[rq.Pair(name, i) for name, i in _placed(records, task)])
 
 
-def _slots(saved: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {k[len("slot."):]: v for k, v in saved.items() if k.startswith("slot.")}
+def _slots(piece: Shard, start: int | None = None, stop: int | None = None) -> dict[str, np.ndarray]:
+    return {k[len("slot."):]: field(piece, k, start, stop) for k in ckfiles.fields(piece) if k.startswith("slot.")}
 
 
-def _assemble(record: dict[str, Any], pieces: dict, field: str) -> np.ndarray | None:
-    arrays = [pieces[(record["name"], i)][1].get(field) for i in range(len(record["parts"]))]
+def _piece(record: dict[str, Any], pieces: dict, i: int) -> Shard:
+    try:
+        return pieces[(record["name"], i)]
+    except KeyError:
+        raise InvalidArgument(f"checkpoint has no part {i} of {record['name']!r}") from None
+
+
+def _assemble(record: dict[str, Any], pieces: dict) -> np.ndarray | None:
+    arrays = [field(_piece(record, pieces, i), "value") for i in range(len(record["parts"]))]
     if any(a is None for a in arrays):
         return None
     return arrays[0] if not record["shape"] else np.concatenate(arrays)
@@ -309,7 +242,7 @@ def _assemble(record: dict[str, Any], pieces: dict, field: str) -> np.ndarray | 
 
 async def _restore_variable(sess: "AsyncSession", record: dict[str, Any], pieces: dict) -> None:
     name = record["name"]
-    value = _assemble(record, pieces, "value")
+    value = _assemble(record, pieces)
     if value is None:
         raise InvalidArgument(f"checkpoint has no value for every part of {name!r}")
     # Parts are (re)created wherever the catalog places them: a shard that restarted empty gets
@@ -318,10 +251,16 @@ async def _restore_variable(sess: "AsyncSession", record: dict[str, Any], pieces
     with device(_pinned(await sess.cluster(), record)):
         tasks = await _declare_again(sess, record, value)
     calls = []
+    start = 0
     for i, task in enumerate(tasks):
-        _, saved = pieces[(name, i)]
-        body = rq.RestorePart(name=name, part=i, value=saved["value"], slots=_slots(saved), steps=saved.get("steps"),
-                              sync_step=int(saved["sync_step"]) if "sync_step" in saved else None)
+        piece = _piece(record, pieces, i)
+        rows = piece[0].get("rows") or [0, 0]
+        # a part's value is a view of the assembled one: no second copy of the variable
+        part_value = value[start: start + rows[1] - rows[0]] if record["shape"] else value
+        start += rows[1] - rows[0]
+        sync = field(piece, "sync_step")
+        body = rq.RestorePart(name=name, part=i, value=np.require(part_value, requirements="C"), slots=_slots(piece),
+                              steps=field(piece, "steps"), sync_step=None if sync is None else int(sync))
         calls.append(sess.call_task(task, "ps", "restore_part", body))
     await asyncio.gather(*calls)
 
@@ -355,25 +294,27 @@ async def _declare_again(sess: "AsyncSession", record: dict[str, Any], value: np
 async def _restore_table(sess: "AsyncSession", record: dict[str, Any], pieces: dict) -> None:
     t = record["table"]
     n_old = len(record["parts"])
-    saved = [pieces[(record["name"], i)][1] for i in range(n_old)]
+    saved = [_piece(record, pieces, i) for i in range(n_old)]
     with device(_pinned(await sess.cluster(), record)):
         emb = await sess.embedding(record["name"], None, t["dim"], dtype=record["dtype"],
                                    initializer=record.get("initializer"), optimizer=record.get("optimizer"),
                                    min_frequency=t["min_frequency"], capacity=t["capacity"])
     await create_table_parts(sess, emb.info, record)
-    ids = np.concatenate([s["ids"] for s in saved])
-    values = np.concatenate([s["value"] for s in saved])
-    steps = np.concatenate([s["steps"] for s in saved])
-    slots = {k: np.concatenate([_slots(s)[k] for s in saved]) for k in _slots(saved[0])}
-    owner = hash_owner(ids, emb.info.parts)
-    calls = []
-    for p, task in enumerate(emb.info.tasks):
-        m = owner == p
-        calls.append(sess.call_task(task, "ps", "emb_restore", rq.EmbRestore(
-            name=record["name"], part=p, ids=ids[m], values=values[m], slots={k: v[m] for k, v in slots.items()},
-            steps=steps[m],
-        )))
-    await asyncio.gather(*calls)
+    clock = max(int(entry.get("clock", 0)) for entry, _ in saved)
+    for piece in saved:  # one saved part in memory at a time, its rows re-hashed over today's parts
+        ids = field(piece, "ids")
+        values, steps, changed = field(piece, "value"), field(piece, "steps"), field(piece, "changed")
+        slots = _slots(piece)
+        owner = hash_owner(ids, emb.info.parts)
+        calls = []
+        for p, task in enumerate(emb.info.tasks):
+            m = owner == p
+            calls.append(sess.call_task(task, "ps", "emb_restore", rq.EmbRestore(
+                name=record["name"], part=p, ids=ids[m], values=values[m], slots={k: v[m] for k, v in slots.items()},
+                steps=None if steps is None else steps[m], changed=None if changed is None else changed[m],
+                clock=clock,
+            )))
+        await asyncio.gather(*calls)
 
 
 def save(sess: "Session", directory: str, *, step: int | None = None, keep: int = 5) -> str:
@@ -404,13 +345,15 @@ def save_store(store: Any, directory: str, step: int, keep: int = 5) -> str:
     arrays: dict[str, np.ndarray] = {}
     entries = []
     records = []
-    for i, ((name, part), p) in enumerate(sorted(store.parts.items())):
-        arrays.update(part_arrays(p, f"p{i}"))
-        entries.append({"kind": "part", "name": name, "part": part, "key": f"p{i}", "rows": list(p.rows)})
+    for (name, part), p in sorted(store.parts.items()):
+        key = part_prefix(p, name, part)
+        arrays.update(part_arrays(p, key))
+        entries.append({"kind": "part", "name": name, "part": part, "key": key, "rows": list(p.rows),
+                        "shape": list(p.full_shape), "dtype": p.dtype.name, "slots": list(p.slots)})
         records.append({"name": name, "shape": list(p.full_shape), "dtype": str(p.dtype), "parts": [{"task": "local", "rows": list(p.rows)}],
                         "optimizer": None if p.optimizer is None else p.optimizer.spec(), "table": None})
-    file = f"{_file_tag(step)}-replica.npz"
-    write_atomic(os.path.join(directory, file), arrays)
+    file = f"{_file_tag(step)}-replica.safetensors"
+    write_atomic(os.path.join(directory, file), arrays, metadata={"format": FILE_FORMAT, "entries": json.dumps(entries)})
     crash_point("before-manifest")
     manifest = {"format": FORMAT, "step": int(step), "time": time.time(), "records": records,
                 "shards": [{"task": "local", "file": file, "entries": entries}]}
@@ -422,5 +365,6 @@ def save_store(store: Any, directory: str, step: int, keep: int = 5) -> str:
 
 def restore_store(path: str) -> tuple[int, dict[str, dict[str, np.ndarray]]]:
     """(step, {name: {"value", "slot.*", "steps"}}) from a replica checkpoint (single-part variables)."""
-    _, manifest, shards = _read(path)
-    return int(manifest["step"]), {name: arrays for (name, _), (_, arrays) in _entries(shards).items()}
+    _, manifest, shards = ckfiles.read(path, open_shard_file)
+    return int(manifest["step"]), {name: {k: field(piece, k) for k in ckfiles.fields(piece)}
+                                   for (name, _), piece in ckfiles.pieces(shards).items()}

@@ -19,6 +19,7 @@ from ..state import init as _init
 from ..state import optim as _optim
 from ..cluster import TaskId, shard_tasks
 from ..errors import InvalidArgument
+from .embedding_delta import export_delta
 from .port import SessionPort
 from .placement import current_device, current_policy
 from ..state.tables import hash_owner, static_owner, static_part_rows
@@ -168,7 +169,7 @@ class AsyncEmbedding:
         return flat
 
     async def _per_part(self, uniq: np.ndarray, op: str, create: bool = True, rows: np.ndarray | None = None,
-                        timeout: float | None = None) -> list[tuple[np.ndarray, Any]]:
+                        timeout: float | None = None, step: int | None = None) -> list[tuple[np.ndarray, Any]]:
         """``emb_lookup`` (``rows`` None) or ``emb_push`` of ``rows`` to each part owning some ids."""
         part, local = self.info.owners(uniq)
         masks = [(p, part == p) for p in np.unique(part).tolist()]
@@ -176,7 +177,8 @@ class AsyncEmbedding:
         for p, mask in masks:
             ids = np.require(local[mask], requirements="C")
             body: Request = (rq.EmbLookup(name=self.name, part=p, ids=ids, create=create) if rows is None else
-                                rq.EmbPush(name=self.name, part=p, ids=ids, grads=np.require(rows[mask], requirements="C")))
+                                rq.EmbPush(name=self.name, part=p, ids=ids, grads=np.require(rows[mask], requirements="C"),
+                                           step=step))
             calls.append(self._session.call_task(self.info.tasks[p], "ps", op, body, timeout=timeout))
         results = await asyncio.gather(*calls)
         return [(mask, r) for (_, mask), r in zip(masks, results)]
@@ -218,9 +220,11 @@ class AsyncEmbedding:
             summed = np.divide(summed, norm[:, None], out=np.zeros_like(summed), where=norm[:, None] != 0)
         return summed.astype(self.info.dtype)
 
-    async def push(self, ids: Any, grads: Any, *, timeout: float | None = None) -> int:
+    async def push(self, ids: Any, grads: Any, *, step: int | None = None, timeout: float | None = None) -> int:
         """Sparse gradients: duplicates summed here, each shard gets its unique ids only. Returns
-        how many rows were updated (rows a dynamic table has not admitted are dropped and counted)."""
+        how many rows were updated (rows a dynamic table has not admitted are dropped and counted).
+        ``step`` (the training's global step) is what a dynamic table records as the rows' change
+        step, for :meth:`export_delta`; without it each part counts its pushes."""
         flat = self._ids(ids, "push")
         g = np.asarray(grads)
         if g.dtype != self.info.dtype:
@@ -230,7 +234,20 @@ class AsyncEmbedding:
         if flat.size == 0:
             return 0
         uniq, summed = unique_sum(flat, g.reshape(-1, self.dim))
-        return sum(int(r) for _, r in await self._per_part(uniq, "emb_push", rows=summed, timeout=timeout))
+        if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0):
+            raise InvalidArgument(f"push of {self.name!r}: step must be an integer >= 0, got {step!r}")
+        return sum(int(r) for _, r in await self._per_part(uniq, "emb_push", rows=summed, timeout=timeout,
+                                                           step=None if step is None else int(step)))
+
+    async def export_delta(self, since_step: int, directory: str, *, timeout: float | None = None) -> str:
+        """Write the rows of this dynamic table changed at steps >= ``since_step`` (ids, current
+        values) and the ids dropped since, one safetensors file per part, then a manifest;
+        returns the manifest's path. ``directory`` must lie in the shards' checkpoint roots."""
+        if self.info.num_embeddings is not None:
+            raise InvalidArgument(f"export_delta of {self.name!r}: a static table does not track changed rows; "
+                                  f"use export()")
+        return await export_delta(self._session, self.name, self.info.tasks, since_step, directory, dim=self.dim,
+                                  dtype=dtype_name(self.info.dtype), timeout=timeout)
 
     async def stats(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(

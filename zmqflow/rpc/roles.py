@@ -34,7 +34,7 @@ CLIENT_OPS: Mapping[str, frozenset[str]] = {
     "ring": _READ_STATUS,
 }
 # Task-only, by decision (for the record; anything unlisted above is task-only anyway):
-# ps.fence, ps.unfence, ps.sweep, ps.restore_part, ps.emb_restore, ps.emb_evict, ps.save,
+# ps.fence, ps.unfence, ps.sweep, ps.restore_part, ps.emb_restore, ps.emb_evict, ps.save, ps.emb_export_delta,
 # ring.join, ring.deposit, ring.abort, ring.leave.
 
 

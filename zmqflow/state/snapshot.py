@@ -1,9 +1,19 @@
 """What a shard writes into a checkpoint, and how it is written: sans-IO but for the file.
 
-A shard's checkpoint file is one ``.npz`` (numpy's zip of ``.npy`` arrays, read back with
-``allow_pickle=False``: nothing in a checkpoint can execute code). Files are written to a
-temporary name in the same directory, flushed and fsynced, then renamed over the final name, and
-the directory is fsynced: a crash at any moment leaves either the old file or the new one.
+A shard's checkpoint file is one safetensors file (:mod:`zmqflow.state.tensorfile`: readable by
+any safetensors reader, memory-mapped on restore; nothing in it can execute code). Tensors are
+named for people and other tools: a variable held whole is ``name``, a part of one
+``name/part_3``; its optimizer slots ``name/slot/m``, per-row step counts ``name/steps``, a sync
+step ``name/sync_step``; a dynamic table part ``name/part_0/ids``, ``/values``, ``/slot/m``,
+``/steps`` (optimizer step counts), ``/changed`` (the step each row last changed) and its
+admission state ``/pending_ids``, ``/pending_counts``. The file's ``__metadata__`` holds
+``format`` and ``entries`` (JSON: each part and table, its rows and tensor prefix), so a file
+describes itself without its manifest.
+
+Files are written to a temporary name in the same directory, flushed and fsynced, then renamed
+over the final name, and the directory is fsynced: a crash at any moment leaves either the old
+file or the new one. Checkpoints of format 1 (one ``.npz`` per shard, keys ``p0.value``) are
+still read (:class:`NpzFile`, ``allow_pickle=False``).
 """
 
 from __future__ import annotations
@@ -13,15 +23,19 @@ import re
 import socket
 import threading
 import time
+import zipfile
 
 import numpy as np
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, NotFound
 from .tables import HashTable
+from .tensorfile import TensorFile, write_tensors
 from .store import Part
 
 __all__ = ["part_arrays", "table_arrays", "write_atomic", "read_arrays", "fsync_dir", "crash_point", "TEMP_SUFFIX",
-           "abandoned_temporary"]
+           "abandoned_temporary", "part_prefix", "table_prefix", "tensor_name", "NpzFile", "open_shard_file", "FILE_FORMAT", "entry_tensor"]
+
+FILE_FORMAT = "zmqflow-checkpoint/2"
 
 # ``<final name>.tmp-<host>-<pid>-<thread>``: who writes a temporary, so that a pruner can tell a
 # writer still at work (another thread or process saving beside it) from one that died.
@@ -48,23 +62,44 @@ def crash_point(where: str) -> None:
         os._exit(137)
 
 
+def part_prefix(p: Part, name: str, part: int) -> str:
+    """``name`` for a variable held whole, ``name/part_N`` for a part of one."""
+    whole = not p.full_shape or tuple(p.rows) == (0, p.full_shape[0])
+    return name if whole and part == 0 else f"{name}/part_{part}"
+
+
+def table_prefix(name: str, part: int) -> str:
+    return f"{name}/part_{part}"
+
+
+def tensor_name(prefix: str, field: str, kind: str = "part") -> str:
+    """The tensor holding ``field`` (``value``, ``slot.m``, ``steps``, ...) of an entry."""
+    if field == "value":
+        return prefix if kind == "part" else f"{prefix}/values"
+    return f"{prefix}/{field.replace('.', '/')}"
+
+
 def part_arrays(p: Part, key: str) -> dict[str, np.ndarray]:
-    out = {f"{key}.value": p.value}
+    out = {tensor_name(key, "value"): p.value}
     for name, slot in p.slots.items():
-        out[f"{key}.slot.{name}"] = slot
+        out[tensor_name(key, f"slot.{name}")] = slot
     if p.steps is not None:
-        out[f"{key}.steps"] = p.steps
+        out[tensor_name(key, "steps")] = p.steps
     if p.sync is not None:
-        out[f"{key}.sync_step"] = np.array(p.sync.step, np.int64)
+        out[tensor_name(key, "sync_step")] = np.array(p.sync.step, np.int64)
     return out
 
 
 def table_arrays(t: HashTable, key: str) -> dict[str, np.ndarray]:
     live = t.live_slots()
     live = live[np.argsort(t.ids[live], kind="stable")]
-    out = {f"{key}.ids": t.ids[live], f"{key}.value": t.values[live], f"{key}.steps": t.steps[live]}
+    out = {tensor_name(key, f, "table"): a for f, a in (
+        ("ids", t.ids[live]), ("value", t.values[live]), ("steps", t.steps[live]), ("changed", t.updated_step[live]))}
     for name, slot in t.slots.items():
-        out[f"{key}.slot.{name}"] = slot[live]
+        out[tensor_name(key, f"slot.{name}", "table")] = slot[live]
+    pending_ids, pending_counts = t.sightings.items()
+    out[tensor_name(key, "pending_ids", "table")] = pending_ids
+    out[tensor_name(key, "pending_counts", "table")] = pending_counts
     return out
 
 
@@ -81,15 +116,17 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str, arrays: dict[str, np.ndarray] | None = None, text: str | None = None) -> None:
-    """Write ``arrays`` (as npz) or ``text`` to ``path`` so that a crash leaves the old or the new file."""
+def write_atomic(path: str, arrays: dict[str, np.ndarray] | None = None, text: str | None = None,
+                 metadata: dict[str, str] | None = None) -> None:
+    """Write ``arrays`` (as safetensors, with ``metadata``) or ``text`` to ``path`` so that a
+    crash leaves the old or the new file."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.tmp-{_HOST}-{os.getpid()}-{threading.get_ident()}"  # two writers (threads too) never share one
     # never through a link planted at the temporary's name: the file is ours, created here
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o666)
     with os.fdopen(fd, "wb") as fh:
         if arrays is not None:
-            np.savez(fh, **arrays)
+            write_tensors(fh, arrays, metadata)
         else:
             fh.write((text or "").encode())
         fh.flush()
@@ -100,11 +137,49 @@ def write_atomic(path: str, arrays: dict[str, np.ndarray] | None = None, text: s
 
 
 def read_arrays(path: str) -> dict[str, np.ndarray]:
+    """Every array of a format-1 ``.npz`` file."""
     try:
         with np.load(path, allow_pickle=False) as data:
             return {k: data[k] for k in data.files}
-    except (OSError, ValueError) as exc:
-        raise InvalidArgument(f"cannot read checkpoint file {path!r}: {exc}") from None
+    except FileNotFoundError:
+        raise NotFound(f"checkpoint file {path!r} does not exist", file=path) from None
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise InvalidArgument(f"cannot read checkpoint file {path!r}: {exc}", file=path) from None
+
+
+class NpzFile:
+    """A format-1 shard file seen as a :class:`TensorFile` (keys ``p0.value``, ``t1.slot.m``),
+    so restore and inspect read old checkpoints too. Read whole: npz cannot be mapped."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.size = os.path.getsize(path) if os.path.exists(path) else 0
+        self.arrays = read_arrays(path)
+        self.metadata: dict[str, str] = {"format": "zmqflow-checkpoint/1 (npz)"}
+
+    def keys(self) -> list[str]:
+        return sorted(self.arrays)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.arrays
+
+    def dtype(self, name: str) -> str:
+        return self.arrays[name].dtype.name
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.arrays[name].shape)
+
+    def nbytes(self, name: str) -> int:
+        return int(self.arrays[name].nbytes)
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
+        arr = self.arrays[name]
+        return arr if start is None and stop is None else arr[start:stop]
+
+
+def open_shard_file(path: str) -> "TensorFile | NpzFile":
+    """A shard file of either format, its header checked (a truncated file fails here)."""
+    return NpzFile(path) if path.endswith(".npz") else TensorFile(path)
 
 
 _HOST = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
@@ -131,3 +206,10 @@ def abandoned_temporary(path: str) -> bool:
     except PermissionError:
         return False  # alive, someone else's
     return False
+
+
+def entry_tensor(f: "TensorFile | NpzFile", entry: dict, field: str) -> str:
+    """The tensor of ``f`` holding ``field`` of a manifest ``entry`` (either format's names)."""
+    if isinstance(f, NpzFile):
+        return f"{entry['key']}.{field}"
+    return tensor_name(entry["key"], field, entry["kind"])

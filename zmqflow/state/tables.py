@@ -11,6 +11,13 @@ sighted longest ago are forgotten, so a stream of ids seen once cannot grow the 
 Both the rows and the pending ids are found through numpy open-addressing indexes
 (:mod:`zmqflow.state.hash_index`): a batch of ids is resolved in a few vectorised probing rounds,
 at a few bytes per id, where a dict would take a Python loop and about 100 bytes per id.
+
+A dynamic part keeps a clock (``HashTable.step``): a push that carries the pusher's step moves
+it to that step (never back), a push without one advances it by one. Each row remembers the
+clock when it last changed (created, pushed, restored: ``updated_step``, the int64 every row
+already had for eviction by age, so change tracking costs no byte more per row), and dropped ids
+go to a bounded log (:mod:`zmqflow.state.droplog`): :meth:`HashTable.delta` answers "which rows
+changed, and which went, at steps >= N" for online serving.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from . import init as _init
 from . import optim as _optim
 from . import pages
 from .admission import Sightings
+from .droplog import DEFAULT_DROP_LOG, DropLog
 from .hash_index import HashIndex
 from ..errors import InvalidArgument
 from .limits import DEFAULT_STATE_LIMITS
@@ -96,7 +104,7 @@ class HashTable:
 
     def __init__(self, dim: int, dtype: np.dtype, *, initializer: Any = None, optimizer: Any = None,
                  min_frequency: int = 1, capacity: int | None = None, seed_salt: int = 0,
-                 max_pending: int = DEFAULT_MAX_PENDING):
+                 max_pending: int = DEFAULT_MAX_PENDING, drop_log: int | None = None):
         if dim < 1:
             raise InvalidArgument(f"embedding dim must be >= 1, got {dim}")
         if min_frequency < 1:
@@ -131,7 +139,9 @@ class HashTable:
         self._freed = np.zeros(0, np.int64)  # a stack of slots given back, the top at _nfreed - 1
         self._nfreed = 0
         self.tick = 0
-        self.step = 0
+        self.step = 0  # the clock: the latest step pushes carried, or one more per push without one
+        # a quarter of the capacity (at most 4 bytes per row the part may hold), within 64..1M entries
+        self.drops = DropLog(max(64, min(DEFAULT_DROP_LOG, self.capacity // 4)) if drop_log is None else drop_log)
         self.dropped_pushes = 0
         self.evicted = 0
 
@@ -160,7 +170,7 @@ class HashTable:
     @property
     def index_bytes(self) -> int:
         """Bytes of the id index, the pending-admission counts and the free-slot stack."""
-        return self.index.nbytes + self.sightings.nbytes + int(self._freed.nbytes)
+        return self.index.nbytes + self.sightings.nbytes + int(self._freed.nbytes) + self.drops.nbytes
 
     def live_slots(self) -> np.ndarray:
         """The slots holding rows, ascending."""
@@ -239,6 +249,7 @@ class HashTable:
         return slots
 
     def _release(self, slots: np.ndarray) -> None:
+        self.drops.record(self.ids[slots], self.step)
         self.index.remove(slots, self.ids)
         self.last_used[slots] = _FREE
         end = self._nfreed + len(slots)
@@ -293,15 +304,16 @@ class HashTable:
         self.last_used[slots] = self.tick
         return out
 
-    def push(self, ids: np.ndarray, grads: np.ndarray) -> int:
+    def push(self, ids: np.ndarray, grads: np.ndarray, step: int | None = None) -> int:
         """Apply the optimizer to the rows of ``ids`` (unique) that exist; the rest are dropped
         and counted. Returns how many were applied. ``grads`` is checked here, the one place that
-        knows the table's dtype and width."""
+        knows the table's dtype and width. ``step``, the pusher's step, moves the clock to it
+        (never back); without one the clock advances by one."""
         if not isinstance(grads, np.ndarray) or grads.dtype != self.dtype or grads.shape != (len(ids), self.dim):
             got = f"{grads.dtype} {list(grads.shape)}" if isinstance(grads, np.ndarray) else type(grads).__name__
             raise InvalidArgument(f"gradients must be {self.dtype} {[len(ids), self.dim]}, got {got}")
         self.tick += 1
-        self.step += 1
+        self.step = self.step + 1 if step is None else max(self.step, int(step))
         slots = self.index.find(np.asarray(ids, dtype=np.int64), self.ids)
         hit = slots >= 0
         found = int(np.count_nonzero(hit))
@@ -337,8 +349,14 @@ class HashTable:
         self._release(victims)
         return len(victims)
 
-    def load(self, ids: np.ndarray, values: np.ndarray, slots: dict[str, np.ndarray], steps: np.ndarray | None) -> int:
-        """Put rows back (from a checkpoint): ids with their values, slots and step counts."""
+    def load(self, ids: np.ndarray, values: np.ndarray, slots: dict[str, np.ndarray], steps: np.ndarray | None,
+             changed: np.ndarray | None = None, clock: int | None = None) -> int:
+        """Put rows back (from a checkpoint): ids with their values, slots, step counts and the
+        step each last changed (the clock now, when not given). ``clock``, the saved clock, moves
+        this one forward; deletions before it are unknown, so the drop log starts there."""
+        if clock is not None:
+            self.step = max(self.step, int(clock))
+        self.drops.reset(self.step)
         ids = np.asarray(ids, dtype=np.int64)
         if values.shape != (len(ids), self.dim) or values.dtype != self.dtype:
             raise InvalidArgument(f"rows must be {self.dtype} {[len(ids), self.dim]}, got {values.dtype} {list(values.shape)}")
@@ -356,7 +374,21 @@ class HashTable:
             self.slots[k][at] = v[keep]
         if steps is not None:
             self.steps[at] = np.asarray(steps)[keep]
+        self.updated_step[at] = self.step if changed is None else np.asarray(changed, np.int64)[keep]
         return int(keep.sum())
+
+    def delta(self, since: int) -> dict[str, Any]:
+        """Rows that changed at steps >= ``since`` (ids ascending, their current values) and the
+        ids dropped since then that are not back: what a serving copy needs to catch up.
+        ``InvalidArgument`` when the drop log does not reach back to ``since``."""
+        dropped = self.drops.since_step(int(since), "embedding delta")
+        live = self.live_slots()
+        live = live[self.updated_step[live] >= since]
+        live = live[np.argsort(self.ids[live], kind="stable")]
+        if len(dropped):
+            dropped = dropped[self.index.find(dropped, self.ids) < 0]
+        return {"ids": self.ids[live].copy(), "values": self.values[live].copy(), "dropped": dropped,
+                "since": int(since), "step": self.step}
 
     def export(self) -> tuple[np.ndarray, np.ndarray]:
         """Every (id, row), ids ascending."""
@@ -374,4 +406,7 @@ class HashTable:
             "dropped_pushes": self.dropped_pushes,
             "evicted": self.evicted,
             "index_bytes": self.index_bytes,
+            "step": self.step,
+            "drop_log": len(self.drops),
+            "drop_log_since": self.drops.since,
         }

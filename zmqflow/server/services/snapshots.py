@@ -1,7 +1,9 @@
-"""Checkpoint ops of the ps service: write this shard's state to a file, put state back."""
+"""Checkpoint ops of the ps service: write this shard's state to a file, put state back, write
+an embedding delta. Every file goes where the task's checkpoint roots allow, nowhere else."""
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -10,7 +12,7 @@ import numpy as np
 from ...errors import InvalidArgument
 from ..checkpoint_roots import CheckpointRoots
 from ...state.tables import HashTable
-from ...state.snapshot import part_arrays, table_arrays, write_atomic
+from ...state.snapshot import FILE_FORMAT, part_arrays, part_prefix, table_arrays, table_prefix, write_atomic
 from ...state.store import PartKey, ShardStore
 from ...rpc import CallContext, op
 from ...wire.requests import ps as rq
@@ -31,23 +33,47 @@ class SnapshotOps:
         loop without yielding, so the file is one consistent moment of this shard. The directory
         must resolve inside the task's checkpoint roots (else ``PermissionDenied``, nothing
         created); everything after uses the resolved path, not the caller's string."""
-        file = req.file
-        if os.sep in file or (os.altsep and os.altsep in file) or "\0" in file or file.startswith("."):
-            raise InvalidArgument(f"checkpoint file name {file!r} must be a plain name")
-        directory = self.checkpoint_roots.confine(req.directory)
-        os.makedirs(directory, exist_ok=True)
+        file, directory = self._target(req.file, req.directory)
         arrays: dict[str, np.ndarray] = {}
         entries = []
-        for i, ((name, part), p) in enumerate(sorted(self.store.parts.items())):
-            key = f"p{i}"
+        for (name, part), p in sorted(self.store.parts.items()):
+            key = part_prefix(p, name, part)
             arrays.update(part_arrays(p, key))
-            entries.append({"kind": "part", "name": name, "part": part, "key": key, "rows": list(p.rows)})
-        for j, ((name, part), t) in enumerate(sorted(self.tables.items())):
-            key = f"t{j}"
+            entries.append({"kind": "part", "name": name, "part": part, "key": key, "rows": list(p.rows),
+                            "shape": list(p.full_shape), "dtype": p.dtype.name, "slots": list(p.slots)})
+        for (name, part), t in sorted(self.tables.items()):
+            key = table_prefix(name, part)
             arrays.update(table_arrays(t, key))
-            entries.append({"kind": "table", "name": name, "part": part, "key": key, "rows": len(t)})
-        write_atomic(os.path.join(directory, file), arrays)
+            entries.append({"kind": "table", "name": name, "part": part, "key": key, "rows": len(t),
+                            "dim": t.dim, "dtype": t.dtype.name, "clock": t.step, "slots": list(t.slots)})
+        write_atomic(os.path.join(directory, file), arrays, metadata={"format": FILE_FORMAT, "entries": json.dumps(entries)})
         return {"file": file, "entries": entries}
+
+    def _target(self, file: str, directory: str) -> tuple[str, str]:
+        """(file, the confined real directory, created): the file a plain name, the directory
+        inside the checkpoint roots (else ``PermissionDenied``, nothing created)."""
+        if os.sep in file or (os.altsep and os.altsep in file) or "\0" in file or file.startswith("."):
+            raise InvalidArgument(f"checkpoint file name {file!r} must be a plain name")
+        real = self.checkpoint_roots.confine(directory)
+        os.makedirs(real, exist_ok=True)
+        return file, real
+
+    @op(rq.EmbExportDelta)
+    def emb_export_delta(self, ctx: CallContext, req: rq.EmbExportDelta) -> dict[str, Any]:
+        """Write the rows of a dynamic table part changed at steps >= ``since`` and the ids it
+        dropped since (``ids``, ``values``, ``dropped``), atomically, where the checkpoint roots
+        allow. Runs on the loop without yielding: one consistent moment of the part."""
+        table = self.tables.get((req.name, req.part))
+        if table is None:
+            raise InvalidArgument(f"embedding {req.name!r} part {req.part} is not a dynamic table on this shard: "
+                                  f"only dynamic tables track changed rows")
+        delta = table.delta(req.since)  # refused (too old) before anything is created
+        file, directory = self._target(req.file, req.directory)
+        info = {"kind": "delta", "name": req.name, "part": req.part, "since": req.since, "step": delta["step"],
+                "rows": len(delta["ids"]), "dropped": len(delta["dropped"]), "dim": table.dim, "dtype": table.dtype.name}
+        write_atomic(os.path.join(directory, file), {k: delta[k] for k in ("ids", "values", "dropped")},
+                     metadata={"format": "zmqflow-delta/1", "delta": json.dumps(info)})
+        return {"file": file, **info}
 
     @op(rq.RestorePart)
     def restore_part(self, ctx: CallContext, req: rq.RestorePart) -> bool:
@@ -78,7 +104,11 @@ class SnapshotOps:
         table = self.tables.get((req.name, req.part))
         if table is None:
             raise InvalidArgument(f"embedding {req.name!r} part {req.part} is not a dynamic table on this shard")
-        return table.load(req.ids.astype(np.int64, copy=False), req.values, req.slots or {}, req.steps)
+        changed = req.changed
+        if changed is not None and len(changed) != len(req.ids):
+            raise InvalidArgument(f"embedding {req.name!r} part {req.part}: {len(changed)} change steps for {len(req.ids)} ids")
+        return table.load(req.ids.astype(np.int64, copy=False), req.values, req.slots or {}, req.steps,
+                          changed=changed, clock=req.clock)
 
 
 def _same(x: Any, like: np.ndarray, what: str) -> None:

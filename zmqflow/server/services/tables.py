@@ -79,7 +79,7 @@ class TableOps:
         if table is None:
             self.store.apply_sparse(req.name, req.part, ids, req.grads)
             return len(ids)
-        return table.push(ids, req.grads)
+        return table.push(ids, req.grads, req.step)
 
     @op(rq.EmbIds)
     def emb_stats(self, ctx: CallContext, req: rq.EmbIds) -> dict[str, Any]:

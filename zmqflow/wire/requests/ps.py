@@ -18,7 +18,7 @@ from .base import (MAX_ITEMS, MAX_PARTS, PATH_MAX, ArraySpec, Count, Dtype, Int,
 __all__ = [
     "Empty", "Create", "PullItem", "Pull", "RowsItem", "Assign", "Scatter", "SparseItem", "Push", "Save",
     "RestorePart", "Unfence", "Pair", "Sweep", "EmbCreate", "EmbIds", "EmbLookup", "EmbPush", "EmbEvict",
-    "EmbExport", "EmbRestore", "OPS",
+    "EmbExport", "EmbRestore", "EmbExportDelta", "OPS",
 ]
 
 Indices = Annotated[np.ndarray, ArraySpec(ndim=1, kinds="iu", what="a 1-D integer array")]
@@ -175,6 +175,7 @@ class EmbPush(Request):
     part: Part
     ids: Indices
     grads: Rows2D
+    step: Count | None = None
 
 
 class EmbEvict(Request):
@@ -204,6 +205,19 @@ class EmbRestore(Request):
     values: Rows2D
     slots: Slots | None = None
     steps: np.ndarray | None = None
+    changed: Indices | None = None
+    clock: Count | None = None
+
+
+class EmbExportDelta(Request):
+    """Write the rows of a hash table part changed at steps >= ``since``, and the ids it dropped
+    since, to ``directory/file`` (safetensors)."""
+
+    name: Name
+    part: Part
+    since: Count
+    directory: Annotated[str, msgspec.Meta(min_length=1, max_length=PATH_MAX, description="a path of 1..4096 characters")]
+    file: Annotated[str, msgspec.Meta(min_length=1, max_length=255, description="a file name of 1..255 characters")]
 
 
 OPS: dict[str, type[Request]] = {
@@ -212,5 +226,5 @@ OPS: dict[str, type[Request]] = {
     "save": Save, "restore_part": RestorePart, "emb_restore": EmbRestore,
     "fence": Empty, "unfence": Unfence, "sweep": Sweep,
     "emb_create": EmbCreate, "emb_lookup": EmbLookup, "emb_push": EmbPush, "emb_stats": EmbIds,
-    "emb_evict": EmbEvict, "emb_export": EmbExport,
+    "emb_evict": EmbEvict, "emb_export": EmbExport, "emb_export_delta": EmbExportDelta,
 }
