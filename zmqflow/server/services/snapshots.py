@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import numpy as np
 
 from ...errors import InvalidArgument
+from ...observe.metrics import Histogram
 from ..checkpoint_roots import CheckpointRoots
 from ...state.tables import HashTable
 from ...state.snapshot import part_arrays, table_arrays, write_atomic
@@ -24,6 +26,7 @@ class SnapshotOps:
     store: ShardStore
     tables: dict[PartKey, HashTable]
     checkpoint_roots: CheckpointRoots
+    save_seconds: Histogram
 
     @op(rq.Save)
     def save(self, ctx: CallContext, req: rq.Save) -> dict[str, Any]:
@@ -32,6 +35,7 @@ class SnapshotOps:
         must resolve inside the task's checkpoint roots (else ``PermissionDenied``, nothing
         created); everything after uses the resolved path, not the caller's string."""
         file = req.file
+        started = time.perf_counter()
         if os.sep in file or (os.altsep and os.altsep in file) or "\0" in file or file.startswith("."):
             raise InvalidArgument(f"checkpoint file name {file!r} must be a plain name")
         directory = self.checkpoint_roots.confine(req.directory)
@@ -47,6 +51,7 @@ class SnapshotOps:
             arrays.update(table_arrays(t, key))
             entries.append({"kind": "table", "name": name, "part": part, "key": key, "rows": len(t)})
         write_atomic(os.path.join(directory, file), arrays)
+        self.save_seconds.observe(time.perf_counter() - started)
         return {"file": file, "entries": entries}
 
     @op(rq.RestorePart)
