@@ -7,26 +7,23 @@ scrape sees each number as it was at one moment, never a half-changed structure.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 from ..observe.metrics import MAX_LABELS, OTHER, Sample
+from ..rpc import Counters, Service
 from .services.ps import PsService
-
-if TYPE_CHECKING:
-    from .task import AsyncServer
 
 __all__ = ["probe"]
 
 
-def probe(server: "AsyncServer") -> Callable[[], Iterator[Sample]]:
-    """The task's lazily read samples (labels after ``task``)."""
+def probe(counters: Counters, services: dict[str, Service]) -> Callable[[], Iterator[Sample]]:
+    """A task's lazily read samples (labels after ``task``): its RPC counters and its shard."""
 
     def samples() -> Iterator[Sample]:
-        c = server.counters
+        c = counters
         for kind, value in (("error_replies", c.errors), ("dropped", c.dropped),
                             ("undeliverable", c.undeliverable), ("late_replies", c.late_replies)):
             yield "rpc_problems_total", (kind,), value
-        ps = server.service("ps")
+        ps = services.get("ps")
         if isinstance(ps, PsService):
             yield from _shard(ps)
 

@@ -168,7 +168,7 @@ class AsyncServer:
         self.started_at = time.monotonic()
         self.metrics = observe_metrics.for_task(str(self.task), self.metrics_hub)
         if self.metrics is not None:
-            self.metrics.probe = probe(self)
+            self.metrics.probe = probe(self.counters, self._services)
         rpc = RpcServer(
             self.address.bind_endpoint(),
             self._services,
