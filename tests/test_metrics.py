@@ -83,7 +83,7 @@ def test_a_served_task_counts_real_pushes_pulls_and_lookups(tmp_path, procs):
         value(after, "zmqflow_request_seconds_count", op="ps.push", **t)
     # the trainer's messages, per peer and direction: one request and one reply per call
     peers = {dict(ls)["peer"] for (n, ls), _ in after.items() if n == "zmqflow_messages_total"}
-    trainer = [p for p in peers if p.startswith("trainer-")]
+    trainer = [p for p in peers if p == "trainer"]
     assert len(trainer) == 1, peers
     calls = sum(v for (n, ls), v in d.items() if n == "zmqflow_request_seconds_count")
     assert value(d, "zmqflow_messages_total", peer=trainer[0], direction="in", **t) == calls
@@ -147,21 +147,32 @@ def test_peer_labels_are_capped_and_the_rest_fold_into_other():
     arun(main())
 
 
-def test_unknown_ops_get_no_latency_series():
+def test_unknown_ops_get_no_latency_series_and_random_routing_ids_are_not_published():
     hub = metrics.MetricsHub()
+    secret = "0123456789abcdef0123456789abcdef"
 
     async def main() -> None:
         async with local_cluster({"ps": 1}, timeout=20, metrics_hub=hub) as servers:
-            client = RpcClient(identity="prober")
+            target = servers["ps:0"].target
+            clients = [RpcClient(identity=i) for i in ("prober", f"worker:7-{secret}", "twin-0123abcd", "twin-4567cdef")]
             try:
                 for op in ("nope", "nope2"):
                     with pytest.raises(zf.errors.NotFound):
-                        await client.call(servers["ps:0"].target, "master", op, Empty(), timeout=10)
+                        await clients[0].call(target, "master", op, Empty(), timeout=10)
+                for c in clients[1:]:
+                    await c.call(target, "master", "ping", Empty(), timeout=10)
             finally:
-                client.close()
-            ops = {dict(ls)["op"] for (n, ls), _ in parse(generate_latest(hub.registry).decode()).items()
-                   if n == "zmqflow_request_seconds_count"}
+                for c in clients:
+                    c.close()
+            text = generate_latest(hub.registry).decode()
+            samples = parse(text)
+            ops = {dict(ls)["op"] for (n, ls), _ in samples.items() if n == "zmqflow_request_seconds_count"}
             assert not any("nope" in o for o in ops), ops
+            # a keyed task's routing id is unguessable on purpose: only its name is shown
+            assert secret not in text and "0123abcd" not in text
+            assert value(samples, "zmqflow_messages_total", task="ps:0", peer="worker:7", direction="in") == 1
+            assert value(samples, "zmqflow_messages_total", task="ps:0", peer="twin", direction="in") == 2
+            assert value(samples, "zmqflow_messages_total", task="ps:0", peer="prober", direction="out") == 2
 
     arun(main())
 

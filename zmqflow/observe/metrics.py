@@ -15,6 +15,7 @@ distinct values, the rest folded into ``"other"``), so no caller can grow the se
 from __future__ import annotations
 
 import os
+import re
 import threading
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
@@ -40,8 +41,9 @@ CHECKPOINT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 9
 
 # name (without the prefix) -> (type, help, label names). The one list of what a task exports.
 DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "messages_total": ("counter", "Messages a task's router received (in) or sent (out), per peer routing id "
-                       f"(the first {MAX_LABELS} peers; the rest are peer=\"other\").", ("task", "peer", "direction")),
+    "messages_total": ("counter", "Messages a task's router received (in) or sent (out), per peer: its routing id "
+                       f"less any random suffix (the first {MAX_LABELS} names; the rest are peer=\"other\").",
+                       ("task", "peer", "direction")),
     "bytes_total": ("counter", "Bytes of those messages, per peer and direction.", ("task", "peer", "direction")),
     "rpc_problems_total": ("counter", "Requests answered with an error, messages dropped unread, replies "
                            "undeliverable, replies arriving after their call ended.", ("task", "kind")),
@@ -112,6 +114,16 @@ def label(value: bytes | str) -> str:
     return text[:MAX_LABEL_CHARS]
 
 
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8,}$")
+
+
+def peer_label(peer: bytes) -> str:
+    """A routing id without its random suffix: ``trainer`` for the session ``trainer-1a2b3c4d``,
+    ``worker:0`` for that task's client. With keys a task's routing id is unguessable so that no
+    other key holder can take its connection over; the endpoint must not publish it."""
+    return _RANDOM_SUFFIX.sub("", label(peer))
+
+
 class TaskMetrics:
     """One task's series. The RPC server, ring and ps service call the recording methods; a probe
     (set by the task's server) reads the rest at scrape time."""
@@ -119,7 +131,8 @@ class TaskMetrics:
     def __init__(self, task: str, max_peers: int = MAX_LABELS):
         self.task = task
         self.max_peers = int(max_peers)
-        self.peers: dict[bytes, list[int]] = {}  # routing id -> [msgs in, bytes in, msgs out, bytes out]
+        self.by_label: dict[str, list[int]] = {}  # peer name -> [msgs in, bytes in, msgs out, bytes out]
+        self.peers: dict[bytes, list[int]] = {}  # routing id -> its name's counts (a cache)
         self.other = [0, 0, 0, 0]  # peers past the cap
         self.latency: dict[tuple[str, str], Histogram] = {}
         self.ring_seconds = Histogram(RING_BUCKETS)
@@ -128,9 +141,16 @@ class TaskMetrics:
         self.probe: Callable[[], Iterable[Sample]] | None = None
 
     def _new_peer(self, peer: bytes) -> list[int]:
-        if len(self.peers) >= self.max_peers:
-            return self.other
-        st = self.peers[peer] = [0, 0, 0, 0]
+        """The counts of a routing id seen first: those of its name (several sessions of one name
+        share them), cached per routing id up to a bound; past the caps, ``other``'s."""
+        name = peer_label(peer)
+        st = self.by_label.get(name)
+        if st is None:
+            if len(self.by_label) >= self.max_peers:
+                return self.other
+            st = self.by_label[name] = [0, 0, 0, 0]
+        if len(self.peers) < 4 * self.max_peers:
+            self.peers[peer] = st
         return st
 
     def message_in(self, peer: bytes, nbytes: int) -> None:
@@ -160,8 +180,7 @@ class TaskMetrics:
 
     def samples(self) -> Iterator[Sample]:
         t = self.task
-        for peer, st in [*list(self.peers.items()), (OTHER.encode(), self.other)]:
-            name = label(peer)
+        for name, st in [*list(self.by_label.items()), (OTHER, self.other)]:
             for i, direction in ((0, "in"), (2, "out")):
                 yield "messages_total", (t, name, direction), st[i]
                 yield "bytes_total", (t, name, direction), st[i + 1]
