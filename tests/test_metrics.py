@@ -299,3 +299,42 @@ def test_every_metric_the_dashboard_queries_is_exported():
     for p in board["panels"]:
         by_kind[p["type"]] += 1
     assert board["title"] and board["schemaVersion"] and by_kind["timeseries"] >= 6
+
+
+LAUNCHED = """
+import os, sys, urllib.request
+from prometheus_client.parser import text_string_to_metric_families
+from zmqflow.bridge import runtime
+rt = runtime.init(timeout=30)
+base = int(os.environ["ZMQFLOW_METRICS_PORT"])
+for port, task in ((base, "worker:0"), (base + 1, "ps:0")):  # the cluster's order on this host
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    got = [x for f in text_string_to_metric_families(text) for x in f.samples
+           if x.name == "zmqflow_messages_total" and x.labels["task"] == task and x.value > 0]
+    print("scraped", task, bool(got), "zmqflow_restarts" in text, flush=True)
+runtime.shutdown()
+"""
+
+
+def test_launch_serves_every_task_at_the_env_base_port(tmp_path, procs):
+    import sys
+
+    base = free_port()
+    while any(not _free(base + i) for i in range(2)):
+        base = free_port()
+    script = tmp_path / "train.py"
+    script.write_text(LAUNCHED)
+    p = procs([*ZMQFLOW, "launch", "--workers", "1", "--ps", "1", "--", sys.executable, str(script)],
+              env={"ZMQFLOW_METRICS_PORT": str(base)})
+    assert p.wait(90) == 0, p.output
+    assert "scraped worker:0 True True" in p.output and "scraped ps:0 True True" in p.output, p.output
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
