@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import socket
@@ -215,7 +216,7 @@ def test_a_ring_allreduce_records_its_bytes_time_and_busbw():
         async with local_cluster({"worker": 2}, timeout=20, metrics_hub=hub) as servers:
             rings = [AsyncRing(servers[f"worker:{i}"]) for i in range(2)]
             data = [np.full(1 << 19, i + 1, np.float32) for i in range(2)]  # 2 MiB each: the ring path
-            out = await __import__("asyncio").gather(*(r.allreduce(d) for r, d in zip(rings, data)))
+            out = await asyncio.gather(*(r.allreduce(d) for r, d in zip(rings, data)))
             assert np.all(out[0] == 3)
             s = parse(generate_latest(hub.registry).decode())
             for i in range(2):
