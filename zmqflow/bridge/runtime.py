@@ -22,6 +22,8 @@ from ..client.blocking import Session
 from ..client.ring import Ring, default_members
 from ..cluster import ClusterSpec, TaskId, resolve
 from ..errors import ConfigError, ZmqflowError
+from ..observe.endpoint import Endpoint
+from ..observe.endpoint import start_for as start_metrics
 from ..ports import free_port
 from ..server.task import Server
 from ..slurm import is_slurm
@@ -43,6 +45,7 @@ class Runtime:
     local_size: int
     timeout: float
     _extra: list[Server] = field(default_factory=list, repr=False)  # the private cluster's other tasks
+    metrics: Endpoint | None = None  # ZMQFLOW_METRICS_PORT's endpoint, serving this process's tasks
 
     def require_ring(self) -> Ring:
         """The ring of the ranks; a ``ConfigError`` on a task that is none (a ps task, say)."""
@@ -69,6 +72,8 @@ class Runtime:
         self.server.stop()
         for s in self._extra:
             s.stop()
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 log = logging.getLogger("zmqflow.bridge")
@@ -88,29 +93,42 @@ def init(cluster: "ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | No
         if _current is not None:
             return _current
         extra: list[Server] = []
+        private = False
         if cluster is None and task is None and not (os.environ.get("ZMQFLOW_CLUSTER") or os.environ.get("TF_CONFIG")
                                                      or is_slurm(os.environ)):
             spec = ClusterSpec({"worker": [f"127.0.0.1:{free_port()}"], "ps": [f"127.0.0.1:{free_port()}"]})
             me = TaskId("worker", 0)
-            extra.append(Server(spec, "ps:0", default_timeout=timeout))
+            private = True
         else:
             spec, found = resolve(cluster, task)
             if found is None:
                 raise ConfigError("no task given: pass task=, or set ZMQFLOW_TASK or TF_CONFIG's 'task'")
             me = found
-        server = Server(spec, me, default_timeout=timeout)
+        endpoint = start_metrics(spec, me)  # first: the servers are made with metrics on
+        try:
+            if private:
+                extra.append(Server(spec, "ps:0", default_timeout=timeout))
+            server = Server(spec, me, default_timeout=timeout)
+        except BaseException:
+            for s in extra:
+                s.stop()
+            if endpoint is not None:
+                endpoint.close()
+            raise
         try:
             members = default_members(spec)
             ring = Ring(server, members, timeout=timeout) if me in members else None
             local_rank, local_size = _local(spec, me, members)
             session = Session(server.target, name=str(me), timeout=timeout)
-            runtime = Runtime(spec, me, server, session, ring, members, local_rank, local_size, timeout, extra)
+            runtime = Runtime(spec, me, server, session, ring, members, local_rank, local_size, timeout, extra, endpoint)
             if wait:
                 server.wait_for_cluster(timeout)
         except BaseException:
             server.stop()
             for s in extra:
                 s.stop()
+            if endpoint is not None:
+                endpoint.close()
             raise
         _current = runtime
         global _exit_hook

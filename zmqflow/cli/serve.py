@@ -13,6 +13,7 @@ import click
 from ..cluster import ClusterSpec, TaskId, resolve
 from ..errors import AddressInUse, ConfigError, ZmqflowError
 from ..loop import run
+from ..observe.endpoint import start_for as start_metrics
 from ..server.limits import ServerLimits
 from ..server.task import AsyncServer
 from ..transport.memory import keep_big_blocks
@@ -46,8 +47,12 @@ STOP_TIMEOUT = 1.5  # the process must be gone within 2 s of the signal
               help="A directory a ps task may write checkpoints under; repeatable, replaces any default "
                    "(else ZMQFLOW_CHECKPOINT_ROOTS, os.pathsep-separated; '*' means anywhere). Without one, "
                    "saves are refused.")
+@click.option("--metrics-port", type=int, metavar="PORT",
+              help="Serve Prometheus metrics at http://HOST:PORT/metrics, HOST the task's own (else ZMQFLOW_METRICS_HOST); "
+                   "read-only and unauthenticated. Else ZMQFLOW_METRICS_PORT, plus the task's position on its host.")
 def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: tuple[str, ...], debug: bool,
-          keys: str | None, insecure: bool, checkpoint_roots: tuple[str, ...], **limits: object) -> None:
+          keys: str | None, insecure: bool, checkpoint_roots: tuple[str, ...], metrics_port: int | None,
+          **limits: object) -> None:
     """Serve one task of a cluster until SIGTERM or SIGINT."""
     try:
         spec, tid = resolve(cluster, task)
@@ -57,6 +62,12 @@ def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: 
     assert tid is not None
     setup_logging(log_level, str(tid))
     keep_big_blocks()
+    try:  # before the server, so it is made with metrics on
+        endpoint = start_metrics(spec, tid, metrics_port)
+    except ZmqflowError as exc:  # a port taken or out of range: the operator's to fix
+        fail("serve", exc, EXIT_USAGE)
+    if endpoint is not None:
+        log.info("metrics at %s", endpoint.url)
     try:
         code = run(_serve(spec, tid, list(allow_modules) or None, server_limits, debug, keys, insecure,
                           list(checkpoint_roots) or None))

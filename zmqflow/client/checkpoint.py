@@ -32,6 +32,7 @@ from .checkpoint_files import FORMAT, checkpoints, field, latest, manifest_name
 from .embedding import create_table_parts
 from ..state.tables import hash_owner
 from ..errors import InvalidArgument, NotFound, Recovering
+from ..observe.metrics import record_checkpoint
 from ..state.partition import fixed_size_partitioner
 from ..state.snapshot import (FILE_FORMAT, TEMP_SUFFIX, abandoned_temporary, crash_point, fsync_dir, open_shard_file,
                               part_prefix, write_atomic)
@@ -67,6 +68,7 @@ def _file_tag(step: int) -> str:
 async def async_save(sess: "AsyncSession", directory: str, *, step: int | None = None, keep: int = 5) -> str:
     """The shards write first, each where its checkpoint roots allow (a refused directory is
     ``PermissionDenied`` and nothing is created); then the manifest, then pruning."""
+    started = time.perf_counter()
     spec = await sess.cluster()
     if step is None:
         step = await _global_step(sess)
@@ -85,6 +87,7 @@ async def async_save(sess: "AsyncSession", directory: str, *, step: int | None =
     path = os.path.join(directory, manifest_name(int(step)))
     write_atomic(path, text=json.dumps(manifest, indent=1))
     _prune(directory, keep)
+    record_checkpoint("save", time.perf_counter() - started)
     return path
 
 
@@ -149,7 +152,10 @@ def _load(path: str) -> tuple[dict[str, Any], dict[tuple[str, int], Shard]]:
 
 async def async_restore(sess: "AsyncSession", path: str) -> int:
     """Put the checkpoint at ``path`` (a manifest, or a directory: its latest) back; returns its step."""
-    return await _put_back(sess, *_load(path))
+    started = time.perf_counter()
+    step = await _put_back(sess, *_load(path))
+    record_checkpoint("restore", time.perf_counter() - started)
+    return step
 
 
 async def _put_back(sess: "AsyncSession", manifest: dict[str, Any], pieces: dict) -> int:
@@ -170,6 +176,7 @@ async def async_recover(sess: "AsyncSession", path: str) -> int:
     part the catalog does not place on a shard (left over when the catalog itself was lost);
     then the checkpoint is restored and the fences lifted. On failure the shards stay fenced:
     the caller recovers again, and nobody trains on mixed state meanwhile."""
+    started = time.perf_counter()
     manifest, pieces = _load(path)
     spec = await sess.cluster()
     # every task the catalog or the checkpoint places a part on (a variable pinned to a worker)
@@ -191,6 +198,7 @@ async def async_recover(sess: "AsyncSession", path: str) -> int:
     missing = await _missing_parts(sess, tasks, kept)
     if missing:
         log.warning("not in checkpoint %s and lost with a shard (created since): %s", path, ", ".join(missing))
+    record_checkpoint("restore", time.perf_counter() - started)
     return step
 
 

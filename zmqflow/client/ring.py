@@ -16,6 +16,7 @@ makes the others raise ``Unavailable`` naming it within seconds; a silent one ``
 from __future__ import annotations
 
 import asyncio
+import time
 import concurrent.futures
 import zlib
 from collections.abc import Sequence
@@ -105,6 +106,7 @@ class AsyncRing:
         single = not isinstance(arrays, (list, tuple))
         items = [as_array(a) for a in ([arrays] if single else list(arrays))]
         deadline = self._deadline(timeout)
+        started = time.perf_counter()
         results: list[Any] = [None] * len(items)
         for bucket in self._buckets([a for a, _ in items]):
             arrays_in = [items[i][0] for i in bucket]
@@ -127,6 +129,9 @@ class AsyncRing:
                 part = fused[start:start + a.size].reshape(a.shape)
                 start += a.size
                 results[i] = write_back(original, part)
+        metrics = self.server.metrics
+        if metrics is not None and self.size > 1:
+            metrics.ring_allreduce(sum(a.nbytes for a, _ in items), time.perf_counter() - started, self.size)
         return results[0] if single else results
 
     async def allgather(self, array: Any, *, timeout: float | None = None) -> Any:

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from ..observe.metrics import TaskMetrics
 from ..errors import DeadlineExceeded, NotFound, ResourceExhausted, ZmqflowError
 from ..observe.progress import note_error
 from ..transport import registry
@@ -64,6 +65,7 @@ class RpcServer:
         max_in_flight: int = MAX_IN_FLIGHT,
         debug: bool = False,
         keys: Keys | None = None,
+        metrics: TaskMetrics | None = None,
     ):
         if not max_deadline > 0 or max_in_flight < 1:
             raise ValueError(f"max_deadline must be > 0 and max_in_flight >= 1, got {max_deadline}, {max_in_flight}")
@@ -78,6 +80,7 @@ class RpcServer:
         self.limits = limits
         self.options = options
         self.counters = counters if counters is not None else Counters()
+        self.metrics = metrics  # None: no per-peer or per-op recording at all
         self._loop = loop or asyncio.get_running_loop()
         # chosen now, so a server made inside ``registry.use`` keeps that transport for good
         self._transport = transport if transport is not None else registry.lookup(bind_endpoint)
@@ -100,8 +103,12 @@ class RpcServer:
         """One message; ``user`` is its sender's authenticated ``role/name`` on a CURVE listener."""
         counters = self.counters
         counters.msgs_in += 1
-        counters.bytes_in += sum(map(len, frames))
+        nbytes = sum(map(len, frames))
+        counters.bytes_in += nbytes
         identity = frames[0]
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.message_in(identity, nbytes)
         try:
             msg = decode(frames[1:], self.limits)
         except DecodeError as exc:
@@ -127,6 +134,7 @@ class RpcServer:
         reply_by = None if msg.deadline is None else deadline  # a reply without one waits REPLY_GRACE for room
         ctx = CallContext(msg.service, msg.op, identity, msg.source, deadline)
         in_flight = self._in_flight.get(identity, 0)
+        bound = False
         try:
             if in_flight >= self.max_in_flight:
                 raise ResourceExhausted(
@@ -139,17 +147,22 @@ class RpcServer:
                 authorize(ctx, user, client_ops(service))
             service.admit(ctx)
             call = service.find_op(msg.op).bind(msg.service, msg.op, ctx, msg.body)
+            bound = True
             result = call()
         except Exception as exc:
             self._reply_error(identity, msg.id, exc, reply_by)
+            if bound and metrics is not None:
+                metrics.request(msg.service, msg.op, self._loop.time() - now)
             return
         if asyncio.iscoroutine(result):
-            task = self._loop.create_task(self._run_async(identity, msg.id, result, ctx, capped, reply_by))
+            task = self._loop.create_task(self._run_async(identity, msg.id, result, ctx, capped, reply_by, now))
             self._tasks.add(task)
             self._in_flight[identity] = in_flight + 1
             task.add_done_callback(lambda t: self._done(t, identity))
         else:
             self._reply(identity, Message(REPLY, msg.id, body=result), reply_by)
+            if metrics is not None:
+                metrics.request(msg.service, msg.op, self._loop.time() - now)
 
     def _done(self, task: asyncio.Task, identity: bytes) -> None:
         self._tasks.discard(task)
@@ -160,7 +173,15 @@ class RpcServer:
             self._in_flight.pop(identity, None)
 
     async def _run_async(self, identity: bytes, rid: int, coro: Any, ctx: CallContext, capped: bool,
-                         reply_by: float | None) -> None:
+                         reply_by: float | None, started: float) -> None:
+        try:
+            await self._run_body(identity, rid, coro, ctx, capped, reply_by)
+        finally:
+            if self.metrics is not None:
+                self.metrics.request(ctx.service, ctx.op, self._loop.time() - started)
+
+    async def _run_body(self, identity: bytes, rid: int, coro: Any, ctx: CallContext, capped: bool,
+                        reply_by: float | None) -> None:
         try:
             if ctx.deadline is None:
                 result = await coro
@@ -255,8 +276,11 @@ class RpcServer:
         return True
 
     def _count_out(self, frames: list[Any]) -> None:
+        nbytes = frames_nbytes(frames)
         self.counters.msgs_out += 1
-        self.counters.bytes_out += frames_nbytes(frames)
+        self.counters.bytes_out += nbytes
+        if self.metrics is not None:
+            self.metrics.message_out(frames[0], nbytes)
 
     async def close(self) -> None:
         for task in list(self._tasks):

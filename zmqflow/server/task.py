@@ -24,6 +24,8 @@ from typing import Any
 from ..cluster import ClusterSpec, TaskId, resolve, shard_tasks
 from ..errors import ConfigError, NotFound
 from ..loop import LoopThread
+from ..observe import metrics as observe_metrics
+from ..observe.metrics import MetricsHub, TaskMetrics
 from ..rpc import DEFAULT_TIMEOUT, Counters, RpcClient, RpcServer, Service
 from ..rpc.health import wait_for_tasks
 from .checkpoint_roots import CheckpointRoots
@@ -31,6 +33,7 @@ from .services import MasterService, PsService, WorkerService
 from .services.catalog import CatalogService
 from .services.ring import RingService
 from .limits import ServerLimits
+from .observed import probe
 from ..transport.base import Transport
 from ..transport.curve import Keys, is_loopback, keys_from
 from ..transport.options import DEFAULT_OPTIONS, SocketOptions
@@ -57,10 +60,12 @@ class AsyncServer:
         keys: "Keys | str | os.PathLike[str] | None" = None,
         insecure: bool | None = None,
         checkpoint_roots: "Sequence[str | os.PathLike[str]] | str | None" = None,
+        metrics_hub: MetricsHub | None = None,
     ):
         """``checkpoint_roots``: the directories a ps shard here may write checkpoints under
         (None: ``ZMQFLOW_CHECKPOINT_ROOTS``, else none, and saves are refused; ``"*"``: anywhere).
-        ``allow_modules``: modules whose public functions sessions may run here."""
+        ``allow_modules``: modules whose public functions sessions may run here. ``metrics_hub``:
+        record this task's metrics there (else on the process's hub once metrics are enabled)."""
         self.spec, tid = resolve(cluster, task, env={})
         self.transport = transport  # None: chosen per endpoint scheme (transport.registry)
         assert tid is not None
@@ -102,6 +107,8 @@ class AsyncServer:
         self._rpc: RpcServer | None = None
         self._client: RpcClient | None = None
         self._stopped: asyncio.Event | None = None
+        self.metrics_hub = metrics_hub
+        self.metrics: TaskMetrics | None = None  # while running with metrics on
 
     # TaskRuntime ------------------------------------------------------------------------
     @property
@@ -164,6 +171,9 @@ class AsyncServer:
         self._check_exposure(self.address.bind_endpoint())
         self._stopped = asyncio.Event()
         self.started_at = time.monotonic()
+        self.metrics = observe_metrics.for_task(str(self.task), self.metrics_hub)
+        if self.metrics is not None:
+            self.metrics.probe = probe(self.counters, self._services)
         rpc = RpcServer(
             self.address.bind_endpoint(),
             self._services,
@@ -177,8 +187,14 @@ class AsyncServer:
             max_in_flight=self.server_limits.max_in_flight,
             debug=self.debug,
             keys=self.keys,
+            metrics=self.metrics,
         )
-        await rpc.start()
+        try:
+            await rpc.start()
+        except BaseException:
+            observe_metrics.release(self.metrics, self.metrics_hub)
+            self.metrics = None
+            raise
         self._rpc = rpc
         self._client = RpcClient(
             # with keys, an unguessable routing id: another key holder must not take over this task's
@@ -211,6 +227,8 @@ class AsyncServer:
         await rpc.close()
         if self._client is not None:
             self._client.close()
+        observe_metrics.release(self.metrics, self.metrics_hub)
+        self.metrics = None
         if self._stopped is not None:
             self._stopped.set()
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import DeadlineExceeded, InvalidArgument, Recovering
+from ...observe.metrics import CHECKPOINT_BUCKETS, MAX_LABELS, Histogram
 from ...state.limits import DEFAULT_STATE_LIMITS, StateLimits
 from ...state.tables import HashTable
 from ...state.store import PartKey, Plan, Rows, ShardStore, Sparse, build, part_label
@@ -66,6 +67,13 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
         self._table_specs: dict[PartKey, tuple] = {}
         self.replicas = list(replicas or [])
         self._advanced: dict[PartKey, asyncio.Event] = defaultdict(asyncio.Event)
+        # what the metrics probe reads (plain ints: counting costs an add whether or not anyone scrapes)
+        self.pushes_applied = {"async": 0, "sync": 0}  # updates applied to a part
+        self.stale_gradients = 0  # sync gradients from an older step, dropped
+        self.sync_rounds = 0  # sync steps completed (per part)
+        self.sync_missing: dict[str, int] = {}  # replica -> steps that timed out or completed without it
+        self._missing_noted: dict[PartKey, int] = {}  # the step whose timeout was last counted, per part
+        self.save_seconds = Histogram(CHECKPOINT_BUCKETS)
 
     def state(self) -> str | None:
         if self.fenced:
@@ -211,6 +219,7 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
             p = self.store.get(*key)
             if p.sync is None:
                 self._apply(key, grads["dense"], grads["sparse"])
+                self.pushes_applied["async"] += 1
                 continue
             if step is None:
                 raise InvalidArgument(f"variable {p.label} is synchronous: pushes must carry the pusher's step")
@@ -221,9 +230,11 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
             outcome = p.sync.offer(step, who, grads["dense"], grads["sparse"])
             if outcome == STALE:
                 stale = True
+                self.stale_gradients += 1
             elif outcome == READY:
                 mean_dense, mean_sparse = p.sync.take()
                 self._apply(key, mean_dense, mean_sparse)
+                self._round_done([])
                 self._advanced.pop(key, asyncio.Event()).set()
             elif p.sync.drop_dead and set(p.sync.missing(self.replicas)) <= self._gone and self._drop_dead(key):
                 pass  # every replica still missing is one already known gone: no need to wait for it
@@ -255,6 +266,9 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
             remaining = None if ctx.deadline is None else ctx.deadline - loop.time() - _SYNC_MARGIN
             if remaining is not None and remaining <= 0:
                 missing = p.sync.missing(self.replicas) or ["(unknown)"]
+                if self._missing_noted.get(key) != mine:  # once per step, not once per waiting pusher
+                    self._missing_noted[key] = mine
+                    self._round_done(missing, completed=False)
                 raise DeadlineExceeded(
                     f"step {mine} of {part_label(key)} was not completed: {len(p.sync.contributors)} of "
                     f"{p.sync.replicas_to_aggregate} gradients arrived; no push from {', '.join(missing)}",
@@ -285,5 +299,16 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
             self._gone |= set(gone)
         mean_dense, mean_sparse = sync.take()
         self._apply(key, mean_dense, mean_sparse)
+        self._round_done(gone)
         self._advanced.pop(key, asyncio.Event()).set()
         return True
+
+    def _round_done(self, missing: list[str], completed: bool = True) -> None:
+        """Count a sync step completed (or timed out), and the replicas it went without."""
+        if completed:
+            self.sync_rounds += 1
+            self.pushes_applied["sync"] += 1
+        for m in missing:
+            if m not in self.sync_missing and len(self.sync_missing) >= MAX_LABELS:
+                m = "other"
+            self.sync_missing[m] = self.sync_missing.get(m, 0) + 1

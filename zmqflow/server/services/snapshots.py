@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 import numpy as np
 
 from ...errors import InvalidArgument
+from ...observe.metrics import Histogram
 from ..checkpoint_roots import CheckpointRoots
 from ...state.tables import HashTable
 from ...state.snapshot import FILE_FORMAT, part_arrays, part_prefix, table_arrays, table_prefix, write_atomic
@@ -26,6 +28,7 @@ class SnapshotOps:
     store: ShardStore
     tables: dict[PartKey, HashTable]
     checkpoint_roots: CheckpointRoots
+    save_seconds: Histogram
 
     @op(rq.Save)
     def save(self, ctx: CallContext, req: rq.Save) -> dict[str, Any]:
@@ -33,6 +36,7 @@ class SnapshotOps:
         loop without yielding, so the file is one consistent moment of this shard. The directory
         must resolve inside the task's checkpoint roots (else ``PermissionDenied``, nothing
         created); everything after uses the resolved path, not the caller's string."""
+        started = time.perf_counter()
         file, directory = self._target(req.file, req.directory)
         arrays: dict[str, np.ndarray] = {}
         entries = []
@@ -47,6 +51,7 @@ class SnapshotOps:
             entries.append({"kind": "table", "name": name, "part": part, "key": key, "rows": len(t),
                             "dim": t.dim, "dtype": t.dtype.name, "clock": t.step, "slots": list(t.slots)})
         write_atomic(os.path.join(directory, file), arrays, metadata={"format": FILE_FORMAT, "entries": json.dumps(entries)})
+        self.save_seconds.observe(time.perf_counter() - started)
         return {"file": file, "entries": entries}
 
     def _target(self, file: str, directory: str) -> tuple[str, str]:
