@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from zmqflow.observe import metrics
+
 import zmqflow as zf
 from zmqflow import checkpoint
 from zmqflow.cluster import ClusterSpec, TaskId, shard_tasks, training_tasks
@@ -142,6 +144,9 @@ def test_evaluator_restores_privately_and_writes_metrics(tmp_path, trainer, monk
     np.testing.assert_array_equal(trainer.session.get("w").read(), np.full(3, 100.0))  # training's shard untouched
     lines = [json.loads(x) for x in Path(ckpt, "eval", "metrics.jsonl").read_text().splitlines()]
     assert [(x["step"], x["mean"]) for x in lines] == [(10, 1.0), (20, 2.0)]
+    # and Prometheus: the process's registry holds the last evaluation
+    assert metrics.HUB.registry.get_sample_value("zmqflow_eval", {"metric": "mean"}) == 2.0
+    assert metrics.HUB.registry.get_sample_value("zmqflow_eval_step") == 20
     # under launch --keys the training cluster's keys are in the environment: the private cluster makes its own
     keys = tmp_path / "keys"
     generate(keys, make_spec({"worker": 1, "evaluator": 1}, "tcp"))

@@ -31,6 +31,7 @@ from ..client.blocking import Session
 from ..client.ring import default_members
 from ..cluster import NOT_TRAINING, ClusterSpec, TaskId, resolve
 from ..errors import InvalidArgument, NotFound
+from ..observe import endpoint, metrics as observed
 from ..ports import free_port
 from ..server.task import Server
 from ..slurm import is_slurm
@@ -109,9 +110,10 @@ class Evaluator:
         return shown
 
     def _publish(self, metrics: dict[str, float], step: int) -> None:
-        """The one place evaluation metrics leave the evaluator: the summaries here, and (wired
-        where ``zmqflow.observe.metrics`` exists) Prometheus through
-        ``zmqflow.observe.metrics.set_eval_metric(name, value, step)`` for each metric."""
+        """The one place evaluation metrics leave the evaluator: the summaries, and Prometheus
+        (``zmqflow_eval{metric=...}``, served where ``ZMQFLOW_METRICS_PORT`` names a port)."""
+        for name, value in metrics.items():
+            observed.set_eval_metric(name, value, step)
         self._open_summaries()
         self._jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
         self._jsonl.flush()
@@ -189,7 +191,13 @@ def train_and_evaluate(train_fn: Callable[[], Any], eval_fn: Callable[[EvalCheck
     evaluator = Evaluator(eval_fn, checkpoint_dir, output_dir=output_dir, timeout=timeout, timeout_fn=timeout_fn,
                           min_interval_secs=min_interval_secs, poll_secs=poll_secs)
     if role in NOT_TRAINING:
-        return evaluator.run()
+        spec, me = resolve(cluster, task)
+        served = endpoint.start_for(spec, me) if me is not None else None  # ZMQFLOW_METRICS_PORT: Prometheus sees it
+        try:
+            return evaluator.run()
+        finally:
+            if served is not None:
+                served.close()
     train_fn()
     if role == "local" or _is_chief(cluster, task):
         checkpoint_watch.mark_final(checkpoint_dir)  # the newest checkpoint is the final one
