@@ -22,6 +22,7 @@ from ..client.blocking import Session
 from ..client.ring import Ring, default_members
 from ..cluster import ClusterSpec, TaskId, resolve
 from ..errors import ConfigError, ZmqflowError
+from ..observe import timeline
 from ..ports import free_port
 from ..server.task import Server
 from ..slurm import is_slurm
@@ -98,6 +99,7 @@ def init(cluster: "ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | No
             if found is None:
                 raise ConfigError("no task given: pass task=, or set ZMQFLOW_TASK or TF_CONFIG's 'task'")
             me = found
+        timeline.set_task(me)  # names this process's timeline file and track, unless already written
         server = Server(spec, me, default_timeout=timeout)
         try:
             members = default_members(spec)

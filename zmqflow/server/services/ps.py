@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import DeadlineExceeded, InvalidArgument, Recovering
+from ...observe import stragglers
 from ...state.limits import DEFAULT_STATE_LIMITS, StateLimits
 from ...state.tables import HashTable
 from ...state.store import PartKey, Plan, Rows, ShardStore, Sparse, build, part_label
@@ -66,6 +67,7 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
         self._table_specs: dict[PartKey, tuple] = {}
         self.replicas = list(replicas or [])
         self._advanced: dict[PartKey, asyncio.Event] = defaultdict(asyncio.Event)
+        self._rounds = stragglers.Rounds(stragglers.StragglerDetector("sync ps"), trace="sync round")  # per step
 
     def state(self) -> str | None:
         if self.fenced:
@@ -210,6 +212,7 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
             who = ctx.source or "anonymous"  # with keys, the name of the pusher's key (CallContext)
             self._pushers[who] = ctx.peer
             self._gone.discard(who)
+            self._rounds.arrive(mine, who)
             outcome = p.sync.offer(step, who, grads["dense"], grads["sparse"])
             if outcome == STALE:
                 stale = True
@@ -217,6 +220,7 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
                 mean_dense, mean_sparse = p.sync.take()
                 self._apply(key, mean_dense, mean_sparse)
                 self._advanced.pop(key, asyncio.Event()).set()
+                self._rounds.close(mine)
             elif p.sync.drop_dead and set(p.sync.missing(self.replicas)) <= self._gone and self._drop_dead(key):
                 pass  # every replica still missing is one already known gone: no need to wait for it
             else:
