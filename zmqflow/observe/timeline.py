@@ -23,7 +23,8 @@ when ``zmqflow timeline merge`` joins them.
 
 Memory stays bounded: events go to the file as they happen, through a buffer of at most
 ``FLUSH_BYTES`` written out whole (never half an event) at least every ``FLUSH_S`` seconds. A clean
-exit writes the closing bracket (``atexit``); a killed process leaves a file without it, which
+exit writes the closing bracket (``atexit``); a process that recorded nothing (``zmqflow launch``
+itself, a ps task no one used) writes no file. A killed process leaves a file without it, which
 Chrome's and Perfetto's loaders accept (the format allows it), as does the merge; it loses at most
 the events of its last ``FLUSH_S`` seconds.
 
@@ -88,7 +89,8 @@ class Recorder:
         self._anchor_ns = time.time_ns() - time.perf_counter_ns()  # wall clock at perf_counter 0
         self._pids: dict[str, int] = {}
         self._tids: dict[tuple[int, str, int], int] = {}
-        self._busy: dict[tuple[int, str], set[int]] = {}
+        self._busy: dict[tuple[int, str], set[int]] = {}  # lanes with a span open
+        self._ends: dict[tuple[int, str], list[float]] = {}  # per lane, when its last span ended
 
     def now_us(self) -> float:
         return (self._anchor_ns + time.perf_counter_ns()) / 1000.0
@@ -111,13 +113,15 @@ class Recorder:
             self._write({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
         return tid
 
-    def acquire(self, kind: str, task: str | None) -> tuple[int, int, int]:
-        """A free lane of ``kind`` on ``task``'s process: (pid, tid, lane)."""
+    def acquire(self, kind: str, task: str | None, since: float | None = None) -> tuple[int, int, int]:
+        """A lane of ``kind`` on ``task``'s process free since ``since`` (default: now): no span
+        open on it, none recorded on it ending later. Returns (pid, tid, lane)."""
         with self._lock:
             pid = self._pid(task)
             busy = self._busy.setdefault((pid, kind), set())
+            ends = self._ends.setdefault((pid, kind), [])
             lane = 0
-            while lane in busy:
+            while lane in busy or (since is not None and lane < len(ends) and ends[lane] > since):
                 lane += 1
             busy.add(lane)
             return pid, self._tid(pid, kind, lane), lane
@@ -125,6 +129,9 @@ class Recorder:
     def release(self, pid: int, kind: str, lane: int, event: dict[str, Any]) -> None:
         with self._lock:
             self._busy[(pid, kind)].discard(lane)
+            ends = self._ends[(pid, kind)]
+            ends.extend([0.0] * (lane + 1 - len(ends)))
+            ends[lane] = max(ends[lane], event["ts"] + event["dur"])
             self._write(event)
 
     def emit(self, kind: str, event: dict[str, Any], task: str | None = None) -> None:
@@ -177,11 +184,9 @@ class Recorder:
         with self._lock:
             if self._closed:
                 return
-            if self._first:  # nothing recorded: still a valid (empty) trace
-                self._pending.append("[")
-                self._first = False
-            self._pending.append("\n]\n")
-            self._flush()
+            if not self._first:  # nothing recorded (a launcher, a status call): no file at all
+                self._pending.append("\n]\n")
+                self._flush()
             self._closed = True
             if self._fd is not None:
                 os.close(self._fd)
@@ -278,7 +283,7 @@ def complete(kind: str, name: str, start_us: float, task: str | None = None, arg
     if rec is None:
         return
     t1 = rec.now_us()
-    pid, tid, lane = rec.acquire(kind, task)
+    pid, tid, lane = rec.acquire(kind, task, since=start_us)
     event = {"ph": "X", "name": name, "cat": kind, "ts": start_us, "dur": max(t1 - start_us, 0.001), "pid": pid, "tid": tid}
     if args:
         event["args"] = args
