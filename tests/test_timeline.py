@@ -212,3 +212,23 @@ def test_the_recorder_in_process(tmp_path):
     failed = [e for e in _spans(events) if e["name"] == "push"]
     assert failed[0]["args"] == {"error": "ValueError"}
     assert save(2) == 3 and timeline.recorder() is None
+
+
+def test_merge_keeps_a_restarted_tasks_runs_on_one_process(tmp_path):
+    """A task restarted under launch writes a second file (``.restart1``); both land on its one
+    process, each run's threads on tracks of their own, tasks ordered chief, ps, workers."""
+    paths = []
+    for task, restart in (("worker:0", 0), ("worker:0", 1), ("ps:0", 0)):
+        rec = timeline.start(str(tmp_path / "t.json"), task, restart)
+        with timeline.span("push"):
+            pass
+        timeline.stop()
+        paths.append(rec.path)
+    assert [os.path.basename(p) for p in paths] == ["t.worker-0.json", "t.worker-0.restart1.json", "t.ps-0.json"]
+    merged = merge(paths)
+    tasks = _task_of(merged)
+    assert tasks == {1: "ps:0", 2: "worker:0"}
+    pushes = [e for e in _spans(merged) if e["name"] == "push"]
+    assert sorted(e["pid"] for e in pushes) == [1, 2, 2]
+    assert len({e["tid"] for e in pushes if e["pid"] == 2}) == 2
+    assert all((e["pid"], e["tid"]) in _threads(merged) for e in pushes)
