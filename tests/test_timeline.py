@@ -111,16 +111,19 @@ def test_every_task_writes_its_own_trace_and_merge_joins_them(tmp_path, procs):
 
 KILLED = textwrap.dedent(
     """
-    import os, signal, time, numpy as np
+    import os, signal, numpy as np
     from zmqflow.bridge import runtime
+    from zmqflow.testing import wait_until
     from zmqflow.observe import timeline
     rt = runtime.init(timeout=30)
     s = rt.session
     s.variable("w", np.zeros(16, np.float32))
-    end = time.monotonic() + 1.5  # past one flush interval: what came before is on disk
-    while time.monotonic() < end:
+    for _ in range(5):
         s.push({"w": np.ones(16, np.float32)})
         s.pull(["w"])
+    # then quiet: the recorder's own thread puts what is pending on disk within its flush interval
+    path = timeline.recorder().base.replace(".json", ".worker-0.json")
+    wait_until(lambda: os.path.exists(path) and open(path).read().count('"cat":"push"') == 5, 30, what="the flush")
     print("killing myself", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
     """
@@ -138,7 +141,7 @@ def test_a_killed_process_leaves_a_trace_merge_still_reads(tmp_path, procs):
     with pytest.raises(json.JSONDecodeError):
         json.loads(text)
     events = read_trace(str(file))
-    assert len([e for e in _spans(events) if e["name"] == "push"]) > 2
+    assert len([e for e in _spans(events) if e["name"] == "push"]) == 5
     # a last event cut short (a kill mid-write elsewhere) is dropped, the rest kept
     cut = tmp_path / "cut.json"
     cut.write_text(text + ',\n{"ph":"X","name":"pu')

@@ -22,7 +22,8 @@ Timestamps are wall-clock microseconds since the epoch, taken as one ``time.time
 when ``zmqflow timeline merge`` joins them.
 
 Memory stays bounded: events go to the file as they happen, through a buffer of at most
-``FLUSH_BYTES`` written out whole (never half an event) at least every ``FLUSH_S`` seconds. A clean
+``FLUSH_BYTES`` written out whole (never half an event) at least every ``FLUSH_S`` seconds (by a
+daemon thread when the task goes quiet). A clean
 exit writes the closing bracket (``atexit``); a process that recorded nothing (``zmqflow launch``
 itself, a ps task no one used) writes no file. A killed process leaves a file without it, which
 Chrome's and Perfetto's loaders accept (the format allows it), as does the merge; it loses at most
@@ -90,6 +91,9 @@ class Recorder:
         self._pids: dict[str, int] = {}
         self._tids: dict[tuple[int, str, int], int] = {}
         self._busy: dict[tuple[int, str], set[int]] = {}  # lanes with a span open
+        self._stop = threading.Event()
+        # a task that goes quiet (hung, or waiting) still has its last events on disk within FLUSH_S
+        threading.Thread(target=self._flusher, name="zmqflow-timeline", daemon=True).start()
         self._ends: dict[tuple[int, str], list[float]] = {}  # per lane, when its last span ended
 
     def now_us(self) -> float:
@@ -179,8 +183,14 @@ class Recorder:
         with self._lock:
             self._flush()
 
+    def _flusher(self) -> None:
+        while not self._stop.wait(FLUSH_S):
+            if self._pending:
+                self.flush()
+
     def close(self) -> None:
         """Write what is pending and the closing bracket: the file is then one valid JSON array."""
+        self._stop.set()
         with self._lock:
             if self._closed:
                 return
