@@ -24,6 +24,7 @@ from ..cluster import ClusterSpec, TaskId, resolve
 from ..errors import ConfigError, ZmqflowError
 from ..observe.endpoint import Endpoint
 from ..observe.endpoint import start_for as start_metrics
+from ..observe import timeline
 from ..ports import free_port
 from ..server.task import Server
 from ..slurm import is_slurm
@@ -104,6 +105,7 @@ def init(cluster: "ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | No
             if found is None:
                 raise ConfigError("no task given: pass task=, or set ZMQFLOW_TASK or TF_CONFIG's 'task'")
             me = found
+        timeline.set_task(me)  # names this process's timeline file and track, unless already written
         endpoint = start_metrics(spec, me)  # first: the servers are made with metrics on
         try:
             if private:

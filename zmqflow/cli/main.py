@@ -12,6 +12,7 @@ from .keys import keys
 from .launch import launch
 from .serve import serve
 from .status import status
+from .timeline import timeline
 
 __all__ = ["main"]
 
@@ -29,3 +30,4 @@ main.add_command(bench)
 main.add_command(demo)
 main.add_command(keys)
 main.add_command(checkpoint)
+main.add_command(timeline)

@@ -33,6 +33,7 @@ from .embedding import create_table_parts
 from ..state.tables import hash_owner
 from ..errors import InvalidArgument, NotFound, Recovering
 from ..observe.metrics import record_checkpoint
+from ..observe import timeline
 from ..state.partition import fixed_size_partitioner
 from ..state.snapshot import (FILE_FORMAT, TEMP_SUFFIX, abandoned_temporary, crash_point, fsync_dir, open_shard_file,
                               part_prefix, write_atomic)
@@ -65,6 +66,7 @@ def _file_tag(step: int) -> str:
     return f"step{step:010d}-{int(time.time() * 1000)}-{secrets.token_hex(4)}"
 
 
+@timeline.traced("checkpoint", "save")
 async def async_save(sess: "AsyncSession", directory: str, *, step: int | None = None, keep: int = 5) -> str:
     """The shards write first, each where its checkpoint roots allow (a refused directory is
     ``PermissionDenied`` and nothing is created); then the manifest, then pruning."""
@@ -150,6 +152,7 @@ def _load(path: str) -> tuple[dict[str, Any], dict[tuple[str, int], Shard]]:
     return manifest, ckfiles.pieces(shards)
 
 
+@timeline.traced("checkpoint", "restore")
 async def async_restore(sess: "AsyncSession", path: str) -> int:
     """Put the checkpoint at ``path`` (a manifest, or a directory: its latest) back; returns its step."""
     started = time.perf_counter()
@@ -168,6 +171,7 @@ async def _put_back(sess: "AsyncSession", manifest: dict[str, Any], pieces: dict
     return int(manifest["step"])
 
 
+@timeline.traced("checkpoint", "recover")
 async def async_recover(sess: "AsyncSession", path: str) -> int:
     """Restore onto a running cluster whose shards hold newer or partial state (a shard died and
     came back empty). The checkpoint is read first; then every shard is fenced, so no worker

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..cluster import TaskId
 from ..errors import ConfigError
+from ..observe import timeline
 from ..server.services.rendezvous import Formation, Rendezvous, join_next_generation
 from ..server.task import AsyncServer, Server
 from .ring import AsyncRing, Ring, default_members
@@ -42,6 +43,7 @@ class AsyncElasticRing:
         self.state.configure(str(server.task), [str(t) for t in self.universe], server.client, server.spec,
                              join_window, first_join_window)
 
+    @timeline.traced("ring", "negotiate")
     async def form(self, step: int, timeout: float) -> Formation:
         """Join the next generation; ``step`` is how far this replica is (-1: none worth keeping)."""
         formation = await join_next_generation(self.state, step, timeout)

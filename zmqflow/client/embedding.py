@@ -20,6 +20,7 @@ from ..state import optim as _optim
 from ..cluster import TaskId, shard_tasks
 from ..errors import InvalidArgument
 from .embedding_delta import export_delta
+from ..observe import timeline
 from .port import SessionPort
 from .placement import current_device, current_policy
 from ..state.tables import hash_owner, static_owner, static_part_rows
@@ -185,6 +186,7 @@ class AsyncEmbedding:
 
     # Every method takes ``timeout=``: the deadline of each of its requests (the session's by
     # default). A shard that does not answer in time: DeadlineExceeded.
+    @timeline.traced("pull", "embedding lookup")
     async def lookup(self, ids: Any, *, create: bool = True, timeout: float | None = None) -> np.ndarray:
         """Rows for ``ids`` of any integer shape: an array of shape ``(*ids.shape, dim)``."""
         shape = np.shape(ids)
@@ -220,6 +222,7 @@ class AsyncEmbedding:
             summed = np.divide(summed, norm[:, None], out=np.zeros_like(summed), where=norm[:, None] != 0)
         return summed.astype(self.info.dtype)
 
+    @timeline.traced("push", "embedding push")
     async def push(self, ids: Any, grads: Any, *, step: int | None = None, timeout: float | None = None) -> int:
         """Sparse gradients: duplicates summed here, each shard gets its unique ids only. Returns
         how many rows were updated (rows a dynamic table has not admitted are dropped and counted).

@@ -33,6 +33,7 @@ from ..server.task import AsyncServer, Server
 from ..rpc.health import wait_for_tasks
 from ..wire.dtypes import dtype_name
 from ..wire.requests import cluster as crq
+from .ring_probe import CallProbe, RingWatch
 
 __all__ = ["Ring", "AsyncRing", "default_members", "DEFAULT_BUCKET_BYTES", "DEFAULT_CHUNK_BYTES", "DEFAULT_SMALL_BYTES"]
 
@@ -84,6 +85,7 @@ class AsyncRing:
         self._endpoints = [server.spec.address(m).endpoint for m in self.members]
         self._connected = False
         self._aborts: list[asyncio.Future] = []
+        self._seen = RingWatch(name, str(server.task))  # timeline spans, stragglers
         self.service.register(name, [str(m) for m in self.members])  # with keys: chunks only from their rank's task
 
     @property
@@ -95,7 +97,8 @@ class AsyncRing:
 
     async def connect(self, timeout: float | None = None) -> None:
         """Wait until every member answers; keeps a connection to each, to notice one that dies."""
-        await wait_for_tasks(self.server.client, self.server.spec, self.timeout if timeout is None else timeout, self.members)
+        with self._seen.span("ring", "negotiate"):
+            await wait_for_tasks(self.server.client, self.server.spec, self.timeout if timeout is None else timeout, self.members)
         self._connected = True
 
     # collectives ------------------------------------------------------------------------
@@ -196,7 +199,8 @@ class AsyncRing:
         steps = scatter_reduce(self.rank, self.size) + allgather_steps(self.rank, self.size)
         await self._run(buf, steps, op, meta, deadline, src=src)
         if op == "mean" and self.size > 1:
-            finish_mean(buf, self.size)
+            with self._seen.span("ring reduce", "mean"):
+                finish_mean(buf, self.size)
 
     async def _run(self, buf: Any, steps: list[Step], op: str, meta: list[Any], deadline: float, *,
                    receive: bool = True, send: bool = True, whole: bool = False, equal: bool = False,
@@ -214,15 +218,20 @@ class AsyncRing:
         backend = backend_for(buf, src)
         sends: list[asyncio.Future] = []
         service = self.service
+        probe, first, left = self._seen.call(), steps[0], str(self.members[(self.rank - 1) % n])
 
         async def receive_chunk(step: Step, k: int) -> None:
-            src, their_meta, data = await service.take((self.name, seq, step.phase, step.index, k))
+            with self._seen.span("ring wait", "wait"):
+                src, their_meta, data = await service.take((self.name, seq, step.phase, step.index, k))
+            if step is first and k == 0 and not whole:  # a relay (broadcast) waits by design
+                probe.arrived(left)  # sent as soon as the left started this call
             a, b = chunk_range(segs[step.recv], k, chunk)
             self._check(seq, src, meta, their_meta, data, b - a, buf.dtype)
-            if step.phase == RS and op != "none":
-                backend.fold(a, b, data, op)
-            else:
-                backend.place(a, b, data)
+            with self._seen.span("ring reduce", "reduce" if step.phase == RS and op != "none" else "place"):
+                if step.phase == RS and op != "none":
+                    backend.fold(a, b, data, op)
+                else:
+                    backend.place(a, b, data)
 
         def send_chunk(step: Step, k: int) -> None:
             a, b = chunk_range(segs[step.send], k, chunk)
@@ -246,7 +255,7 @@ class AsyncRing:
                 await asyncio.gather(*sends)
             backend.synchronize()
 
-        await self._guarded(seq, meta, deadline, sends, body())
+        await self._guarded(seq, meta, deadline, sends, body(), probe)
 
     async def _exchange(self, flat: np.ndarray, op: str, meta: list[Any], deadline: float) -> np.ndarray:
         """Allreduce a small host buffer in one step: every rank deposits all of it at every other
@@ -261,11 +270,14 @@ class AsyncRing:
         sends: list[asyncio.Future] = []
         parts: list[Any] = [None] * n
         parts[rank] = flat
+        probe = self._seen.call()
 
         async def receive(src: int) -> None:
             # the left neighbour's buffer takes the key of the ring's first chunk, so a rank that
             # runs the ring against this one (a different size) meets a mismatch, not a deadlock
-            got_src, their_meta, data = await service.take((self.name, seq, RS, (rank - src) % n - 1, 0))
+            with self._seen.span("ring wait", "wait"):
+                got_src, their_meta, data = await service.take((self.name, seq, RS, (rank - src) % n - 1, 0))
+            probe.arrived(str(self.members[src]))
             self._check(seq, got_src, meta, their_meta, data, len(flat), flat.dtype)
             parts[src] = data
 
@@ -276,17 +288,21 @@ class AsyncRing:
             await asyncio.gather(*(receive(src) for src in range(n) if src != rank))
             await asyncio.gather(*sends)  # acknowledged: nobody holds ``flat`` for a resend any more
 
-        await self._guarded(seq, meta, deadline, sends, body())
-        return reduce_in_order(parts, op)
+        await self._guarded(seq, meta, deadline, sends, body(), probe)
+        with self._seen.span("ring reduce", "reduce"):
+            return reduce_in_order(parts, op)
 
-    async def _guarded(self, seq: int, meta: list[Any], deadline: float, sends: list[asyncio.Future], body: Any) -> None:
+    async def _guarded(self, seq: int, meta: list[Any], deadline: float, sends: list[asyncio.Future], body: Any,
+                       probe: CallProbe) -> None:
         """Run one call's ``body`` under its watcher; on failure cancel its sends and let the other
         members hear why before the caller moves on."""
         service = self.service
         watcher = asyncio.ensure_future(self._watch(seq, meta, deadline))
         try:
-            await body
+            with self._seen.span("ring", meta[0]):
+                await body
             self.completed = max(self.completed, seq)
+            probe.done()
         except ZmqflowError:
             for fut in sends:
                 if not fut.done():
@@ -313,6 +329,7 @@ class AsyncRing:
         )
         fut = asyncio.ensure_future(self._delivered(call, right, seq))
         fut.add_done_callback(lambda f: self._sent(f, seq))
+        self._seen.track_send(fut, seq, str(self.members[right]))
         return fut
 
     async def _delivered(self, call: asyncio.Future, right: int, seq: int) -> Any:

@@ -22,6 +22,7 @@ from ..state import init as _init
 from ..state import optim as _optim
 from ..cluster import TaskId
 from ..errors import InvalidArgument
+from ..observe import timeline
 from .port import SessionPort
 from .placement import current_device, current_policy
 from ..state.partition import num_partitions, row_splits
@@ -195,6 +196,7 @@ async def create_parts(sess: SessionPort, info: VarInfo, value: np.ndarray | Non
 # moving values ------------------------------------------------------------------------------
 
 
+@timeline.traced("pull")
 async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = None) -> dict[str, np.ndarray]:
     """Every part's rows, in requests of about SLICE_BYTES all sent at once, each with ``timeout``
     (the session's by default)."""
@@ -271,6 +273,7 @@ async def scatter(sess: SessionPort, info: VarInfo, indices: Any, rows: Any, mod
     ])
 
 
+@timeline.traced("push")
 async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None,
                timeout: float | None = None) -> dict[str, Any]:
     """Dense gradients (arrays) or sparse ones (``(indices, rows)``) through each variable's optimizer."""

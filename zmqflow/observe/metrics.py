@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from ..version import __version__
+from . import stragglers
 
 __all__ = ["Histogram", "TaskMetrics", "ProcessMetrics", "MetricsHub", "HUB", "DEFINITIONS", "MAX_LABELS", "OTHER",
            "LATENCY_BUCKETS", "enable", "disable", "enabled", "for_task", "release", "record_straggler", "set_eval_metric",
@@ -349,3 +350,7 @@ def record_checkpoint(kind: str, seconds: float) -> None:
     h = HUB.process.checkpoints.get(kind)
     if h is not None:
         h.observe(seconds)
+
+
+# the straggler detectors (sync ps rounds, the ring) report here: Prometheus sees what the log says
+stragglers.subscribe(record_straggler)

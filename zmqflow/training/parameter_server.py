@@ -13,6 +13,7 @@ from ..client.blocking import Session
 from ..cluster import TaskId, shard_tasks
 from ..errors import DeadlineExceeded, NotFound, Recovering, Unavailable
 from ..observe.progress import note_error
+from ..observe import timeline
 from ..state import optim as _optim
 from .context import TrainingContext
 from .strategy import Strategy
@@ -130,6 +131,7 @@ class ParameterServerStrategy(Strategy):
                 continue
             return out
 
+    @timeline.traced("recovery", "recover")
     def _recover(self, exc: Exception, restore: bool | None = None) -> None:
         """The chief waits for every shard, restores them all from the latest checkpoint under a
         fence (so they agree on one step and no one trains on half-restored state) and logs the
@@ -146,6 +148,7 @@ class ParameterServerStrategy(Strategy):
         if not ctx.recovering:
             log.warning("%s: a ps shard failed (%s); recovering", ctx.task_name, exc)
             note_error(f"a ps shard failed, recovering: {type(exc).__name__}: {exc}")
+            timeline.instant("recovery", "shard failed", args={"error": str(exc)})
             ctx.recovering = True
         delay = 0.05
         fenced_since = time.monotonic()

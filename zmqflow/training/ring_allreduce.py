@@ -20,6 +20,7 @@ from ..client.elastic_ring import ElasticRing, Formation
 from ..cluster import TaskId
 from ..errors import ClusterNotReady, DeadlineExceeded, Unavailable
 from ..observe.progress import note_error
+from ..observe import timeline
 from .strategy import LocalParams, Strategy
 
 __all__ = ["RingAllReduceStrategy"]
@@ -153,8 +154,10 @@ class RingAllReduceStrategy(Strategy):
             self._reform(f"{waiting} rank(s) waiting to join")
         return self.step
 
+    @timeline.traced("recovery", "re-form")
     def _recover(self, exc: Exception) -> None:
         ctx = self.ctx
+        timeline.instant("recovery", "ring member lost", args={"error": str(exc)})
         log.warning("%s: ring generation %d failed (%s); re-forming with the live members", ctx.task_name,
                     self.generation, exc)
         note_error(f"ring generation {self.generation} failed, re-forming: {type(exc).__name__}: {exc}")

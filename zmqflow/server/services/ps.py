@@ -21,6 +21,7 @@ import numpy as np
 
 from ...errors import DeadlineExceeded, InvalidArgument, Recovering
 from ...observe.metrics import CHECKPOINT_BUCKETS, MAX_LABELS, Histogram
+from ...observe import stragglers
 from ...state.limits import DEFAULT_STATE_LIMITS, StateLimits
 from ...state.tables import HashTable
 from ...state.store import PartKey, Plan, Rows, ShardStore, Sparse, build, part_label
@@ -74,6 +75,7 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
         self.sync_missing: dict[str, int] = {}  # replica -> steps that timed out or completed without it
         self._missing_noted: dict[PartKey, int] = {}  # the step whose timeout was last counted, per part
         self.save_seconds = Histogram(CHECKPOINT_BUCKETS)
+        self._rounds = stragglers.Rounds(stragglers.StragglerDetector("sync ps"), trace="sync round")  # per step
 
     def state(self) -> str | None:
         if self.fenced:
@@ -227,6 +229,7 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
             who = ctx.source or "anonymous"  # with keys, the name of the pusher's key (CallContext)
             self._pushers[who] = ctx.peer
             self._gone.discard(who)
+            self._rounds.arrive(mine, who)
             outcome = p.sync.offer(step, who, grads["dense"], grads["sparse"])
             if outcome == STALE:
                 stale = True
@@ -236,6 +239,7 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
                 self._apply(key, mean_dense, mean_sparse)
                 self._round_done([])
                 self._advanced.pop(key, asyncio.Event()).set()
+                self._rounds.close(mine)
             elif p.sync.drop_dead and set(p.sync.missing(self.replicas)) <= self._gone and self._drop_dead(key):
                 pass  # every replica still missing is one already known gone: no need to wait for it
             else:
