@@ -7,6 +7,7 @@ import click
 from ..version import __version__
 from .bench import bench
 from .demo import demo
+from .deploy import deploy
 from .keys import keys
 from .launch import launch
 from .serve import serve
@@ -27,3 +28,4 @@ main.add_command(status)
 main.add_command(bench)
 main.add_command(demo)
 main.add_command(keys)
+main.add_command(deploy)
