@@ -21,7 +21,6 @@ from zmqflow.deploy.k8s import (CLUSTER_KEY, KEYS_DIR, PORT_NAME, SECRET_FILES, 
                                 render_yaml)
 from zmqflow.errors import ConfigError, InvalidArgument
 from zmqflow.ports import free_port
-from zmqflow.testing import wait_until
 
 kv = pytest.importorskip("kubernetes_validate")
 yaml = pytest.importorskip("yaml")
@@ -277,7 +276,6 @@ def _tfjob() -> dict[str, Any]:
 def test_tfjob_example_structure_and_pod_templates() -> None:
     job = _tfjob()
     assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "TFJob"
-    assert kv.utils.__name__  # the module is there; TFJob itself is a CRD it has no schema for
     replicas = job["spec"]["tfReplicaSpecs"]
     assert set(replicas) == {"PS", "Chief", "Worker"}
     for rtype, rs in replicas.items():
