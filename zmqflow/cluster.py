@@ -22,7 +22,7 @@ from . import slurm as _slurm
 from .errors import ConfigError
 
 __all__ = ["Address", "TaskId", "ClusterSpec", "KNOWN_ROLES", "resolve", "load_config", "shard_tasks", "catalog_task",
-           "holder_tasks", "from_slurm"]
+           "holder_tasks", "from_slurm", "task_from_pod"]
 
 KNOWN_ROLES = ("chief", "worker", "ps", "evaluator")
 _JOB_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]*$")
@@ -340,7 +340,8 @@ def resolve(
     *,
     require_task: bool = True,
 ) -> tuple[ClusterSpec, TaskId | None]:
-    """Find the cluster and this process's task: flags, then ZMQFLOW_*, then TF_CONFIG, then
+    """Find the cluster and this process's task: flags, then ZMQFLOW_* (ZMQFLOW_TASK, else
+    ZMQFLOW_TASK_JOB with the pod's index: :func:`task_from_pod`), then TF_CONFIG, then
     Slurm's variables (:func:`from_slurm`, with ZMQFLOW_SLURM_PS and ZMQFLOW_SLURM_BASE_PORT).
     Slurm comes last so a process ``zmqflow launch`` starts inside a Slurm job follows the
     ZMQFLOW_* it was given, and it is read only when nothing else names a cluster: its task
@@ -357,6 +358,8 @@ def resolve(
         tid = TaskId.parse(task)
     elif env.get("ZMQFLOW_TASK"):
         tid = TaskId.parse(env["ZMQFLOW_TASK"])
+    elif env.get("ZMQFLOW_TASK_JOB"):
+        tid = task_from_pod(env)
     else:
         tid = file_task
     tf_config = env.get("TF_CONFIG")
@@ -383,6 +386,28 @@ def resolve(
             return spec, None
         raise ConfigError(f"unknown task {tid} (job {tid.job!r} index {tid.index}); cluster has {spec.describe()}")
     return spec, tid
+
+
+def task_from_pod(env: Mapping[str, str] | None = None) -> TaskId:
+    """This pod's task when one template serves a whole job (Kubernetes): the job is
+    ZMQFLOW_TASK_JOB, the index ZMQFLOW_TASK_INDEX, else JOB_COMPLETION_INDEX (an Indexed Job
+    sets it), else the ordinal a StatefulSet puts at the end of the host name (``zf-ps-3``)."""
+    env = os.environ if env is None else env
+    job = env.get("ZMQFLOW_TASK_JOB", "").strip()
+    if not _JOB_RE.match(job):
+        raise ConfigError(f"ZMQFLOW_TASK_JOB={job!r} is not a job name")
+    for name in ("ZMQFLOW_TASK_INDEX", "JOB_COMPLETION_INDEX"):
+        text = env.get(name, "").strip()
+        if text:
+            if not _is_digits(text):
+                raise ConfigError(f"{name}={text!r}: expected a non-negative integer")
+            return TaskId(job, int(text))
+    host = env.get("HOSTNAME") or socket.gethostname()
+    ordinal = host.split(".")[0].rpartition("-")[2]
+    if not _is_digits(ordinal):
+        raise ConfigError(f"ZMQFLOW_TASK_JOB={job!r} needs an index: set ZMQFLOW_TASK_INDEX or JOB_COMPLETION_INDEX, "
+                          f"or run where the host name ends in '-<ordinal>' (a StatefulSet pod), not {host!r}")
+    return TaskId(job, int(ordinal))
 
 
 def shard_tasks(spec: ClusterSpec) -> list[TaskId]:

@@ -8,6 +8,7 @@ from ..version import __version__
 from .bench import bench
 from .checkpoint import checkpoint
 from .demo import demo
+from .deploy import deploy
 from .keys import keys
 from .launch import launch
 from .serve import serve
@@ -31,3 +32,4 @@ main.add_command(demo)
 main.add_command(keys)
 main.add_command(checkpoint)
 main.add_command(timeline)
+main.add_command(deploy)

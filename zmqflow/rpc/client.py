@@ -262,6 +262,11 @@ class RpcClient:
     def _unreachable(pending: _Pending, waited: float) -> Unavailable:
         peer = pending.peer
         where = peer.name if peer.name == peer.endpoint else f"{peer.name} at {peer.endpoint}"
+        # a transport that resolves host names (ZeroMQ tcp) says when that is why the peer is not up
+        host = getattr(peer.conn, "unresolved", None)
+        if host:
+            return Unavailable(f"{where} could not be reached within {waited:g}s: host {host} does not resolve; "
+                               f"{pending.what} not sent", task=peer.name, host=host)
         return Unavailable(f"{where} could not be reached within {waited:g}s; {pending.what} not sent", task=peer.name)
 
     def _retry(self, rid: int, frames: list[Any]) -> None:

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..cluster import ClusterSpec, TaskId, resolve, shard_tasks
+from ..cluster import Address, ClusterSpec, TaskId, resolve, shard_tasks
 from ..errors import ConfigError, NotFound
 from ..loop import LoopThread
 from ..observe import metrics as observe_metrics
@@ -166,16 +166,26 @@ class AsyncServer:
                 "(or ZMQFLOW_KEYS=DIR), or pass --insecure (insecure=True) to serve unauthenticated on a trusted network"
             )
 
+    def bind_endpoint(self) -> str:
+        """Where the router listens: the task's own address, or ZMQFLOW_BIND_HOST at its port. A
+        pod binds its IP (or ``0.0.0.0``) there, since its own DNS name may not resolve before it
+        is ready, and the name a cluster spec gives it may be a service's, not an interface's."""
+        host = os.environ.get("ZMQFLOW_BIND_HOST", "").strip()
+        if not host or self.address.scheme != "tcp":
+            return self.address.bind_endpoint()
+        return Address("tcp", host=host, port=self.address.port).bind_endpoint()
+
     async def start(self) -> "AsyncServer":
         loop = asyncio.get_running_loop()
-        self._check_exposure(self.address.bind_endpoint())
+        bind = self.bind_endpoint()
+        self._check_exposure(bind)
         self._stopped = asyncio.Event()
         self.started_at = time.monotonic()
         self.metrics = observe_metrics.for_task(str(self.task), self.metrics_hub)
         if self.metrics is not None:
             self.metrics.probe = probe(self.counters, self._services)
         rpc = RpcServer(
-            self.address.bind_endpoint(),
+            bind,
             self._services,
             name=str(self.task),
             loop=loop,

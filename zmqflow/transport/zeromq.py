@@ -10,11 +10,20 @@ With ``security`` a listener is a CURVE server whose ZAP domain admits only its 
 (:mod:`.zap`) and hands ``on_frames(frames, user)`` the sender's authenticated name; a connection
 is a CURVE client, and a handshake its peer refuses is reported as ``AUTH_FAILED``. inproc never
 runs a handshake (it stays in this process), so there ``security`` changes nothing.
+
+libzmq resolves a tcp host name when it connects, in its own I/O thread, and retries a name that
+does not resolve every reconnect interval without a word. Pods start in any order and a peer's
+DNS name exists only once its pod does, so a connection to a host name also asks the loop's
+resolver (``loop.getaddrinfo``: a thread, never the loop) until the name resolves, logs at most
+every ``RESOLVE_LOG_S`` that it does not yet, and names the host in ``unresolved`` for the caller's error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import logging
+import socket
 import time
 from typing import Any
 
@@ -29,13 +38,18 @@ from .context import context
 from .curve import CurveClient, CurveServer
 from .options import SocketOptions, apply_dealer, apply_router
 
-__all__ = ["ZmqTransport", "ZmqListener", "ZmqConnection", "REBIND_S"]
+__all__ = ["ZmqTransport", "ZmqListener", "ZmqConnection", "REBIND_S", "RESOLVE_RETRY_S", "RESOLVE_LOG_S"]
+
+log = logging.getLogger(__name__)
 
 # libzmq releases an address a moment after its socket closes (its I/O thread does it), so a
 # server restarted in the same process may find its address still taken: it retries this long.
 # Inproc names always; other addresses only when this process released them just now.
 REBIND_S = 1.0
 _released: dict[str, float] = {}  # endpoint -> when this process closed a listener bound to it
+RESOLVE_RETRY_S = 0.5  # how often a host name that does not resolve is looked up again
+RESOLVE_LOG_S = 10.0  # at most one "does not resolve yet" line per host and port this often
+_unresolved_logged: dict[str, float] = {}  # "host:port" -> loop time of its last log line
 _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -98,6 +112,9 @@ class ZmqConnection:
         self._name = name
         self._inproc = endpoint.startswith("inproc://")  # inproc has no connection events; up once bound
         self._state = CONNECTING
+        # the peer's host name while it does not resolve (yet): why the peer is not up
+        self.unresolved: str | None = None
+        self._resolving: asyncio.Task | None = None
         self._open()
 
     def _open(self) -> None:
@@ -115,6 +132,34 @@ class ZmqConnection:
             msock = sock.get_monitor_socket(_MONITOR_EVENTS)
             self._monitor = Channel(msock, self._on_monitor, self._loop, name=f"monitor->{self._name}")
         sock.connect(self.endpoint)
+        self._watch_name()
+
+    def _watch_name(self) -> None:
+        """Look the peer's host name up until it resolves (tcp names only, one watcher at a time)."""
+        if self._resolving is not None and not self._resolving.done():
+            return
+        target = _named_host(self.endpoint)
+        if target is not None:
+            self._resolving = self._loop.create_task(self._resolve(*target))
+
+    async def _resolve(self, host: str, port: int) -> None:
+        where = f"{host}:{port}" if self._name == self.endpoint else f"{self._name} at {host}:{port}"
+        while self._state in (CONNECTING, DOWN) and not self._channel.closed:
+            try:
+                await self._loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                self.unresolved = host
+                key, now = f"{host}:{port}", self._loop.time()
+                if now - _unresolved_logged.get(key, -RESOLVE_LOG_S) >= RESOLVE_LOG_S:
+                    _unresolved_logged[key] = now
+                    log.warning("%s does not resolve yet; retrying (%s)", where, exc.strerror or exc)
+                await asyncio.sleep(RESOLVE_RETRY_S)
+                continue
+            if self.unresolved is not None:
+                log.info("%s resolves now", where)
+                _unresolved_logged.pop(f"{host}:{port}", None)
+            self.unresolved = None
+            return
 
     def _on_monitor(self, frames: list[Any]) -> None:
         try:
@@ -128,6 +173,7 @@ class ZmqConnection:
             if self._state is not AUTH_FAILED:  # the drop that follows a refusal is part of it
                 self._state = DOWN
                 self._on_state(DOWN)
+                self._watch_name()  # a peer that comes back may come back under a name not yet published
         elif event in (_AUTH_EVENTS if self._security is None else _CURVE_EVENTS):
             self._state = AUTH_FAILED
             self._on_state(AUTH_FAILED)
@@ -161,7 +207,25 @@ class ZmqConnection:
         self._channel.close()
 
     def close(self) -> None:
+        if self._resolving is not None:
+            self._resolving.cancel()
         self._close_sockets()
+
+
+def _named_host(endpoint: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a tcp endpoint that names its host (not an IP address), else None."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    host = host.strip("[]")
+    try:
+        ipaddress.ip_address(host.split("%")[0])
+        return None
+    except ValueError:
+        pass
+    if host in ("", "*", "localhost") or not port.isdigit():
+        return None
+    return host, int(port)
 
 
 class ZmqTransport:
