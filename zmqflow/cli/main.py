@@ -11,6 +11,7 @@ from .keys import keys
 from .launch import launch
 from .serve import serve
 from .status import status
+from .stop import stop
 
 __all__ = ["main"]
 
@@ -27,3 +28,4 @@ main.add_command(status)
 main.add_command(bench)
 main.add_command(demo)
 main.add_command(keys)
+main.add_command(stop)
