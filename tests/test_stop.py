@@ -281,3 +281,34 @@ def test_under_launch_a_job_with_a_ps_ends_by_itself(tmp_path, procs):
     assert p.wait(90) == 0, p.output
     assert "stopping ps:0 (every chief and worker task finished training (--exit-when-done))" in p.output, p.output
     assert "did not stop" not in p.output and "killing" not in p.output
+
+
+def test_monitored_session_goodbye_ends_an_embedded_ps_and_a_stop_request_ends_its_loop():
+    import numpy as np
+
+    from zmqflow.training.monitored import MonitoredTrainingSession
+
+    spec = make_spec({"worker": 1, "ps": 1})
+    ps = zf.Server(spec, "ps:0", exit_when_done=True)
+    try:
+        with MonitoredTrainingSession(cluster=spec, task="worker:0", progress=False) as mon:
+            mon.create({"w": np.zeros(2, np.float32)})
+            assert not ps.join(0)
+        assert ps.join(20), "the ps did not exit after the only worker's finished goodbye"
+        assert "finished training" in (ps.stop_reason or "")
+    finally:
+        ps.stop()
+
+    spec = make_spec({"worker": 1, "ps": 1})
+    ps = zf.Server(spec, "ps:0", exit_when_done=True)
+    try:
+        mon = MonitoredTrainingSession(cluster=spec, task="worker:0", progress=False)
+        mon.create({"w": np.zeros(2, np.float32)})
+        assert not mon.should_stop()
+        _call(mon.server.target, "shutdown", {})
+        wait_until(mon.should_stop, 20, what="the loop's stop")
+        mon.close()
+        assert not ps.join(0.2)  # stopped by request: no finished goodbye, the ps serves on
+        assert _call(ps.target, "status", None)["sessions"]["worker:0"] == {"open": 0, "finished": False}
+    finally:
+        ps.stop()
