@@ -245,7 +245,7 @@ def test_ps_exits_only_once_every_worker_finished_and_not_on_a_crash(tmp_path, p
     spec, cfile = _cluster(tmp_path, worker=2, ps=1)
     script, gate = tmp_path / "train.py", tmp_path / "gate"
     script.write_text(TRAIN)
-    ps = _serve(procs, cfile, "ps:0", env={"ZMQFLOW_EXIT_WHEN_DONE": "1"})
+    ps = _serve(procs, cfile, "ps:0", "--exit-when-done")  # (launch's test covers ZMQFLOW_EXIT_WHEN_DONE)
     ps.wait_for_line("serving", 60)
 
     w0 = _trainer(procs, script, spec, "worker:0", "clean", gate)

@@ -131,7 +131,7 @@ def init(cluster: "ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | No
                 s.stop()
             raise
         _current = runtime
-        server.on_stop_request(_stop_requested)
+        server.on_stop_request(lambda reason: _stop_requested(reason, server))
         global _exit_hook
         if not _exit_hook:  # a process that exits without shutdown() (an exception, sys.exit) still
             atexit.register(_at_exit)  # stops its server first: one still serving at teardown can crash it
@@ -163,10 +163,12 @@ def _stopped_error() -> Unavailable:
                        "call zmqflow.bridge.runtime.shutdown() before init() to join again", reason=_stopped)
 
 
-def _stop_requested(reason: str) -> None:
-    """This process's server was stopped by request: shut the runtime down, loudly."""
+def _stop_requested(reason: str, server: Server) -> None:
+    """This process's server was stopped by request: shut its runtime down, loudly."""
     global _current, _stopped
     with _lock:
+        if _current is None or _current.server is not server:  # a runtime already left
+            return
         runtime, _current = _current, None
         _stopped = reason
     log.warning("the zmqflow runtime is shutting down: %s", reason)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from ..cluster import ClusterSpec, TaskId
 from ..errors import ZmqflowError
+from ..server.services.sessions import TRAINING_JOBS
 from ..wire.requests import cluster as crq
 
 if TYPE_CHECKING:
@@ -26,7 +27,6 @@ __all__ = ["Presence", "TRAINING_JOBS"]
 
 log = logging.getLogger("zmqflow.client")
 
-TRAINING_JOBS = ("chief", "worker")
 TIMEOUT = 5.0
 
 
