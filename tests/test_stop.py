@@ -87,8 +87,10 @@ def test_stop_stops_named_tasks_then_all_in_order_and_frees_their_ports(tmp_path
     for task, p in served.items():
         assert p.wait(10) == 0, p.output
         assert _port_free(spec, task), task
-    # workers first, then ps: the ps heard its request after the worker's had stopped it
-    assert "stop requested by 'zmqflow-stop' (no keys): zmqflow stop" in served["ps:0"].output
+    # workers first, then ps: the ps heard its request after worker:0 had stopped (log times, one clock)
+    asked = served["ps:0"].wait_for_line("stop requested by 'zmqflow-stop' (no keys): zmqflow stop", 5)
+    stopped = served["worker:0"].wait_for_line("stopping worker:0", 5)
+    assert stopped[:23] < asked[:23], (stopped, asked)
     again = procs([*ZMQFLOW, "stop", "--cluster", str(cfile)])
     assert again.wait(60) == 0, again.output
     assert set(_lines(again.output).values()) == {"already down"}, again.output
