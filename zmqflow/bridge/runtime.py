@@ -6,6 +6,12 @@ opens a session on it and, for a rank (the chief, then every worker), the ring o
 is process-wide, as Horovod's ``hvd.init()`` is, because the collectives of every rank must run
 in the same order on one ring. Without any cluster it starts a private one in-process (this
 process as ``worker:0`` beside one ``ps:0``), so the same script runs alone.
+
+A chief or worker says hello to the ps tasks on ``init()`` and goodbye on ``shutdown()`` (also
+run at exit): ``finished`` unless the process is ending on an uncaught exception, so a ps under
+``--exit-when-done`` exits once training is over. When a stop request stops this process's
+server (``zmqflow stop``), the runtime shuts down with it, and ``current()`` and ``init()``
+raise ``Unavailable`` naming the request, so a training loop ends with that error, not a hang.
 """
 
 from __future__ import annotations
@@ -13,15 +19,17 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..client.blocking import Session
+from ..client.presence import Presence
 from ..client.ring import Ring, default_members
 from ..cluster import ClusterSpec, TaskId, resolve
-from ..errors import ConfigError, ZmqflowError
+from ..errors import ConfigError, Unavailable, ZmqflowError
 from ..observe.endpoint import Endpoint
 from ..observe.endpoint import start_for as start_metrics
 from ..observe import timeline
@@ -47,6 +55,7 @@ class Runtime:
     timeout: float
     _extra: list[Server] = field(default_factory=list, repr=False)  # the private cluster's other tasks
     metrics: Endpoint | None = None  # ZMQFLOW_METRICS_PORT's endpoint, serving this process's tasks
+    presence: Presence | None = field(default=None, repr=False)  # hello/goodbye to the ps tasks
 
     def require_ring(self) -> Ring:
         """The ring of the ranks; a ``ConfigError`` on a task that is none (a ps task, say)."""
@@ -63,8 +72,11 @@ class Runtime:
     def size(self) -> int:
         return len(self.members)
 
-    def close(self) -> None:
-        if self.ring is not None:
+    def close(self, finished: bool = True) -> None:
+        """Leave: goodbye to the ps tasks (``finished``: training ended cleanly), the ring, the rest."""
+        if self.presence is not None:
+            self.presence.goodbye(finished)
+        if self.ring is not None and self.server.stop_reason is None:  # a stopped server has no ring left
             try:  # done here: a peer finishing the last collective must not take our exit for a death
                 self.ring.leave()
             except ZmqflowError as exc:
@@ -81,6 +93,8 @@ log = logging.getLogger("zmqflow.bridge")
 _lock = threading.Lock()
 _current: Runtime | None = None
 _exit_hook = False
+_stopped: str | None = None  # why a stop request shut the runtime down (cleared by shutdown())
+_failed = False  # an uncaught exception is ending the process: its goodbye is not "finished"
 
 
 def init(cluster: "ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | None" = None,
@@ -93,6 +107,8 @@ def init(cluster: "ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | No
     with _lock:
         if _current is not None:
             return _current
+        if _stopped is not None:
+            raise _stopped_error()
         extra: list[Server] = []
         private = False
         if cluster is None and task is None and not (os.environ.get("ZMQFLOW_CLUSTER") or os.environ.get("TF_CONFIG")
@@ -125,6 +141,8 @@ def init(cluster: "ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | No
             runtime = Runtime(spec, me, server, session, ring, members, local_rank, local_size, timeout, extra, endpoint)
             if wait:
                 server.wait_for_cluster(timeout)
+            runtime.presence = Presence(session, spec, me)
+            runtime.presence.hello()
         except BaseException:
             server.stop()
             for s in extra:
@@ -133,9 +151,18 @@ def init(cluster: "ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | No
                 endpoint.close()
             raise
         _current = runtime
+        server.on_stop_request(lambda reason: _stop_requested(reason, server))
         global _exit_hook
         if not _exit_hook:  # a process that exits without shutdown() (an exception, sys.exit) still
-            atexit.register(shutdown)  # stops its server first: one still serving at teardown can crash it
+            atexit.register(_at_exit)  # stops its server first: one still serving at teardown can crash it
+            _previous_hook = sys.excepthook
+
+            def note_failure(*info: object) -> None:
+                global _failed
+                _failed = True
+                _previous_hook(*info)  # type: ignore[arg-type]
+
+            sys.excepthook = note_failure
             _exit_hook = True
         return runtime
 
@@ -151,8 +178,28 @@ def _local(spec: ClusterSpec, me: TaskId, members: list[TaskId]) -> tuple[int, i
     return (same.index(me) if me in same else 0), max(1, len(same))
 
 
+def _stopped_error() -> Unavailable:
+    return Unavailable(f"the zmqflow runtime shut down: this task's server was stopped ({_stopped}); "
+                       "call zmqflow.bridge.runtime.shutdown() before init() to join again", reason=_stopped)
+
+
+def _stop_requested(reason: str, server: Server) -> None:
+    """This process's server was stopped by request: shut its runtime down, loudly."""
+    global _current, _stopped
+    with _lock:
+        if _current is None or _current.server is not server:  # a runtime already left
+            return
+        runtime, _current = _current, None
+        _stopped = reason
+    log.warning("the zmqflow runtime is shutting down: %s", reason)
+    if runtime is not None:
+        runtime.close(finished=False)
+
+
 def current() -> Runtime:
-    """The runtime ``init()`` made; a clear error before it."""
+    """The runtime ``init()`` made; a clear error before it, and ``Unavailable`` after a stop request."""
+    if _current is None and _stopped is not None:
+        raise _stopped_error()
     if _current is None:
         raise ConfigError("the zmqflow runtime is not initialised: call zmqflow.torch.init() (or zmqflow.jax.init()) first")
     return _current
@@ -162,10 +209,16 @@ def is_initialized() -> bool:
     return _current is not None
 
 
-def shutdown() -> None:
-    """Leave the cluster: stop this process's server and session (init() may be called again)."""
-    global _current
+def shutdown(finished: bool = True) -> None:
+    """Leave the cluster: goodbye to the ps tasks (``finished``: training ended; pass False when
+    it did not), stop this process's server and session (init() may be called again)."""
+    global _current, _stopped
     with _lock:
-        runtime, _current = _current, None
+        runtime, _current, _stopped = _current, None, None
     if runtime is not None:
-        runtime.close()
+        runtime.close(finished)
+
+
+def _at_exit() -> None:
+    """At interpreter exit: a clean exit finished training; an uncaught exception did not."""
+    shutdown(finished=not _failed)

@@ -4,7 +4,8 @@ Without a command every task runs ``zmqflow serve``. With one, ps (and other non
 serve while chief, worker and evaluator tasks run the command with ``ZMQFLOW_CLUSTER`` and
 ``ZMQFLOW_TASK`` set; when the commands end the servers are stopped, and the exit code is the
 first failure's. An evaluator (``--evaluator``, or an ``evaluator`` job in the cluster) runs the
-command beside training and does not decide the exit code (:mod:`zmqflow.cli.launch_roles`).
+command beside training and does not decide the exit code (:mod:`zmqflow.cli.launch_roles`); ps
+tasks exit by themselves once training is over (:mod:`zmqflow.cli.launch_exit`).
 
 ``--keys DIR`` hands every process ``ZMQFLOW_KEYS``: servers admit only listed keys, and training
 scripts (tasks themselves) present their task keys. Without keys, a cluster beyond loopback needs
@@ -55,6 +56,7 @@ from ..server.checkpoint_roots import ENV as ROOTS_ENV
 from ..server.checkpoint_roots import CheckpointRoots
 from ..transport.curve import KEYS_ENV, Keys, is_loopback
 from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, LOG_LEVELS, TAGGED_ENV, fail
+from .launch_exit import exit_env, let_finish
 from .launch_output import TaskOutput, describe_exit
 from .launch_roles import EVALUATOR_GRACE, await_side_tasks, is_side_task, with_evaluator
 
@@ -153,13 +155,14 @@ class Launcher:
     def __init__(self, spec: ClusterSpec, command: list[str], *, log_level: str = "info", out=None,
                  restart: str = "never", max_restarts: int = 3, keys: str | None = None, insecure: bool = False,
                  checkpoint_roots: CheckpointRoots | None = None, log_dir: str | None = None,
-                 evaluator_grace: float = EVALUATOR_GRACE):
+                 evaluator_grace: float = EVALUATOR_GRACE, ps_exit_when_done: bool = True):
         self.spec = spec
         self.evaluator_grace = evaluator_grace
         self.keys = keys
         self.insecure = insecure
         self.checkpoint_roots = checkpoint_roots or launch_roots(spec, [], os.environ)
         self.restart = restart
+        self.ps_exit_when_done = ps_exit_when_done and bool(command)  # see launch_exit.py
         self.max_restarts = max_restarts
         self.command = command
         self.log_level = log_level
@@ -193,6 +196,7 @@ class Launcher:
         if self.insecure:
             env["ZMQFLOW_INSECURE"] = "1"
         env[ROOTS_ENV] = self.checkpoint_roots.to_env()
+        env.update(exit_env(task, not (self.command and task.job in COMMAND_JOBS), self.ps_exit_when_done))
         for key, value in rank_env(self.spec, task, self.master).items():
             if value is None:
                 env.pop(key, None)
@@ -294,6 +298,8 @@ class Launcher:
             await_side_tasks([(c.task, c.proc) for c in self.children if is_side_task(c.task) and c.proc is not None],
                              self.evaluator_grace, self.say)
         self._announce()
+        if self.ps_exit_when_done and self._first_failure is None and self._interrupt is None:
+            let_finish({c.task: c.proc for c in self.children if not c.runs_command and c.proc}, self.spec, self.keys)
         self.stop()
         self.output.summary([(c.task, c.failure, c.restarts) for c in self.children if c.failure is not None])
         self.output.close()
@@ -411,9 +417,11 @@ def _exit_code(returncode: int) -> int:
               "(zmqflow.train_and_evaluate evaluates each checkpoint there); launch's exit code stays the training tasks'.")
 @click.option("--evaluator-grace", type=click.FloatRange(0), default=EVALUATOR_GRACE, show_default=True,
               metavar="SECONDS", help="After training ends, how long the evaluator may take to finish before it is stopped.")
+@click.option("--ps-exit-when-done/--no-ps-exit-when-done", default=True, show_default=True,
+              help="With a command, ps tasks exit by themselves once every chief and worker finished training.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, max_restarts, keys, insecure,
-           checkpoint_roots, log_dir, evaluator, evaluator_grace, command) -> None:
+           checkpoint_roots, log_dir, evaluator, evaluator_grace, ps_exit_when_done, command) -> None:
     """Start a cluster's tasks as local processes, optionally running COMMAND on chief and workers.
 
     \b
@@ -449,7 +457,7 @@ def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, m
     try:
         launcher = Launcher(spec, command, log_level=log_level, restart=restart, max_restarts=max_restarts,
                             keys=keys, insecure=insecure, checkpoint_roots=roots, log_dir=log_dir,
-                            evaluator_grace=evaluator_grace)
+                            evaluator_grace=evaluator_grace, ps_exit_when_done=ps_exit_when_done)
     except OSError as exc:
         fail("launch", f"--log-dir {log_dir!r}: {exc.strerror or exc}", EXIT_USAGE)
 

@@ -14,6 +14,7 @@ from .launch import launch
 from .serve import serve
 from .status import status
 from .timeline import timeline
+from .stop import stop
 
 __all__ = ["main"]
 
@@ -33,3 +34,4 @@ main.add_command(keys)
 main.add_command(checkpoint)
 main.add_command(timeline)
 main.add_command(deploy)
+main.add_command(stop)

@@ -1,4 +1,5 @@
-"""``zmqflow serve``: one task's server, until SIGTERM or SIGINT."""
+"""``zmqflow serve``: one task's server, until SIGTERM or SIGINT, ``zmqflow stop``, or (with
+``--exit-when-done``) the end of training; each stops it the same way and exits 0."""
 
 from __future__ import annotations
 
@@ -50,8 +51,12 @@ STOP_TIMEOUT = 1.5  # the process must be gone within 2 s of the signal
 @click.option("--metrics-port", type=int, metavar="PORT",
               help="Serve Prometheus metrics at http://HOST:PORT/metrics, HOST the task's own (else ZMQFLOW_METRICS_HOST); "
                    "read-only and unauthenticated. Else ZMQFLOW_METRICS_PORT, plus the task's position on its host.")
+@click.option("--exit-when-done", is_flag=True, envvar="ZMQFLOW_EXIT_WHEN_DONE",
+              help="Exit 0 once every chief and worker task finished training (for ps tasks; else "
+                   "ZMQFLOW_EXIT_WHEN_DONE=1).")
 def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: tuple[str, ...], debug: bool,
           keys: str | None, insecure: bool, checkpoint_roots: tuple[str, ...], metrics_port: int | None,
+          exit_when_done: bool,
           **limits: object) -> None:
     """Serve one task of a cluster until SIGTERM or SIGINT."""
     try:
@@ -70,7 +75,7 @@ def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: 
         log.info("metrics at %s", endpoint.url)
     try:
         code = run(_serve(spec, tid, list(allow_modules) or None, server_limits, debug, keys, insecure,
-                          list(checkpoint_roots) or None))
+                          list(checkpoint_roots) or None, exit_when_done=exit_when_done))
     except ZmqflowError as exc:
         fail("serve", exc, EXIT_FAILURE)
     raise SystemExit(code)
@@ -98,10 +103,11 @@ def limits_from_flags(flags: dict[str, object]) -> ServerLimits:
 
 
 async def _serve(spec: ClusterSpec, tid: TaskId, allow_modules: list[str] | None, limits: ServerLimits,
-                 debug: bool, keys: str | None, insecure: bool, checkpoint_roots: list[str] | None = None) -> int:
+                 debug: bool, keys: str | None, insecure: bool, checkpoint_roots: list[str] | None = None, *,
+                 exit_when_done: bool = False) -> int:
     try:
         server = AsyncServer(spec, tid, allow_modules=allow_modules, limits=limits, debug=debug, keys=keys,
-                             insecure=insecure, checkpoint_roots=checkpoint_roots)
+                             insecure=insecure, checkpoint_roots=checkpoint_roots, exit_when_done=exit_when_done)
     except ConfigError as exc:
         fail("serve", exc, EXIT_USAGE)
     try:
@@ -111,13 +117,14 @@ async def _serve(spec: ClusterSpec, tid: TaskId, allow_modules: list[str] | None
     except ConfigError as exc:
         fail("serve", exc, EXIT_USAGE)
     stop = asyncio.Event()
+    server.stop_handler = lambda _reason: stop.set()  # zmqflow stop, or training done: as on SIGTERM
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info("serving %s at %s (services: %s; %s) in cluster %s", tid, server.target, ", ".join(server.service_names()),
              f"CurveZMQ keys from {server.keys.directory}" if server.keys else "no keys", spec.to_json())
     await stop.wait()
-    log.info("stopping %s", tid)
+    log.info("stopping %s%s", tid, f" ({server.stop_reason})" if server.stop_reason else "")
     try:
         await asyncio.wait_for(server.stop(), STOP_TIMEOUT)
     except TimeoutError:

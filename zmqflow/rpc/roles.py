@@ -8,6 +8,14 @@ the table is task-only, so a new op is closed until someone decides otherwise he
 outside zmqflow opens ops to clients with a ``client_ops`` class attribute. Without keys every
 caller counts as a task, as before.
 
+Stopping a task (``master.shutdown``, what ``zmqflow stop`` calls) is open to every admitted key,
+client keys included, by decision: every key in the allow-list belongs to an operator of this
+cluster or to one of its tasks, and a client key may already overwrite or zero every variable,
+which ruins a run as surely as stopping it; the operator's own tool uses the client key. A key not
+in the allow-list never gets a message through (ZAP refuses the handshake), so it stops nothing.
+The training sessions' ``master.hello``/``master.goodbye`` (which let a ps task exit when
+training is over) stay task-only: they count for the caller's task, and a client is none.
+
 The identity a call comes from (the sync replica that pushes, the ring member that joins) is the
 authenticated key's name, not a field the caller fills in: :func:`authorize` puts it in the
 ``CallContext`` and refuses a request whose header claims another.
@@ -26,7 +34,7 @@ __all__ = ["TASK", "CLIENT", "CLIENT_OPS", "client_ops", "authorize"]
 _READ_STATUS = frozenset({"ping", "status"})
 
 CLIENT_OPS: Mapping[str, frozenset[str]] = {
-    "master": _READ_STATUS | {"cluster", "wait_for_cluster"},
+    "master": _READ_STATUS | {"cluster", "wait_for_cluster", "shutdown"},  # shutdown: any admitted key (above)
     "worker": frozenset({"ping", "echo", "sink", "run"}),  # run: within the task's own allow-list of functions
     "catalog": frozenset({"ping", "declare", "mark_ready", "lookup", "uninitialized", "records"}),
     "ps": _READ_STATUS | {"global_step", "variables", "create", "pull", "assign", "scatter", "push",
@@ -35,7 +43,7 @@ CLIENT_OPS: Mapping[str, frozenset[str]] = {
 }
 # Task-only, by decision (for the record; anything unlisted above is task-only anyway):
 # ps.fence, ps.unfence, ps.sweep, ps.restore_part, ps.emb_restore, ps.emb_evict, ps.save, ps.emb_export_delta,
-# ring.join, ring.deposit, ring.abort, ring.leave.
+# ring.join, ring.deposit, ring.abort, ring.leave, master.hello, master.goodbye.
 
 
 def client_ops(service: Any) -> frozenset[str]:

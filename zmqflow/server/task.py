@@ -8,12 +8,18 @@ server is stopped instead of never.
 only the allow-list, and the task's own calls present its task key. Without keys a task refuses
 to listen beyond loopback unless ``insecure=True`` (else ``ZMQFLOW_INSECURE=1``): a protected mode,
 as Redis has, so a cluster is never open to its network by accident.
+
+A task stops on request, not only by signal: the ``master.shutdown`` op (``zmqflow stop``) and, with
+``exit_when_done``, the last training session's goodbye call :meth:`AsyncServer.request_stop`.
+The server answers first, then stops itself, or hands the request to its ``stop_handler`` (the
+``serve`` command's, which stops it as on SIGTERM and exits 0).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -39,7 +45,12 @@ from ..transport.curve import Keys, is_loopback, keys_from
 from ..transport.options import DEFAULT_OPTIONS, SocketOptions
 from ..wire import Limits
 
-__all__ = ["AsyncServer", "Server"]
+__all__ = ["AsyncServer", "Server", "REPLY_FLUSH"]
+
+log = logging.getLogger("zmqflow.server")
+# How long a requested stop waits so the reply that asked for it leaves first (sockets close with
+# LINGER 0): the caller learns the task heard it. A lost reply costs nothing: stop polls the task.
+REPLY_FLUSH = 0.1
 
 
 class AsyncServer:
@@ -61,8 +72,10 @@ class AsyncServer:
         insecure: bool | None = None,
         checkpoint_roots: "Sequence[str | os.PathLike[str]] | str | None" = None,
         metrics_hub: MetricsHub | None = None,
+        exit_when_done: bool = False,
     ):
-        """``checkpoint_roots``: the directories a ps shard here may write checkpoints under
+        """``exit_when_done``: stop once every chief and worker task finished training (a ps task
+        under ``serve --exit-when-done``; see :mod:`.services.sessions`). ``checkpoint_roots``: the directories a ps shard here may write checkpoints under
         (None: ``ZMQFLOW_CHECKPOINT_ROOTS``, else none, and saves are refused; ``"*"``: anywhere).
         ``allow_modules``: modules whose public functions sessions may run here. ``metrics_hub``:
         record this task's metrics there (else on the process's hub once metrics are enabled)."""
@@ -109,6 +122,11 @@ class AsyncServer:
         self._stopped: asyncio.Event | None = None
         self.metrics_hub = metrics_hub
         self.metrics: TaskMetrics | None = None  # while running with metrics on
+        self.exit_when_done = bool(exit_when_done)
+        self.stop_reason: str | None = None  # why a stop was requested (None: it was not)
+        # who acts on a requested stop, called on the loop with the reason; None: stop this server
+        self.stop_handler: Callable[[str], None] | None = None
+        self._stop_task: asyncio.Task[None] | None = None
 
     # TaskRuntime ------------------------------------------------------------------------
     @property
@@ -227,6 +245,21 @@ class AsyncServer:
     def running(self) -> bool:
         return self._rpc is not None
 
+    def request_stop(self, reason: str) -> None:
+        """Stop soon, once the reply of the call that asked is on its way (on the server's loop;
+        a second request changes nothing)."""
+        if self._rpc is None or self.stop_reason is not None:
+            return
+        self.stop_reason = reason
+        log.info("%s: %s", self.task, reason)
+        asyncio.get_running_loop().call_later(REPLY_FLUSH, self._act_on_stop)
+
+    def _act_on_stop(self) -> None:
+        if self.stop_handler is not None:
+            self.stop_handler(self.stop_reason or "stop requested")
+        elif self._rpc is not None:
+            self._stop_task = asyncio.get_running_loop().create_task(self.stop())
+
     async def stop(self) -> None:
         """Stop serving: services first, then the router and every outgoing connection."""
         if self._rpc is None:
@@ -279,9 +312,11 @@ class Server:
         **kwargs: Any,
     ):
         self._async = AsyncServer(cluster, task, **kwargs)
+        self._async.stop_handler = self._stop_requested
         self._thread: LoopThread | None = None
         self._done = threading.Event()
         self._lock = threading.Lock()
+        self._listeners: list[Callable[[str], None]] = []
         if start:
             self.start()
 
@@ -340,8 +375,31 @@ class Server:
                 self._done.set()
 
     def join(self, timeout: float | None = None) -> bool:
-        """Block until the server is stopped (by ``stop()`` from another thread or a signal)."""
+        """Block until the server is stopped (by ``stop()`` from another thread, a signal, or a
+        stop request: ``zmqflow stop``, or the end of training under ``exit_when_done``)."""
         return self._done.wait(timeout)
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why a stop was requested (None: it was not)."""
+        return self._async.stop_reason
+
+    def on_stop_request(self, fn: Callable[[str], None]) -> None:
+        """Call ``fn(reason)`` (on a thread of its own) once a stop request has stopped this server:
+        how the process that embeds it notices (the bridge runtime shuts down, a training loop ends)."""
+        self._listeners.append(fn)
+
+    def _stop_requested(self, reason: str) -> None:
+        """On the loop thread, which ``stop()`` joins: stop from another thread, then tell the listeners."""
+        def stop_and_tell() -> None:
+            self.stop()
+            for fn in list(self._listeners):
+                try:
+                    fn(reason)
+                except Exception:  # one listener's failure must not keep the others from hearing
+                    log.exception("%s: a stop listener failed", self.task)
+
+        threading.Thread(target=stop_and_tell, name=f"zmqflow-stop-{self.task}", daemon=True).start()
 
     def register_function(self, name: str, fn: Callable[..., Any]) -> None:
         """Let sessions run ``fn`` here by ``name``; see :meth:`AsyncServer.register_function`."""

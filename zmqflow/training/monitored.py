@@ -4,6 +4,11 @@ It finds its cluster and task the way ``zmqflow launch`` sets them (``ZMQFLOW_CL
 ``ZMQFLOW_TASK``, then ``TF_CONFIG``), hosts this task's server in-process, lets the chief create
 the parameters while the others wait for them, and runs the hooks around every step. Without a
 cluster it trains locally with the same script.
+
+A chief or worker says hello to the ps tasks when it opens and goodbye when it closes (finished
+unless the ``with`` block ended on an exception), so a ps under ``--exit-when-done`` exits once
+training is over. A stop request on its own server (``zmqflow stop``) makes ``should_stop()``
+true: the loop ends at its next check.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import numpy as np
 
 from ..client import checkpoint, checkpoint_watch
 from ..client.blocking import Session
+from ..client.presence import Presence
 from ..client.ring import default_members
 from ..cluster import ClusterSpec, TaskId, resolve
 from ..errors import ConfigError
@@ -74,6 +80,12 @@ class MonitoredTrainingSession:
             self.ctx = TrainingContext(spec=spec, task=me, server=server, session=Session(server.target, name=str(me)),
                                        chief_task=members[0] if members else None, members=members,
                                        wait_timeout=wait_timeout, checkpoint_dir=checkpoint_dir)
+        self._presence: Presence | None = None
+        if spec is not None and me is not None and self.ctx.session is not None:
+            self._presence = Presence(self.ctx.session, spec, me)
+            self._presence.hello()
+            if self._own_server:
+                server.on_stop_request(lambda _reason: self.request_stop())
         self.hooks: list[Hook] = list(hooks)
         if progress and (self.task is None or self.task == self.chief_task) and any(isinstance(h, StopAtStep) for h in self.hooks):
             self.hooks.append(ProgressHook())
@@ -82,7 +94,6 @@ class MonitoredTrainingSession:
         self._started = time.perf_counter()
         self._created = False
         self._stop_requested = False
-        self._failed = False  # closed by an exception: training did not finish, no final marker
         self.strategy.bind(self.ctx)
 
     # identity: read from the context the strategy shares ----------------------------------
@@ -229,15 +240,19 @@ class MonitoredTrainingSession:
             raise RuntimeError("call mon.create(params, optimizer=...) first")
 
     # lifecycle --------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
+        """Save a last checkpoint, end the hooks, say goodbye (``finished``: training ended
+        cleanly) and close the session and its own server."""
         if self._created and self.checkpoint_dir and self.is_chief and self.step != self.ctx.saved_step \
                 and not _saved_already(self.checkpoint_dir, self.step):
             self.save_checkpoint()
-        if self._created and self.checkpoint_dir and self.is_chief and not self._failed:
+        if self._created and self.checkpoint_dir and self.is_chief and finished:
             checkpoint_watch.mark_final(self.checkpoint_dir)  # evaluators stop after the newest checkpoint
         for hook in self.hooks:
             hook.end(self)
         self.strategy.close()
+        if self._presence is not None:  # after the last save: the ps may exit on this goodbye
+            self._presence.goodbye(finished and self.server is not None and self.server.stop_reason is None)
         if self.session is not None:
             self.session.close()
         if self.server is not None and self._own_server:
@@ -247,10 +262,9 @@ class MonitoredTrainingSession:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self._failed = exc_type is not None
         if isinstance(exc, Exception):  # the training loop failed: ``zmqflow status`` shows why
             progress.note_error(exc)
-        self.close()
+        self.close(finished=exc_type is None)
 
 
 def _placement(cluster: ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | None, task: TaskId | str | None,

@@ -10,7 +10,7 @@ import numpy as np
 from .base import MAX_ITEMS, MAX_PARTS, Count, Dtype, Name, Request, RowRange, Shape, Spec, Step
 from .ps import Empty
 
-__all__ = ["WaitForCluster", "Run", "Declare", "ByName", "Lookup", "Uninitialized", "Records", "Deposit", "Abort",
+__all__ = ["WaitForCluster", "Stop", "Hello", "Goodbye", "Run", "Declare", "ByName", "Lookup", "Uninitialized", "Records", "Deposit", "Abort",
            "Join", "MASTER", "WORKER", "CATALOG", "RING", "OPEN"]
 
 Task = Annotated[str, msgspec.Meta(min_length=1, max_length=128, description="a task name of 1..128 characters")]
@@ -25,6 +25,30 @@ class WaitForCluster(Request):
     """Wait until every task of the cluster answers."""
 
     timeout: Annotated[float, msgspec.Meta(gt=0, le=86400, description="a number of seconds in (0, 86400]")] = 30.0
+
+
+class Stop(Request):
+    """Ask a task to stop serving (``zmqflow stop``): it answers, then stops as on SIGTERM. Who asks
+    is the caller's key (with keys), never a field."""
+
+    reason: Annotated[str, msgspec.Meta(max_length=256, description="a reason of at most 256 characters")] = ""
+
+
+SessionId = Annotated[str, msgspec.Meta(min_length=1, max_length=64, description="a session id of 1..64 characters")]
+
+
+class Hello(Request):
+    """A training session opened (sent to the ps tasks): it counts for the caller's task, which is
+    its key's name with keys, never a field."""
+
+    session: SessionId
+
+
+class Goodbye(Request):
+    """A training session closed; ``finished``: its task ended training, not a crash or a stop."""
+
+    session: SessionId
+    finished: bool = False
 
 
 class Run(Request):
@@ -121,7 +145,8 @@ class Join(Request):
     target: Count
 
 
-MASTER: dict[str, type[Request]] = {"ping": Empty, "status": Empty, "cluster": Empty, "wait_for_cluster": WaitForCluster}
+MASTER: dict[str, type[Request]] = {"ping": Empty, "status": Empty, "cluster": Empty, "wait_for_cluster": WaitForCluster,
+                                    "shutdown": Stop, "hello": Hello, "goodbye": Goodbye}
 WORKER: dict[str, type[Request]] = {"ping": Empty, "echo": OPEN, "sink": OPEN, "run": Run}
 CATALOG: dict[str, type[Request]] = {"ping": Empty, "declare": Declare, "mark_ready": ByName, "lookup": Lookup,
                                      "uninitialized": Uninitialized, "records": Records}
