@@ -33,6 +33,8 @@ SHAPES = [
     dict(workers=2, ps=0),
     dict(workers=4, ps=1, chief=True, insecure=True, name="exp-7", namespace="ml-team", port=4000),
     dict(workers=1, ps=3, keys_secret="team-keys", cpu="500m", memory="512Mi", command=("python", "train.py", "-v")),
+    dict(workers=2, ps=2, ps_statefulset=True, checkpoint_claim="ckpt-rwx"),
+    dict(workers=2, ps=1, chief=True, checkpoint_claim="ckpt", checkpoint_dir="/data/ckpt", insecure=True),
 ]
 
 
@@ -60,7 +62,7 @@ def check_consistency(docs: list[dict[str, Any]], opts: K8sOptions) -> None:
         labels = sts["spec"]["template"]["metadata"]["labels"]
         assert sts["spec"]["selector"]["matchLabels"].items() <= labels.items()
         workloads[labels["app.kubernetes.io/component"]] = sts
-        pod_prefix = sts["metadata"]["name"]
+        assert opts.ps_statefulset and labels["app.kubernetes.io/component"] == "ps"
         assert sts["spec"]["replicas"] == spec.num_tasks("ps")
     for job in by_kind(docs, "Job"):
         s = job["spec"]
@@ -69,8 +71,13 @@ def check_consistency(docs: list[dict[str, Any]], opts: K8sOptions) -> None:
         component = s["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
         assert s["completions"] == s["parallelism"] == spec.num_tasks(component)
         assert job["metadata"]["name"] == f"{name}-{component}"
+        assert s["template"]["spec"]["restartPolicy"] == "OnFailure"  # a failed index restarts in place
         workloads[component] = job
     assert sorted(workloads) == sorted(spec.jobs)
+    if "ps" in workloads:  # a ps Job ends with training; a StatefulSet (which restarts what exits) outlives it
+        ps_env = {e["name"]: e.get("value") for e in workloads["ps"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert workloads["ps"]["kind"] == ("StatefulSet" if opts.ps_statefulset else "Job")
+        assert ps_env.get("ZMQFLOW_EXIT_WHEN_DONE") == (None if opts.ps_statefulset else "1")
     for job_name, wl in workloads.items():
         pod = wl["spec"]["template"]
         assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()  # the Service finds every pod
@@ -84,22 +91,33 @@ def check_consistency(docs: list[dict[str, Any]], opts: K8sOptions) -> None:
         assert c["resources"]["requests"] == {"cpu": opts.cpu, "memory": opts.memory}
         gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu", 0)
         assert gpus == (opts.gpus if job_name != "ps" else 0)
+        volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
+        mounts = {m["name"]: m for m in c.get("volumeMounts", [])}
+        assert volumes.keys() == mounts.keys()
         if opts.secret:
             assert "ZMQFLOW_INSECURE" not in env and env["ZMQFLOW_KEYS"]["value"] == KEYS_DIR
-            (vol,) = pod["spec"]["volumes"]
+            vol = next(v for v in volumes.values() if "secret" in v)
             assert vol["secret"]["secretName"] == opts.secret
             assert vol["secret"]["defaultMode"] & 0o077 == 0  # zmqflow refuses a secret others can read
             assert [(i["key"], i["path"]) for i in vol["secret"]["items"]] == list(SECRET_FILES)
-            assert c["volumeMounts"] == [{"name": vol["name"], "mountPath": KEYS_DIR, "readOnly": True}]
+            assert mounts[vol["name"]] == {"name": vol["name"], "mountPath": KEYS_DIR, "readOnly": True}
         else:
-            assert env["ZMQFLOW_INSECURE"]["value"] == "1" and "volumes" not in pod["spec"]
+            assert env["ZMQFLOW_INSECURE"]["value"] == "1"
+            assert not any("secret" in v for v in volumes.values())
+        claims = [v for v in volumes.values() if "persistentVolumeClaim" in v]
+        if opts.checkpoint_claim:  # every pod sees the same checkpoint directory, the ps tasks' root
+            (vol,) = claims
+            assert vol["persistentVolumeClaim"]["claimName"] == opts.checkpoint_claim
+            assert mounts[vol["name"]]["mountPath"] == opts.checkpoint_dir == env["ZMQFLOW_CHECKPOINT_ROOTS"]["value"]
+        else:
+            assert not claims and "ZMQFLOW_CHECKPOINT_ROOTS" not in env
         # every address is the pod DNS name of its task under the headless Service, at the Service's port
         pods = wl["metadata"]["name"]
         for i in spec.task_indices(job_name):
             addr = spec.address(TaskId(job_name, i))
             assert (addr.host, addr.port) == (f"{pods}-{i}.{name}.{ns}.svc", svc_port["port"])
     if "ps" in workloads:
-        assert pod_prefix == f"{name}-ps"
+        assert workloads["ps"]["metadata"]["name"] == f"{name}-ps"
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items() if k != "command"))
@@ -265,6 +283,47 @@ def test_pods_find_their_tasks_and_serve(tmp_path: Path, procs: Any) -> None:
         p.signal(15)
     for _, p in started:
         assert p.wait(10) == 0
+
+
+TRAIN = """
+import numpy as np, zmqflow as zf
+with zf.MonitoredTrainingSession(zf.ParameterServerStrategy(), hooks=[zf.StopAtStep(30)], progress=False) as mon:
+    mon.create({"w": np.zeros(4)}, optimizer=zf.optim.SGD(0.1))
+    while not mon.should_stop():
+        mon.params()
+        mon.apply({"w": np.ones(4)})
+print("trained", flush=True)
+"""
+
+
+def test_a_rendered_job_trains_and_every_pod_completes(tmp_path: Path, procs: Any) -> None:
+    """The default manifests as a run: chief and workers run a training script, ps tasks serve
+    with the env they are rendered with (ZMQFLOW_EXIT_WHEN_DONE among it), each pod finding its
+    task from its index and presenting the shared task key from the Secret's layout. When
+    training ends, every process exits 0 by itself: each Job would complete."""
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    opts = K8sOptions(image="img:1", workers=2, ps=2, chief=True, command=("python", str(script)))
+    docs = render(opts)
+    spec = json.loads(by_kind(docs, "ConfigMap")[0]["data"][CLUSTER_KEY])
+    local = {job: [f"127.0.0.1:{free_port()}" for _ in addrs] for job, addrs in spec.items()}
+    keys = _secret_volume(tmp_path)
+    started = []
+    assert not by_kind(docs, "StatefulSet")
+    for wl in by_kind(docs, "Job"):
+        (c,) = wl["spec"]["template"]["spec"]["containers"]
+        rendered = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+        job = rendered["ZMQFLOW_TASK_JOB"]
+        argv = [sys.executable, "-m", "zmqflow", *c["command"][1:]] if job == "ps" else [sys.executable, *c["command"][1:]]
+        for i in range(wl["spec"]["completions"]):
+            env = {**rendered, "ZMQFLOW_CLUSTER": json.dumps(local), "ZMQFLOW_BIND_HOST": "127.0.0.1",
+                   "ZMQFLOW_KEYS": str(keys), "JOB_COMPLETION_INDEX": str(i), "HOSTNAME": f"{wl['metadata']['name']}-{i}-x"}
+            started.append((f"{job}:{i}", procs(argv, env=env)))
+    for task, p in started:
+        assert p.wait(90) == 0, f"{task} did not complete:\n{p.output}"
+    trainers = [p for task, p in started if not task.startswith("ps:")]
+    assert all("trained" in p.output for p in trainers)
+    assert all("finished training" in p.output for task, p in started if task.startswith("ps:"))
 
 
 # --- the Kubeflow TFJob example ------------------------------------------------------------------

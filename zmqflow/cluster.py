@@ -22,7 +22,7 @@ from . import slurm as _slurm
 from .errors import ConfigError
 
 __all__ = ["Address", "TaskId", "ClusterSpec", "KNOWN_ROLES", "resolve", "load_config", "shard_tasks", "catalog_task",
-           "holder_tasks", "from_slurm", "task_from_pod"]
+           "holder_tasks", "from_slurm", "task_from_pod", "env_task_name"]
 
 KNOWN_ROLES = ("chief", "worker", "ps", "evaluator")
 _JOB_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]*$")
@@ -386,6 +386,20 @@ def resolve(
             return spec, None
         raise ConfigError(f"unknown task {tid} (job {tid.job!r} index {tid.index}); cluster has {spec.describe()}")
     return spec, tid
+
+
+def env_task_name(env: Mapping[str, str] | None = None) -> str | None:
+    """This process's task as its environment names it (ZMQFLOW_TASK, a pod's job and index,
+    TF_CONFIG's task, Slurm's rank), or None: a process that is a task presents its task key,
+    however its task was named. Unreadable settings give None here; ``resolve`` reports them."""
+    env = os.environ if env is None else env
+    if env.get("ZMQFLOW_TASK"):
+        return env["ZMQFLOW_TASK"]
+    try:
+        _, tid = resolve(None, None, env=env, require_task=False)
+    except ConfigError:
+        return None
+    return str(tid) if tid is not None else None
 
 
 def task_from_pod(env: Mapping[str, str] | None = None) -> TaskId:

@@ -21,7 +21,7 @@ def deploy() -> None:
 
 @deploy.command("k8s")
 @click.option("--workers", type=int, default=1, show_default=True, help="Worker tasks (an Indexed Job).")
-@click.option("--ps", type=int, default=1, show_default=True, help="Parameter-server tasks (a StatefulSet); 0 for none.")
+@click.option("--ps", type=int, default=1, show_default=True, help="Parameter-server tasks (an Indexed Job that ends with training); 0 for none.")
 @click.option("--image", required=True, help="Container image with zmqflow (and the training script) installed.")
 @click.option("--chief", is_flag=True, help="Add a chief task (an Indexed Job of one).")
 @click.option("--gpus", type=int, default=0, show_default=True, help="nvidia.com/gpu limit of each chief and worker pod.")
@@ -35,11 +35,18 @@ def deploy() -> None:
 @click.option("--memory", default="2Gi", show_default=True, help="Memory request per pod.")
 @click.option("--command", "command", metavar="CMD",
               help="What chief and workers run, e.g. 'python train.py --epochs 3' (default: zmqflow serve).")
+@click.option("--ps-statefulset", is_flag=True,
+              help="ps tasks as a StatefulSet that keeps serving after training (end it with kubectl delete).")
+@click.option("--checkpoint-claim", metavar="PVC", help="A ReadWriteMany PersistentVolumeClaim for checkpoints, "
+              "mounted in every pod at --checkpoint-dir (the ps tasks' checkpoint root).")
+@click.option("--checkpoint-dir", default="/checkpoints", show_default=True, metavar="PATH",
+              help="Where the checkpoint claim is mounted; pass it to your script as its checkpoint_dir.")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), help="Write to this file instead of stdout.")
 def k8s(workers: int, ps: int, image: str, chief: bool, gpus: int, keys_secret: str | None, insecure: bool, name: str,
-        namespace: str, port: int, cpu: str, memory: str, command: str | None, output: str | None) -> None:
-    """Print a headless Service, the cluster spec ConfigMap, a ps StatefulSet and Indexed Jobs
-    for chief and workers, with CurveZMQ keys from a Secret."""
+        namespace: str, port: int, cpu: str, memory: str, ps_statefulset: bool, checkpoint_claim: str | None,
+        checkpoint_dir: str, command: str | None, output: str | None) -> None:
+    """Print a headless Service, the cluster spec ConfigMap and Indexed Jobs for chief, workers and
+    ps tasks (or a ps StatefulSet), with CurveZMQ keys from a Secret."""
     try:
         try:
             argv = tuple(shlex.split(command)) if command is not None else ()
@@ -48,7 +55,8 @@ def k8s(workers: int, ps: int, image: str, chief: bool, gpus: int, keys_secret: 
         if command is not None and not argv:
             raise InvalidArgument("command is empty")
         opts = K8sOptions(image=image, workers=workers, ps=ps, chief=chief, gpus=gpus, name=name, namespace=namespace,
-                          keys_secret=keys_secret, insecure=insecure, cpu=cpu, memory=memory, port=port, command=argv)
+                          keys_secret=keys_secret, insecure=insecure, cpu=cpu, memory=memory, port=port, command=argv,
+                          ps_statefulset=ps_statefulset, checkpoint_claim=checkpoint_claim, checkpoint_dir=checkpoint_dir)
     except InvalidArgument as exc:
         fail("deploy k8s", exc, EXIT_USAGE)
     text = render_yaml(opts)

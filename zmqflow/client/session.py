@@ -6,8 +6,9 @@ is in :mod:`.blocking`). A session is pointed at a target (``server.target`` or
 :class:`.port.SessionPort`.
 
 ``keys`` (a key directory, else ``ZMQFLOW_KEYS``) makes every connection CurveZMQ. A process that
-is a task (``ZMQFLOW_TASK`` set, as ``zmqflow launch`` does for training scripts) presents its task
-key, and its session takes the task's name; any other process presents the client key.
+is a task (its environment names one: ``ZMQFLOW_TASK``, as ``zmqflow launch`` sets it, a
+Kubernetes pod's job and index, TF_CONFIG or Slurm) presents its task key, and its session takes
+the task's name; any other process presents the client key.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..cluster import Address, ClusterSpec, TaskId, catalog_task, load_config, shard_tasks
+from ..cluster import Address, ClusterSpec, TaskId, catalog_task, env_task_name, load_config, shard_tasks
 from ..errors import ConfigError, InvalidArgument, NotFound, ShardStateLost, ZmqflowError
 from ..rpc import DEFAULT_TIMEOUT, RpcClient
 from ..transport.base import Transport
@@ -65,7 +66,7 @@ class AsyncSession:
         keys: "Keys | str | os.PathLike[str] | None" = None,
     ):
         self.endpoint, self._spec, tid = _target_endpoint(target, cluster, task)
-        self.keys = keys_from(keys, os.environ.get("ZMQFLOW_TASK") or None)
+        self.keys = keys_from(keys, env_task_name())
         if self.keys is not None:
             if self._spec is not None:
                 self.keys.learn(self._spec)

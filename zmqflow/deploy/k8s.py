@@ -7,10 +7,18 @@ What runs where, and why:
   tasks can find each other while they start;
 - the cluster spec as a ConfigMap (``NAME-cluster``, key ``cluster.json``), handed to every pod as
   ``ZMQFLOW_CLUSTER``; its addresses are those DNS names, so no pod has to publish anything;
-- ps tasks as a StatefulSet ``NAME-ps`` (pods ``NAME-ps-<ordinal>``, started in parallel);
-- chief and workers as Indexed Jobs ``NAME-chief`` and ``NAME-worker``: with ``subdomain`` set to
-  the Service, an Indexed Job's pod is named ``JOB-<index>`` in DNS, and the Job ends when every
-  index has exited 0 (a failed one is restarted in place);
+- chief, workers and ps tasks as Indexed Jobs ``NAME-chief``, ``NAME-worker`` and ``NAME-ps``: with
+  ``subdomain`` set to the Service, an Indexed Job's pod is named ``JOB-<index>`` in DNS, and the
+  Job ends when every index has exited 0 (a failed one is restarted in place). ps tasks run with
+  ``ZMQFLOW_EXIT_WHEN_DONE=1``: they exit 0 once the chief and every worker finished training,
+  so a finished run completes and frees its nodes (TF's ps tasks never exit: tensorflow#4713);
+- or, with ``ps_statefulset``, ps tasks as a StatefulSet ``NAME-ps`` (pods ``NAME-ps-<ordinal>``,
+  started in parallel) that keeps serving after training: its shards hold the trained variables
+  for whoever reads them, and since a StatefulSet restarts a pod that exits, these ps tasks are
+  not told to exit when the workers are done (``kubectl delete -f`` ends them);
+- with ``checkpoint_claim``, a PersistentVolumeClaim (ReadWriteMany: ps shards write their files,
+  the chief the manifest) mounted at ``checkpoint_dir`` in every pod, which is the ps tasks'
+  checkpoint root (``ZMQFLOW_CHECKPOINT_ROOTS``); without it ps tasks refuse saves;
 - every pod finds its own task: ``ZMQFLOW_TASK_JOB`` names the job and :func:`zmqflow.cluster.
   task_from_pod` takes the index from ``JOB_COMPLETION_INDEX`` or the StatefulSet ordinal;
 - a server binds its pod IP (``ZMQFLOW_BIND_HOST`` from the downward API): its own DNS name may
@@ -21,10 +29,6 @@ What runs where, and why:
   ``zmqflow keys generate DIR`` writes them without ``--cluster``. One pod template serves every
   index of a job, so each pod would carry every task's secret anyway: per-task keys would pin
   nothing here.
-
-The ps StatefulSet keeps running when the Jobs complete: its shards hold the trained variables
-until someone saves or reads them, and a StatefulSet restarts a pod that exits, so ps tasks must
-not be told to exit when the workers are done. ``kubectl delete -f`` the manifests to end them.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _REGISTRY = r"(?:(?:localhost|[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+)(?::[0-9]+)?|[A-Za-z0-9-]+:[0-9]+)/"
 _IMAGE = re.compile(rf"^(?:{_REGISTRY})?{_COMPONENT}(?:/{_COMPONENT})*"
                     r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$")
+_ABS_PATH = re.compile(r"^/[A-Za-z0-9._/-]*$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 # the Secret's keys and where each lands in the key directory (zmqflow.transport.curve's layout)
 SECRET_FILES = (("allow.json", "allow.json"), ("task.key_secret", "tasks/task.key_secret"),
@@ -75,6 +80,9 @@ class K8sOptions:
     memory: str = "2Gi"
     port: int = 2222
     command: tuple[str, ...] = field(default_factory=tuple)
+    ps_statefulset: bool = False  # ps as a StatefulSet that outlives training, not a Job that ends with it
+    checkpoint_claim: str | None = None  # a ReadWriteMany PVC mounted at checkpoint_dir in every pod
+    checkpoint_dir: str = "/checkpoints"
 
     def __post_init__(self) -> None:
         _check_int("workers", self.workers, 1)
@@ -92,6 +100,11 @@ class K8sOptions:
         for what, value in (("cpu", self.cpu), ("memory", self.memory)):
             if not isinstance(value, str) or not _QUANTITY.match(value):
                 raise InvalidArgument(f"{what} {value!r} is not a Kubernetes quantity (e.g. 500m, 2, 4Gi)")
+        if self.checkpoint_claim is not None:
+            _check_label("checkpoint claim", self.checkpoint_claim, 253)
+        if not isinstance(self.checkpoint_dir, str) or not _ABS_PATH.match(self.checkpoint_dir) \
+                or self.checkpoint_dir.rstrip("/") in ("", KEYS_DIR) or KEYS_DIR.startswith(self.checkpoint_dir.rstrip("/") + "/"):
+            raise InvalidArgument(f"checkpoint dir {self.checkpoint_dir!r}: expected an absolute path apart from {KEYS_DIR}")
         if not all(isinstance(a, str) and a for a in self.command):
             raise InvalidArgument(f"command {self.command!r}: expected non-empty strings")
 
@@ -157,6 +170,10 @@ def _pod(opts: K8sOptions, job: str) -> dict[str, Any]:
         {"name": "PYTHONUNBUFFERED", "value": "1"},
     ]
     env.append({"name": "ZMQFLOW_KEYS", "value": KEYS_DIR} if opts.secret else {"name": "ZMQFLOW_INSECURE", "value": "1"})
+    if job == "ps" and not opts.ps_statefulset:
+        env.append({"name": "ZMQFLOW_EXIT_WHEN_DONE", "value": "1"})  # the ps Job completes when training has
+    if opts.checkpoint_claim:
+        env.append({"name": "ZMQFLOW_CHECKPOINT_ROOTS", "value": opts.checkpoint_dir})
     resources: dict[str, Any] = {"requests": {"cpu": opts.cpu, "memory": opts.memory}}
     if opts.gpus and job != "ps":
         resources["limits"] = {"nvidia.com/gpu": opts.gpus}
@@ -172,19 +189,27 @@ def _pod(opts: K8sOptions, job: str) -> dict[str, Any]:
                            "timeoutSeconds": 5, "failureThreshold": 3},
     }
     spec: dict[str, Any] = {"enableServiceLinks": False, "containers": [container]}
-    if job != "ps":
+    if job != "ps" or not opts.ps_statefulset:
         spec["subdomain"] = opts.name  # Indexed Job pods are then JOB-INDEX.NAME in DNS
         spec["restartPolicy"] = "OnFailure"
+    mounts: list[dict[str, Any]] = []
+    volumes: list[dict[str, Any]] = []
     if opts.secret:
-        container["volumeMounts"] = [{"name": "keys", "mountPath": KEYS_DIR, "readOnly": True}]
-        spec["volumes"] = [{"name": "keys", "secret": {
+        mounts.append({"name": "keys", "mountPath": KEYS_DIR, "readOnly": True})
+        volumes.append({"name": "keys", "secret": {
             "secretName": opts.secret, "defaultMode": 0o400,  # secrets must not be readable by others
-            "items": [{"key": key, "path": path} for key, path in SECRET_FILES]}}]
+            "items": [{"key": key, "path": path} for key, path in SECRET_FILES]}})
+    if opts.checkpoint_claim:
+        mounts.append({"name": "checkpoints", "mountPath": opts.checkpoint_dir})
+        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": opts.checkpoint_claim}})
+    if mounts:
+        container["volumeMounts"] = mounts
+        spec["volumes"] = volumes
     return {"metadata": {"labels": _labels(opts, job)}, "spec": spec}
 
 
 def render(opts: K8sOptions) -> list[dict[str, Any]]:
-    """The manifests, in the order to apply them: Service, ConfigMap, ps StatefulSet, Jobs."""
+    """The manifests, in the order to apply them: Service, ConfigMap, ps (a Job, or a StatefulSet), Jobs."""
     docs: list[dict[str, Any]] = [
         {"apiVersion": "v1", "kind": "Service", "metadata": _meta(opts, opts.name), "spec": {
             "clusterIP": "None", "publishNotReadyAddresses": True, "selector": _labels(opts),
@@ -193,7 +218,7 @@ def render(opts: K8sOptions) -> list[dict[str, Any]]:
          "data": {CLUSTER_KEY: json.dumps(cluster_spec(opts).as_dict(), indent=2) + "\n"}},
     ]
     for job, count in sorted(jobs(opts), key=lambda jc: jc[0] != "ps"):  # ps first: the others call it
-        if job == "ps":
+        if job == "ps" and opts.ps_statefulset:
             docs.append({"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(opts, f"{opts.name}-ps", job),
                          "spec": {"serviceName": opts.name, "replicas": count, "podManagementPolicy": "Parallel",
                                   "selector": {"matchLabels": _labels(opts, job)}, "template": _pod(opts, job)}})
@@ -227,6 +252,12 @@ def command_line(opts: K8sOptions) -> str:
             args += [flag, str(value)]
     if opts.insecure:
         args.append("--insecure")
+    if opts.ps_statefulset:
+        args.append("--ps-statefulset")
+    if opts.checkpoint_claim:
+        args += ["--checkpoint-claim", opts.checkpoint_claim]
+        if opts.checkpoint_dir != "/checkpoints":
+            args += ["--checkpoint-dir", opts.checkpoint_dir]
     if opts.command:
         args += ["--command", shlex.join(opts.command)]
     return shlex.join(args)
