@@ -27,22 +27,28 @@ def unresolvable() -> str:
     return f"zf-ps-{uuid.uuid4().hex[:8]}.zf.ns.svc.invalid"
 
 
-def test_unresolvable_peer_fails_typed_naming_peer_and_host(caplog: pytest.LogCaptureFixture) -> None:
-    """With the machine's real resolver."""
-    host = unresolvable()
+def unreachable_call(host: str, name: str) -> Unavailable:
+    """A 1 s ping of ``name`` at ``host``:2222, which must fail with ``Unavailable``."""
 
-    async def main() -> BaseException:
+    async def main() -> Unavailable:
         client = RpcClient(identity="t", default_timeout=1.0)
         try:
-            await client.call(f"tcp://{host}:2222", "master", "ping", name="ps:1")
+            await client.call(f"tcp://{host}:2222", "master", "ping", name=name)
         except Unavailable as exc:
             return exc
         finally:
             client.close()
-        raise AssertionError("the call to an unresolvable peer succeeded")
+        raise AssertionError(f"the call to unreachable {name} at {host} succeeded")
+
+    return asyncio.run(main())
+
+
+def test_unresolvable_peer_fails_typed_naming_peer_and_host(caplog: pytest.LogCaptureFixture) -> None:
+    """With the machine's real resolver."""
+    host = unresolvable()
 
     caplog.set_level(logging.INFO, LOGGER)
-    exc = asyncio.run(main())
+    exc = unreachable_call(host, "ps:1")
     if "host" not in exc.details:  # the first lookup was still out when the call ended
         pytest.skip(f"this machine's resolver did not answer for {host} within the call's second")
     assert exc.details == {"task": "ps:1", "host": host}
@@ -103,18 +109,8 @@ def test_a_name_that_comes_to_resolve_is_logged_and_cleared(caplog: pytest.LogCa
     host = unresolvable()
     resolver.answer[host] = 3
 
-    async def main() -> BaseException:
-        client = RpcClient(identity="t", default_timeout=1.0)
-        try:
-            await client.call(f"tcp://{host}:2222", "master", "ping", name="ps:2")
-        except Unavailable as exc:  # libzmq's own lookup still fails: the peer stays unreachable
-            return exc
-        finally:
-            client.close()
-        raise AssertionError("unreachable peer answered")
-
     caplog.set_level(logging.INFO, LOGGER)
-    exc = asyncio.run(main())
+    exc = unreachable_call(host, "ps:2")  # libzmq's own lookup still fails: the peer stays unreachable
     lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     assert lines[0].startswith(f"ps:2 at {host}:2222 does not resolve yet") and lines[-1] == f"ps:2 at {host}:2222 resolves now"
     assert "does not resolve" not in str(exc) and "host" not in exc.details  # no longer blamed on DNS

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,7 @@ from ..errors import InvalidArgument, NotFound
 from ..state.snapshot import NpzFile, entry_tensor, open_shard_file
 from ..state.tensorfile import TensorFile
 
-__all__ = ["FORMAT", "READS", "manifest_name", "checkpoints", "complete", "latest", "open_manifest", "read",
+__all__ = ["FORMAT", "READS", "manifest_name", "checkpoints", "complete", "committed", "latest", "open_manifest", "read",
            "Piece", "pieces", "field", "fields", "describe", "MANIFEST"]
 
 FORMAT = 2  # safetensors shard files
@@ -43,8 +44,16 @@ def checkpoints(directory: str) -> list[str]:
 def complete(directory: str) -> list[tuple[str, set[str]]]:
     """(manifest, the shard files it names) for every complete checkpoint, oldest first; each
     manifest read once."""
+    return committed(directory, lambda n: MANIFEST.match(n) is not None,
+                     lambda m: [s["file"] for s in m.get("shards", [])])
+
+
+def committed(directory: str, is_manifest: Callable[[str], bool],
+              files_of: Callable[[Any], list[str]]) -> list[tuple[str, set[str]]]:
+    """(manifest, its files) for every manifest in ``directory`` (names sorted, so oldest first
+    for zero-padded steps) whose files all exist: the manifest is the commit marker, written last."""
     try:
-        names = sorted(n for n in os.listdir(directory) if MANIFEST.match(n))
+        names = sorted(n for n in os.listdir(directory) if is_manifest(n))
     except (FileNotFoundError, NotADirectoryError):
         return []
     out = []
@@ -52,7 +61,7 @@ def complete(directory: str) -> list[tuple[str, set[str]]]:
         path = os.path.join(directory, name)
         try:
             with open(path) as fh:
-                files = {s["file"] for s in json.load(fh).get("shards", [])}
+                files = set(files_of(json.load(fh)))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # half-written, or removed meanwhile by another process pruning
         if all(os.path.exists(os.path.join(directory, f)) for f in files):

@@ -23,6 +23,7 @@ from typing import Any
 from ..errors import InvalidArgument
 from ..state.snapshot import write_atomic
 from ..wire.requests import ps as rq
+from .checkpoint_files import committed
 from .port import SessionPort
 
 __all__ = ["DELTA_FORMAT", "export_delta", "delta_manifests", "describe_delta"]
@@ -32,21 +33,8 @@ DELTA_FORMAT = "zmqflow-delta/1"
 
 def delta_manifests(directory: str) -> list[str]:
     """The delta manifests in ``directory`` whose files all exist, oldest first."""
-    try:
-        names = sorted(n for n in os.listdir(directory) if n.startswith("delta-") and n.endswith(".json"))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    out = []
-    for name in names:
-        path = os.path.join(directory, name)
-        try:
-            with open(path) as fh:
-                parts = json.load(fh)["parts"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if all(os.path.exists(os.path.join(directory, p["file"])) for p in parts):
-            out.append(path)
-    return out
+    return [path for path, _ in committed(directory, lambda n: n.startswith("delta-") and n.endswith(".json"),
+                                          lambda m: [p["file"] for p in m["parts"]])]
 
 
 async def export_delta(session: SessionPort, name: str, tasks: tuple[Any, ...], since: int, directory: str, *,
