@@ -21,7 +21,7 @@ from ..errors import InvalidArgument, NotFound
 from ..state.snapshot import NpzFile, entry_tensor, open_shard_file
 from ..state.tensorfile import TensorFile
 
-__all__ = ["FORMAT", "READS", "manifest_name", "checkpoints", "complete", "committed", "latest", "open_manifest", "read",
+__all__ = ["FORMAT", "READS", "manifest_name", "checkpoints", "complete", "committed", "load_manifest", "latest", "open_manifest", "read",
            "Piece", "pieces", "field", "fields", "describe", "MANIFEST"]
 
 FORMAT = 2  # safetensors shard files
@@ -75,6 +75,18 @@ def latest(directory: str) -> str | None:
     return found[-1] if found else None
 
 
+def load_manifest(path: str, what: str) -> Any:
+    """A manifest's JSON: ``NotFound`` when it is not there, ``InvalidArgument`` naming the file
+    when it cannot be read (``what``: checkpoint, delta)."""
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        raise NotFound(f"no {what} at {path!r}") from None
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"cannot read {what} manifest {path!r}: {exc}", file=path) from None
+
+
 def open_manifest(path: str) -> tuple[str, str, dict[str, Any]]:
     """(manifest path, its directory, its contents) for a manifest or a directory's latest."""
     if os.path.isdir(path):
@@ -82,13 +94,7 @@ def open_manifest(path: str) -> tuple[str, str, dict[str, Any]]:
         if found is None:
             raise NotFound(f"no complete checkpoint in {path!r} (no checkpoint-<step>.json whose shard files all exist)")
         path = found
-    try:
-        with open(path) as fh:
-            manifest = json.load(fh)
-    except FileNotFoundError:
-        raise NotFound(f"no checkpoint at {path!r}") from None
-    except (OSError, ValueError) as exc:
-        raise InvalidArgument(f"cannot read checkpoint manifest {path!r}: {exc}", file=path) from None
+    manifest = load_manifest(path, "checkpoint")
     if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):
         raise InvalidArgument(f"{path!r} is not a checkpoint manifest (no list of shards)", file=path)
     if manifest.get("format") not in READS:

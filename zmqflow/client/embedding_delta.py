@@ -22,8 +22,9 @@ from typing import Any
 
 from ..errors import InvalidArgument
 from ..state.snapshot import write_atomic
+from ..state.tensorfile import TensorFile
 from ..wire.requests import ps as rq
-from .checkpoint_files import committed
+from .checkpoint_files import committed, load_manifest
 from .port import SessionPort
 
 __all__ = ["DELTA_FORMAT", "export_delta", "delta_manifests", "describe_delta"]
@@ -67,16 +68,7 @@ async def export_delta(session: SessionPort, name: str, tasks: tuple[Any, ...], 
 def describe_delta(path: str) -> dict[str, Any]:
     """What the delta at ``path`` (its manifest) holds, from the manifest and file headers: the
     table, ``since``, the step it reaches, rows and dropped ids per part, files and bytes."""
-    from ..errors import NotFound
-    from ..state.tensorfile import TensorFile
-
-    try:
-        with open(path) as fh:
-            manifest = json.load(fh)
-    except FileNotFoundError:
-        raise NotFound(f"no delta at {path!r}") from None
-    except (OSError, ValueError) as exc:
-        raise InvalidArgument(f"cannot read delta manifest {path!r}: {exc}", file=path) from None
+    manifest = load_manifest(path, "delta")
     if not isinstance(manifest, dict) or manifest.get("format") != DELTA_FORMAT:
         raise InvalidArgument(f"{path!r} is not a delta manifest of format {DELTA_FORMAT}", file=path)
     directory = os.path.dirname(os.path.abspath(path))
