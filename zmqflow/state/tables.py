@@ -298,7 +298,8 @@ class HashTable:
                 self.pending_pruned += self.sightings.prune(self.max_pending * 3 // 4)
         hit = slots >= 0
         if hit.all():
-            out = np.take(self.values, slots, axis=0, out=pages.scratch((len(ids), self.dim), self.dtype))
+            # mode="clip": with out=, the default mode fills a heap copy first (slots are all valid here)
+            out = np.take(self.values, slots, axis=0, out=pages.scratch((len(ids), self.dim), self.dtype), mode="clip")
         else:
             out = pages.scratch((len(ids), self.dim), self.dtype)
             out[~hit] = 0
