@@ -103,10 +103,12 @@ def _raw_round_trips(sock: zmq.Socket, n: int) -> float:
 
 
 async def zf_model(sess: AsyncSession, names: list[str], grads: dict[str, np.ndarray], reps: int) -> tuple[list[float], list[float]]:
-    """Seconds of each pull of every variable and of each push of a gradient for every variable."""
+    """Seconds of each pull of every variable (into the same arrays each time, as a training
+    loop reading its model every step would) and of each push of a gradient for every variable."""
     pulls, pushes = [], []
+    out = {n: np.empty_like(g) for n, g in grads.items()}
     for _ in range(reps):
-        pulls.append(await seconds_async(lambda: sess.pull(names)))
+        pulls.append(await seconds_async(lambda: sess.pull(names, out=out)))
         pushes.append(await seconds_async(lambda: sess.push(grads)))
     return pulls, pushes
 

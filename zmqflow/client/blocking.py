@@ -88,8 +88,8 @@ class Session:
     def variables(self) -> list[dict[str, Any]]:
         return self.run_on_loop(self._async.variables())
 
-    def pull(self, names: "list[str | Variable]", *, timeout: float | None = None) -> dict[str, Any]:
-        return self.run_on_loop(self._async.pull([_unwrap(n) for n in names], timeout=timeout), timeout)
+    def pull(self, names: "list[str | Variable]", *, timeout: float | None = None, out: Any = None) -> dict[str, Any]:
+        return self.run_on_loop(self._async.pull([_unwrap(n) for n in names], timeout=timeout, out=out), timeout)
 
     def push(self, grads: "Mapping[str | Variable, Any]", step: int | None = None, *,
              timeout: float | None = None) -> int | None:
@@ -132,8 +132,9 @@ class Variable:
     partitions = property(lambda self: self.handle.partitions)
 
     # ``timeout=``: each request's deadline (the session's by default); DeadlineExceeded past it.
-    def read(self, *, timeout: float | None = None) -> Any:
-        return self._session.run_on_loop(self.handle.read(timeout=timeout), timeout)
+    def read(self, *, out: Any = None, timeout: float | None = None) -> Any:
+        """The current value; with ``out`` (an array of its shape and dtype), written into it."""
+        return self._session.run_on_loop(self.handle.read(out=out, timeout=timeout), timeout)
 
     def assign(self, x: Any, *, timeout: float | None = None) -> None:
         self._session.run_on_loop(self.handle.assign(x, timeout=timeout), timeout)

@@ -215,11 +215,12 @@ class AsyncSession:
             info = (await self.get(var, timeout=0)).info
         return info
 
-    async def pull(self, names: "list[str | AsyncVariable]", *, timeout: float | None = None) -> dict[str, Any]:
+    async def pull(self, names: "list[str | AsyncVariable]", *, timeout: float | None = None,
+                   out: "Mapping[str, Any] | None" = None) -> dict[str, Any]:
         """Current values by name: one request per shard (more for big variables), all at once,
-        each within ``timeout`` (the session's by default)."""
+        each within ``timeout`` (the session's by default); ``out``: name -> array to fill, reused."""
         infos = [await self._info(n) for n in names]
-        return await _pull(self, infos, timeout)
+        return await _pull(self, infos, timeout, out)
 
     async def push(self, grads: "Mapping[str | AsyncVariable, Any]", step: int | None = None, *,
                    timeout: float | None = None) -> int | None:

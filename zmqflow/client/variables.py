@@ -31,7 +31,7 @@ from ..wire.requests import cluster as crq
 from ..wire.requests import ps as rq
 
 
-__all__ = ["SLICE_BYTES", "VarInfo", "AsyncVariable", "declare", "create_parts", "pull", "push", "assign", "scatter"]
+__all__ = ["SLICE_BYTES", "VarInfo", "check_out", "AsyncVariable", "declare", "create_parts", "pull", "push", "assign", "scatter"]
 
 SLICE_BYTES = 4 << 20
 T = TypeVar("T")
@@ -68,7 +68,15 @@ class VarInfo:
         return math.prod(self.shape[1:]) * self.dtype.itemsize if self.shape else self.dtype.itemsize
 
     def chunks(self, part: int) -> list[tuple[int | None, int | None]]:
-        """Part-local row ranges of at most SLICE_BYTES (one row at least); scalars are one chunk."""
+        """Part-local row ranges of at most SLICE_BYTES (one row at least); scalars are one chunk.
+        Computed once per part: every read, write and push of the variable asks again."""
+        cache = self.__dict__.setdefault("_chunks", {})  # frozen: the cache is no field
+        got = cache.get(part)
+        if got is None:
+            got = cache[part] = self._chunks_of(part)
+        return got
+
+    def _chunks_of(self, part: int) -> list[tuple[int | None, int | None]]:
         if not self.shape:
             return [(None, None)]
         _, r0, r1 = self.parts[part]
@@ -85,6 +93,19 @@ def _rows_of(info: VarInfo, part: int, chunk: tuple[int | None, int | None], x: 
         return x
     _, r0, _ = info.parts[part]
     return x[r0 + chunk[0]: r0 + chunk[1]]
+
+
+def check_out(info: VarInfo, out: Any) -> np.ndarray:
+    """``out`` as the buffer a read of ``info`` fills: a writeable C-contiguous array of the
+    variable's shape and dtype (checked before any request is sent, so a bad one changes nothing)."""
+    if not isinstance(out, np.ndarray):
+        raise InvalidArgument(f"out= for {info.name!r}: expected a numpy array, got {type(out).__name__}")
+    if out.shape != info.shape or out.dtype != info.dtype:
+        raise InvalidArgument(f"out= for {info.name!r}: expected shape {list(info.shape)} {info.dtype}, "
+                              f"got {list(out.shape)} {out.dtype}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise InvalidArgument(f"out= for {info.name!r}: the array must be writeable and C-contiguous")
+    return out
 
 
 def _bundle(items: Iterable[tuple[TaskId, int, T]]) -> dict[TaskId, list[list[T]]]:
@@ -197,10 +218,17 @@ async def create_parts(sess: SessionPort, info: VarInfo, value: np.ndarray | Non
 
 
 @timeline.traced("pull")
-async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = None) -> dict[str, np.ndarray]:
+async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = None,
+               out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Every part's rows, in requests of about SLICE_BYTES all sent at once, each with ``timeout``
-    (the session's by default)."""
-    outs = {info.name: np.empty(info.shape, dtype=info.dtype) for info in infos}
+    (the session's by default). ``out`` maps names to arrays to fill (reused by a caller that
+    reads the same variables every step: no fresh pages to fault in); the others get new ones."""
+    given = out or {}
+    extra = set(given) - {info.name for info in infos}
+    if extra:
+        raise InvalidArgument(f"out= names variables not pulled: {', '.join(sorted(map(str, extra)))}")
+    outs = {info.name: check_out(info, given[info.name]) if info.name in given else np.empty(info.shape, dtype=info.dtype)
+            for info in infos}
     where: dict[int, tuple[VarInfo, int, tuple[int | None, int | None]]] = {}
     items = []
     for info in infos:
@@ -226,6 +254,11 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
 
 async def assign(sess: SessionPort, info: VarInfo, x: Any, mode: str, timeout: float | None = None) -> None:
     x = _as_array(x, info, "value")
+    if len(info.parts) == 1 and x.nbytes <= SLICE_BYTES:  # a scalar or small variable: one item, no bundling
+        (a, b), = info.chunks(0)
+        await sess.call_task(info.parts[0][0], "ps", "assign", rq.Assign(items=[rq.RowsItem(info.name, 0, a, b, x)], mode=mode),
+                             timeout=timeout)
+        return
     items = []
     for p, (task, _, _) in enumerate(info.parts):
         for chunk in info.chunks(p):
@@ -328,8 +361,10 @@ class AsyncVariable:
 
     # Every method takes ``timeout=``: the deadline of each of its requests (they are sent at
     # once), the session's by default. A shard that does not answer in time: DeadlineExceeded.
-    async def read(self, *, timeout: float | None = None) -> np.ndarray:
-        return (await pull(self._session, [self.info], timeout))[self.info.name]
+    async def read(self, *, out: np.ndarray | None = None, timeout: float | None = None) -> np.ndarray:
+        """The current value; with ``out``, written into it (and ``out`` returned)."""
+        given = None if out is None else {self.info.name: out}
+        return (await pull(self._session, [self.info], timeout, given))[self.info.name]
 
     async def assign(self, x: Any, *, timeout: float | None = None) -> None:
         await assign(self._session, self.info, x, "set", timeout)

@@ -43,7 +43,11 @@ class SGD(Optimizer):
     kind: ClassVar[str] = "sgd"
 
     def update(self, param, grad, slots, t):
-        param -= self.learning_rate * grad
+        if self.learning_rate == 1.0:
+            param -= grad
+        else:  # one temporary of the chunk's size at most (the request's rows), never of the part
+            tmp = np.multiply(grad, self.learning_rate, dtype=param.dtype)
+            param -= tmp
         return param
 
 
@@ -58,10 +62,11 @@ class Momentum(Optimizer):
         m = slots["momentum"]
         m *= self.momentum
         m += grad
+        tmp = np.multiply(m, self.momentum, dtype=param.dtype) if self.nesterov else m.copy()
         if self.nesterov:
-            param -= self.learning_rate * (grad + self.momentum * m)
-        else:
-            param -= self.learning_rate * m
+            tmp += grad
+        tmp *= self.learning_rate
+        param -= tmp
         return param
 
 
@@ -76,8 +81,12 @@ class Adagrad(Optimizer):
 
     def update(self, param, grad, slots, t):
         acc = slots["accumulator"]
-        acc += grad * grad
-        param -= self.learning_rate * grad / np.sqrt(acc)
+        tmp = np.multiply(grad, grad, dtype=acc.dtype)
+        acc += tmp
+        np.sqrt(acc, out=tmp)
+        np.divide(grad, tmp, out=tmp)
+        tmp *= self.learning_rate
+        param -= tmp
         return param
 
 
@@ -92,13 +101,21 @@ class Adam(Optimizer):
 
     def update(self, param, grad, slots, t):
         m, v = slots["m"], slots["v"]
+        # in place, with one scratch array of the chunk's size: no full-size temporaries
+        tmp = np.multiply(grad, 1 - self.beta1, dtype=m.dtype)
         m *= self.beta1
-        m += (1 - self.beta1) * grad
+        m += tmp
+        np.multiply(grad, grad, out=tmp)
+        tmp *= 1 - self.beta2
         v *= self.beta2
-        v += (1 - self.beta2) * grad * grad
+        v += tmp
         tt = t.reshape((-1,) + (1,) * (param.ndim - 1)).astype(np.float64)
-        lr_t = self.learning_rate * np.sqrt(1 - self.beta2**tt) / (1 - self.beta1**tt)
-        param -= (lr_t * m / (np.sqrt(v) + self.epsilon)).astype(param.dtype, copy=False)
+        lr_t = self.learning_rate * np.sqrt(1 - self.beta2**tt) / (1 - self.beta1**tt)  # per row, small
+        np.sqrt(v, out=tmp)
+        tmp += self.epsilon
+        np.divide(m, tmp, out=tmp)
+        tmp *= lr_t.astype(tmp.dtype)
+        param -= tmp.astype(param.dtype, copy=False)
         return param
 
 

@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-__all__ = ["zeros", "trim", "MAPPED_MIN_BYTES"]
+__all__ = ["zeros", "scratch", "trim", "MAPPED_MIN_BYTES", "SCRATCH_MIN_BYTES"]
 
 MAPPED_MIN_BYTES = 1 << 20  # smaller arrays come from malloc: a mapping per small array costs more than it saves
 
@@ -33,6 +33,22 @@ def zeros(shape: int | tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
         return np.zeros(dims, dt)
     # the array holds the mapping (its buffer) alive; the mapping is unmapped when the array goes
     return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dt).reshape(dims)
+
+
+# Replies and temporaries at least this big (a lookup that fills thousands of fresh rows) get a
+# mapping of their own: through malloc they would stay resident as free heap blocks after the
+# request (the heap keeps big blocks for reuse), a table's worth of RSS held for nothing. Smaller
+# ones, the steady state of training batches, stay in the heap, where reuse saves page faults.
+SCRATCH_MIN_BYTES = 8 << 20
+
+
+def scratch(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
+    """An array to fill (contents undefined): on its own mapping when big, so that its pages go
+    back to the OS when it is dropped (after its reply is sent), else ``np.empty``."""
+    dt = np.dtype(dtype)
+    if math.prod(shape) * dt.itemsize < SCRATCH_MIN_BYTES:
+        return np.empty(shape, dt)
+    return zeros(shape, dt)
 
 
 _libc: ctypes.CDLL | None | bool = None

@@ -229,6 +229,8 @@ class HashTable:
         self.last_used[slots] = self.tick
         self.updated_step[slots] = self.step
         self.updated_time[slots] = time.time()
+        if len(new_ids) * self.dim * self.dtype.itemsize >= pages.SCRATCH_MIN_BYTES:
+            pages.trim()  # the initializer's temporaries of a big batch: not kept resident in the heap
         return slots
 
     def _initial(self, n: int) -> np.ndarray:
@@ -296,9 +298,11 @@ class HashTable:
                 self.pending_pruned += self.sightings.prune(self.max_pending * 3 // 4)
         hit = slots >= 0
         if hit.all():
-            out = np.take(self.values, slots, axis=0)
+            # mode="clip": with out=, the default mode fills a heap copy first (slots are all valid here)
+            out = np.take(self.values, slots, axis=0, out=pages.scratch((len(ids), self.dim), self.dtype), mode="clip")
         else:
-            out = np.zeros((len(ids), self.dim), self.dtype)
+            out = pages.scratch((len(ids), self.dim), self.dtype)
+            out[~hit] = 0
             slots = slots[hit]
             out[hit] = np.take(self.values, slots, axis=0)
         self.last_used[slots] = self.tick
