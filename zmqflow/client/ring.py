@@ -93,12 +93,12 @@ class AsyncRing:
     @property
     def shm_channel(self) -> "ring_shm.ShmChannel | None":
         """The shared-memory path, once every rank agreed on it (``client/ring_shm.py``)."""
-        return self._shm or None
+        return self._shm if self._shm and self._shm.broken is None else None  # after a failure: TCP
 
-    async def _same_host(self) -> "ring_shm.ShmChannel | None":
+    async def _same_host(self, deadline: float) -> "ring_shm.ShmChannel | None":
         if self._shm is None:
-            self._shm = await ring_shm.negotiate(self, True) or False
-        return self._shm or None
+            self._shm = await ring_shm.negotiate(self, True, deadline - asyncio.get_running_loop().time()) or False
+        return self.shm_channel
 
     @property
     def service(self) -> Any:
@@ -128,7 +128,7 @@ class AsyncRing:
             xp = array_module(arrays_in[0])
             meta = _meta("allreduce", op, arrays_in)
             nbytes = sum(a.nbytes for a in arrays_in)
-            shm = await self._same_host() if self.size > 1 and not is_cupy(arrays_in[0]) else None
+            shm = await self._same_host(deadline) if self.size > 1 and not is_cupy(arrays_in[0]) else None
             if shm is not None:
                 seq, self.seq = self.seq, self.seq + 1
                 flat = arrays_in[0].reshape(-1) if len(arrays_in) == 1 else np.concatenate([a.reshape(-1) for a in arrays_in])

@@ -186,15 +186,17 @@ class ShmChannel:
         if self.broken is not None:
             raise self.broken
         try:
-            return self._allreduce(np.ascontiguousarray(src).reshape(-1), op, plan.call_tag(seq, meta), seq, deadline)
+            return self._allreduce(np.ascontiguousarray(src).reshape(-1), op, seq, meta, deadline)
         except ZmqflowError as exc:
             self.broken = exc
-            self.headers[self.rank][plan.H_ABORT] = 1 + int(exc.details.get("rank", self.rank))
+            culprit = int(exc.details.get("rank", self.rank))  # a mismatch: the word says so, after the ranks
+            self.headers[self.rank][plan.H_ABORT] = 1 + culprit + (self.size if isinstance(exc, CollectiveMismatch) else 0)
             self._notify()
             raise
 
-    def _allreduce(self, src: np.ndarray, op: str, tag: int, seq: int, deadline: float) -> np.ndarray:
+    def _allreduce(self, src: np.ndarray, op: str, seq: int, meta: Any, deadline: float) -> np.ndarray:
         lay, n, me = self.layout, self.size, self.rank
+        tag, words = plan.call_tag(seq, meta), plan.meta_words(meta)
         out = np.empty_like(src)
         parts = plan.pieces(src.size, src.itemsize, lay.slot_bytes)
         mine, hdrs, ufunc = self.headers[me], self.headers, _UFUNC[op]
@@ -205,6 +207,8 @@ class ShmChannel:
             while wrote < len(parts) and plan.may_write(base + wrote, lay.slots, [int(hdrs[r][lay.read_word(me)]) for r in others]):
                 a, b = parts[wrote]
                 g = base + wrote
+                if wrote == 0:
+                    self.headers[me][lay.meta_word:lay.words] = words
                 self._view(me, g, src.dtype, b - a)[...] = src[a:b]
                 mine[lay.tag_word(g % lay.slots)] = tag
                 wrote += 1
@@ -218,8 +222,7 @@ class ShmChannel:
                 views = [src[a:b] if r == me else self._view(r, g, src.dtype, b - a) for r in range(n)]
                 for r in others:
                     if int(hdrs[r][lay.tag_word(g % lay.slots)]) != tag:
-                        raise CollectiveMismatch(f"ring {self.name!r} call {seq}: rank {r} ({self.members[r]}) is in "
-                                                 f"another call or called with other arguments", ranks=[r, me], fields=["call"])
+                        raise self._mismatch(seq, words, r)
                 o = out[a:b]
                 ufunc(views[0], views[1], out=o)
                 for v in views[2:]:
@@ -234,9 +237,16 @@ class ShmChannel:
             if not moved:
                 idle += 1
                 if idle > _SPIN:
-                    self._wait(deadline, seq, others)
+                    self._wait(deadline, seq, others, words)
         self.base = base + len(parts)
         return out
+
+    def _mismatch(self, seq: int, words: list[int], r: int) -> CollectiveMismatch:
+        lay, me = self.layout, self.rank
+        fields = plan.differing(words, self.headers[r][lay.meta_word:lay.words])
+        return CollectiveMismatch(f"ring {self.name!r} call {seq}: rank {r} ({self.members[r]}) and rank {me} "
+                                  f"({self.members[me]}) made different calls; {' and '.join(fields)} differ",
+                                  ranks=[r, me], fields=fields)
 
     def _view(self, r: int, piece: int, dtype: Any, count: int) -> np.ndarray:
         off = self.layout.slot_offset(piece)
@@ -250,7 +260,7 @@ class ShmChannel:
                 except OSError:  # full (it will wake anyway) or gone (its pid check says so)
                     pass
 
-    def _wait(self, deadline: float, seq: int, others: list[int]) -> None:
+    def _wait(self, deadline: float, seq: int, others: list[int], words: list[int]) -> None:
         left = deadline - time.monotonic()
         self.sock.settimeout(max(0.0005, min(_POLL_S, left)))
         try:
@@ -261,6 +271,10 @@ class ShmChannel:
             pass
         for r in others:
             culprit = int(self.headers[r][plan.H_ABORT]) - 1
+            if culprit >= self.size:  # name a rank whose description differs from this one's, if one wrote it
+                lay = self.layout
+                odd = [q for q in others if [int(v) for v in self.headers[q][lay.meta_word:lay.words]] != words]
+                raise self._mismatch(seq, words, odd[0] if odd else r)
             if not _alive(self.pids[r]) or culprit >= 0:
                 gone = r if culprit < 0 else culprit
                 raise Unavailable(f"ring {self.name!r} call {seq}: member rank {gone} ({self.members[gone]}) is gone",
@@ -272,7 +286,7 @@ class ShmChannel:
                                    task=self.members[late], rank=late)
 
 
-async def negotiate(ring: Any, wanted: bool) -> "ShmChannel | None":
+async def negotiate(ring: Any, wanted: bool, timeout: float) -> "ShmChannel | None":
     """Agree over the ring's RPC whether every rank takes the shared-memory path; every rank must
     call it at the same point (it runs two allgathers). None: stay on TCP."""
     channel = None
@@ -282,14 +296,24 @@ async def negotiate(ring: Any, wanted: bool) -> "ShmChannel | None":
         except OSError:
             channel = None
     blob = channel.blob() if channel is not None else np.zeros(4, np.int64)
-    blobs = await ring.allgather(blob)
+    try:
+        blobs = await ring.allgather(blob, timeout=timeout)
+    except BaseException:
+        if channel is not None:
+            channel.close()
+        raise
     ok = channel is not None and all(int(b[1]) != 0 for b in blobs)
     if ok:
         try:
             channel.attach(blobs)
         except (OSError, ZmqflowError):
             ok = False
-    oks = await ring.allgather(np.array([1 if ok else 0], np.int8))
+    try:
+        oks = await ring.allgather(np.array([1 if ok else 0], np.int8), timeout=timeout)
+    except BaseException:
+        if channel is not None:
+            channel.close()
+        raise
     if channel is not None:
         channel.unlink()  # every rank has mapped it (or given up): the name is no longer needed
         if not all(int(v[0]) for v in oks):

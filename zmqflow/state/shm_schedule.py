@@ -16,7 +16,7 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["MAGIC", "NAME_RE", "Layout", "pieces", "may_write", "may_read", "call_tag", "segment_name", "valid_name"]
+__all__ = ["MAGIC", "NAME_RE", "Layout", "pieces", "may_write", "may_read", "call_tag", "FIELDS", "meta_words", "differing", "segment_name", "valid_name"]
 
 MAGIC = 0x7A6D71666C6F7731  # "zmqflow1"
 NAME_RE = re.compile(r"^zmqflow-ring-(\d+)-([0-9a-f]{32})$")
@@ -29,7 +29,8 @@ class Layout:
 
     def __init__(self, size: int, slots: int = 8, slot_bytes: int = 1 << 20):
         self.size, self.slots, self.slot_bytes = int(size), int(slots), int(slot_bytes)
-        self.words = H_FIXED + self.size + self.slots
+        self.meta_word = H_FIXED + self.size + self.slots  # one word per field of the current call's description
+        self.words = self.meta_word + len(FIELDS)
         self.data_offset = -(-self.words * 8 // 4096) * 4096
         self.total = self.data_offset + self.slots * self.slot_bytes
 
@@ -57,6 +58,18 @@ def may_write(piece: int, slots: int, consumed_by_readers: Sequence[int]) -> boo
 
 def may_read(piece: int, written_by_writers: Sequence[int]) -> bool:
     return all(w >= piece + 1 for w in written_by_writers)
+
+
+FIELDS = ("collective", "op", "dtype", "tensor count", "element count", "shapes", "root")
+
+
+def meta_words(meta: Any) -> list[int]:
+    """A call's description (as the TCP ring sends it), one word per field, to name what differs."""
+    return [zlib.crc32(repr(v).encode()) for v in (list(meta) + [None] * len(FIELDS))[:len(FIELDS)]]
+
+
+def differing(mine: Sequence[int], theirs: Sequence[int]) -> list[str]:
+    return [f for f, x, y in zip(FIELDS, mine, theirs) if int(x) != int(y)] or ["call sequence"]
 
 
 def call_tag(seq: int, meta: Any) -> int:
