@@ -28,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import secrets
+import select
 import socket
 import stat
 import time
@@ -46,7 +47,7 @@ __all__ = ["ShmChannel", "negotiate", "enabled", "SHM_DIR"]
 SHM_DIR = "/dev/shm"
 _UFUNC = {"sum": np.add, "mean": np.add, "min": np.minimum, "max": np.maximum}
 _POLL_S = 0.05  # how often a blocked rank checks its peers' pids and its deadline
-_SPIN = 50
+_SPIN = 20
 
 
 def enabled() -> bool:
@@ -130,6 +131,11 @@ class ShmChannel:
         self.pids[rank] = os.getpid()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(_socket_name(self.token))
+        self.sock.setblocking(False)  # waits are polls with a timeout; a timeout socket would also wait in send
+        self.poller = select.poll()
+        self.poller.register(self.sock, select.POLLIN)
+        self.out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.out.setblocking(False)  # a peer's full queue means it has wake-ups pending: never wait for it
         self.peers: list[bytes] = [b""] * size
         self.base = 0  # pieces published by every rank before the current call
         self.broken: ZmqflowError | None = None
@@ -176,6 +182,7 @@ class ShmChannel:
         self.unlink()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.sock.close()
+        self.out.close()
 
     # calls -----------------------------------------------------------------------------
     def submit(self, src: np.ndarray, op: str, seq: int, meta: Any, timeout: float) -> "concurrent.futures.Future[np.ndarray]":
@@ -256,19 +263,18 @@ class ShmChannel:
         for r, addr in enumerate(self.peers):
             if r != self.rank:
                 try:
-                    self.sock.sendto(b"1", socket.MSG_DONTWAIT, addr)
+                    self.out.sendto(b"1", addr)
                 except OSError:  # full (it will wake anyway) or gone (its pid check says so)
                     pass
 
     def _wait(self, deadline: float, seq: int, others: list[int], words: list[int]) -> None:
         left = deadline - time.monotonic()
-        self.sock.settimeout(max(0.0005, min(_POLL_S, left)))
-        try:
-            self.sock.recv(64)
-            while True:  # drain: one wake-up is enough
-                self.sock.recv(64, socket.MSG_DONTWAIT)
-        except (TimeoutError, BlockingIOError, socket.timeout):
-            pass
+        if self.poller.poll(max(1, int(1000 * min(_POLL_S, left)))):
+            try:  # drain: one wake-up is enough, the counters say what changed
+                while True:
+                    self.sock.recv(64)
+            except BlockingIOError:
+                pass
         for r in others:
             culprit = int(self.headers[r][plan.H_ABORT]) - 1
             if culprit >= self.size:  # name a rank whose description differs from this one's, if one wrote it
