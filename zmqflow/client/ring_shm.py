@@ -209,7 +209,7 @@ class ShmChannel:
         mine, hdrs, ufunc = self.headers[me], self.headers, _UFUNC[op]
         base, wrote, folded, idle = self.base, 0, 0, 0
         others = [r for r in range(n) if r != me]
-        while folded < len(parts):
+        while folded < len(parts) or wrote < len(parts):  # own pieces fold from ``src``: peers still need them
             moved = False
             while wrote < len(parts) and plan.may_write(base + wrote, lay.slots, [int(hdrs[r][lay.read_word(me)]) for r in others]):
                 a, b = parts[wrote]
@@ -224,7 +224,7 @@ class ShmChannel:
             if moved:
                 self._notify()
             g = base + folded
-            if plan.may_read(g, [int(hdrs[r][plan.H_WRITTEN]) for r in others]):
+            if folded < len(parts) and plan.may_read(g, [int(hdrs[r][plan.H_WRITTEN]) for r in others]):
                 a, b = parts[folded]
                 views = [src[a:b] if r == me else self._view(r, g, src.dtype, b - a) for r in range(n)]
                 for r in others:
