@@ -187,7 +187,7 @@ def test_a_rank_that_completed_the_last_call_and_left_is_not_taken_for_a_death()
     async def main(leave: bool):
         async with faulty_cluster({"worker": 2}, timeout=10) as (servers, faults):
             a, b = servers["worker:0"], servers["worker:1"]
-            ra, rb = AsyncRing(a, timeout=10), AsyncRing(b, timeout=10)
+            ra, rb = AsyncRing(a, timeout=10, shm=False), AsyncRing(b, timeout=10, shm=False)
             faults.hold(direction=REPLY, op="ring.deposit", server="worker:0")
             slower = asyncio.ensure_future(rb.allreduce(np.arange(8.0)))
             np.testing.assert_array_equal(await ra.allreduce(np.arange(8.0)), 2 * np.arange(8.0))
@@ -214,7 +214,7 @@ def test_every_rank_gets_the_same_bits_on_the_exchange_and_ring_paths(n):
     a different order then allgathers: either way every rank must hold identical bytes."""
     async def main():
         async with local_cluster({"worker": n}, timeout=20, transport="tcp") as servers:
-            rings = [AsyncRing(servers[f"worker:{i}"], small_bytes=4096, chunk_bytes=1024) for i in range(n)]
+            rings = [AsyncRing(servers[f"worker:{i}"], small_bytes=4096, chunk_bytes=1024, shm=False) for i in range(n)]
             for size in (1000, 100_003):  # 4 KB: one exchange; 400 KB: the ring, chunked
                 inputs = [order_sensitive(r, size) for r in range(n)]
                 kept = [x.copy() for x in inputs]
@@ -240,7 +240,7 @@ def test_a_rank_on_the_ring_and_one_on_the_exchange_raise_a_mismatch_not_a_deadl
     chunk goes, so both sides still see each other's description."""
     async def main():
         async with local_cluster({"worker": 2}, timeout=10, transport="tcp") as servers:
-            rings = [AsyncRing(servers[f"worker:{i}"], small_bytes=1024) for i in range(2)]
+            rings = [AsyncRing(servers[f"worker:{i}"], small_bytes=1024, shm=False) for i in range(2)]
             start = time.monotonic()
             results = await asyncio.gather(
                 rings[0].allreduce(np.ones(10, np.float32), timeout=8),

@@ -48,7 +48,8 @@ class AsyncElasticRing:
         """Join the next generation; ``step`` is how far this replica is (-1: none worth keeping)."""
         formation = await join_next_generation(self.state, step, timeout)
         old = self.ring
-        self.ring = AsyncRing(self.server, formation.members, name=f"{self.name}/g{formation.generation}", **self.ring_kwargs)
+        self.ring = AsyncRing(self.server, formation.members, name=f"{self.name}/g{formation.generation}",
+                              **{"shm": False, **self.ring_kwargs})  # re-forming: TCP only (see ring_shm)
         self.formation = formation
         if old is not None:
             self.server.service("ring").retire(old.name)

@@ -34,6 +34,7 @@ from ..rpc.health import wait_for_tasks
 from ..wire.dtypes import dtype_name
 from ..wire.requests import cluster as crq
 from .ring_probe import CallProbe, RingWatch
+from . import ring_shm
 
 __all__ = ["Ring", "AsyncRing", "default_members", "DEFAULT_BUCKET_BYTES", "DEFAULT_CHUNK_BYTES", "DEFAULT_SMALL_BYTES"]
 
@@ -64,8 +65,9 @@ class AsyncRing:
 
     def __init__(self, server: AsyncServer, members: Sequence["TaskId | str"] | None = None, *, name: str = "default",
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 small_bytes: int = DEFAULT_SMALL_BYTES, timeout: float | None = None):
+                 small_bytes: int = DEFAULT_SMALL_BYTES, timeout: float | None = None, shm: bool = True):
         self.server = server
+        self._shm: Any = None if shm else False  # None: not agreed yet; False: TCP; else the same-host channel
         self.members = [TaskId.parse(m) for m in members] if members is not None else default_members(server.spec)
         if server.task not in self.members:
             raise ConfigError(f"task {server.task} is not a member of the ring ({', '.join(map(str, self.members))})")
@@ -87,6 +89,16 @@ class AsyncRing:
         self._aborts: list[asyncio.Future] = []
         self._seen = RingWatch(name, str(server.task))  # timeline spans, stragglers
         self.service.register(name, [str(m) for m in self.members])  # with keys: chunks only from their rank's task
+
+    @property
+    def shm_channel(self) -> "ring_shm.ShmChannel | None":
+        """The shared-memory path, once every rank agreed on it (``client/ring_shm.py``)."""
+        return self._shm if self._shm and self._shm.broken is None else None  # after a failure: TCP
+
+    async def _same_host(self, deadline: float) -> "ring_shm.ShmChannel | None":
+        if self._shm is None:
+            self._shm = await ring_shm.negotiate(self, True, deadline - asyncio.get_running_loop().time()) or False
+        return self.shm_channel
 
     @property
     def service(self) -> Any:
@@ -116,7 +128,12 @@ class AsyncRing:
             xp = array_module(arrays_in[0])
             meta = _meta("allreduce", op, arrays_in)
             nbytes = sum(a.nbytes for a in arrays_in)
-            if 1 < self.size and nbytes <= self.small_bytes and not is_cupy(arrays_in[0]):
+            shm = await self._same_host(deadline) if self.size > 1 and not is_cupy(arrays_in[0]) else None
+            if shm is not None:
+                seq, self.seq = self.seq, self.seq + 1
+                flat = arrays_in[0].reshape(-1) if len(arrays_in) == 1 else np.concatenate([a.reshape(-1) for a in arrays_in])
+                fused = await asyncio.wrap_future(shm.submit(flat, op, seq, meta, deadline - asyncio.get_running_loop().time()))
+            elif 1 < self.size and nbytes <= self.small_bytes and not is_cupy(arrays_in[0]):
                 flat = arrays_in[0].reshape(-1) if len(arrays_in) == 1 else np.concatenate([a.reshape(-1) for a in arrays_in])
                 fused = await self._exchange(flat, op, meta, deadline)  # never writes into ``flat``
             elif len(arrays_in) == 1 and not is_cupy(arrays_in[0]) and self.size > 1:
@@ -170,6 +187,8 @@ class AsyncRing:
         member still finishing that call (whose last acknowledgement from here may never arrive)."""
         if self.size == 1:
             return
+        if self._shm:
+            self._shm.close()
         client = self.server.client
         body = crq.Leave(ring=self.name, src=self.rank, seq=self.completed)
         calls = [client.start_call(ep, "ring", "leave", body, timeout=timeout, name=str(self.members[i]))
@@ -422,6 +441,7 @@ class Ring:
     def __init__(self, server: Server, members: Sequence["TaskId | str"] | None = None, **kwargs: Any):
         self._server = server
         self._async = AsyncRing(server.async_server, members, **kwargs)
+        self._pending = 0  # submitted calls not yet finished: the blocking fast path waits its turn behind them
 
     @classmethod
     def over(cls, server: Server, ring: AsyncRing) -> "Ring":
@@ -439,7 +459,13 @@ class Ring:
         """Start ``coro`` (a collective of :attr:`async_ring`) on the server's loop without waiting.
         Collectives started from one thread start in that order, so every rank may keep several
         in flight (a collective takes its sequence number when it starts)."""
-        return self._server.loop_thread.submit(coro)
+        self._pending += 1
+        fut = self._server.loop_thread.submit(coro)
+        fut.add_done_callback(self._finished)
+        return fut
+
+    def _finished(self, _: Any) -> None:
+        self._pending -= 1
 
     rank = property(lambda self: self._async.rank)
     size = property(lambda self: self._async.size)
@@ -450,6 +476,14 @@ class Ring:
         return self._server.loop_thread.call(coro, timeout=limit)
 
     def allreduce(self, arrays: Any, op: str = "sum", *, timeout: float | None = None) -> Any:
+        shm = self._async.shm_channel
+        if shm is not None and not self._pending and type(arrays) is np.ndarray and op in OPS \
+                and arrays.nbytes <= self._async.bucket_bytes:  # same host: no hand-off to the loop
+            a = self._async
+            seq, a.seq = a.seq, a.seq + 1
+            wait = a.timeout if timeout is None else float(timeout)
+            flat = shm.submit(arrays.reshape(-1), op, seq, _meta("allreduce", op, [arrays]), wait).result(wait + 5.0)
+            return flat.reshape(arrays.shape)
         return self._call(self._async.allreduce(arrays, op, timeout=timeout), timeout)
 
     def allgather(self, array: Any, *, timeout: float | None = None) -> Any:

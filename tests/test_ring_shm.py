@@ -1,0 +1,154 @@
+"""The ring's shared-memory path between ranks on one host: exact results, dead ranks, cleanup."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from zmqflow.client import ring_shm
+from zmqflow.state import shm_schedule as plan
+from zmqflow.state.reduce import reduce_in_order
+from zmqflow.testing import wait_until
+
+from .conftest import launch_script
+
+pytestmark = pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="no writable /dev/shm")
+ROOT = str(Path(__file__).resolve().parent.parent)
+SIZES = (0, 1, 7, 300_001, (1 << 20) // 4 * 3 + 5)  # the last spans several 1 MiB slots, not a multiple
+DTYPES = ["float32", "float64"]
+try:
+    import ml_dtypes  # noqa: F401  (numpy's bfloat16)
+    DTYPES.append("bfloat16")
+except ImportError:
+    pass
+
+
+def rank_array(rank: int, size: int, dtype: str) -> np.ndarray:
+    return np.random.default_rng(100 * rank + size).uniform(-4, 4, size).astype(dtype)
+
+
+def segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if plan.NAME_RE.match(n)}
+
+
+WORKER = textwrap.dedent(
+    """
+    import sys, numpy as np, zmqflow as zf
+    sys.path.insert(0, sys.argv[2])
+    from tests.test_ring_shm import SIZES, DTYPES, rank_array
+    out = {}
+    with zf.Server.from_env() as server:
+        ring = zf.Ring(server, timeout=20)
+        for size in SIZES:
+            for dtype in DTYPES:
+                for op in ("sum", "mean"):
+                    got = ring.allreduce(rank_array(ring.rank, size, dtype), op=op)
+                    out[f"{size}-{dtype}-{op}"] = got.view(np.uint16) if dtype == "bfloat16" else got
+        out["list"] = np.concatenate(ring.allreduce([rank_array(ring.rank, 5, "float32"), rank_array(ring.rank, 9, "float32")]))
+        print("SHM", ring.async_ring.shm_channel is not None, flush=True)
+        ring.barrier()
+        ring.leave()
+        np.savez(f"{sys.argv[1]}/rank{ring.rank}.npz", **out)
+    """
+)
+
+
+def _run(procs, tmp_path, n, env_off=False):
+    if env_off:
+        os.environ["ZMQFLOW_RING_SHM"] = "0"
+    try:
+        p = launch_script(procs, tmp_path / "worker.py", WORKER, tmp_path, ROOT, workers=n)
+    finally:
+        os.environ.pop("ZMQFLOW_RING_SHM", None)
+    assert p.wait(100) == 0, p.output
+    return p, [np.load(tmp_path / f"rank{r}.npz") for r in range(n)]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_shm_allreduce_is_bit_identical_to_reduce_in_order(tmp_path, procs, n):
+    before = segments()
+    p, results = _run(procs, tmp_path, n)
+    assert p.output.count("SHM True") == n, p.output
+    for size in SIZES:
+        for dtype in DTYPES:
+            for op in ("sum", "mean"):
+                key = f"{size}-{dtype}-{op}"
+                ref = reduce_in_order([rank_array(r, size, dtype) for r in range(n)], op)
+                ref = ref.view(np.uint16) if dtype == "bfloat16" else ref
+                for r in range(n):
+                    assert results[r][key].tobytes() == ref.tobytes(), f"{key} rank {r}"
+    ref = np.concatenate([reduce_in_order([rank_array(r, m, "float32") for r in range(n)], "sum") for m in (5, 9)])
+    np.testing.assert_array_equal(results[n - 1]["list"], ref)
+    assert segments() <= before  # nothing left behind
+
+
+def test_env_turns_shm_off(tmp_path, procs):
+    p, results = _run(procs, tmp_path, 2, env_off=True)
+    assert p.output.count("SHM False") == 2, p.output
+    key = f"{SIZES[3]}-float32-sum"
+    ref = reduce_in_order([rank_array(r, SIZES[3], "float32") for r in range(2)], "sum")
+    np.testing.assert_array_equal(results[0][key], ref)
+
+
+KILLED = textwrap.dedent(
+    """
+    import os, sys, time, numpy as np, zmqflow as zf
+    with zf.Server.from_env() as server:
+        ring = zf.Ring(server, timeout=15)
+        ring.allreduce(np.ones(10, np.float32))
+        print("READY", ring.rank, os.getpid(), flush=True)
+        if ring.rank == 1:
+            time.sleep(60)  # killed here
+        t = time.monotonic()
+        try:
+            ring.allreduce(np.ones(1 << 20, np.float32))
+        except zf.errors.ZmqflowError as e:
+            print("ERROR", type(e).__name__, e.details.get("task"), round(time.monotonic() - t, 1), flush=True); print("MSG", e, flush=True)
+    """
+)
+
+
+def test_a_killed_rank_is_named_and_leaves_no_segments(tmp_path, procs):
+    before = segments()
+    p = launch_script(procs, tmp_path / "killed.py", KILLED, workers=3)
+    line = p.wait_for_line("READY 1 ", 60)
+    pid = int(line.split()[-1])
+    assert segments() <= before  # unlinked as soon as every rank mapped them
+    os.kill(pid, signal.SIGKILL)
+    p.wait_for_line("ERROR", 30)
+    wait_until(lambda: p.output.count("ERROR") == 2, 30)
+    for row in [ln for ln in p.output.splitlines() if "ERROR" in ln]:
+        kind, task, took = row.split("ERROR", 1)[1].split()
+        assert kind in ("Unavailable", "DeadlineExceeded") and task == "worker:1" and float(took) < 15, row
+    p.wait(60)
+    assert segments() <= before
+
+
+def test_stale_segments_of_dead_processes_are_removed(tmp_path):
+    child = __import__("subprocess").Popen([sys.executable, "-c", "import os; print(os.getpid())"], stdout=-1)
+    dead = int(child.communicate()[0])
+    name = plan.segment_name(dead, os.urandom(16))
+    Path("/dev/shm", name).write_bytes(b"x")
+    mine = plan.segment_name(os.getpid(), os.urandom(16))
+    Path("/dev/shm", mine).write_bytes(b"x")
+    try:
+        removed = ring_shm.clean_stale()
+        assert name in removed and mine not in removed and not Path("/dev/shm", name).exists()
+    finally:
+        Path("/dev/shm", mine).unlink()
+
+
+def test_names_from_messages_are_checked():
+    token = os.urandom(16)
+    assert plan.valid_name(plan.segment_name(42, token), 42)
+    assert not plan.valid_name(plan.segment_name(42, token), 43)
+    assert not plan.valid_name("../etc/passwd")
+    assert not plan.valid_name("zmqflow-ring-1-" + "g" * 32)
+    assert plan.pieces(0, 4, 1 << 20) == [] and plan.pieces(5, 4, 8) == [(0, 2), (2, 4), (4, 5)]
+    assert plan.may_write(8, 8, [1, 1]) and not plan.may_write(8, 8, [0, 1]) and plan.may_read(3, [4, 5]) and not plan.may_read(3, [3, 5])

@@ -1,0 +1,328 @@
+"""The same-host data path of the ring: allreduce through shared memory (as NCCL's SHM transport).
+
+When every member of a ring runs on this kernel (the same boot id and pid namespace) and each can
+map the others' segments, ranks stop sending chunks over loopback TCP: each rank copies its input,
+piece by piece, into its own segment in ``/dev/shm`` and every rank folds all ranks' pieces, read
+straight from the segments, into its own output in rank order, so every rank ends with the same
+bits as ``reduce_in_order``. Writing piece k+1 overlaps folding piece k; a segment's slots are
+reused once every reader consumed them (``state/shm_schedule.py`` is the plan).
+
+Calls run on one thread per ring, in the order they are submitted, so the caller's thread never
+hands off to the asyncio loop on the blocking path. "Piece ready" and "slot free" are counters in
+the segments; a rank that finds nothing to do blocks on its own datagram socket (abstract
+namespace, woken by one byte from a peer that moved a counter), with a timeout so it checks that
+its peers still live (their pids) and its deadline. A dead peer raises ``Unavailable`` naming it,
+a silent one ``DeadlineExceeded``; either sets an abort word that the other ranks see at once.
+
+Segments are created with O_EXCL, mode 0600, under a name holding the creator's pid and 128
+random bits; the names are agreed over the ring's own authenticated RPC (an allgather), a peer's
+name is mapped only if it is one this code makes for that peer's pid, owned by this user, of the
+expected size, and whose header carries the announced token and rank. Every segment is unlinked
+as soon as all ranks have mapped it, so a normal exit or a ``kill -9`` after setup leaves nothing
+in ``/dev/shm``; a kill in the short window of setup can leave one, which the next ring on this
+host removes (segments of dead pids owned by this user). ``ZMQFLOW_RING_SHM=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import secrets
+import select
+import socket
+import stat
+import time
+import mmap
+import zlib
+from typing import Any
+
+import numpy as np
+
+from ..errors import CollectiveMismatch, DeadlineExceeded, Unavailable, ZmqflowError
+from ..state import shm_schedule as plan
+from ..state.reduce import finish_mean
+
+__all__ = ["ShmChannel", "negotiate", "enabled", "SHM_DIR"]
+
+SHM_DIR = "/dev/shm"
+_UFUNC = {"sum": np.add, "mean": np.add, "min": np.minimum, "max": np.maximum}
+_POLL_S = 0.05  # how often a blocked rank checks its peers' pids and its deadline
+_SPIN = 20
+
+
+def enabled() -> bool:
+    return os.environ.get("ZMQFLOW_RING_SHM", "1") not in ("0", "false", "no", "off") and os.access(SHM_DIR, os.W_OK)
+
+
+def _host_id() -> int:
+    """Same value on every process of one kernel and pid namespace (pids are checked for liveness)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+    return (zlib.crc32(boot.encode()) << 31) ^ ns
+
+
+def _alive(pid: int) -> bool:
+    """Running (a killed child its parent has not reaped yet is a zombie: dead)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def clean_stale(directory: str = SHM_DIR) -> list[str]:
+    """Remove ring segments of this user whose creating process is gone (left by a kill during setup)."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = plan.NAME_RE.match(name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.lstat(path).st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
+def _socket_name(token: bytes) -> bytes:
+    return b"\0zmqflow-ring-" + token.hex().encode()
+
+
+class ShmChannel:
+    """One rank's end of the shared-memory path of one ring: its segment, its peers' mappings,
+    its wake-up socket and the thread that runs its calls in order."""
+
+    def __init__(self, name: str, rank: int, size: int, members: list[str], slots: int = 8, slot_bytes: int = 1 << 20):
+        self.name, self.rank, self.size, self.members = name, rank, size, members
+        self.layout = plan.Layout(size, slots, slot_bytes)
+        self.token = secrets.token_bytes(16)
+        self.seg_name = plan.segment_name(os.getpid(), self.token)
+        self.path = os.path.join(SHM_DIR, self.seg_name)
+        clean_stale()
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, self.layout.total)
+            self.maps: list[Any] = [None] * size
+            self.maps[rank] = mmap.mmap(fd, self.layout.total)
+        finally:
+            os.close(fd)
+        self.headers: list[Any] = [None] * size
+        self.headers[rank] = hdr = self._header(rank)
+        hdr[plan.H_MAGIC], hdr[plan.H_RANK], hdr[plan.H_PID] = plan.MAGIC, rank, os.getpid()
+        hdr[plan.H_TOK_HI], hdr[plan.H_TOK_LO] = np.frombuffer(self.token, np.int64)
+        self.pids = [0] * size
+        self.pids[rank] = os.getpid()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(_socket_name(self.token))
+        self.sock.setblocking(False)  # waits are polls with a timeout; a timeout socket would also wait in send
+        self.poller = select.poll()
+        self.poller.register(self.sock, select.POLLIN)
+        self.out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.out.setblocking(False)  # a peer's full queue means it has wake-ups pending: never wait for it
+        self.peers: list[bytes] = [b""] * size
+        self.base = 0  # pieces published by every rank before the current call
+        self.broken: ZmqflowError | None = None
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ring-shm-{name}")
+
+    def _header(self, r: int) -> np.ndarray:
+        return np.frombuffer(self.maps[r], np.int64, self.layout.words)
+
+    def blob(self) -> np.ndarray:
+        """What this rank tells the others (over the ring's RPC): host, pid, token."""
+        return np.array([_host_id(), os.getpid(), *np.frombuffer(self.token, np.int64)], np.int64)
+
+    def attach(self, blobs: np.ndarray) -> None:
+        """Map every peer's segment named by its blob, refusing anything this ring did not make."""
+        for r in range(self.size):
+            if r == self.rank:
+                continue
+            host, pid, hi, lo = (int(v) for v in blobs[r])
+            token = np.array([hi, lo], np.int64).tobytes()
+            name = plan.segment_name(pid, token)
+            if host != _host_id() or not plan.valid_name(name, pid):
+                raise Unavailable(f"ring {self.name!r}: rank {r} is not on this host", task=self.members[r])
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
+            try:
+                st = os.fstat(fd)
+                if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o600 or st.st_size != self.layout.total:
+                    raise Unavailable(f"ring {self.name!r}: rank {r}'s segment is not one this ring made", task=self.members[r])
+                self.maps[r] = mmap.mmap(fd, self.layout.total)
+            finally:
+                os.close(fd)
+            h = self.headers[r] = self._header(r)
+            if (int(h[plan.H_MAGIC]), int(h[plan.H_RANK]), int(h[plan.H_PID]), int(h[plan.H_TOK_HI]), int(h[plan.H_TOK_LO])) != (plan.MAGIC, r, pid, hi, lo):
+                raise Unavailable(f"ring {self.name!r}: rank {r}'s segment header does not match", task=self.members[r])
+            self.pids[r] = pid
+            self.peers[r] = _socket_name(token)
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        self.unlink()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.sock.close()
+        self.out.close()
+
+    # calls -----------------------------------------------------------------------------
+    def submit(self, src: np.ndarray, op: str, seq: int, meta: Any, timeout: float) -> "concurrent.futures.Future[np.ndarray]":
+        """Start an allreduce of the flat host array ``src`` (only read) after every call submitted before."""
+        return self.pool.submit(self.allreduce, src, op, seq, meta, time.monotonic() + timeout)
+
+    def allreduce(self, src: np.ndarray, op: str, seq: int, meta: Any, deadline: float) -> np.ndarray:
+        if self.broken is not None:
+            raise self.broken
+        try:
+            return self._allreduce(np.ascontiguousarray(src).reshape(-1), op, seq, meta, deadline)
+        except ZmqflowError as exc:
+            self.broken = exc
+            culprit = int(exc.details.get("rank", self.rank))  # a mismatch: the word says so, after the ranks
+            self.headers[self.rank][plan.H_ABORT] = 1 + culprit + (self.size if isinstance(exc, CollectiveMismatch) else 0)
+            self._notify()
+            raise
+
+    def _allreduce(self, src: np.ndarray, op: str, seq: int, meta: Any, deadline: float) -> np.ndarray:
+        lay, n, me = self.layout, self.size, self.rank
+        tag, words = plan.call_tag(seq, meta), plan.meta_words(meta)
+        out = np.empty_like(src)
+        parts = plan.pieces(src.size, src.itemsize, lay.slot_bytes)
+        mine, hdrs, ufunc = self.headers[me], self.headers, _UFUNC[op]
+        base, wrote, folded, idle = self.base, 0, 0, 0
+        others = [r for r in range(n) if r != me]
+        while folded < len(parts) or wrote < len(parts):  # own pieces fold from ``src``: peers still need them
+            moved = False
+            while wrote < len(parts) and plan.may_write(base + wrote, lay.slots, [int(hdrs[r][lay.read_word(me)]) for r in others]):
+                a, b = parts[wrote]
+                g = base + wrote
+                if wrote == 0:
+                    self.headers[me][lay.meta_word:lay.words] = words
+                self._view(me, g, src.dtype, b - a)[...] = src[a:b]
+                mine[lay.tag_word(g % lay.slots)] = tag
+                wrote += 1
+                mine[plan.H_WRITTEN] = base + wrote  # after the data: x86 keeps stores in order
+                moved = True
+            if moved:
+                self._notify()
+            g = base + folded
+            if folded < len(parts) and plan.may_read(g, [int(hdrs[r][plan.H_WRITTEN]) for r in others]):
+                a, b = parts[folded]
+                views = [src[a:b] if r == me else self._view(r, g, src.dtype, b - a) for r in range(n)]
+                for r in others:
+                    if int(hdrs[r][lay.tag_word(g % lay.slots)]) != tag:
+                        raise self._mismatch(seq, words, r)
+                o = out[a:b]
+                ufunc(views[0], views[1], out=o)
+                for v in views[2:]:
+                    ufunc(o, v, out=o)
+                if op == "mean":
+                    finish_mean(o, n)
+                folded += 1
+                for r in others:
+                    mine[lay.read_word(r)] = g + 1
+                self._notify()
+                continue
+            if not moved:
+                idle += 1
+                if idle > _SPIN:
+                    self._wait(deadline, seq, others, words)
+        self.base = base + len(parts)
+        return out
+
+    def _mismatch(self, seq: int, words: list[int], r: int) -> CollectiveMismatch:
+        lay, me = self.layout, self.rank
+        fields = plan.differing(words, self.headers[r][lay.meta_word:lay.words])
+        return CollectiveMismatch(f"ring {self.name!r} call {seq}: rank {r} ({self.members[r]}) and rank {me} "
+                                  f"({self.members[me]}) made different calls; {' and '.join(fields)} differ",
+                                  ranks=[r, me], fields=fields)
+
+    def _view(self, r: int, piece: int, dtype: Any, count: int) -> np.ndarray:
+        off = self.layout.slot_offset(piece)
+        return np.frombuffer(self.maps[r], np.uint8, count * dtype.itemsize, off).view(dtype)
+
+    def _notify(self) -> None:
+        for r, addr in enumerate(self.peers):
+            if r != self.rank:
+                try:
+                    self.out.sendto(b"1", addr)
+                except OSError:  # full (it will wake anyway) or gone (its pid check says so)
+                    pass
+
+    def _wait(self, deadline: float, seq: int, others: list[int], words: list[int]) -> None:
+        left = deadline - time.monotonic()
+        if self.poller.poll(max(1, int(1000 * min(_POLL_S, left)))):
+            try:  # drain: one wake-up is enough, the counters say what changed
+                while True:
+                    self.sock.recv(64)
+            except BlockingIOError:
+                pass
+        for r in others:
+            culprit = int(self.headers[r][plan.H_ABORT]) - 1
+            if culprit >= self.size:  # name a rank whose description differs from this one's, if one wrote it
+                lay = self.layout
+                odd = [q for q in others if [int(v) for v in self.headers[q][lay.meta_word:lay.words]] != words]
+                raise self._mismatch(seq, words, odd[0] if odd else r)
+            if not _alive(self.pids[r]) or culprit >= 0:
+                gone = r if culprit < 0 else culprit
+                raise Unavailable(f"ring {self.name!r} call {seq}: member rank {gone} ({self.members[gone]}) is gone",
+                                  task=self.members[gone], rank=gone)
+        if time.monotonic() > deadline:
+            late = min(others, key=lambda r: int(self.headers[r][plan.H_WRITTEN]))  # the one furthest behind
+            raise DeadlineExceeded(f"ring {self.name!r} call {seq} (shared memory) did not complete in time; "
+                                   f"rank {self.rank} was waiting for rank {late} ({self.members[late]})",
+                                   task=self.members[late], rank=late)
+
+
+async def negotiate(ring: Any, wanted: bool, timeout: float) -> "ShmChannel | None":
+    """Agree over the ring's RPC whether every rank takes the shared-memory path; every rank must
+    call it at the same point (it runs two allgathers). None: stay on TCP."""
+    channel = None
+    if wanted and enabled():
+        try:
+            channel = ShmChannel(ring.name, ring.rank, ring.size, [str(m) for m in ring.members])
+        except OSError:
+            channel = None
+    blob = channel.blob() if channel is not None else np.zeros(4, np.int64)
+    try:
+        blobs = await ring.allgather(blob, timeout=timeout)
+    except BaseException:
+        if channel is not None:
+            channel.close()
+        raise
+    ok = channel is not None and all(int(b[1]) != 0 for b in blobs)
+    if ok:
+        try:
+            channel.attach(blobs)
+        except (OSError, ZmqflowError):
+            ok = False
+    try:
+        oks = await ring.allgather(np.array([1 if ok else 0], np.int8), timeout=timeout)
+    except BaseException:
+        if channel is not None:
+            channel.close()
+        raise
+    if channel is not None:
+        channel.unlink()  # every rank has mapped it (or given up): the name is no longer needed
+        if not all(int(v[0]) for v in oks):
+            channel.close()
+            channel = None
+    return channel
