@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 
 from ..errors import InvalidArgument, ProtocolError, ResourceExhausted, VersionMismatch, ZmqflowError, error_class
-from .dtypes import WIRE_DTYPES, dtype_from_name, dtype_name
+from .dtypes import AS_IS, dtype_from_name, dtype_name
 from .peek import container_marks, read_start, too_deep
 
 __all__ = [
@@ -203,9 +203,10 @@ def _sent(value: Any, default: Any) -> bool:
 
 
 def _wire_buffer(arr: np.ndarray) -> tuple[np.ndarray, str]:
-    """A flat little-endian C-ordered byte view of ``arr``; copies only when the layout forces it."""
+    """A little-endian C-ordered buffer of ``arr``: the array itself when it is one (no per-send
+    reshape or view), else a flat byte view; copies only when the layout forces it."""
     dtype = arr.dtype
-    name = _NATIVE_NAMES.get(dtype)
+    name = AS_IS.get(dtype)
     if name is not None and arr.flags.c_contiguous:  # the common case: a native array, sent as it is
         return arr, name
     name = dtype_name(dtype)
@@ -214,22 +215,6 @@ def _wire_buffer(arr: np.ndarray) -> tuple[np.ndarray, str]:
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)
     return arr.reshape(-1).view(np.uint8), name
-
-
-# dtypes whose buffer is already the wire's bytes (little-endian or byte-order free): name by dtype
-# (a big-endian dtype never equals its little-endian wire dtype, so it misses and takes the slow path;
-# extension dtypes such as bfloat16 export no buffer, so they are sent as a uint8 view)
-
-
-def _exports_buffer(dt: np.dtype) -> bool:
-    try:
-        memoryview(np.zeros(1, dt))
-    except (ValueError, TypeError):
-        return False
-    return True
-
-
-_NATIVE_NAMES: dict[np.dtype, str] = {dt: name for name, dt in WIRE_DTYPES.items() if _exports_buffer(dt)}
 
 
 # decoding ---------------------------------------------------------------------------------
