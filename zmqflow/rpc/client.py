@@ -51,10 +51,16 @@ RECONNECT_GRACE = 2.0  # a call to a peer down for less than this waits for it t
 class _Pending:
     future: asyncio.Future
     peer: "Peer"
-    what: str
+    service: str
+    op: str
     timer: asyncio.TimerHandle | None = None
     sent: bool = False
     retry: asyncio.TimerHandle | None = None
+
+    @property
+    def what(self) -> str:
+        """``service.op on peer`` for messages: formatted only when one is written, not per call."""
+        return f"{self.service}.{self.op} on {self.peer.name}"
 
 
 @dataclass(eq=False)
@@ -214,7 +220,7 @@ class RpcClient:
         peer = self.peer(endpoint, name)
         rid = next(self._ids)
         fut = self._loop.create_future()
-        pending = _Pending(fut, peer, f"{service}.{op} on {peer.name}")
+        pending = _Pending(fut, peer, service, op)
         frames = encode(Message(REQUEST, rid, service, op, body, deadline=timeout, source=self.source))
         self._pending[rid] = pending
         peer.inflight.add(rid)

@@ -10,7 +10,7 @@ __all__ = ["Counters", "frames_nbytes"]
 
 def frames_nbytes(frames: Any) -> int:
     """Bytes in outgoing frames: bytes headers and array (or memoryview) payloads."""
-    return sum(f.nbytes if hasattr(f, "nbytes") else len(f) for f in frames)
+    return sum([len(f) if f.__class__ is bytes else f.nbytes if hasattr(f, "nbytes") else len(f) for f in frames])
 
 
 @dataclass(slots=True)

@@ -232,11 +232,12 @@ class RpcServer:
         except Exception as exc:  # a result that cannot be encoded is the handler's error
             self.counters.errors += 1
             frames = [identity, *encode(error_message(msg.id, exc, source=self.name, with_traceback=self.debug))]
+        nbytes = frames_nbytes(frames)  # once: for the record and the counters
         if record:
-            self.dedup.finish(identity, msg.id, frames[1:], frames_nbytes(frames) - len(identity))
-        self._send(frames, msg.id, deadline)
+            self.dedup.finish(identity, msg.id, frames[1:], nbytes - len(identity))
+        self._send(frames, msg.id, deadline, nbytes)
 
-    def _send(self, frames: list[Any], rid: int, deadline: float | None) -> None:
+    def _send(self, frames: list[Any], rid: int, deadline: float | None, nbytes: int | None = None) -> None:
         listener = self._listener
         if listener is None or listener.closed:
             return
@@ -247,7 +248,7 @@ class RpcServer:
             log.debug("%s: reply %d undeliverable: %s", self.name, rid, exc)
             return
         if sent:
-            self._count_out(frames)
+            self._count_out(frames, nbytes)
             return
         until = deadline if deadline is not None else self._loop.time() + REPLY_GRACE
         task = self._loop.create_task(self._reply_later(frames, until))
@@ -275,8 +276,9 @@ class RpcServer:
             return False
         return True
 
-    def _count_out(self, frames: list[Any]) -> None:
-        nbytes = frames_nbytes(frames)
+    def _count_out(self, frames: list[Any], nbytes: int | None = None) -> None:
+        if nbytes is None:
+            nbytes = frames_nbytes(frames)
         self.counters.msgs_out += 1
         self.counters.bytes_out += nbytes
         if self.metrics is not None:

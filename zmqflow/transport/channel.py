@@ -31,9 +31,6 @@ _SNDMORE_NB = int(zmq.SNDMORE) | _NOBLOCK
 _send = getattr(zmq.backend.Socket, "send", zmq.Socket.send)
 
 
-def _copies(frame: Any, threshold: int) -> bool:
-    """Copy small frames (cheaper than pinning them); send big buffers zero-copy."""
-    return getattr(frame, "nbytes", 0) < threshold
 _RETRY_FIRST_S = 0.0005
 _RETRY_MAX_S = 0.02
 
@@ -135,11 +132,14 @@ class Channel:
             raise SendFailed(f"{self.name}: channel is closed")
         sock = self.sock
         last = len(frames) - 1
+        threshold = self._threshold
         try:  # only the first part can be refused (HWM, unroutable): a message is queued whole or not at all
-            _send(sock, frames[0], _SNDMORE_NB if last else _NOBLOCK, _copies(frames[0], self._threshold))
+            # copy small frames (cheaper than pinning them; bytes have no nbytes), send big buffers zero-copy
+            f = frames[0]
+            _send(sock, f, _SNDMORE_NB if last else _NOBLOCK, getattr(f, "nbytes", 0) < threshold)
             for i in range(1, last + 1):
                 f = frames[i]
-                _send(sock, f, _SNDMORE_NB if i < last else _NOBLOCK, _copies(f, self._threshold))
+                _send(sock, f, _SNDMORE_NB if i < last else _NOBLOCK, getattr(f, "nbytes", 0) < threshold)
         except zmq.Again:
             self._writable.clear()
             self._poll_events()

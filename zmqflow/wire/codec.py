@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 
 from ..errors import InvalidArgument, ProtocolError, ResourceExhausted, VersionMismatch, ZmqflowError, error_class
-from .dtypes import dtype_from_name, dtype_name
+from .dtypes import AS_IS, dtype_from_name, dtype_name
 from .peek import container_marks, read_start, too_deep
 
 __all__ = [
@@ -203,8 +203,13 @@ def _sent(value: Any, default: Any) -> bool:
 
 
 def _wire_buffer(arr: np.ndarray) -> tuple[np.ndarray, str]:
-    """A flat little-endian C-ordered byte view of ``arr``; copies only when the layout forces it."""
-    name = dtype_name(arr.dtype)
+    """A little-endian C-ordered buffer of ``arr``: the array itself when it is one (no per-send
+    reshape or view), else a flat byte view; copies only when the layout forces it."""
+    dtype = arr.dtype
+    name = AS_IS.get(dtype)
+    if name is not None and arr.flags.c_contiguous:  # the common case: a native array, sent as it is
+        return arr, name
+    name = dtype_name(dtype)
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     if not arr.flags.c_contiguous:
@@ -293,10 +298,11 @@ def _peek_id(header_view: memoryview, limits: Limits) -> tuple[int | None, str |
 
 def _from_header(head: dict, frames: Sequence[Any], limits: Limits, exts: list[object], header: memoryview) -> Message:
     rid = head.get("id")
-    rid = rid if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid <= _MAX_ID else None
-    kind = head.get("k") if head.get("k") in _KINDS else None
+    rid = rid if rid.__class__ is int and 0 <= rid <= _MAX_ID else None  # msgpack makes exact ints (never bools)
+    kind = head.get("k")
+    kind = kind if kind in _KINDS else None
     version = head.get("v")
-    if version != VERSION or version.__class__ is not int:
+    if version.__class__ is not int or version != VERSION:
         raise _VersionError(
             f"protocol version {version!r} is not supported (this side speaks {VERSION})", request_id=rid, kind=kind
         )
@@ -356,16 +362,16 @@ def _tensors(table: object, frames: Sequence[Any], limits: Limits, rid: int, kin
         except InvalidArgument as exc:
             raise DecodeError(f"{where}: {exc}", request_id=rid, kind=kind) from None
         if (
-            not isinstance(shape, list)
+            shape.__class__ is not list
             or len(shape) > _MAX_NDIM
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+            or not all(d.__class__ is int and d >= 0 for d in shape)  # msgpack's ints are exact ints
         ):
             raise DecodeError(f"{where}: shape must be a list of at most {_MAX_NDIM} non-negative ints, got {shape!r}", request_id=rid, kind=kind)
-        if not isinstance(index, int) or isinstance(index, bool) or not 1 <= index < len(frames) or index in seen:
+        if index.__class__ is not int or not 1 <= index < len(frames) or index in seen:
             raise DecodeError(f"{where}: frame index {index!r} is out of range or used twice", request_id=rid, kind=kind)
         seen.add(index)
         view = memoryview(frames[index])
-        nbytes = view.nbytes
+        nbytes = view.nbytes  # a zmq Frame or bytes: one-dimensional bytes, so nbytes is its length
         if nbytes > limits.max_frame_bytes:
             raise LimitExceeded(
                 f"{where}: frame of {nbytes} bytes exceeds the limit of {limits.max_frame_bytes}", request_id=rid, kind=kind
@@ -375,13 +381,14 @@ def _tensors(table: object, frames: Sequence[Any], limits: Limits, rid: int, kin
             raise LimitExceeded(
                 f"tensor frames of more than {limits.max_message_bytes} bytes in one message exceed the limit",
                 request_id=rid, kind=kind)
-        expected = math.prod(shape) * dtype.itemsize
+        expected = (shape[0] if len(shape) == 1 else math.prod(shape)) * dtype.itemsize
         if expected != nbytes:
             raise DecodeError(
                 f"{where}: {name}{tuple(shape)} needs {expected} bytes but its frame has {nbytes}", request_id=rid, kind=kind
             )
         try:
-            arrays.append(np.frombuffer(view, dtype=dtype).reshape(shape))
+            arr = np.frombuffer(view, dtype=dtype)
+            arrays.append(arr if len(shape) == 1 else arr.reshape(shape))  # 1-d: frombuffer's shape already
         except ValueError:  # an empty shape whose other dimensions overflow numpy's index type
             raise DecodeError(f"{where}: shape {shape!r} is too large", request_id=rid, kind=kind) from None
     return arrays

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import InvalidArgument
 
-__all__ = ["WIRE_DTYPES", "dtype_name", "dtype_from_name"]
+__all__ = ["AS_IS", "WIRE_DTYPES", "dtype_name", "dtype_from_name"]
 
 _BASE = (
     "bool",
@@ -43,6 +43,20 @@ except ImportError:  # pragma: no cover - depends on the environment
     pass
 
 _BY_DTYPE = {dt: name for name, dt in WIRE_DTYPES.items()}
+
+
+def _exports_buffer(dt: np.dtype) -> bool:
+    try:
+        memoryview(np.zeros(1, dt))
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+# Wire names of the dtypes whose C-ordered arrays are sent as they are (the encoder's fast path):
+# little-endian or byte-order free, and exporting a buffer (bfloat16 does not: sent as a uint8 view).
+# A big-endian dtype never equals its little-endian wire dtype, so it is not found here.
+AS_IS: dict[np.dtype, str] = {dt: name for name, dt in WIRE_DTYPES.items() if _exports_buffer(dt)}
 
 
 def dtype_name(dtype: np.dtype) -> str:
