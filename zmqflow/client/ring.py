@@ -26,15 +26,14 @@ import numpy as np
 
 from ..cluster import ClusterSpec, TaskId
 from ..state.reduce import OPS, array_module, as_array, backend_for, finish_mean, is_cupy, reduce_in_order, write_back
-from ..state.ring_schedule import RS, Step, chunk_range, chunks, scatter_reduce, segments
-from ..state.ring_schedule import allgather as allgather_steps
+from ..state.ring_schedule import RS, Step, allgather as allgather_steps, chunk_range, chunks, scatter_reduce, segments
 from ..errors import CollectiveMismatch, ConfigError, DeadlineExceeded, InvalidArgument, Unavailable, ZmqflowError
 from ..server.task import AsyncServer, Server
 from ..rpc.health import wait_for_tasks
 from ..wire.dtypes import dtype_name
 from ..wire.requests import cluster as crq
-from .ring_probe import CallProbe, RingWatch
 from . import ring_shm
+from .ring_probe import CallProbe, RingWatch
 
 __all__ = ["Ring", "AsyncRing", "default_members", "DEFAULT_BUCKET_BYTES", "DEFAULT_CHUNK_BYTES", "DEFAULT_SMALL_BYTES"]
 
@@ -132,7 +131,8 @@ class AsyncRing:
             if shm is not None:
                 seq, self.seq = self.seq, self.seq + 1
                 flat = arrays_in[0].reshape(-1) if len(arrays_in) == 1 else np.concatenate([a.reshape(-1) for a in arrays_in])
-                fused = await asyncio.wrap_future(shm.submit(flat, op, seq, meta, deadline - asyncio.get_running_loop().time()))
+                left = deadline - asyncio.get_running_loop().time()
+                fused = await asyncio.wrap_future(shm.submit(flat, op, seq, meta, left, self._seen))
             elif 1 < self.size and nbytes <= self.small_bytes and not is_cupy(arrays_in[0]):
                 flat = arrays_in[0].reshape(-1) if len(arrays_in) == 1 else np.concatenate([a.reshape(-1) for a in arrays_in])
                 fused = await self._exchange(flat, op, meta, deadline)  # never writes into ``flat``
@@ -482,8 +482,8 @@ class Ring:
             a = self._async
             seq, a.seq = a.seq, a.seq + 1
             wait = a.timeout if timeout is None else float(timeout)
-            flat = shm.submit(arrays.reshape(-1), op, seq, _meta("allreduce", op, [arrays]), wait).result(wait + 5.0)
-            return flat.reshape(arrays.shape)
+            flat = shm.submit(arrays.reshape(-1), op, seq, _meta("allreduce", op, [arrays]), wait, a._seen)
+            return flat.result(wait + 5.0).reshape(arrays.shape)
         return self._call(self._async.allreduce(arrays, op, timeout=timeout), timeout)
 
     def allgather(self, array: Any, *, timeout: float | None = None) -> Any:

@@ -26,6 +26,7 @@ host removes (segments of dead pids owned by this user). ``ZMQFLOW_RING_SHM=0`` 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import secrets
 import select
@@ -48,6 +49,10 @@ SHM_DIR = "/dev/shm"
 _UFUNC = {"sum": np.add, "mean": np.add, "min": np.minimum, "max": np.maximum}
 _POLL_S = 0.05  # how often a blocked rank checks its peers' pids and its deadline
 _SPIN = 20
+
+
+def _no_span(kind: str, name: str) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
 
 
 def enabled() -> bool:
@@ -185,15 +190,23 @@ class ShmChannel:
         self.out.close()
 
     # calls -----------------------------------------------------------------------------
-    def submit(self, src: np.ndarray, op: str, seq: int, meta: Any, timeout: float) -> "concurrent.futures.Future[np.ndarray]":
-        """Start an allreduce of the flat host array ``src`` (only read) after every call submitted before."""
-        return self.pool.submit(self.allreduce, src, op, seq, meta, time.monotonic() + timeout)
+    def submit(self, src: np.ndarray, op: str, seq: int, meta: Any, timeout: float,
+               seen: Any = None) -> "concurrent.futures.Future[np.ndarray]":
+        """Start an allreduce of the flat host array ``src`` (only read) after every call submitted
+        before. ``seen``: the ring's ``RingWatch`` (its timeline span, and who this call waited for)."""
+        return self.pool.submit(self.allreduce, src, op, seq, meta, time.monotonic() + timeout, seen)
 
-    def allreduce(self, src: np.ndarray, op: str, seq: int, meta: Any, deadline: float) -> np.ndarray:
+    def allreduce(self, src: np.ndarray, op: str, seq: int, meta: Any, deadline: float, seen: Any = None) -> np.ndarray:
         if self.broken is not None:
             raise self.broken
         try:
-            return self._allreduce(np.ascontiguousarray(src).reshape(-1), op, seq, meta, deadline)
+            if seen is None:
+                return self._allreduce(np.ascontiguousarray(src).reshape(-1), op, seq, meta, deadline)
+            probe = seen.call()
+            with seen.span("ring", "allreduce"):
+                out = self._allreduce(np.ascontiguousarray(src).reshape(-1), op, seq, meta, deadline, probe, seen.span)
+            probe.done()
+            return out
         except ZmqflowError as exc:
             self.broken = exc
             culprit = int(exc.details.get("rank", self.rank))  # a mismatch: the word says so, after the ranks
@@ -201,7 +214,10 @@ class ShmChannel:
             self._notify()
             raise
 
-    def _allreduce(self, src: np.ndarray, op: str, seq: int, meta: Any, deadline: float) -> np.ndarray:
+    def _allreduce(self, src: np.ndarray, op: str, seq: int, meta: Any, deadline: float, probe: Any = None,
+                   span: Any = _no_span) -> np.ndarray:
+        """``probe`` hears when each peer's data first showed up; ``span(kind, name)`` times the
+        waits and folds on the timeline (the ring's ``ring wait``, ``ring reduce`` tracks)."""
         lay, n, me = self.layout, self.size, self.rank
         tag, words = plan.call_tag(seq, meta), plan.meta_words(meta)
         out = np.empty_like(src)
@@ -209,6 +225,7 @@ class ShmChannel:
         mine, hdrs, ufunc = self.headers[me], self.headers, _UFUNC[op]
         base, wrote, folded, idle = self.base, 0, 0, 0
         others = [r for r in range(n) if r != me]
+        late = list(others) if probe is not None else []  # peers whose first piece of this call is not in yet
         while folded < len(parts) or wrote < len(parts):  # own pieces fold from ``src``: peers still need them
             moved = False
             while wrote < len(parts) and plan.may_write(base + wrote, lay.slots, [int(hdrs[r][lay.read_word(me)]) for r in others]):
@@ -223,6 +240,10 @@ class ShmChannel:
                 moved = True
             if moved:
                 self._notify()
+            if late:  # straggler report: when each peer's data first showed up
+                for r in [r for r in late if int(hdrs[r][plan.H_WRITTEN]) > base]:
+                    probe.arrived(self.members[r])
+                    late.remove(r)
             g = base + folded
             if folded < len(parts) and plan.may_read(g, [int(hdrs[r][plan.H_WRITTEN]) for r in others]):
                 a, b = parts[folded]
@@ -231,11 +252,13 @@ class ShmChannel:
                     if int(hdrs[r][lay.tag_word(g % lay.slots)]) != tag:
                         raise self._mismatch(seq, words, r)
                 o = out[a:b]
-                ufunc(views[0], views[1], out=o)
-                for v in views[2:]:
-                    ufunc(o, v, out=o)
+                with span("ring reduce", "reduce"):
+                    ufunc(views[0], views[1], out=o)
+                    for v in views[2:]:
+                        ufunc(o, v, out=o)
                 if op == "mean":
-                    finish_mean(o, n)
+                    with span("ring reduce", "mean"):
+                        finish_mean(o, n)
                 folded += 1
                 for r in others:
                     mine[lay.read_word(r)] = g + 1
@@ -244,7 +267,8 @@ class ShmChannel:
             if not moved:
                 idle += 1
                 if idle > _SPIN:
-                    self._wait(deadline, seq, others, words)
+                    with span("ring wait", "wait"):
+                        self._wait(deadline, seq, others, words)
         self.base = base + len(parts)
         return out
 
