@@ -122,12 +122,74 @@ def test_a_killed_rank_is_named_and_leaves_no_segments(tmp_path, procs):
     assert segments() <= before  # unlinked as soon as every rank mapped them
     os.kill(pid, signal.SIGKILL)
     p.wait_for_line("ERROR", 30)
-    wait_until(lambda: p.output.count("ERROR") == 2, 30)
+    try:
+        wait_until(lambda: p.output.count("] ERROR ") == 2, 30)
+    except TimeoutError:
+        raise AssertionError(f"both survivors should name the dead rank; output:\n{p.output}") from None
     for row in [ln for ln in p.output.splitlines() if "ERROR" in ln]:
         kind, task, took = row.split("ERROR", 1)[1].split()
         assert kind in ("Unavailable", "DeadlineExceeded") and task == "worker:1" and float(took) < 15, row
     p.wait(60)
     assert segments() <= before
+
+
+RANK = textwrap.dedent(
+    """
+    import sys, time, numpy as np
+    from zmqflow.client.ring_shm import ShmChannel
+    rank = int(sys.argv[1])
+    ch = ShmChannel("t", rank, 2, ["worker:0", "worker:1"])
+    print(" ".join(map(str, ch.blob())), ch.path, flush=True)
+    blobs = np.array([[int(x) for x in sys.stdin.readline().split()] for _ in range(2)], np.int64)
+    ch.attach(blobs)
+    sys.stdin.readline()  # go
+    src = np.full(1000, rank + 1, np.float32)
+    out = ch.allreduce(src, "sum", 0, ["allreduce", "sum", "float32", 1, src.size, 0, None], time.monotonic() + 20)
+    print("DONE", float(out.min()), float(out.max()), flush=True)
+    ch.close()
+    """
+)
+
+
+def test_a_peer_that_dies_after_its_last_piece_does_not_fail_the_call(tmp_path):
+    """Rank 0 waits for rank 1's piece and is stopped (as a loaded machine deschedules it); rank 1
+    publishes, finishes and exits; rank 0, resumed, has everything it needs and must complete rather
+    than take rank 1's death for a failure of this call."""
+    import mmap
+    import subprocess
+
+    (tmp_path / "rank.py").write_text(RANK)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    ranks = [subprocess.Popen([sys.executable, str(tmp_path / "rank.py"), str(r)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    try:
+        hello = [p.stdout.readline().split() for p in ranks]
+        for p in ranks:
+            p.stdin.write("".join(" ".join(h[:4]) + "\n" for h in hello))
+            p.stdin.flush()
+        with open(hello[0][4], "rb") as f:
+            seg0 = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        header0 = np.frombuffer(seg0, np.int64, plan.H_FIXED)
+        ranks[0].stdin.write("go\n")
+        ranks[0].stdin.flush()
+        wait_until(lambda: int(header0[plan.H_WRITTEN]) == 1, 20, what="rank 0 published its piece")
+        ranks[0].send_signal(signal.SIGSTOP)
+        ranks[1].stdin.write("go\n")
+        ranks[1].stdin.flush()
+        assert ranks[1].stdout.readline().split() == ["DONE", "3.0", "3.0"]
+        assert ranks[1].wait(20) == 0
+        ranks[0].send_signal(signal.SIGCONT)
+        assert ranks[0].stdout.readline().split() == ["DONE", "3.0", "3.0"]
+        assert ranks[0].wait(20) == 0
+        del header0
+        seg0.close()
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+            p.stdin.close()
+            p.stdout.close()
 
 
 def test_stale_segments_of_dead_processes_are_removed(tmp_path):

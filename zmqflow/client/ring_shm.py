@@ -267,8 +267,10 @@ class ShmChannel:
             if not moved:
                 idle += 1
                 if idle > _SPIN:
+                    def owing() -> list[int]:
+                        return self._owing(base, wrote, folded, len(parts), others)
                     with span("ring wait", "wait"):
-                        self._wait(deadline, seq, others, words)
+                        self._wait(deadline, seq, owing, words)
         self.base = base + len(parts)
         return out
 
@@ -291,7 +293,21 @@ class ShmChannel:
                 except OSError:  # full (it will wake anyway) or gone (its pid check says so)
                     pass
 
-    def _wait(self, deadline: float, seq: int, others: list[int], words: list[int]) -> None:
+    def _owing(self, base: int, wrote: int, folded: int, count: int, others: list[int]) -> list[int]:
+        """The peers this rank is blocked on right now: one whose next piece it must fold is not
+        published, or one that has not consumed the piece whose slot it must reuse. A peer that
+        owes nothing (it published every piece of the call and freed the slots needed) may die
+        without failing the call: its data stays mapped here."""
+        lay, hdrs, me = self.layout, self.headers, self.rank
+        g_read, g_write = base + folded, base + wrote
+        return [r for r in others
+                if (folded < count and int(hdrs[r][plan.H_WRITTEN]) < g_read + 1)
+                or (wrote < count and int(hdrs[r][lay.read_word(me)]) < g_write - lay.slots + 1)]
+
+    def _wait(self, deadline: float, seq: int, owing: Any, words: list[int]) -> None:
+        """Sleep until a peer moves a counter (or ``_POLL_S``), then judge only the peers this rank
+        still waits on (``owing()``): checking every peer would fail a call that a peer dying right
+        after its last piece cannot stop, as when the kill lands while this rank sat unscheduled."""
         left = deadline - time.monotonic()
         if self.poller.poll(max(1, int(1000 * min(_POLL_S, left)))):
             try:  # drain: one wake-up is enough, the counters say what changed
@@ -299,11 +315,14 @@ class ShmChannel:
                     self.sock.recv(64)
             except BlockingIOError:
                 pass
+        others = owing()
+        if not others:
+            return  # the counters moved: the caller makes progress
         for r in others:
             culprit = int(self.headers[r][plan.H_ABORT]) - 1
             if culprit >= self.size:  # name a rank whose description differs from this one's, if one wrote it
                 lay = self.layout
-                odd = [q for q in others if [int(v) for v in self.headers[q][lay.meta_word:lay.words]] != words]
+                odd = [q for q in range(self.size) if q != self.rank and [int(v) for v in self.headers[q][lay.meta_word:lay.words]] != words]
                 raise self._mismatch(seq, words, odd[0] if odd else r)
             if not _alive(self.pids[r]) or culprit >= 0:
                 gone = r if culprit < 0 else culprit
