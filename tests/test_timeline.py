@@ -17,6 +17,8 @@ from zmqflow.observe.trace_files import merge, read_trace
 
 from .conftest import ZMQFLOW
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 WORK = textwrap.dedent(
     """
     import sys, numpy as np, zmqflow as zf
@@ -235,3 +237,18 @@ def test_merge_keeps_a_restarted_tasks_runs_on_one_process(tmp_path):
     assert sorted(e["pid"] for e in pushes) == [1, 2, 2]
     assert len({e["tid"] for e in pushes if e["pid"] == 2}) == 2
     assert all((e["pid"], e["tid"]) in _threads(merged) for e in pushes)
+
+
+def test_a_task_named_only_by_tf_config_names_its_file_and_series(tmp_path):
+    """A script in a pod or under a TF operator has no ZMQFLOW_TASK: TF_CONFIG names its task."""
+    script = ("from zmqflow.observe import timeline, metrics\n"
+              "with timeline.span('step', 'one'):\n    pass\n"
+              "print(metrics.HUB.process.task)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("ZMQFLOW_TASK", "ZMQFLOW_CLUSTER")}
+    env.update({timeline.ENV: str(tmp_path / "t.json"), "PYTHONPATH": ROOT,
+                "TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+                                         "task": {"type": "worker", "index": 1}})})
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["worker:1"]
+    assert [e["name"] for e in _spans(read_trace(str(tmp_path / "t.worker-1.json")))] == ["one"]

@@ -24,6 +24,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from ..cluster import env_task_name
 from ..version import __version__
 from . import stragglers
 
@@ -200,12 +201,24 @@ class ProcessMetrics:
     evaluator's values and straggler reports. Always recorded (the calls are rare)."""
 
     def __init__(self) -> None:
-        self.task = os.environ.get("ZMQFLOW_TASK", "")
+        self._task: str | None = None  # named on first use: reading the environment parses cluster settings
         self.checkpoints = {"save": Histogram(CHECKPOINT_BUCKETS), "restore": Histogram(CHECKPOINT_BUCKETS)}
         self.stragglers: dict[tuple[str, str], list[float]] = {}  # (source, task) -> [count, last lag]
         self.evals: dict[str, float] = {}
         self.eval_step = 0
         self._lock = threading.Lock()  # reports may come from any thread
+
+    @property
+    def task(self) -> str:
+        """The process's task: as set by :func:`enable`, else as its environment names it (a pod's
+        index, TF_CONFIG, Slurm or ``ZMQFLOW_TASK``), else empty."""
+        if self._task is None:
+            self._task = env_task_name() or ""
+        return self._task
+
+    @task.setter
+    def task(self, value: str) -> None:
+        self._task = value
 
     def straggler(self, source: str, task: str, lag_s: float) -> None:
         key = (label(source), label(task))
@@ -302,7 +315,7 @@ _enabled = False
 
 def enable(task: str | None = None) -> None:
     """Record from now on: servers started after this get a :class:`TaskMetrics`. ``task`` names
-    the process in its process-wide series (else ``ZMQFLOW_TASK``)."""
+    the process in its process-wide series (else its environment does: see ``ProcessMetrics.task``)."""
     global _enabled
     _enabled = True
     if task is not None:

@@ -12,7 +12,7 @@ Trace Event Format's JSON Array Format, viewable in ``chrome://tracing`` and htt
   start is also an instant event (``"ph": "i"``).
 
 File names: when the process knows its task (``ZMQFLOW_TASK``, which ``zmqflow launch`` sets for
-every task, or :func:`set_task` before the first event) the task goes before the extension, so
+every task, a pod's index, TF_CONFIG or Slurm's rank, or :func:`set_task` before the first event) the task goes before the extension, so
 processes sharing the variable never share a file: ``timeline.json`` -> ``timeline.worker-0.json``
 (a task restarted by ``zmqflow launch --restart`` writes ``timeline.worker-0.restart1.json``, ...).
 A process without a task writes ``FILE`` itself.
@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from ..cluster import env_task_name
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -349,7 +350,7 @@ def _from_env() -> None:
     path = os.environ.get(ENV)
     if path:
         restart = os.environ.get("ZMQFLOW_RESTART_COUNT", "0")
-        start(path, os.environ.get("ZMQFLOW_TASK") or None, int(restart) if restart.isdigit() else 0)
+        start(path, env_task_name(), int(restart) if restart.isdigit() else 0)
         atexit.register(stop)
 
 
