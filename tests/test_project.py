@@ -54,3 +54,23 @@ def test_free_ports_are_never_handed_out_twice():
 
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
+
+
+def test_a_task_server_loads_only_what_it_serves():
+    """``zmqflow serve`` is the process of every task: it must not carry the client, the training
+    loops, the benchmarks or prometheus-client (until metrics are asked for), which cost each task
+    start-up time and several MB of resident memory. Public names still resolve on first use."""
+    script = (
+        "import sys\n"
+        "from zmqflow.cli.main import main\n"
+        "cmd = main.get_command(None, 'serve')\n"
+        "heavy = [m for m in sys.modules if m.startswith(('zmqflow.client', 'zmqflow.training', 'zmqflow.bench',"
+        " 'zmqflow.cli.launch', 'prometheus_client', 'rich', 'safetensors'))]\n"
+        "assert cmd.name == 'serve' and not heavy, heavy\n"
+        "import zmqflow as zf\n"
+        "assert zf.Session.__module__ == 'zmqflow.client.blocking'\n"
+        "assert callable(zf.checkpoint.checkpoints_iterator) and 'Session' in dir(zf)\n"
+        "try:\n    zf.NoSuchThing\nexcept AttributeError as e:\n    assert 'NoSuchThing' in str(e)\nelse:\n    raise SystemExit('no error')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr

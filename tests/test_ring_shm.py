@@ -169,10 +169,9 @@ def test_a_peer_that_dies_after_its_last_piece_does_not_fail_the_call(tmp_path):
             p.stdin.flush()
         with open(hello[0][4], "rb") as f:
             seg0 = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-        header0 = np.frombuffer(seg0, np.int64, plan.H_FIXED)
         ranks[0].stdin.write("go\n")
         ranks[0].stdin.flush()
-        wait_until(lambda: int(header0[plan.H_WRITTEN]) == 1, 20, what="rank 0 published its piece")
+        wait_until(lambda: int(np.frombuffer(seg0, np.int64, plan.H_FIXED)[plan.H_WRITTEN]) == 1, 20, what="rank 0 published its piece")
         ranks[0].send_signal(signal.SIGSTOP)
         ranks[1].stdin.write("go\n")
         ranks[1].stdin.flush()
@@ -181,7 +180,6 @@ def test_a_peer_that_dies_after_its_last_piece_does_not_fail_the_call(tmp_path):
         ranks[0].send_signal(signal.SIGCONT)
         assert ranks[0].stdout.readline().split() == ["DONE", "3.0", "3.0"]
         assert ranks[0].wait(20) == 0
-        del header0
         seg0.close()
     finally:
         for p in ranks:

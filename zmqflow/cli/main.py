@@ -1,37 +1,50 @@
-"""Entry point of the ``zmqflow`` command."""
+"""Entry point of the ``zmqflow`` command.
+
+Subcommands load when they run (or when help lists them): ``zmqflow serve`` is the process of
+every task, and importing ``bench``, ``demo``, ``launch`` and ``deploy`` there would cost each
+task server start-up time and resident memory for code it never runs.
+"""
 
 from __future__ import annotations
+
+import importlib
+from typing import Any
 
 import click
 
 from ..version import __version__
-from .bench import bench
-from .checkpoint import checkpoint
-from .demo import demo
-from .deploy import deploy
-from .keys import keys
-from .launch import launch
-from .serve import serve
-from .status import status
-from .timeline import timeline
-from .stop import stop
 
-__all__ = ["main"]
+__all__ = ["main", "COMMANDS"]
+
+# name -> module (under zmqflow.cli) defining a click command of that name
+COMMANDS = {
+    "serve": "serve",
+    "launch": "launch",
+    "status": "status",
+    "bench": "bench",
+    "demo": "demo",
+    "keys": "keys",
+    "checkpoint": "checkpoint",
+    "timeline": "timeline",
+    "deploy": "deploy",
+    "stop": "stop",
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class LazyGroup(click.Group):
+    """A group whose commands are imported on first use, from the fixed table above only."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> Any:
+        module = COMMANDS.get(cmd_name)
+        if module is None:
+            return None
+        return getattr(importlib.import_module(f"{__package__}.{module}"), cmd_name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="zmqflow")
 def main() -> None:
     """zmqflow: a distributed training runtime on ZeroMQ."""
-
-
-main.add_command(serve)
-main.add_command(launch)
-main.add_command(status)
-main.add_command(bench)
-main.add_command(demo)
-main.add_command(keys)
-main.add_command(checkpoint)
-main.add_command(timeline)
-main.add_command(deploy)
-main.add_command(stop)

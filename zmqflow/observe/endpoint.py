@@ -14,8 +14,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import start_http_server
-
 from ..cluster import ClusterSpec, TaskId
 from ..errors import AddressInUse, ConfigError
 from .metrics import HUB, MetricsHub, disable, enable
@@ -56,6 +54,8 @@ def serve_metrics(port: int, host: str = "127.0.0.1", *, hub: MetricsHub | None 
         raise ConfigError(f"metrics port must be 1..65535, got {port!r}")
     hub = HUB if hub is None else hub
     try:
+        from prometheus_client import start_http_server  # loaded only where an endpoint is asked for
+
         server, thread = start_http_server(port, addr=host, registry=hub.registry)
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:

@@ -21,8 +21,11 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # prometheus-client loads on first scrape: a server that exports nothing does not carry it
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import Metric
 
 from ..cluster import env_task_name
 from ..version import __version__
@@ -265,11 +268,23 @@ class MetricsHub:
     test. Its collector turns the recorders' numbers into metric families at scrape time."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
+        self._registry: CollectorRegistry | None = None
         self.process = ProcessMetrics()
         self._tasks: list[TaskMetrics] = []
         self._lock = threading.Lock()
-        self.registry.register(self)
+        self._registry_lock = threading.Lock()  # registering may describe the hub, which takes _lock
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """The hub's own registry, made on first use (an endpoint, a test): importing
+        prometheus-client costs every process several MB of resident memory."""
+        with self._registry_lock:
+            if self._registry is None:
+                from prometheus_client import CollectorRegistry
+
+                self._registry = CollectorRegistry(auto_describe=False)
+                self._registry.register(self)
+            return self._registry
 
     def task(self, name: str, max_peers: int = MAX_LABELS) -> TaskMetrics:
         m = TaskMetrics(name, max_peers)
@@ -305,6 +320,8 @@ class MetricsHub:
 
 def _family(name: str) -> Metric:
     kind, doc, labels = DEFINITIONS[name]
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
     cls = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily, "histogram": HistogramMetricFamily}[kind]
     return cls(PREFIX + name, doc, labels=list(labels))
 
