@@ -76,6 +76,21 @@ def test_a_secret_readable_by_others_is_refused(tmp_path):
         Keys.load(tmp_path)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a key file a root or another owner")
+def test_a_root_owned_secret_may_be_group_readable_as_a_kubernetes_secret_is(tmp_path):
+    generate(tmp_path)
+    secret = tmp_path / "clients" / "client.key_secret"
+    os.chmod(secret, 0o440)  # what the kubelet makes of a Secret for a pod with an fsGroup
+    assert Keys.load(tmp_path).role == "client"
+    os.chown(secret, 1000, -1)  # the same mode on a file some user owns: refused
+    with pytest.raises(errors.ConfigError, match="readable by others"):
+        Keys.load(tmp_path)
+    os.chown(secret, 0, -1)
+    os.chmod(secret, 0o444)  # others may read it: refused whoever owns it
+    with pytest.raises(errors.ConfigError, match=r"chmod 600 \(or 640 when owned by root\)"):
+        Keys.load(tmp_path)
+
+
 # a keyed cluster ------------------------------------------------------------------------------
 def test_a_keyed_cluster_works_end_to_end_variables_push_and_ring(keyed):
     spec, keys = keyed

@@ -35,6 +35,7 @@ SHAPES = [
     dict(workers=1, ps=3, keys_secret="team-keys", cpu="500m", memory="512Mi", command=("python", "train.py", "-v")),
     dict(workers=2, ps=2, ps_statefulset=True, checkpoint_claim="ckpt-rwx"),
     dict(workers=2, ps=1, chief=True, checkpoint_claim="ckpt", checkpoint_dir="/data/ckpt", insecure=True),
+    dict(workers=1, ps=1, fs_group=None),
 ]
 
 
@@ -104,6 +105,9 @@ def check_consistency(docs: list[dict[str, Any]], opts: K8sOptions) -> None:
         else:
             assert env["ZMQFLOW_INSECURE"]["value"] == "1"
             assert not any("secret" in v for v in volumes.values())
+        # a non-root image reads its keys and writes checkpoints through the pods' fsGroup
+        assert pod["spec"].get("securityContext") == ({"fsGroup": opts.fs_group, "fsGroupChangePolicy": "OnRootMismatch"}
+                                                      if volumes and opts.fs_group else None)
         claims = [v for v in volumes.values() if "persistentVolumeClaim" in v]
         if opts.checkpoint_claim:  # every pod sees the same checkpoint directory, the ps tasks' root
             (vol,) = claims
@@ -198,6 +202,8 @@ def test_options_refuse_bad_values_typed() -> None:
         K8sOptions(image="img", workers=True)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="image"):
         K8sOptions(image="UPPER/case")
+    with pytest.raises(InvalidArgument, match="fs group"):
+        K8sOptions(image="img", fs_group=-5)
 
 
 # --- how a pod finds its task ----------------------------------------------------------------

@@ -41,10 +41,13 @@ def deploy() -> None:
               "mounted in every pod at --checkpoint-dir (the ps tasks' checkpoint root).")
 @click.option("--checkpoint-dir", default="/checkpoints", show_default=True, metavar="PATH",
               help="Where the checkpoint claim is mounted; pass it to your script as its checkpoint_dir.")
+@click.option("--fs-group", type=int, default=2000, show_default=True, metavar="GID",
+              help="The pods' fsGroup, so that images running as a non-root user can read the keys and write "
+              "checkpoints; 0 leaves it out.")
 @click.option("--output", "-o", type=click.Path(dir_okay=False), help="Write to this file instead of stdout.")
 def k8s(workers: int, ps: int, image: str, chief: bool, gpus: int, keys_secret: str | None, insecure: bool, name: str,
         namespace: str, port: int, cpu: str, memory: str, ps_statefulset: bool, checkpoint_claim: str | None,
-        checkpoint_dir: str, command: str | None, output: str | None) -> None:
+        checkpoint_dir: str, fs_group: int, command: str | None, output: str | None) -> None:
     """Print a headless Service, the cluster spec ConfigMap and Indexed Jobs for chief, workers and
     ps tasks (or a ps StatefulSet), with CurveZMQ keys from a Secret."""
     try:
@@ -56,7 +59,8 @@ def k8s(workers: int, ps: int, image: str, chief: bool, gpus: int, keys_secret: 
             raise InvalidArgument("command is empty")
         opts = K8sOptions(image=image, workers=workers, ps=ps, chief=chief, gpus=gpus, name=name, namespace=namespace,
                           keys_secret=keys_secret, insecure=insecure, cpu=cpu, memory=memory, port=port, command=argv,
-                          ps_statefulset=ps_statefulset, checkpoint_claim=checkpoint_claim, checkpoint_dir=checkpoint_dir)
+                          ps_statefulset=ps_statefulset, checkpoint_claim=checkpoint_claim, checkpoint_dir=checkpoint_dir,
+                          fs_group=fs_group or None)
     except InvalidArgument as exc:
         fail("deploy k8s", exc, EXIT_USAGE)
     text = render_yaml(opts)

@@ -83,12 +83,15 @@ class K8sOptions:
     ps_statefulset: bool = False  # ps as a StatefulSet that outlives training, not a Job that ends with it
     checkpoint_claim: str | None = None  # a ReadWriteMany PVC mounted at checkpoint_dir in every pod
     checkpoint_dir: str = "/checkpoints"
+    fs_group: int | None = 2000  # the pods' fsGroup: a non-root image can read the keys and write checkpoints
 
     def __post_init__(self) -> None:
         _check_int("workers", self.workers, 1)
         _check_int("ps", self.ps, 0)
         _check_int("gpus", self.gpus, 0)
         _check_int("port", self.port, 1, 65535)
+        if self.fs_group is not None:
+            _check_int("fs group", self.fs_group, 1, 2**31 - 1)
         _check_label("name", self.name, _MAX_NAME)
         _check_label("namespace", self.namespace, 63)
         if self.keys_secret is not None:
@@ -205,6 +208,10 @@ def _pod(opts: K8sOptions, job: str) -> dict[str, Any]:
     if mounts:
         container["volumeMounts"] = mounts
         spec["volumes"] = volumes
+        if opts.fs_group is not None:
+            # the kubelet gives the volumes this group (secret files become root-owned 0440, which
+            # the key loader accepts), so an image that runs as a non-root user reads its keys
+            spec["securityContext"] = {"fsGroup": opts.fs_group, "fsGroupChangePolicy": "OnRootMismatch"}
     return {"metadata": {"labels": _labels(opts, job)}, "spec": spec}
 
 

@@ -210,9 +210,14 @@ class Keys:
 
 
 def _load_secret(path: Path) -> tuple[bytes, bytes]:
-    mode = path.stat().st_mode & 0o077
-    if mode:
-        raise ConfigError(f"{path} is readable by others (mode {oct(path.stat().st_mode & 0o777)}): chmod 600 it")
+    """A secret key file, refused if others may read it. As PostgreSQL does for its key, a file
+    owned by root may also be readable by its group: a Kubernetes Secret mounted for a pod with an
+    fsGroup is root-owned, mode 0440, group fsGroup, and only so can a non-root process read it."""
+    st = path.stat()
+    loose = st.st_mode & (0o037 if st.st_uid == 0 else 0o077)
+    if loose:
+        allowed = "600 (or 640 when owned by root)" if st.st_uid == 0 else "600"
+        raise ConfigError(f"{path} is readable by others (mode {oct(st.st_mode & 0o777)}): chmod {allowed} it")
     public, secret = zmq.auth.load_certificate(path)
     if not secret:
         raise ConfigError(f"{path} holds no secret key")
