@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import time
 import concurrent.futures
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,9 +29,9 @@ from ..state.ring_schedule import RS, Step, allgather as allgather_steps, chunk_
 from ..errors import CollectiveMismatch, ConfigError, DeadlineExceeded, InvalidArgument, Unavailable, ZmqflowError
 from ..server.task import AsyncServer, Server
 from ..rpc.health import wait_for_tasks
-from ..wire.dtypes import dtype_name
 from ..wire.requests import cluster as crq
 from . import ring_shm
+from .ring_meta import call_meta, describe, differing
 from .ring_probe import CallProbe, RingWatch
 
 __all__ = ["Ring", "AsyncRing", "default_members", "DEFAULT_BUCKET_BYTES", "DEFAULT_CHUNK_BYTES", "DEFAULT_SMALL_BYTES"]
@@ -46,16 +45,6 @@ _WATCH_S = 0.05
 def default_members(spec: ClusterSpec) -> list[TaskId]:
     """The chief (if any), then every worker, by index."""
     return [t for t in spec.tasks if t.job == "chief"] + [TaskId("worker", i) for i in spec.task_indices("worker")]
-
-
-def _meta(kind: str, op: str, arrays: Sequence[Any], extra: Any = None) -> list[Any]:
-    shapes = [list(a.shape) for a in arrays]
-    dtypes = sorted({dtype_name(np.dtype(a.dtype)) for a in arrays})
-    crc = zlib.crc32(repr(shapes).encode())
-    return [kind, op, ",".join(dtypes), len(arrays), int(sum(int(np.prod(s)) for s in shapes)), crc, extra]
-
-
-_FIELDS = ("collective", "op", "dtype", "tensor count", "element count", "shapes", "root")
 
 
 class AsyncRing:
@@ -125,7 +114,7 @@ class AsyncRing:
         for bucket in self._buckets([a for a, _ in items]):
             arrays_in = [items[i][0] for i in bucket]
             xp = array_module(arrays_in[0])
-            meta = _meta("allreduce", op, arrays_in)
+            meta = call_meta("allreduce", op, arrays_in)
             nbytes = sum(a.nbytes for a in arrays_in)
             shm = await self._same_host(deadline) if self.size > 1 and not is_cupy(arrays_in[0]) else None
             if shm is not None:
@@ -162,7 +151,7 @@ class AsyncRing:
         buf[self.rank] = a.reshape(-1)
         flat = buf.reshape(-1)
         steps = scatter_reduce(self.rank, self.size)  # send own segment first, then pass the rest on
-        await self._run(flat, steps, "none", _meta("allgather", "none", [a]), self._deadline(timeout), equal=True)
+        await self._run(flat, steps, "none", call_meta("allgather", "none", [a]), self._deadline(timeout), equal=True)
         return buf.reshape(self.size, *a.shape)
 
     async def broadcast(self, array: Any, root: int = 0, *, timeout: float | None = None) -> Any:
@@ -173,13 +162,13 @@ class AsyncRing:
         buf = a.reshape(-1).copy()
         dist = (self.rank - root) % self.size
         steps = [Step("bc", 0, 0, 0)]
-        await self._run(buf, steps, "none", _meta("broadcast", "none", [a], root), self._deadline(timeout),
+        await self._run(buf, steps, "none", call_meta("broadcast", "none", [a], root), self._deadline(timeout),
                         receive=dist > 0, send=dist < self.size - 1, whole=True)
         return write_back(original, buf.reshape(a.shape))
 
     async def barrier(self, *, timeout: float | None = None) -> None:
         """Return once every rank has reached its barrier."""
-        await self._allreduce_buffer(np.zeros(self.size, np.int32), "sum", _meta("barrier", "sum", []), self._deadline(timeout))
+        await self._allreduce_buffer(np.zeros(self.size, np.int32), "sum", call_meta("barrier", "sum", []), self._deadline(timeout))
 
     async def leave(self, timeout: float = 5.0) -> None:
         """Tell every live member this rank is done (after its last call), and wait for them to
@@ -381,10 +370,10 @@ class AsyncRing:
 
     def _check(self, seq: int, src: int, mine: list[Any], theirs: Any, data: Any, size: int, dtype: Any) -> None:
         if theirs != mine or getattr(data, "size", -1) != size or data.dtype != dtype:
-            fields = [f for f, x, y in zip(_FIELDS, mine, theirs or [None] * len(_FIELDS)) if x != y] or ["chunk size"]
+            fields = differing(mine, theirs)
             message = (
-                f"ring {self.name!r} call {seq}: {self._name(src)} sent {_describe(theirs)} but "
-                f"{self._name(self.rank)} called {_describe(mine)}; {' and '.join(fields)} differ"
+                f"ring {self.name!r} call {seq}: {self._name(src)} sent {describe(theirs)} but "
+                f"{self._name(self.rank)} called {describe(mine)}; {' and '.join(fields)} differ"
             )
             exc = CollectiveMismatch(message, ranks=[src, self.rank], fields=fields)
             self._abort_everywhere(seq, exc)
@@ -416,17 +405,9 @@ class AsyncRing:
                 return
             if loop.time() > deadline:
                 self.service.fail(self.name, seq, DeadlineExceeded(
-                    f"ring {self.name!r} call {seq} ({_describe(meta)}) did not complete in time; "
+                    f"ring {self.name!r} call {seq} ({describe(meta)}) did not complete in time; "
                     f"{self._name(self.rank)} was waiting for {self._name(left)}", task=str(self.members[left])))
                 return
-
-
-def _describe(meta: Any) -> str:
-    if not isinstance(meta, list) or len(meta) != len(_FIELDS):
-        return repr(meta)
-    kind, op, dtype, count, total, crc, extra = meta
-    root = "" if extra is None else f" root {extra}"
-    return f"{kind}({op}) of {count} {dtype} tensor(s), {total} elements, shapes #{crc:08x}{root}"
 
 
 class Ring:
@@ -482,7 +463,7 @@ class Ring:
             a = self._async
             seq, a.seq = a.seq, a.seq + 1
             wait = a.timeout if timeout is None else float(timeout)
-            flat = shm.submit(arrays.reshape(-1), op, seq, _meta("allreduce", op, [arrays]), wait, a._seen)
+            flat = shm.submit(arrays.reshape(-1), op, seq, call_meta("allreduce", op, [arrays]), wait, a._seen)
             return flat.result(wait + 5.0).reshape(arrays.shape)
         return self._call(self._async.allreduce(arrays, op, timeout=timeout), timeout)
 
