@@ -50,8 +50,6 @@ SHM_DIR = "/dev/shm"
 _UFUNC = {"sum": np.add, "mean": np.add, "min": np.minimum, "max": np.maximum}
 _POLL_S = 0.05  # how often a blocked rank checks its peers' pids and its deadline
 _SPIN = 20
-_AHEAD = 2  # pieces a rank writes before folding: its next piece is out while it folds, and still in cache
-_BLOCK = 64 << 10  # bytes folded at once when 3+ ranks add up: the partial sum stays in L1/L2
 
 
 def _combine(op: str, views: list[np.ndarray], out: np.ndarray, a: int, b: int, root: int) -> None:
@@ -66,16 +64,12 @@ def _combine(op: str, views: list[np.ndarray], out: np.ndarray, a: int, b: int, 
     if op in ("broadcast", "barrier"):
         out[a:b] = views[root]
         return
-    ufunc = _UFUNC[op]
-    step = max(1, b - a if n == 2 else _BLOCK // max(1, out.itemsize))
-    for s in range(a, b, step):
-        e = min(b, s + step)
-        o, vs = out[s:e], [v[s - a:e - a] for v in views]
-        ufunc(vs[0], vs[1], out=o)
-        for v in vs[2:]:
-            ufunc(o, v, out=o)
-        if op == "mean":
-            finish_mean(o, n)
+    ufunc, o = _UFUNC[op], out[a:b]  # a piece at a time (at most a slot, 1 MiB) stays in L2: no finer
+    ufunc(views[0], views[1], out=o)
+    for v in views[2:]:
+        ufunc(o, v, out=o)
+    if op == "mean":
+        finish_mean(o, n)
 
 
 def _no_span(kind: str, name: str) -> contextlib.AbstractContextManager[None]:
@@ -289,8 +283,7 @@ class ShmChannel:
         late = list(others) if probe is not None else []  # peers whose first piece of this call is not in yet
         while folded < len(parts) or wrote < len(parts):  # own pieces fold from ``src``: peers still need them
             moved = False
-            while wrote < len(parts) and wrote - folded < _AHEAD \
-                    and plan.may_write(base + wrote, lay.slots, [int(hdrs[r][lay.read_word(me)]) for r in others]):
+            while wrote < len(parts) and plan.may_write(base + wrote, lay.slots, [int(hdrs[r][lay.read_word(me)]) for r in others]):
                 a, b = parts[wrote]
                 g = base + wrote
                 if wrote == 0:
