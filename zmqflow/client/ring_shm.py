@@ -54,7 +54,7 @@ _SPIN = 20
 
 def _combine(op: str, views: list[np.ndarray], out: np.ndarray, a: int, b: int, root: int) -> None:
     """Fold (or place) one piece of every rank, in rank order, into ``out[a:b]``: the bits of
-    ``reduce_in_order`` (a mean divides each element's sum, as it does)."""
+    ``reduce_in_order`` (a mean's sum is divided by the caller, as there)."""
     n = len(views)
     if op == "gather":
         rows = out.reshape(n, -1)
@@ -68,8 +68,6 @@ def _combine(op: str, views: list[np.ndarray], out: np.ndarray, a: int, b: int, 
     ufunc(views[0], views[1], out=o)
     for v in views[2:]:
         ufunc(o, v, out=o)
-    if op == "mean":
-        finish_mean(o, n)
 
 
 def _no_span(kind: str, name: str) -> contextlib.AbstractContextManager[None]:
@@ -309,6 +307,9 @@ class ShmChannel:
                 views = [src[a:b] if r == me else self._view(r, g, src.dtype, b - a) for r in range(n)]
                 with span("ring reduce", "reduce" if op in _UFUNC else "place"):
                     _combine(op, views, out, a, b, root)
+                if op == "mean":
+                    with span("ring reduce", "mean"):
+                        finish_mean(out[a:b], n)
                 folded += 1
                 for r in others:
                     mine[lay.read_word(r)] = g + 1
