@@ -1,14 +1,17 @@
-"""The same-host data path of the ring: allreduce through shared memory (as NCCL's SHM transport).
+"""The same-host data path of the ring: allreduce, allgather, broadcast and barrier through shared
+memory (as NCCL's SHM transport).
 
 When every member of a ring runs on this kernel (the same boot id and pid namespace) and each can
 map the others' segments, ranks stop sending chunks over loopback TCP: each rank copies its input,
 piece by piece, into its own segment in ``/dev/shm`` and every rank folds all ranks' pieces, read
 straight from the segments, into its own output in rank order, so every rank ends with the same
-bits as ``reduce_in_order``. Writing piece k+1 overlaps folding piece k; a segment's slots are
-reused once every reader consumed them (``state/shm_schedule.py`` is the plan).
+bits as ``reduce_in_order`` (an allgather places the pieces in rows, a broadcast copies the root's,
+a barrier exchanges one empty piece). A call is cut into at least 4 pieces (down to 128 KiB), so
+writing piece k+1 overlaps folding piece k; a segment's slots are reused once every reader
+consumed them (``state/shm_schedule.py`` is the plan).
 
-Calls run on one thread per ring, in the order they are submitted, so the caller's thread never
-hands off to the asyncio loop on the blocking path. "Piece ready" and "slot free" are counters in
+Calls run one at a time per ring, in the order they are submitted: on the ring's own thread, or on
+a blocking caller's thread when none is queued, so the blocking path hands off to no other thread. "Piece ready" and "slot free" are counters in
 the segments; a rank that finds nothing to do blocks on its own datagram socket (abstract
 namespace, woken by one byte from a peer that moved a counter), with a timeout so it checks that
 its peers still live (their pids) and its deadline. A dead peer raises ``Unavailable`` naming it,
