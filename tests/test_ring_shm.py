@@ -212,3 +212,126 @@ def test_names_from_messages_are_checked():
     assert not plan.valid_name("zmqflow-ring-1-" + "g" * 32)
     assert plan.pieces(0, 4, 1 << 20) == [] and plan.pieces(5, 4, 8) == [(0, 2), (2, 4), (4, 5)]
     assert plan.may_write(8, 8, [1, 1]) and not plan.may_write(8, 8, [0, 1]) and plan.may_read(3, [4, 5]) and not plan.may_read(3, [3, 5])
+
+
+COLLECTIVES = textwrap.dedent(
+    """
+    import os, sys, time, numpy as np, zmqflow as zf
+    sys.path.insert(0, sys.argv[2])
+    from tests.test_ring_shm import rank_array
+    tmp = sys.argv[1]
+    out = {}
+    with zf.Server.from_env() as server:
+        ring = zf.Ring(server, timeout=20)
+        ring.barrier()  # the first call agrees on the shared-memory path
+        ch = ring.async_ring.shm_channel
+        me, n = ring.rank, ring.size
+        base = ch.base
+        if me == n - 1:
+            time.sleep(0.3)  # the others reach the barrier first: they must wait for this rank
+        open(f"{tmp}/entered{me}", "w").close()
+        ring.barrier()
+        out["entered"] = np.array([os.path.exists(f"{tmp}/entered{r}") for r in range(n)])
+        out["barrier pieces"] = np.array([ch.base - base])
+        out["gather"] = ring.allgather(rank_array(me, 300_001, "float64"))
+        out["gather empty"] = ring.allgather(np.zeros((0, 3), np.float32))
+        out["bcast"] = ring.broadcast(rank_array(me, 700_001, "float32").reshape(-1, 1), root=n - 1)
+        out["async gather"] = ring.submit(ring.async_ring.allgather(rank_array(me, 5, "float32"))).result(30)
+        out["async bcast"] = ring.submit(ring.async_ring.broadcast(rank_array(me, 5, "float32"), root=0)).result(30)
+        before = ch.base
+        ring.submit(ring.async_ring.barrier()).result(30)
+        out["shm"] = np.array([ring.async_ring.shm_channel is ch, ch.base - before])
+        ring.leave()
+    np.savez(f"{tmp}/rank{me}.npz", **out)
+    """
+)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_barrier_allgather_broadcast_take_shared_memory(tmp_path, procs, n):
+    before = segments()
+    p = launch_script(procs, tmp_path / "collectives.py", COLLECTIVES, tmp_path, ROOT, workers=n)
+    assert p.wait(100) == 0, p.output
+    for r in range(n):
+        got = np.load(tmp_path / f"rank{r}.npz")
+        assert got["entered"].all(), f"rank {r} left the barrier before every rank entered it"
+        assert got["barrier pieces"].tolist() == [1] and got["shm"].tolist() == [1, 1]  # one shared-memory piece each
+        assert got["gather"].tobytes() == np.stack([rank_array(q, 300_001, "float64") for q in range(n)]).tobytes()
+        assert got["gather empty"].shape == (n, 0, 3)
+        assert got["bcast"].shape == (700_001, 1)
+        assert got["bcast"].tobytes() == rank_array(n - 1, 700_001, "float32").tobytes()
+        np.testing.assert_array_equal(got["async gather"], np.stack([rank_array(q, 5, "float32") for q in range(n)]))
+        np.testing.assert_array_equal(got["async bcast"], rank_array(0, 5, "float32"))
+    assert segments() <= before
+
+
+FAILING = textwrap.dedent(
+    """
+    import os, sys, time, numpy as np, zmqflow as zf
+    mode, kind = sys.argv[1], sys.argv[2]
+    with zf.Server.from_env() as server:
+        ring = zf.Ring(server, timeout=15)
+        ring.barrier()
+        me = ring.rank
+        print("READY", me, os.getpid(), flush=True)
+        calls = {"barrier": lambda **kw: ring.barrier(**kw),
+                 "allgather": lambda **kw: ring.allgather(np.ones(1 << 18, np.float32), **kw),
+                 "broadcast": lambda **kw: ring.broadcast(np.ones(1 << 18, np.float32), root=0, **kw)}
+        if mode == "mismatch":  # rank 1 makes another call than the others
+            kind = {"barrier": "allgather", "allgather": "broadcast", "broadcast": "barrier"}[kind] if me == 1 else kind
+        elif mode == "root":
+            calls["broadcast"] = lambda **kw: ring.broadcast(np.ones(4, np.float32), root=me % 2, **kw)
+        elif me == 1:
+            time.sleep(60)  # killed here ("killed"), or silent past the others' deadline ("late")
+        t = time.monotonic()
+        try:
+            calls[kind](timeout=2.0 if mode == "late" else None)
+            print("NO ERROR", flush=True)
+        except zf.errors.ZmqflowError as e:
+            print("ERROR", type(e).__name__, e.details.get("task") or ",".join(e.details.get("fields", [])).replace(" ", "_"),
+                  round(time.monotonic() - t, 1), flush=True)
+            print("MSG", e, flush=True)
+    """
+)
+
+
+def _errors(p, count):
+    try:
+        wait_until(lambda: p.output.count("] ERROR ") >= count, 40)
+    except TimeoutError:
+        raise AssertionError(f"{count} ranks should fail; output:\n{p.output}") from None
+    return [ln.split("ERROR", 1)[1].split() for ln in p.output.splitlines() if "] ERROR " in ln]
+
+
+@pytest.mark.parametrize("kind", ["barrier", "allgather", "broadcast"])
+def test_a_killed_rank_fails_every_collective_naming_it(tmp_path, procs, kind):
+    before = segments()
+    p = launch_script(procs, tmp_path / "failing.py", FAILING, "killed", kind, workers=3)
+    pid = int(p.wait_for_line("READY 1 ", 60).split()[-1])
+    p.wait_for_line("READY 0 ", 60)
+    p.wait_for_line("READY 2 ", 60)
+    os.kill(pid, signal.SIGKILL)
+    for err, task, took in _errors(p, 2):
+        assert err in ("Unavailable", "DeadlineExceeded") and task == "worker:1" and float(took) < 15, (err, task, took)
+    assert "NO ERROR" not in p.output
+    p.wait(60)
+    assert segments() <= before
+
+
+def test_a_silent_rank_is_a_deadline_naming_it(tmp_path, procs):
+    p = launch_script(procs, tmp_path / "failing.py", FAILING, "late", "barrier", workers=2)
+    pid = int(p.wait_for_line("READY 1 ", 60).split()[-1])
+    [(err, task, took)] = _errors(p, 1)
+    assert (err, task) == ("DeadlineExceeded", "worker:1") and 1.5 <= float(took) < 10, p.output
+    os.kill(pid, signal.SIGKILL)
+    p.wait(60)
+
+
+@pytest.mark.parametrize("mode,kind,field", [("mismatch", "barrier", "collective"), ("mismatch", "broadcast", "collective"),
+                                             ("root", "broadcast", "root")])
+def test_different_calls_are_a_mismatch_on_every_rank(tmp_path, procs, mode, kind, field):
+    n = 3 if mode == "mismatch" else 2
+    p = launch_script(procs, tmp_path / "failing.py", FAILING, mode, kind, workers=n)
+    for err, fields, _ in _errors(p, n):
+        assert err == "CollectiveMismatch" and field in fields.split(","), p.output
+    assert p.wait(60) == 0, p.output

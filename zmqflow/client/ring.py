@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import time
 import concurrent.futures
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,12 +26,13 @@ import numpy as np
 from ..cluster import ClusterSpec, TaskId
 from ..state.reduce import OPS, array_module, as_array, backend_for, finish_mean, is_cupy, reduce_in_order, write_back
 from ..state.ring_schedule import RS, Step, allgather as allgather_steps, chunk_range, chunks, scatter_reduce, segments
-from ..errors import CollectiveMismatch, ConfigError, DeadlineExceeded, InvalidArgument, Unavailable, ZmqflowError
+from ..errors import ConfigError, InvalidArgument, ZmqflowError
 from ..server.task import AsyncServer, Server
 from ..rpc.health import wait_for_tasks
-from ..wire.dtypes import dtype_name
 from ..wire.requests import cluster as crq
 from . import ring_shm
+from .ring_failures import RingFailures
+from .ring_meta import call_meta
 from .ring_probe import CallProbe, RingWatch
 
 __all__ = ["Ring", "AsyncRing", "default_members", "DEFAULT_BUCKET_BYTES", "DEFAULT_CHUNK_BYTES", "DEFAULT_SMALL_BYTES"]
@@ -40,22 +40,12 @@ __all__ = ["Ring", "AsyncRing", "default_members", "DEFAULT_BUCKET_BYTES", "DEFA
 DEFAULT_BUCKET_BYTES = 25 << 20
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_SMALL_BYTES = 1 << 20  # buckets up to this size take one all-to-all exchange, not 2(n-1) ring steps
-_WATCH_S = 0.05
+_NOTHING = np.zeros(0, np.int8)  # what a barrier carries
 
 
 def default_members(spec: ClusterSpec) -> list[TaskId]:
     """The chief (if any), then every worker, by index."""
     return [t for t in spec.tasks if t.job == "chief"] + [TaskId("worker", i) for i in spec.task_indices("worker")]
-
-
-def _meta(kind: str, op: str, arrays: Sequence[Any], extra: Any = None) -> list[Any]:
-    shapes = [list(a.shape) for a in arrays]
-    dtypes = sorted({dtype_name(np.dtype(a.dtype)) for a in arrays})
-    crc = zlib.crc32(repr(shapes).encode())
-    return [kind, op, ",".join(dtypes), len(arrays), int(sum(int(np.prod(s)) for s in shapes)), crc, extra]
-
-
-_FIELDS = ("collective", "op", "dtype", "tensor count", "element count", "shapes", "root")
 
 
 class AsyncRing:
@@ -67,6 +57,7 @@ class AsyncRing:
                  small_bytes: int = DEFAULT_SMALL_BYTES, timeout: float | None = None, shm: bool = True):
         self.server = server
         self._shm: Any = None if shm else False  # None: not agreed yet; False: TCP; else the same-host channel
+        self._agreeing: "asyncio.Future | None" = None
         self.members = [TaskId.parse(m) for m in members] if members is not None else default_members(server.spec)
         if server.task not in self.members:
             raise ConfigError(f"task {server.task} is not a member of the ring ({', '.join(map(str, self.members))})")
@@ -85,7 +76,7 @@ class AsyncRing:
         self.completed = -1  # the last call this rank completed
         self._endpoints = [server.spec.address(m).endpoint for m in self.members]
         self._connected = False
-        self._aborts: list[asyncio.Future] = []
+        self.failures = RingFailures(name, self.rank, self.members, self._endpoints, server)
         self._seen = RingWatch(name, str(server.task))  # timeline spans, stragglers
         self.service.register(name, [str(m) for m in self.members])  # with keys: chunks only from their rank's task
 
@@ -94,17 +85,41 @@ class AsyncRing:
         """The shared-memory path, once every rank agreed on it (``client/ring_shm.py``)."""
         return self._shm if self._shm and self._shm.broken is None else None  # after a failure: TCP
 
-    async def _same_host(self, deadline: float) -> "ring_shm.ShmChannel | None":
-        if self._shm is None:
-            self._shm = await ring_shm.negotiate(self, True, deadline - asyncio.get_running_loop().time()) or False
+    async def _same_host(self, deadline: float, cupy: bool = False) -> "ring_shm.ShmChannel | None":
+        """The shared-memory channel for a host call (agreed with every rank on the first), or None."""
+        if self.size == 1 or cupy:
+            return None
+        if self._agreeing is not None:  # a call started meanwhile waits for the same agreement
+            await asyncio.shield(self._agreeing)
+        elif self._shm is None:  # agreed inline, so this call's allgathers take their numbers now
+            self._agreeing = asyncio.get_running_loop().create_future()
+            try:
+                self._shm = await ring_shm.negotiate(self, True, deadline - asyncio.get_running_loop().time()) or False
+            finally:
+                self._agreeing.set_result(None)
+                self._agreeing = None
         return self.shm_channel
+
+    async def _on_host(self, shm: "ring_shm.ShmChannel", flat: Any, op: str, meta: list[Any], deadline: float,
+                       root: int = 0) -> Any:
+        seq, self.seq = self.seq, self.seq + 1
+        left = deadline - asyncio.get_running_loop().time()
+        out = await asyncio.wrap_future(shm.submit(flat, op, seq, meta, left, self._seen, root))
+        self.completed = max(self.completed, seq)
+        return out
+
+    def run_on_host(self, shm: "ring_shm.ShmChannel", flat: Any, op: str, meta: list[Any], timeout: float | None,
+                    root: int = 0) -> Any:
+        """A collective on the shared-memory path, run on the caller's thread (the blocking ring's
+        fast path); it takes its sequence number here, so nothing may be in flight on the loop."""
+        seq, self.seq = self.seq, self.seq + 1
+        out = shm.run(flat, op, seq, meta, self.timeout if timeout is None else float(timeout), self._seen, root)
+        self.completed = max(self.completed, seq)
+        return out
 
     @property
     def service(self) -> Any:
         return self.server.service("ring")
-
-    def _name(self, rank: int) -> str:
-        return f"rank {rank} ({self.members[rank]})"
 
     async def connect(self, timeout: float | None = None) -> None:
         """Wait until every member answers; keeps a connection to each, to notice one that dies."""
@@ -125,14 +140,12 @@ class AsyncRing:
         for bucket in self._buckets([a for a, _ in items]):
             arrays_in = [items[i][0] for i in bucket]
             xp = array_module(arrays_in[0])
-            meta = _meta("allreduce", op, arrays_in)
+            meta = call_meta("allreduce", op, arrays_in)
             nbytes = sum(a.nbytes for a in arrays_in)
-            shm = await self._same_host(deadline) if self.size > 1 and not is_cupy(arrays_in[0]) else None
+            shm = await self._same_host(deadline, is_cupy(arrays_in[0]))
             if shm is not None:
-                seq, self.seq = self.seq, self.seq + 1
                 flat = arrays_in[0].reshape(-1) if len(arrays_in) == 1 else np.concatenate([a.reshape(-1) for a in arrays_in])
-                left = deadline - asyncio.get_running_loop().time()
-                fused = await asyncio.wrap_future(shm.submit(flat, op, seq, meta, left, self._seen))
+                fused = await self._on_host(shm, flat, op, meta, deadline)
             elif 1 < self.size and nbytes <= self.small_bytes and not is_cupy(arrays_in[0]):
                 flat = arrays_in[0].reshape(-1) if len(arrays_in) == 1 else np.concatenate([a.reshape(-1) for a in arrays_in])
                 fused = await self._exchange(flat, op, meta, deadline)  # never writes into ``flat``
@@ -154,15 +167,20 @@ class AsyncRing:
             metrics.ring_allreduce(sum(a.nbytes for a, _ in items), time.perf_counter() - started, self.size)
         return results[0] if single else results
 
-    async def allgather(self, array: Any, *, timeout: float | None = None) -> Any:
-        """Every rank's ``array`` (same shape and dtype everywhere), stacked: shape ``(size, *shape)``."""
+    async def allgather(self, array: Any, *, timeout: float | None = None, shm: bool = True) -> Any:
+        """Every rank's ``array`` (same shape and dtype everywhere), stacked: shape ``(size, *shape)``.
+        ``shm=False``: over TCP even on one host (how the ranks agree on the shared-memory path)."""
         a, _ = as_array(array)
+        meta, deadline = call_meta("allgather", "none", [a]), self._deadline(timeout)
+        same = await self._same_host(deadline, is_cupy(a)) if shm else None
+        if same is not None:
+            return (await self._on_host(same, a.reshape(-1), "gather", meta, deadline)).reshape(self.size, *a.shape)
         xp = array_module(a)
         buf = xp.zeros((self.size, a.size), dtype=a.dtype)
         buf[self.rank] = a.reshape(-1)
         flat = buf.reshape(-1)
         steps = scatter_reduce(self.rank, self.size)  # send own segment first, then pass the rest on
-        await self._run(flat, steps, "none", _meta("allgather", "none", [a]), self._deadline(timeout), equal=True)
+        await self._run(flat, steps, "none", meta, deadline, equal=True)
         return buf.reshape(self.size, *a.shape)
 
     async def broadcast(self, array: Any, root: int = 0, *, timeout: float | None = None) -> Any:
@@ -170,16 +188,24 @@ class AsyncRing:
         if not 0 <= root < self.size:
             raise InvalidArgument(f"root must be a rank in [0, {self.size}), got {root}")
         a, original = as_array(array)
+        meta, deadline = call_meta("broadcast", "none", [a], root), self._deadline(timeout)
+        same = await self._same_host(deadline, is_cupy(a))
+        if same is not None:
+            return write_back(original, (await self._on_host(same, a.reshape(-1), "broadcast", meta, deadline, root)).reshape(a.shape))
         buf = a.reshape(-1).copy()
         dist = (self.rank - root) % self.size
         steps = [Step("bc", 0, 0, 0)]
-        await self._run(buf, steps, "none", _meta("broadcast", "none", [a], root), self._deadline(timeout),
-                        receive=dist > 0, send=dist < self.size - 1, whole=True)
+        await self._run(buf, steps, "none", meta, deadline, receive=dist > 0, send=dist < self.size - 1, whole=True)
         return write_back(original, buf.reshape(a.shape))
 
     async def barrier(self, *, timeout: float | None = None) -> None:
         """Return once every rank has reached its barrier."""
-        await self._allreduce_buffer(np.zeros(self.size, np.int32), "sum", _meta("barrier", "sum", []), self._deadline(timeout))
+        meta, deadline = call_meta("barrier", "sum", []), self._deadline(timeout)
+        same = await self._same_host(deadline)
+        if same is not None:
+            await self._on_host(same, _NOTHING, "barrier", meta, deadline)
+            return
+        await self._allreduce_buffer(np.zeros(self.size, np.int32), "sum", meta, deadline)
 
     async def leave(self, timeout: float = 5.0) -> None:
         """Tell every live member this rank is done (after its last call), and wait for them to
@@ -245,7 +271,7 @@ class AsyncRing:
             if step is first and k == 0 and not whole:  # a relay (broadcast) waits by design
                 probe.arrived(left)  # sent as soon as the left started this call
             a, b = chunk_range(segs[step.recv], k, chunk)
-            self._check(seq, src, meta, their_meta, data, b - a, buf.dtype)
+            self.failures.check(seq, src, meta, their_meta, data, b - a, buf.dtype)
             with self._seen.span("ring reduce", "reduce" if step.phase == RS and op != "none" else "place"):
                 if step.phase == RS and op != "none":
                     backend.fold(a, b, data, op)
@@ -297,7 +323,7 @@ class AsyncRing:
             with self._seen.span("ring wait", "wait"):
                 got_src, their_meta, data = await service.take((self.name, seq, RS, (rank - src) % n - 1, 0))
             probe.arrived(str(self.members[src]))
-            self._check(seq, got_src, meta, their_meta, data, len(flat), flat.dtype)
+            self.failures.check(seq, got_src, meta, their_meta, data, len(flat), flat.dtype)
             parts[src] = data
 
         async def body() -> None:
@@ -316,7 +342,7 @@ class AsyncRing:
         """Run one call's ``body`` under its watcher; on failure cancel its sends and let the other
         members hear why before the caller moves on."""
         service = self.service
-        watcher = asyncio.ensure_future(self._watch(seq, meta, deadline))
+        watcher = asyncio.ensure_future(self.failures.watch(seq, meta, deadline))
         try:
             with self._seen.span("ring", meta[0]):
                 await body
@@ -328,9 +354,9 @@ class AsyncRing:
                     fut.cancel()
                 elif not fut.cancelled():
                     fut.exception()
-            if self._aborts:  # let the other members hear why before this rank's caller moves on (or exits)
-                await asyncio.wait(self._aborts, timeout=1.0)
-                self._aborts.clear()
+            if self.failures.aborts:  # let the other members hear why before this rank's caller moves on (or exits)
+                await asyncio.wait(self.failures.aborts, timeout=1.0)
+                self.failures.aborts.clear()
             raise
         finally:
             watcher.cancel()
@@ -346,87 +372,10 @@ class AsyncRing:
                         meta=meta, data=data),
             timeout=remaining, name=str(self.members[right]),
         )
-        fut = asyncio.ensure_future(self._delivered(call, right, seq))
-        fut.add_done_callback(lambda f: self._sent(f, seq))
+        fut = asyncio.ensure_future(self.failures.delivered(call, right, seq))
+        fut.add_done_callback(lambda f: self.failures.sent(f, seq))
         self._seen.track_send(fut, seq, str(self.members[right]))
         return fut
-
-    async def _delivered(self, call: asyncio.Future, right: int, seq: int) -> Any:
-        """A deposit's acknowledgement; one lost because the right neighbour left after completing
-        this call counts as delivered (it could not have completed without the chunk)."""
-        try:
-            return await call
-        except Unavailable:
-            if self.service.departed_after(self.name, right) >= seq:
-                return True
-            raise
-
-    def _sent(self, fut: asyncio.Future, seq: int) -> None:
-        if fut.cancelled():
-            return
-        exc = fut.exception()
-        if isinstance(exc, ZmqflowError):
-            gone = self._first_gone(seq)  # name the member that died first, not a neighbour that quit after it
-            self._abort_everywhere(seq, gone or exc)
-
-    def _first_gone(self, seq: int) -> Unavailable | None:
-        client = self.server.client
-        service = self.service
-        down = [(t, i) for i, ep in enumerate(self._endpoints)
-                if i != self.rank and service.departed_after(self.name, i) < seq and (t := client.down_since(ep)) is not None]
-        if not down:
-            return None
-        _, i = min(down)
-        return Unavailable(f"ring {self.name!r} call {seq}: member {self._name(i)} is gone", task=str(self.members[i]))
-
-    def _check(self, seq: int, src: int, mine: list[Any], theirs: Any, data: Any, size: int, dtype: Any) -> None:
-        if theirs != mine or getattr(data, "size", -1) != size or data.dtype != dtype:
-            fields = [f for f, x, y in zip(_FIELDS, mine, theirs or [None] * len(_FIELDS)) if x != y] or ["chunk size"]
-            message = (
-                f"ring {self.name!r} call {seq}: {self._name(src)} sent {_describe(theirs)} but "
-                f"{self._name(self.rank)} called {_describe(mine)}; {' and '.join(fields)} differ"
-            )
-            exc = CollectiveMismatch(message, ranks=[src, self.rank], fields=fields)
-            self._abort_everywhere(seq, exc)
-            raise exc
-
-    def _abort_everywhere(self, seq: int, exc: ZmqflowError) -> None:
-        """Fail the call here and tell every other member why (once per call)."""
-        if (self.name, seq) in self.service.aborted:
-            return
-        self.service.fail(self.name, seq, exc)
-        body = crq.Abort(ring=self.name, seq=seq, code=exc.code, message=exc.message,
-                         details={k: v for k, v in exc.details.items() if isinstance(v, (str, int, float, list))})
-        client = self.server.client
-        for i, ep in enumerate(self._endpoints):
-            if i != self.rank and client.peer_state(ep) != "down":
-                fut = client.start_call(ep, "ring", "abort", body, timeout=1.0, name=str(self.members[i]))
-                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-                self._aborts.append(fut)
-
-    async def _watch(self, seq: int, meta: list[Any], deadline: float) -> None:
-        """Fail the call when a member's connection drops, or at the deadline."""
-        loop = asyncio.get_running_loop()
-        left = (self.rank - 1) % self.size
-        while True:
-            await asyncio.sleep(_WATCH_S)
-            gone = self._first_gone(seq)
-            if gone is not None:
-                self._abort_everywhere(seq, gone)
-                return
-            if loop.time() > deadline:
-                self.service.fail(self.name, seq, DeadlineExceeded(
-                    f"ring {self.name!r} call {seq} ({_describe(meta)}) did not complete in time; "
-                    f"{self._name(self.rank)} was waiting for {self._name(left)}", task=str(self.members[left])))
-                return
-
-
-def _describe(meta: Any) -> str:
-    if not isinstance(meta, list) or len(meta) != len(_FIELDS):
-        return repr(meta)
-    kind, op, dtype, count, total, crc, extra = meta
-    root = "" if extra is None else f" root {extra}"
-    return f"{kind}({op}) of {count} {dtype} tensor(s), {total} elements, shapes #{crc:08x}{root}"
 
 
 class Ring:
@@ -475,24 +424,38 @@ class Ring:
         limit = (self._async.timeout if timeout is None else timeout) + 5.0
         return self._server.loop_thread.call(coro, timeout=limit)
 
-    def allreduce(self, arrays: Any, op: str = "sum", *, timeout: float | None = None) -> Any:
+    def _host(self, array: Any) -> "ring_shm.ShmChannel | None":
+        """The same-host channel when ``array`` may go through it from this thread: a numpy array,
+        and no call submitted to the loop still running (it takes its sequence number there)."""
         shm = self._async.shm_channel
-        if shm is not None and not self._pending and type(arrays) is np.ndarray and op in OPS \
-                and arrays.nbytes <= self._async.bucket_bytes:  # same host: no hand-off to the loop
-            a = self._async
-            seq, a.seq = a.seq, a.seq + 1
-            wait = a.timeout if timeout is None else float(timeout)
-            flat = shm.submit(arrays.reshape(-1), op, seq, _meta("allreduce", op, [arrays]), wait, a._seen)
-            return flat.result(wait + 5.0).reshape(arrays.shape)
+        return shm if shm is not None and not self._pending and type(array) is np.ndarray else None
+
+    def allreduce(self, arrays: Any, op: str = "sum", *, timeout: float | None = None) -> Any:
+        shm = self._host(arrays)
+        if shm is not None and op in OPS and arrays.nbytes <= self._async.bucket_bytes:  # no hand-off to the loop
+            meta = call_meta("allreduce", op, [arrays])
+            return self._async.run_on_host(shm, arrays.reshape(-1), op, meta, timeout).reshape(arrays.shape)
         return self._call(self._async.allreduce(arrays, op, timeout=timeout), timeout)
 
     def allgather(self, array: Any, *, timeout: float | None = None) -> Any:
+        shm = self._host(array)
+        if shm is not None:
+            meta = call_meta("allgather", "none", [array])
+            return self._async.run_on_host(shm, array.reshape(-1), "gather", meta, timeout).reshape(self.size, *array.shape)
         return self._call(self._async.allgather(array, timeout=timeout), timeout)
 
     def broadcast(self, array: Any, root: int = 0, *, timeout: float | None = None) -> Any:
+        shm = self._host(array)
+        if shm is not None and type(root) is int and 0 <= root < self.size:
+            meta = call_meta("broadcast", "none", [array], root)
+            return self._async.run_on_host(shm, array.reshape(-1), "broadcast", meta, timeout, root).reshape(array.shape)
         return self._call(self._async.broadcast(array, root, timeout=timeout), timeout)
 
     def barrier(self, *, timeout: float | None = None) -> None:
+        shm = self._host(_NOTHING)
+        if shm is not None:
+            self._async.run_on_host(shm, _NOTHING, "barrier", call_meta("barrier", "sum", []), timeout)
+            return
         self._call(self._async.barrier(timeout=timeout), timeout)
 
     def leave(self, timeout: float = 5.0) -> None:

@@ -16,7 +16,7 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["MAGIC", "NAME_RE", "Layout", "pieces", "may_write", "may_read", "call_tag", "FIELDS", "meta_words", "differing", "segment_name", "valid_name"]
+__all__ = ["MAGIC", "NAME_RE", "Layout", "MIN_PIECES", "FLOOR_BYTES", "pieces", "may_write", "may_read", "call_tag", "FIELDS", "meta_words", "differing", "segment_name", "valid_name"]
 
 MAGIC = 0x7A6D71666C6F7731  # "zmqflow1"
 NAME_RE = re.compile(r"^zmqflow-ring-(\d+)-([0-9a-f]{32})$")
@@ -45,9 +45,18 @@ class Layout:
         return self.data_offset + (piece % self.slots) * self.slot_bytes
 
 
-def pieces(count: int, itemsize: int, slot_bytes: int) -> list[tuple[int, int]]:
-    """Element ranges of a call's pieces: each fits one slot; none for an empty buffer."""
-    per = max(1, slot_bytes // max(1, itemsize))
+MIN_PIECES = 4  # a mid-size call is cut at least this fine, so writing a piece overlaps folding the last
+FLOOR_BYTES = 128 << 10  # but no finer: each piece costs a wake-up and a few Python steps
+
+
+def pieces(count: int, itemsize: int, slot_bytes: int, min_pieces: int = MIN_PIECES,
+           floor_bytes: int = FLOOR_BYTES) -> list[tuple[int, int]]:
+    """Element ranges of a call's pieces: each fits one slot, at least ``min_pieces`` of them
+    unless that makes a piece smaller than ``floor_bytes``; none for an empty buffer. Every rank
+    cuts a call the same way (its count and dtype are part of the call's tag)."""
+    itemsize = max(1, itemsize)
+    size = min(slot_bytes, max(floor_bytes, -(-count * itemsize // max(1, min_pieces))))
+    per = max(1, size // itemsize)
     return [(a, min(count, a + per)) for a in range(0, count, per)]
 
 
