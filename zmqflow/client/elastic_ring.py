@@ -49,9 +49,10 @@ class AsyncElasticRing:
         formation = await join_next_generation(self.state, step, timeout)
         old = self.ring
         self.ring = AsyncRing(self.server, formation.members, name=f"{self.name}/g{formation.generation}",
-                              **{"shm": False, **self.ring_kwargs})  # re-forming: TCP only (see ring_shm)
+                              **self.ring_kwargs)  # each generation agrees on its own same-host path
         self.formation = formation
         if old is not None:
+            old.release()
             self.server.service("ring").retire(old.name)
         return formation
 
@@ -87,6 +88,7 @@ class AsyncElasticRing:
         """Training is over here: refuse joins and drop the last generation's boxes."""
         self.state.close()
         if self.ring is not None:
+            self.ring.release()
             self.server.service("ring").retire(self.ring.name)
 
 

@@ -16,6 +16,7 @@ makes the others raise ``Unavailable`` naming it within seconds; a silent one ``
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import concurrent.futures
 from collections.abc import Sequence
@@ -207,14 +208,25 @@ class AsyncRing:
             return
         await self._allreduce_buffer(np.zeros(self.size, np.int32), "sum", meta, deadline)
 
+    def peer_down(self, rank: int) -> bool:
+        """Whether the transport has given up on ``rank`` (its connection dropped or its
+        heartbeats stopped): how the shared-memory path names a frozen peer, as TCP does."""
+        return self.server.client.peer_state(self._endpoints[rank]) == "down"
+
+    def release(self) -> None:
+        """Drop the same-host channel (a retired generation of an elastic ring): its segments'
+        mappings, its wake-up sockets and its thread. Later calls of this ring go over TCP."""
+        if self._shm:
+            self._shm.close()
+        self._shm = False
+
     async def leave(self, timeout: float = 5.0) -> None:
         """Tell every live member this rank is done (after its last call), and wait for them to
         hear it: a rank that completed the last call and exits is then not taken for a death by a
         member still finishing that call (whose last acknowledgement from here may never arrive)."""
         if self.size == 1:
             return
-        if self._shm:
-            self._shm.close()
+        self.release()
         client = self.server.client
         body = crq.Leave(ring=self.name, src=self.rank, seq=self.completed)
         calls = [client.start_call(ep, "ring", "leave", body, timeout=timeout, name=str(self.members[i]))
@@ -388,15 +400,18 @@ class Ring:
         return super().__new__(cls)
 
     def __init__(self, server: Server, members: Sequence["TaskId | str"] | None = None, **kwargs: Any):
-        self._server = server
-        self._async = AsyncRing(server.async_server, members, **kwargs)
+        self._bind(server, AsyncRing(server.async_server, members, **kwargs))
+
+    def _bind(self, server: Server, ring: AsyncRing) -> None:
+        self._server, self._async = server, ring
         self._pending = 0  # submitted calls not yet finished: the blocking fast path waits its turn behind them
+        self._pending_lock = threading.Lock()  # counted up here, down on the loop thread
 
     @classmethod
     def over(cls, server: Server, ring: AsyncRing) -> "Ring":
         """The blocking face of an existing AsyncRing."""
         out = object.__new__(cls)
-        out._server, out._async = server, ring
+        out._bind(server, ring)
         return out
 
     @property
@@ -408,13 +423,15 @@ class Ring:
         """Start ``coro`` (a collective of :attr:`async_ring`) on the server's loop without waiting.
         Collectives started from one thread start in that order, so every rank may keep several
         in flight (a collective takes its sequence number when it starts)."""
-        self._pending += 1
+        with self._pending_lock:
+            self._pending += 1
         fut = self._server.loop_thread.submit(coro)
         fut.add_done_callback(self._finished)
         return fut
 
     def _finished(self, _: Any) -> None:
-        self._pending -= 1
+        with self._pending_lock:
+            self._pending -= 1
 
     rank = property(lambda self: self._async.rank)
     size = property(lambda self: self._async.size)

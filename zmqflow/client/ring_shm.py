@@ -39,6 +39,7 @@ import threading
 import time
 import mmap
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -138,6 +139,9 @@ class ShmChannel:
 
     def __init__(self, name: str, rank: int, size: int, members: list[str], slots: int = 8, slot_bytes: int = 1 << 20):
         self.name, self.rank, self.size, self.members = name, rank, size, members
+        # whether the transport gave up on a rank (its heartbeats stopped): a frozen process is
+        # alive by its pid, yet named as over TCP (the ring sets it; read from this channel's thread)
+        self.unreachable: Callable[[int], bool] = lambda rank: False
         self.layout = plan.Layout(size, slots, slot_bytes)
         self.token = secrets.token_bytes(16)
         self.seg_name = plan.segment_name(os.getpid(), self.token)
@@ -378,7 +382,7 @@ class ShmChannel:
                 lay = self.layout
                 odd = [q for q in range(self.size) if q != self.rank and [int(v) for v in self.headers[q][lay.meta_word:lay.words]] != words]
                 raise self._mismatch(seq, words, odd[0] if odd else r)
-            if not _alive(self.pids[r]) or culprit >= 0:
+            if not _alive(self.pids[r]) or culprit >= 0 or self.unreachable(r):
                 gone = r if culprit < 0 else culprit
                 raise Unavailable(f"ring {self.name!r} call {seq}: member rank {gone} ({self.members[gone]}) is gone",
                                   task=self.members[gone], rank=gone)
@@ -396,6 +400,7 @@ async def negotiate(ring: Any, wanted: bool, timeout: float) -> "ShmChannel | No
     if wanted and enabled():
         try:
             channel = ShmChannel(ring.name, ring.rank, ring.size, [str(m) for m in ring.members])
+            channel.unreachable = ring.peer_down
         except OSError:
             channel = None
     blob = channel.blob() if channel is not None else np.zeros(4, np.int64)
