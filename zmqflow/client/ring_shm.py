@@ -23,7 +23,8 @@ name is mapped only if it is one this code makes for that peer's pid, owned by t
 expected size, and whose header carries the announced token and rank. Every segment is unlinked
 as soon as all ranks have mapped it, so a normal exit or a ``kill -9`` after setup leaves nothing
 in ``/dev/shm``; a kill in the short window of setup can leave one, which the next ring on this
-host removes (segments of dead pids owned by this user). ``ZMQFLOW_RING_SHM=0`` turns it off.
+host removes (segments of dead pids owned by this user). ``ZMQFLOW_RING_SHM=0`` turns it off;
+on machines other than x86 it is off (see ``ORDERED_STORES``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import platform
 import secrets
 import select
 import socket
@@ -78,8 +80,15 @@ def _no_span(kind: str, name: str) -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext()
 
 
+# A counter is published by a plain store after its piece's data, and read before the data: only
+# a machine that keeps stores in order with stores and loads with loads (x86's TSO) makes that
+# safe without fences, which Python cannot issue. Elsewhere (ARM, POWER) rings stay on TCP.
+ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+
+
 def enabled() -> bool:
-    return os.environ.get("ZMQFLOW_RING_SHM", "1") not in ("0", "false", "no", "off") and os.access(SHM_DIR, os.W_OK)
+    return (ORDERED_STORES and os.environ.get("ZMQFLOW_RING_SHM", "1") not in ("0", "false", "no", "off")
+            and os.access(SHM_DIR, os.W_OK))
 
 
 def _host_id() -> int:
