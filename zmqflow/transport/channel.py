@@ -1,9 +1,13 @@
 """A ZeroMQ socket driven by an asyncio loop without pyzmq's per-message futures.
 
-The socket is an ordinary (blocking-API) socket. The loop watches its FD; when it fires we drain
-every ready message with NOBLOCK and hand each to a callback. That is several times faster than
-``await sock.recv_multipart()`` for small messages. The ZeroMQ FD is edge-triggered, so after
-each of our own sends we look at ``EVENTS`` and drain again if input slipped in unannounced.
+The socket is an ordinary (blocking-API) socket. The loop watches its FD, which fires when libzmq
+has commands for the socket (usually: a message arrived). Receiving is ``recv(NOBLOCK)`` straight
+away: a receive that finds nothing processes libzmq's pending commands itself, so no ``EVENTS``
+query (a ``poll`` syscall each) is asked per message. A wake-up takes one message and leaves one
+deferred ``EVENTS`` look for later in the same loop pass; only when that look finds more input do
+we drain until ``Again``. The ZeroMQ FD is edge-triggered and a send may swallow its edge, so that
+same deferred look also covers every send made outside a drain (one look per loop pass, however
+many messages were sent); sends made inside a drain are covered by the drain's own next receive.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import zmq
 
 from .base import SendFailed
@@ -24,15 +29,38 @@ log = logging.getLogger(__name__)
 _MAX_BATCH = 256
 # Plain ints: pyzmq's enum flags cost microseconds per bitwise operation on the hot path.
 _POLLIN, _POLLOUT, _NOBLOCK, _EVENTS = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.NOBLOCK), int(zmq.EVENTS)
-_RCVMORE = int(zmq.RCVMORE)
 _SNDMORE_NB = int(zmq.SNDMORE) | _NOBLOCK
 # pyzmq's Cython-level send: send_multipart's Python wrapper costs ~5 us a message (enum flag
 # arithmetic, per-part checks); this is the same call without it.
 _send = getattr(zmq.backend.Socket, "send", zmq.Socket.send)
+_Frame = zmq.Frame
+_ndarray = np.ndarray
 
 
 _RETRY_FIRST_S = 0.0005
 _RETRY_MAX_S = 0.02
+
+
+def received_frame(buf: Any) -> zmq.Frame | None:
+    """The received ``zmq.Frame`` that ``buf`` (an array or memoryview) covers exactly, else None.
+
+    Sending that Frame shares libzmq's message (a reference count) where sending the array would
+    pin it through pyzmq's zero-copy machinery, whose release wakes pyzmq's garbage-collector
+    thread (and takes the GIL) once per message: echoed and forwarded tensors go out as the frame
+    they came in as. Only a C-ordered view of the whole frame qualifies, so the bytes are the same.
+    """
+    base = buf
+    while base.__class__ is _ndarray:
+        if not base.flags.c_contiguous:
+            return None
+        base = base.base
+    if base.__class__ is memoryview:
+        if not base.c_contiguous:
+            return None
+        base = base.obj
+    if base.__class__ is not _Frame:
+        return None
+    return base if buf.nbytes == len(base) else None
 
 
 class Channel:
@@ -56,59 +84,102 @@ class Channel:
         self._fd = sock.getsockopt(zmq.FD)
         self._closed = False
         self._drain_pending = False
-        self._events_pending = False
+        self._check_pending = False
+        self._draining = False  # inside a receive loop: its next receive covers our sends' edges
         self._writable = asyncio.Event()
-        loop.add_reader(self._fd, self._drain)
-        self._schedule_drain()  # the FD may already be signalled from before we watched it
+        loop.add_reader(self._fd, self._on_readable)
+        self._schedule_check()  # the FD may already be signalled from before we watched it
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def _schedule_check(self) -> None:
+        if not self._check_pending and not self._closed:
+            self._check_pending = True
+            self._loop.call_soon(self._check)
 
     def _schedule_drain(self) -> None:
         if not self._drain_pending and not self._closed:
             self._drain_pending = True
             self._loop.call_soon(self._drain)
 
+    def _deliver(self, frames: list[Any]) -> None:
+        self._draining = True
+        try:
+            self._on_frames(frames)
+        except Exception:  # a handler bug must not stop the socket
+            log.exception("%s: message handler failed", self.name)
+        finally:
+            self._draining = False
+
+    def _on_readable(self) -> None:
+        """The FD fired: take one message now (its receive processes libzmq's commands), then look
+        for more once the callbacks it set off (a reply sent, a waiter woken) have run."""
+        if self._closed:
+            return
+        try:
+            frames = self._recv(self.sock)
+        except zmq.Again:  # commands only (room to send again, a peer's pipe): nothing to read
+            frames = None
+        except zmq.ZMQError as exc:
+            if not self._closed:
+                log.warning("%s: receive failed: %s", self.name, exc)
+            return
+        if frames is not None:
+            self._deliver(frames)
+        self._schedule_check()
+
+    def _check(self) -> None:
+        """The one ``EVENTS`` look per loop pass: room to send, and input a send's edge may hide."""
+        self._check_pending = False
+        if self._closed:
+            return
+        try:
+            events = self.sock.getsockopt(_EVENTS)
+        except zmq.ZMQError:
+            return
+        if events & _POLLOUT:
+            self._writable.set()
+        if events & _POLLIN:
+            self._drain()
+
     def _drain(self) -> None:
+        """Input is waiting: receive until ``Again`` (cheap while messages are queued: no syscall)."""
         self._drain_pending = False
         sock = self.sock
+        recv = self._recv
         for _ in range(_MAX_BATCH):
             if self._closed:
                 return
             try:
-                # asking EVENTS first avoids raising (and building) a zmq.Again per drain
-                events = sock.getsockopt(_EVENTS)
-                if events & _POLLOUT:
-                    self._writable.set()
-                if not events & _POLLIN:
-                    return
-                frames = self._recv(sock)
-            except zmq.Again:
+                frames = recv(sock)
+            except zmq.Again:  # that receive processed libzmq's commands: the FD's edge is armed again
                 break
             except zmq.ZMQError as exc:
                 if not self._closed:
                     log.warning("%s: receive failed: %s", self.name, exc)
                 return
-            try:
-                self._on_frames(frames)
-            except Exception:  # a handler bug must not stop the socket
-                log.exception("%s: message handler failed", self.name)
+            self._deliver(frames)
         else:
             self._schedule_drain()  # more may be waiting: let other callbacks run first
             return
-        self._poll_events()
+        if not self._writable.is_set():  # a sender waits: the commands just processed may have made room
+            self._schedule_check()
 
     def _recv(self, sock: zmq.Socket) -> list[Any]:
         """One multipart message: the leading ``copied`` frames (identity, header) as bytes, the
-        rest (tensor data) as zero-copy Frames. Small bytes are cheaper to make than Frames."""
+        rest (tensor data) as zero-copy Frames. Every part is received as a Frame: its ``more`` is
+        cheaper to read than ``RCVMORE`` (pyzmq turns each option into an enum)."""
+        recv = sock.recv
         frames: list[Any] = []
         for _ in range(self._copied):
-            frames.append(sock.recv(_NOBLOCK))
-            if not sock.getsockopt(_RCVMORE):
+            frame = recv(_NOBLOCK, copy=False)
+            frames.append(frame.bytes)
+            if not frame.more:
                 return frames
         while True:
-            frame = sock.recv(_NOBLOCK, copy=False)
+            frame = recv(_NOBLOCK, copy=False)
             frames.append(frame)
             if not frame.more:
                 return frames
@@ -139,7 +210,10 @@ class Channel:
             _send(sock, f, _SNDMORE_NB if last else _NOBLOCK, getattr(f, "nbytes", 0) < threshold)
             for i in range(1, last + 1):
                 f = frames[i]
-                _send(sock, f, _SNDMORE_NB if i < last else _NOBLOCK, getattr(f, "nbytes", 0) < threshold)
+                if getattr(f, "nbytes", 0) < threshold:
+                    _send(sock, f, _SNDMORE_NB if i < last else _NOBLOCK, True)
+                else:
+                    _send(sock, received_frame(f) or f, _SNDMORE_NB if i < last else _NOBLOCK, False)
         except zmq.Again:
             self._writable.clear()
             self._poll_events()
@@ -148,14 +222,11 @@ class Channel:
             raise SendFailed(f"{self.name}: {exc}") from exc
         # A send may swallow the FD's edge for input that arrived meanwhile: look at EVENTS once
         # before the loop sleeps again, not after every send (a pipelined burst sends hundreds).
-        if not self._events_pending:
-            self._events_pending = True
-            self._loop.call_soon(self._deferred_events)
+        # A drain under way looks by itself: its next receive processes whatever the send hid.
+        if not self._check_pending and not self._draining:
+            self._check_pending = True
+            self._loop.call_soon(self._check)
         return True
-
-    def _deferred_events(self) -> None:
-        self._events_pending = False
-        self._poll_events()
 
     async def send(self, frames: Sequence[Any], deadline: float) -> bool:
         """Send, waiting (without blocking the loop) until ``deadline`` (loop time) at most."""
@@ -204,8 +275,9 @@ class AuthChannel(Channel):
         for _ in range(self._copied - 1):
             if not more:
                 return frames
-            frames.append(sock.recv(_NOBLOCK))
-            more = sock.getsockopt(_RCVMORE)
+            frame = sock.recv(_NOBLOCK, copy=False)
+            frames.append(frame.bytes)
+            more = frame.more
         while more:
             frame = sock.recv(_NOBLOCK, copy=False)
             frames.append(frame)

@@ -1,0 +1,191 @@
+"""The ZeroMQ channel's receive and send paths on real sockets: bursts drained whole and in order,
+replies sent outside a receive still waking the peer (the FD's edge), frame types, and received
+frames sent on as themselves."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from zmqflow.testing import TRANSPORTS, async_wait_until, free_port
+from zmqflow.transport.base import UP
+from zmqflow.transport.channel import received_frame
+from zmqflow.transport.context import context
+from zmqflow.transport.options import DEFAULT_OPTIONS
+from zmqflow.transport.zeromq import ZmqTransport
+
+from .conftest import arun
+
+
+def _endpoint(transport: str, tmp: str) -> str:
+    if transport == "inproc":
+        return f"inproc://chan-{uuid.uuid4().hex[:8]}"
+    if transport == "ipc":
+        return f"ipc://{tmp}/chan.sock"
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+@contextlib.asynccontextmanager
+async def _pair(transport: str, on_request: Any, on_reply: Any) -> AsyncIterator[tuple[Any, Any]]:
+    """A listener answering with ``on_request(listener, frames)`` and an up connection to it."""
+    loop = asyncio.get_running_loop()
+    holder: list[Any] = []
+    with tempfile.TemporaryDirectory(prefix="zf-chan-") as tmp:
+        listener = await ZmqTransport().listen(
+            _endpoint(transport, tmp), lambda frames: on_request(holder[0], frames), loop=loop,
+            options=DEFAULT_OPTIONS, name="chan-test")
+        holder.append(listener)
+        conn = ZmqTransport().connect(listener.endpoint, b"client-1", on_reply, lambda _s: None, loop=loop,
+                                      options=DEFAULT_OPTIONS, name="chan-test")
+        try:
+            await async_wait_until(lambda: conn.state == UP, 10, what="connection up")
+            yield listener, conn
+        finally:
+            conn.close()
+            listener.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_pipelined_burst_is_received_whole_and_in_order(transport):
+    """More messages than one drain takes (256) queue up at once; each arrives once, in order,
+    as [identity, header bytes, Frame], and each inline reply reaches the client."""
+    n = 1500
+    seen: list[int] = []
+    replies: list[int] = []
+
+    def on_request(listener, frames):
+        assert frames[0] == b"client-1" and isinstance(frames[1], bytes) and isinstance(frames[2], zmq.Frame)
+        seen.append(int.from_bytes(frames[1], "little"))
+        assert listener.try_send([frames[0], frames[1]])
+
+    def on_reply(frames):
+        assert len(frames) == 1 and isinstance(frames[0], bytes)
+        replies.append(int.from_bytes(frames[0], "little"))
+
+    async def main():
+        async with _pair(transport, on_request, on_reply) as (_listener, conn):
+            loop = asyncio.get_running_loop()
+            body = np.arange(16, dtype=np.float32)
+            for i in range(n):  # no await in between: the server finds them all queued
+                assert await conn.send([i.to_bytes(4, "little"), body], loop.time() + 10)
+            await async_wait_until(lambda: len(replies) == n, 30, what="all replies")
+        assert seen == list(range(n)) and replies == list(range(n))
+
+    arun(main())
+
+
+class _EchoThread:
+    """A plain ROUTER on its own thread echoing every message but ``noise``: it answers while the
+    client's loop is busy elsewhere, which a listener on that same loop cannot."""
+
+    def __init__(self, endpoint: str):
+        self.sock = context().socket(zmq.ROUTER)
+        self.sock.linger = 0
+        self.sock.bind(endpoint)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self.sock.poll(20):
+                    frames = self.sock.recv_multipart()
+                    if frames[1] != b"noise":
+                        self.sock.send_multipart(frames)
+        finally:
+            self.sock.close(0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_send_that_swallows_the_fd_edge_does_not_lose_the_reply(transport):
+    """A send processes libzmq's pending commands (at most once a millisecond), and with them the
+    "input arrived" signal the loop waits on: here each reply has arrived by the time the client
+    sends again, outside any receive. The deferred look after sends finds it; without it the
+    round would stall until the timeout."""
+    rounds = 30
+    got: asyncio.Queue[int] = asyncio.Queue()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        with tempfile.TemporaryDirectory(prefix="zf-chan-") as tmp:
+            server = _EchoThread(_endpoint(transport, tmp))
+            conn = ZmqTransport().connect(server.endpoint, b"client-1", lambda frames: got.put_nowait(int(frames[0])),
+                                          lambda _s: None, loop=loop, options=DEFAULT_OPTIONS, name="echo")
+            try:
+                await async_wait_until(lambda: conn.state == UP, 10, what="connection up")
+                for i in range(rounds):
+                    await asyncio.sleep(0.002)  # the loop settles: no look at the socket is left pending
+                    assert conn.try_send([str(i).encode()])
+                    time.sleep(0.005)  # (blocking on purpose) the reply lands while the loop is not looking
+                    assert conn.try_send([b"noise"])
+                    assert await asyncio.wait_for(got.get(), 5) == i
+            finally:
+                conn.close()
+                server.stop()
+
+    arun(main())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_an_echoed_tensor_goes_back_as_the_frame_it_came_in_as(transport):
+    """A 1 MiB tensor echoed as a view of its received frame comes back intact; over inproc the
+    reply shares the very memory the client sent (no copy anywhere on the path)."""
+    arr = np.arange(1 << 18, dtype=np.float32)
+    got: list[Any] = []
+
+    def on_request(listener, frames):
+        view = np.frombuffer(memoryview(frames[2]), dtype=np.float32).reshape(512, -1)
+        assert received_frame(view) is frames[2]
+        assert listener.try_send([frames[0], frames[1], view])
+
+    async def main():
+        async with _pair(transport, on_request, got.append) as (_l, conn):
+            assert conn.try_send([b"echo", arr])
+            await async_wait_until(lambda: got, 10, what="the echo")
+        header, frame = got[0]
+        assert header == b"echo" and isinstance(frame, zmq.Frame)
+        back = np.frombuffer(frame, dtype=np.float32)
+        assert np.array_equal(back, arr)
+        if transport == "inproc":
+            assert back.ctypes.data == arr.ctypes.data
+
+    arun(main())
+
+
+def test_received_frame_accepts_only_whole_c_ordered_views_of_a_frame():
+    a, b = context().socket(zmq.PAIR), context().socket(zmq.PAIR)
+    name = f"inproc://rf-{uuid.uuid4().hex[:8]}"
+    try:
+        a.bind(name)
+        b.connect(name)
+        a.send(np.arange(64, dtype=np.float32), copy=False)
+        frame = b.recv(copy=False)
+    finally:
+        a.close(0)
+        b.close(0)
+    whole = np.frombuffer(memoryview(frame), dtype=np.float32)
+    assert received_frame(whole) is frame
+    assert received_frame(memoryview(frame)) is frame
+    assert received_frame(whole.reshape(8, 8)) is frame
+    assert received_frame(whole.view(np.uint8)) is frame
+    assert received_frame(whole[1:]) is None  # a part of it: the frame would send more
+    assert received_frame(whole.reshape(8, 8).T) is None  # another byte order than the frame's
+    assert received_frame(whole[::-1]) is None
+    assert received_frame(np.arange(64, dtype=np.float32)) is None  # not from a frame at all
+    assert received_frame(memoryview(b"x" * 256)) is None
