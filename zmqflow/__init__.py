@@ -9,6 +9,7 @@ and ``from zmqflow import Session`` work as with eager imports.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 from .version import __version__
@@ -61,6 +62,11 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 def __getattr__(name: str) -> Any:
     entry = _LAZY.get(name)
     if entry is None:
+        # a subpackage or module, as ``zf.cluster.resolve()`` (eager imports used to bind them all)
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            module = importlib.import_module(f".{name}", __name__)
+            globals()[name] = module
+            return module
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module = importlib.import_module(entry[0], __name__)
     value = module if entry[1] is None else getattr(module, entry[1])
