@@ -256,9 +256,10 @@ class RpcClient:
             nbytes = frames_nbytes(frames)
             if coalescer.small(nbytes):
                 now, schedule = coalescer.add(peer, (rid, frames), nbytes + 8 * len(frames))
-                if schedule:
+                if schedule:  # alone in its tick: out now, the tick ends on the next one
                     self._loop.call_soon(self._end_tick, peer)
-                if now is not None:
+                    self._send_one(peer, rid, frames)
+                elif now is not None:
                     self._send_group(peer, now)
                 return fut
             held = coalescer.take(peer)

@@ -299,9 +299,10 @@ class RpcServer:
                 nbytes = frames_nbytes(frames)
             if coalescer.small(nbytes):
                 now, schedule = coalescer.add(identity, (frames, rid, deadline, nbytes), nbytes + 8 * len(frames))
-                if schedule:
+                if schedule:  # alone in its tick: out now, the tick ends on the next one
                     self._loop.call_soon(self._end_tick, identity)
-                if now is not None:
+                    self._send_now(frames, rid, deadline, nbytes)
+                elif now is not None:
                     self._send_group(identity, now)
                 return
             held = coalescer.take(identity)
