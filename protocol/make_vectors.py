@@ -13,7 +13,9 @@ little-endian C-ordered bytes; a msgpack bin value is ``{"__bytes__": base64}``.
 (``VersionMismatch`` or ``DecodeError``) and the request id it can still report (or null).
 
 Valid vectors must decode to ``decoded`` and ``decoded`` must re-encode to exactly
-``frames_hex``. Run from anywhere: ``python protocol/make_vectors.py``; it also rewrites the
+``frames_hex``. Batch envelopes (SPEC.md section 10) are written to ``vectors/batch/``: there
+``entries_hex`` lists each entry's frames (null for a malformed envelope, whose ``expect`` names
+the error and the envelope id). Run from anywhere: ``python protocol/make_vectors.py``; it also rewrites the
 request tables of ``SPEC.md`` (section 9) from the declarations in ``zmqflow/wire/requests``.
 """
 
@@ -31,7 +33,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from zmqflow.wire.codec import ERROR, REPLY, REQUEST, Message, decode, encode  # noqa: E402
+from zmqflow.wire.batch import decode_batch, encode_batch  # noqa: E402
+from zmqflow.wire.codec import ERROR, REPLY, REQUEST, Message, decode, encode, error_message  # noqa: E402
+from zmqflow.errors import InvalidArgument  # noqa: E402
 from zmqflow.wire.dtypes import WIRE_DTYPES, dtype_name  # noqa: E402
 from zmqflow.wire.requests import ps as ps_requests  # noqa: E402
 from zmqflow.wire.requests.doc import BEGIN, END, request_tables  # noqa: E402
@@ -321,6 +325,49 @@ def declared_vectors() -> list[dict[str, Any]]:
     ]
 
 
+def _batch(name: str, description: str, bid: int, messages: list[Message]) -> dict[str, Any]:
+    entries = [frames_hex(encode(m)) for m in messages]
+    frames = frames_hex(encode_batch(bid, [[bytes.fromhex(f) for f in e] for e in entries]))
+    again = decode_batch([bytes.fromhex(f) for f in frames])
+    if again.id != bid or [frames_hex(e) for e in again.entries] != entries:
+        raise AssertionError(f"vector {name}: the envelope does not decode to its entries")
+    return {"name": name, "description": description, "frames_hex": frames, "entries_hex": entries}
+
+
+def batch_vectors() -> list[dict[str, Any]]:
+    """Batch envelopes: two valid ones and the malformed shapes a receiver refuses whole."""
+    reqs = [
+        Message(REQUEST, 21, "worker", "echo", {"x": np.arange(3, dtype=np.float32)}, deadline=5.0, source="worker:0"),
+        Message(REQUEST, 22, "master", "ping", None, deadline=5.0, source="worker:0"),
+        Message(REQUEST, 23, "ps", "pull", {"items": [["w", 0, None, None]]}, deadline=5.0, source="worker:0"),
+    ]
+    reps = [
+        Message(REPLY, 21, body={"x": np.arange(3, dtype=np.float32)}),
+        error_message(22, InvalidArgument("master.ping: unexpected argument(s) x"), source="ps:0"),
+    ]
+    good = encode_batch(30, [encode(m) for m in reqs[1:]])
+
+    def invalid(name: str, description: str, frames: list[bytes], error: str, bid: int | None) -> dict[str, Any]:
+        vector = _invalid(name, description, frames, error, bid)
+        vector["entries_hex"] = None
+        return vector
+
+    head = msgpack.unpackb(good[0])
+    return [
+        _batch("batch_requests", "Three requests in one envelope (id 20): the first carries a float32 tensor, so "
+               "the next entry's header starts after zero padding to a multiple of 8 bytes.", 20, reqs),
+        _batch("batch_replies", "A reply with a tensor and an error reply in one envelope; servers send reply "
+               "envelopes with id 0.", 0, reps),
+        invalid("invalid_batch_truncated", "The entries frame is 3 bytes shorter than its lengths say.",
+                [good[0], good[1][:-3]], "DecodeError", 30),
+        invalid("invalid_batch_n_not_a_list", "The entry table 'n' is a string.",
+                [msgpack.packb({**head, "n": "two"}, use_bin_type=True), good[1]], "DecodeError", 30),
+        invalid("invalid_batch_one_frame", "The entries frame is missing.", [good[0]], "DecodeError", 30),
+        invalid("invalid_batch_too_many_entries", "1025 entries, one over the default limit.",
+                encode_batch(31, [[b"\x80"]] * 1025), "LimitExceeded", 31),
+    ]
+
+
 def write_request_tables(spec: Path) -> None:
     """Replace the request tables of SPEC.md (between their markers) with the declarations'."""
     text = spec.read_text()
@@ -335,6 +382,10 @@ def main(argv: list[str]) -> int:
         text = dumps(vector) + "\n"
         (folder / f"{vector['name']}.json").write_text(text)
         print(f"wrote {folder / vector['name']}.json")
+    (folder / "batch").mkdir(exist_ok=True)
+    for vector in batch_vectors():
+        (folder / "batch" / f"{vector['name']}.json").write_text(dumps(vector) + "\n")
+        print(f"wrote {folder / 'batch' / vector['name']}.json")
     if len(argv) <= 1:
         write_request_tables(HERE / "SPEC.md")
         print(f"wrote the request tables of {HERE / 'SPEC.md'}")

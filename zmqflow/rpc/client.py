@@ -16,6 +16,13 @@ With ``retry_interval`` a call unanswered after that long is sent again with the
 and frames, until its deadline: a lost request or reply costs an interval, not the call. Servers
 keep a record of recent ids per peer and answer a duplicate with the first reply instead of running
 it again; a late or second reply is ignored (counted in ``late_replies``).
+
+Small requests made in one loop tick for one peer go out together in one batch envelope
+(``wire/batch.py``, chosen by :mod:`.coalesce`): the first goes out at once, alone, and the
+others follow as one message on the next tick. A peer that answers an envelope with an error (a
+server that predates envelopes, or one with tighter limits: nothing in it ran) gets the envelope's
+requests again one by one, and no more envelopes. ``coalesce=False`` sends every request alone;
+the fault injector's rules read each message's op, so over it requests always go alone.
 """
 
 from __future__ import annotations
@@ -32,9 +39,12 @@ from ..errors import ConfigError, DeadlineExceeded, ProtocolError, Unauthenticat
 from ..transport import registry
 from ..transport.base import AUTH_FAILED, CONNECTING, DOWN, UP, Connection, SendFailed, Transport
 from ..transport.curve import Keys
+from ..transport.faults import FaultInjector
 from ..transport.options import DEFAULT_OPTIONS, SocketOptions
 from ..wire import ERROR, REPLY, REQUEST, DecodeError, Limits, Message, decode, encode, raise_error
+from ..wire.batch import batch_id, decode_batch, encode_batch
 from ..wire.codec import DEFAULT_LIMITS
+from .coalesce import Coalescer
 from .counters import Counters, frames_nbytes
 
 __all__ = ["RpcClient", "Peer", "DEFAULT_TIMEOUT"]
@@ -56,6 +66,8 @@ class _Pending:
     timer: asyncio.TimerHandle | None = None
     sent: bool = False
     retry: asyncio.TimerHandle | None = None
+    timeout: float = 0.0
+    batch: int = 0  # the envelope it went out in, until the peer answers anything of it
 
     @property
     def what(self) -> str:
@@ -76,6 +88,7 @@ class Peer:
     # set while the connection is up; a call made while it is down waits for it before sending:
     # a message written just after a drop can land in the dead pipe, unseen by either side
     up: asyncio.Event = field(default_factory=asyncio.Event)
+    batching: bool = True  # small requests may share an envelope (off once the peer refused one)
 
 
 class RpcClient:
@@ -94,6 +107,7 @@ class RpcClient:
         transport: Transport | None = None,
         keys: Keys | None = None,
         retry_interval: float | None = None,
+        coalesce: bool = True,
     ):
         if retry_interval is not None and not retry_interval > 0:
             raise ValueError(f"retry_interval must be positive or None, got {retry_interval!r}")
@@ -116,6 +130,11 @@ class RpcClient:
         self._ids = itertools.count(1)
         self._closed = False
         self._senders: dict[int, asyncio.Task] = {}  # sends waiting for a connection, by request id
+        self.coalesce = coalesce
+        self._coalescer = Coalescer()
+        # envelopes sent whose peer has answered nothing of them yet: (peer, [(request id, frames)])
+        self._batches: dict[int, tuple[Peer, list[tuple[int, list[Any]]]]] = {}
+        self.batches_out = 0  # envelopes sent
 
     # connections ------------------------------------------------------------------------
     def peer(self, endpoint: str, name: str | None = None) -> Peer:
@@ -143,6 +162,7 @@ class RpcClient:
             if not extra:
                 raise
             raise ConfigError(f"the transport for {endpoint} ({type(transport).__name__}) does not carry keys") from None
+        peer.batching = self.coalesce and not isinstance(transport, FaultInjector)
         self._peers[endpoint] = peer
         return peer
 
@@ -220,7 +240,7 @@ class RpcClient:
         peer = self.peer(endpoint, name)
         rid = next(self._ids)
         fut = self._loop.create_future()
-        pending = _Pending(fut, peer, service, op)
+        pending = _Pending(fut, peer, service, op, timeout=timeout)
         frames = encode(Message(REQUEST, rid, service, op, body, deadline=timeout, source=self.source))
         self._pending[rid] = pending
         peer.inflight.add(rid)
@@ -230,14 +250,63 @@ class RpcClient:
         state = peer.state
         if state is not UP and state is not CONNECTING and (refused := self._refusal(pending)) is not None:
             self._finish(rid, exc=refused)
-        elif state != DOWN and (peer.conn.try_send(frames) or (self._refresh(peer, rid) and peer.conn.try_send(frames))):
+            return fut
+        if peer.batching and state != DOWN:
+            coalescer = self._coalescer
+            nbytes = frames_nbytes(frames)
+            if coalescer.small(nbytes):
+                now, schedule = coalescer.add(peer, (rid, frames), nbytes + 8 * len(frames))
+                if schedule:  # alone in its tick: out now, the tick ends on the next one
+                    self._loop.call_soon(self._end_tick, peer)
+                    self._send_one(peer, rid, frames)
+                elif now is not None:
+                    self._send_group(peer, now)
+                return fut
+            held = coalescer.take(peer)
+            if held:  # what was made before goes before: a large request never waits for the tick
+                self._send_group(peer, held)
+        self._send_one(peer, rid, frames)
+        return fut
+
+    def _send_one(self, peer: Peer, rid: int, frames: list[Any]) -> None:
+        """Send one request now, or start waiting for room or for the connection."""
+        pending = self._pending.get(rid)
+        if pending is None or pending.sent:
+            return
+        if peer.state != DOWN and (peer.conn.try_send(frames) or (self._refresh(peer, rid) and peer.conn.try_send(frames))):
             pending.sent = True
             self._count_out(frames)
-        else:
-            task = self._loop.create_task(self._send_later(rid, peer, frames, timeout))
-            self._senders[rid] = task
-            task.add_done_callback(lambda _t, rid=rid: self._senders.pop(rid, None))
-        return fut
+            return
+        task = self._loop.create_task(self._send_later(rid, peer, frames, pending.timeout))
+        self._senders[rid] = task
+        task.add_done_callback(lambda _t, rid=rid: self._senders.pop(rid, None))
+
+    def _end_tick(self, peer: Peer) -> None:
+        held = self._coalescer.end_tick(peer)
+        if held:
+            self._send_group(peer, held)
+
+    def _send_group(self, peer: Peer, items: list[tuple[int, list[Any]]]) -> None:
+        """Held requests: one goes alone, several in one envelope (each alone when that cannot go now)."""
+        pending_of = self._pending.get
+        live = [item for item in items if (p := pending_of(item[0])) is not None and not p.sent]  # not ended meanwhile
+        if len(live) < 2 or not peer.batching:
+            for rid, frames in live:
+                self._send_one(peer, rid, frames)
+            return
+        bid = next(self._ids)
+        frames = encode_batch(bid, [f for _, f in live])
+        if peer.state != DOWN and peer.conn.try_send(frames):
+            self._batches[bid] = (peer, live)
+            for rid, _ in live:
+                p = self._pending[rid]
+                p.sent = True
+                p.batch = bid
+            self.batches_out += 1
+            self._count_out(frames)
+            return
+        for rid, f in live:
+            self._send_one(peer, rid, f)
 
     @staticmethod
     def _refresh(peer: Peer, rid: int) -> bool:
@@ -303,6 +372,8 @@ class RpcClient:
     def _finish(self, rid: int, *, result: Any = None, exc: BaseException | None = None) -> None:
         pending = self._pending.pop(rid)
         pending.peer.inflight.discard(rid)
+        if pending.batch:  # the peer answered (or the call ended): its envelope needs no fallback
+            self._batches.pop(pending.batch, None)
         if not pending.sent:  # a send still waiting for the connection must never go out after this
             sender = self._senders.pop(rid, None)
             if sender is not None and sender is not asyncio.current_task():
@@ -324,15 +395,44 @@ class RpcClient:
         try:
             msg = decode(frames, self.limits)
         except DecodeError as exc:
-            if exc.request_id is not None and exc.request_id in self._pending:
-                self._finish(exc.request_id, exc=_protocol_error(exc, self._pending[exc.request_id]))
+            if exc.kind is None and frames and batch_id(frames[0]) is not None:
+                self._on_batch(peer, frames)
             else:
-                self.counters.dropped += 1
-                log.warning("dropped an unreadable reply from %s: %s", peer.name, exc)
+                self._undecodable(peer, exc)
             return
+        self._on_message(peer, msg)
+
+    def _on_batch(self, peer: Peer, frames: list[Any]) -> None:
+        """Replies that came in one envelope: each is read and matched on its own."""
+        try:
+            batch = decode_batch(frames, self.limits)
+        except DecodeError as exc:
+            self.counters.dropped += 1
+            log.warning("dropped an unreadable batch of replies from %s: %s", peer.name, exc)
+            return
+        for entry in batch.entries:
+            try:
+                msg = decode(entry, self.limits)
+            except DecodeError as exc:
+                self._undecodable(peer, exc)
+                continue
+            self._on_message(peer, msg)
+
+    def _undecodable(self, peer: Peer, exc: DecodeError) -> None:
+        if exc.request_id is not None and exc.request_id in self._pending:
+            self._finish(exc.request_id, exc=_protocol_error(exc, self._pending[exc.request_id]))
+        else:
+            self.counters.dropped += 1
+            log.warning("dropped an unreadable reply from %s: %s", peer.name, exc)
+
+    def _on_message(self, peer: Peer, msg: Message) -> None:
         pending = self._pending.get(msg.id)
         if pending is None or msg.kind == REQUEST:
-            self.counters.late_replies += 1
+            refused = self._batches.pop(msg.id, None) if msg.kind == ERROR else None
+            if refused is not None:
+                self._unbatch(refused, msg)
+            else:
+                self.counters.late_replies += 1
             return
         if msg.kind == REPLY:
             self._finish(msg.id, result=msg.body)
@@ -341,6 +441,21 @@ class RpcClient:
                 raise_error(msg, context=f"from {pending.what}")
             except ZmqflowError as exc:
                 self._finish(msg.id, exc=exc)
+
+    def _unbatch(self, refused: tuple[Peer, list[tuple[int, list[Any]]]], msg: Message) -> None:
+        """The peer refused an envelope whole (none of it ran): its requests go again, one by one,
+        and so does everything else for that peer from now on."""
+        peer, items = refused
+        peer.batching = False
+        err = msg.error or {}
+        log.warning("%s refused a batch of %d requests (%s: %s); sending requests to it one by one", peer.name,
+                    len(items), err.get("code", ""), err.get("message", ""))
+        for rid, frames in items:
+            pending = self._pending.get(rid)
+            if pending is not None and pending.batch == msg.id:
+                pending.sent = False
+                pending.batch = 0
+                self._send_one(peer, rid, frames)
 
     def down_since(self, endpoint: str) -> float | None:
         """Loop time at which the connection to ``endpoint`` dropped, None while it is not down."""

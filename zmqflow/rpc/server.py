@@ -11,6 +11,13 @@ With ``keys`` the listener is a CURVE server admitting only the keys of the allo
 message arrives with its sender's authenticated ``role/name``, which becomes the call's identity
 and role (:func:`.roles.authorize`) before the service admits it: a client key calling a task op,
 or a header claiming another name than its key's, is refused with ``PermissionDenied``.
+
+A batch envelope (``wire/batch.py``) is checked whole before any of its requests runs: a
+malformed or over-limit one is answered, under its envelope id, with a ``PROTOCOL`` or
+``RESOURCE_EXHAUSTED`` error naming what is wrong. Each request of a well-formed one is then
+served exactly as if it had come alone (its own id, deadline, dedup record, in-flight count and
+authorization from the connection's key), and the small replies for a peer that sends envelopes
+go back the same way: those made while answering an envelope in one, later ones per loop tick.
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ from ..transport.base import Listener, SendFailed, Transport
 from ..transport.curve import Keys
 from ..transport.options import DEFAULT_OPTIONS, SocketOptions
 from ..wire import REPLY, REQUEST, DecodeError, Limits, Message, decode, encode, error_message
+from ..wire.batch import BATCH, DEFAULT_BATCH_LIMITS, BatchLimits, batch_id, decode_batch, encode_batch
 from ..wire.codec import DEFAULT_LIMITS
+from .coalesce import Coalescer
 from .counters import Counters, frames_nbytes
 from .dedup import DONE, IN_FLIGHT, Dedup
 from .roles import authorize, client_ops
@@ -66,6 +75,7 @@ class RpcServer:
         debug: bool = False,
         keys: Keys | None = None,
         metrics: TaskMetrics | None = None,
+        batch_limits: BatchLimits = DEFAULT_BATCH_LIMITS,
     ):
         if not max_deadline > 0 or max_in_flight < 1:
             raise ValueError(f"max_deadline must be > 0 and max_in_flight >= 1, got {max_deadline}, {max_in_flight}")
@@ -89,6 +99,11 @@ class RpcServer:
         self.endpoint = bind_endpoint
         # a retried or duplicated request (same peer, same id, same header) runs once
         self.dedup = Dedup()
+        self.batch_limits = batch_limits
+        self._coalescer = Coalescer()
+        self._batch_peers: set[bytes] = set()  # peers that sent an envelope, so they read them
+        self.batches_in = 0
+        self.batches_out = 0
 
     async def start(self) -> None:
         """Bind (AddressInUse when the address is taken, Unavailable when it cannot be bound)."""
@@ -112,20 +127,59 @@ class RpcServer:
         try:
             msg = decode(frames[1:], self.limits)
         except DecodeError as exc:
-            if exc.request_id is not None and exc.kind in (REQUEST, None):
-                self._reply_error(identity, exc.request_id, exc, None)
+            if exc.kind is None and len(frames) > 1 and batch_id(frames[1]) is not None:
+                self._on_batch(identity, frames[1:], user)
             else:
-                counters.dropped += 1
-                log.warning("%s dropped an unreadable message: %s", self.name, exc)
+                self._undecodable(identity, exc)
             return
+        self._serve(identity, msg, frames[1], user)
+
+    def _undecodable(self, identity: bytes, exc: DecodeError) -> None:
+        if exc.request_id is not None and exc.kind in (REQUEST, None, BATCH):
+            self._reply_error(identity, exc.request_id, exc, None)
+        else:
+            self.counters.dropped += 1
+            log.warning("%s dropped an unreadable message: %s", self.name, exc)
+
+    def _on_batch(self, identity: bytes, frames: list[Any], user: str | None) -> None:
+        """An envelope: refused whole when malformed, else each request served as if alone."""
+        try:
+            batch = decode_batch(frames, self.limits, self.batch_limits)
+        except DecodeError as exc:
+            self._undecodable(identity, exc)
+            return
+        self.batches_in += 1
+        peers = self._batch_peers
+        if identity not in peers:
+            if len(peers) >= 65536:  # bounded: a forgotten peer is learned again from its next envelope
+                peers.clear()
+            peers.add(identity)
+        coalescer = self._coalescer
+        opened = coalescer.hold(identity)  # the replies made now go back together
+        try:
+            for entry in batch.entries:
+                try:
+                    msg = decode(entry, self.limits)
+                except DecodeError as exc:
+                    self._undecodable(identity, exc)
+                    continue
+                self._serve(identity, msg, entry[0], user)
+        finally:
+            held = coalescer.end_tick(identity) if opened else coalescer.take(identity)
+            if held:
+                self._send_group(identity, held)
+
+    def _serve(self, identity: bytes, msg: Message, header: Any, user: str | None) -> None:
+        """One decoded message (alone or from an envelope): a request is run or refused, anything else dropped."""
         if msg.kind != REQUEST:
-            counters.dropped += 1
+            self.counters.dropped += 1
             return
+        metrics = self.metrics
         now = self._loop.time()
         dedup = self.dedup
         if dedup.sweep_due(now):
             dedup.sweep(now, self.reachable)
-        seen = dedup.begin(identity, msg.id, frames[1], now)
+        seen = dedup.begin(identity, msg.id, header, now)
         if seen is not None:
             self._replay(identity, msg, seen)
             return
@@ -238,6 +292,40 @@ class RpcServer:
         self._send(frames, msg.id, deadline, nbytes)
 
     def _send(self, frames: list[Any], rid: int, deadline: float | None, nbytes: int | None = None) -> None:
+        identity = frames[0]
+        if identity in self._batch_peers:
+            coalescer = self._coalescer
+            if nbytes is None:
+                nbytes = frames_nbytes(frames)
+            if coalescer.small(nbytes):
+                now, schedule = coalescer.add(identity, (frames, rid, deadline, nbytes), nbytes + 8 * len(frames))
+                if schedule:  # alone in its tick: out now, the tick ends on the next one
+                    self._loop.call_soon(self._end_tick, identity)
+                    self._send_now(frames, rid, deadline, nbytes)
+                elif now is not None:
+                    self._send_group(identity, now)
+                return
+            held = coalescer.take(identity)
+            if held:  # replies made before go first; a large one never waits for the tick
+                self._send_group(identity, held)
+        self._send_now(frames, rid, deadline, nbytes)
+
+    def _end_tick(self, identity: bytes) -> None:
+        held = self._coalescer.end_tick(identity)
+        if held:
+            self._send_group(identity, held)
+
+    def _send_group(self, identity: bytes, items: list[tuple[list[Any], int, float | None, int]]) -> None:
+        """Held replies for one peer: one goes alone, several in one envelope (id 0: no call has it)."""
+        if len(items) == 1:
+            self._send_now(*items[0])
+            return
+        frames = [identity, *encode_batch(0, [item[0][1:] for item in items])]
+        deadlines = [item[2] for item in items]
+        self.batches_out += 1
+        self._send_now(frames, 0, None if None in deadlines else max(deadlines))  # type: ignore[type-var]
+
+    def _send_now(self, frames: list[Any], rid: int, deadline: float | None, nbytes: int | None = None) -> None:
         listener = self._listener
         if listener is None or listener.closed:
             return
