@@ -130,18 +130,22 @@ class Channel:
             self._deliver(frames)
         self._schedule_check()
 
-    def _check(self) -> None:
-        """The one ``EVENTS`` look per loop pass: room to send, and input a send's edge may hide."""
-        self._check_pending = False
+    def _look(self) -> bool:
+        """Read ``EVENTS``: note room to send; True when input is waiting."""
         if self._closed:
-            return
+            return False
         try:
             events = self.sock.getsockopt(_EVENTS)
         except zmq.ZMQError:
-            return
+            return False
         if events & _POLLOUT:
             self._writable.set()
-        if events & _POLLIN:
+        return bool(events & _POLLIN)
+
+    def _check(self) -> None:
+        """The one ``EVENTS`` look per loop pass: room to send, and input a send's edge may hide."""
+        self._check_pending = False
+        if self._look():
             self._drain()
 
     def _drain(self) -> None:
@@ -185,15 +189,7 @@ class Channel:
                 return frames
 
     def _poll_events(self) -> None:
-        if self._closed:
-            return
-        try:
-            events = self.sock.getsockopt(_EVENTS)
-        except zmq.ZMQError:
-            return
-        if events & _POLLOUT:
-            self._writable.set()
-        if events & _POLLIN:
+        if self._look():
             self._schedule_drain()
 
     def try_send(self, frames: Sequence[Any]) -> bool:
