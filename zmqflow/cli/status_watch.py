@@ -123,13 +123,17 @@ async def watch(spec: ClusterSpec, tasks: Sequence[TaskId], timeout: float, inte
     tracker = RateTracker()
     live = Live(console=console, auto_refresh=False) if terminal else None
     loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    interrupts = _on_interrupt(loop, stop.set)
     n = 0
     try:
         if live is not None:
             live.start()
         while count is None or n < count:
             started = loop.time()
-            rows = await probe_rows(client, spec, tasks, timeout)
+            rows = await _until(stop, probe_rows(client, spec, tasks, timeout))
+            if rows is None:
+                break
             rates = _rates_of(tracker, rows)
             n += 1
             up = sum(r["reachable"] for r in rows)
@@ -144,9 +148,38 @@ async def watch(spec: ClusterSpec, tasks: Sequence[TaskId], timeout: float, inte
                 stream.flush()
             if count is not None and n >= count:
                 break
-            await asyncio.sleep(max(0.0, interval - (loop.time() - started)))
+            if await _until(stop, asyncio.sleep(max(0.0, interval - (loop.time() - started)), True)) is None:
+                break
     finally:
+        interrupts()
         if live is not None:
             live.stop()
         client.close()
     return n
+
+
+def _on_interrupt(loop: asyncio.AbstractEventLoop, stop: Any) -> Any:
+    """Ctrl-C (SIGINT) calls ``stop`` on the loop, in the main thread; returns the undo. A watch
+    ends on its own event rather than on the runner's cancellation of the main task, whose one
+    cancel a call finishing at that instant can absorb."""
+    import signal
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, stop)
+    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread, or no signals here
+        return lambda: None
+    return lambda: loop.remove_signal_handler(signal.SIGINT)
+
+
+async def _until(stop: asyncio.Event, coro: Any) -> Any:
+    """``coro``'s result, or None once ``stop`` is set first (``coro`` is then cancelled)."""
+    work = asyncio.ensure_future(coro)
+    halt = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({work, halt}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        halt.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    return None if stop.is_set() else work.result()
