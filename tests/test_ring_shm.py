@@ -144,7 +144,7 @@ RANK = textwrap.dedent(
     ch.attach(blobs)
     sys.stdin.readline()  # go
     src = np.full(1000, rank + 1, np.float32)
-    out = ch.allreduce(src, "sum", 0, ["allreduce", "sum", "float32", 1, src.size, 0, None], time.monotonic() + 20)
+    out = ch.collective(src, "sum", 0, ["allreduce", "sum", "float32", 1, src.size, 0, None], time.monotonic() + 20)
     print("DONE", float(out.min()), float(out.max()), flush=True)
     ch.close()
     """

@@ -259,9 +259,6 @@ class ShmChannel:
             with self.lock:
                 self.queued -= 1
 
-    def allreduce(self, src: np.ndarray, op: str, seq: int, meta: Any, deadline: float, seen: Any = None) -> np.ndarray:
-        return self.collective(src, op, seq, meta, deadline, seen)
-
     def collective(self, src: np.ndarray, op: str, seq: int, meta: Any, deadline: float, seen: Any = None,
                    root: int = 0) -> np.ndarray:
         if self.broken is not None:

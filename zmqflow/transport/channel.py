@@ -219,9 +219,8 @@ class Channel:
         # A send may swallow the FD's edge for input that arrived meanwhile: look at EVENTS once
         # before the loop sleeps again, not after every send (a pipelined burst sends hundreds).
         # A drain under way looks by itself: its next receive processes whatever the send hid.
-        if not self._check_pending and not self._draining:
-            self._check_pending = True
-            self._loop.call_soon(self._check)
+        if not self._draining:
+            self._schedule_check()
         return True
 
     async def send(self, frames: Sequence[Any], deadline: float) -> bool:
