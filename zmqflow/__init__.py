@@ -63,7 +63,7 @@ def __getattr__(name: str) -> Any:
     entry = _LAZY.get(name)
     if entry is None:
         # a subpackage or module, as ``zf.cluster.resolve()`` (eager imports used to bind them all)
-        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        if name.isidentifier() and not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
             module = importlib.import_module(f".{name}", __name__)
             globals()[name] = module
             return module
