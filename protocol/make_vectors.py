@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from zmqflow.wire.batch import decode_batch, encode_batch  # noqa: E402
-from zmqflow.wire.codec import ERROR, REPLY, REQUEST, Message, decode, encode, error_message  # noqa: E402
+from zmqflow.wire import ERROR, REPLY, REQUEST, Message, decode, encode, error_message  # noqa: E402
 from zmqflow.errors import InvalidArgument  # noqa: E402
 from zmqflow.wire.dtypes import WIRE_DTYPES, dtype_name  # noqa: E402
 from zmqflow.wire.requests import ps as ps_requests  # noqa: E402

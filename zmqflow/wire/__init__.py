@@ -10,9 +10,8 @@ from .codec import (
     Message,
     decode,
     encode,
-    error_message,
-    raise_error,
 )
+from .error_data import error_message, raise_error
 
 __all__ = [
     "ERROR",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import struct
-import traceback as _tb
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,8 +21,8 @@ import msgpack
 import msgspec
 import numpy as np
 
-from ..errors import InvalidArgument, ProtocolError, ResourceExhausted, VersionMismatch, ZmqflowError, error_class
-from .dtypes import AS_IS, dtype_from_name, dtype_name
+from ..errors import InvalidArgument, ProtocolError, ResourceExhausted, VersionMismatch
+from .dtypes import AS_IS, WIRE_DTYPES as _WIRE_DTYPES, dtype_from_name, dtype_name
 from .peek import container_marks, read_start, too_deep
 
 __all__ = [
@@ -36,8 +36,6 @@ __all__ = [
     "LimitExceeded",
     "encode",
     "decode",
-    "error_message",
-    "raise_error",
 ]
 
 VERSION = 1
@@ -48,6 +46,8 @@ _MAX_ID = (1 << 64) - 1
 _MAX_NAME = 128
 _MAX_NDIM = 32
 _U32 = struct.Struct(">I")
+_from_bytes = int.from_bytes
+_INF = math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,25 +138,56 @@ def encode(msg: Message) -> list[Any]:
         frames.append(buf)
     head["t"] = table
     try:
-        frames[0] = msgpack.packb(head, use_bin_type=True)
+        frames[0] = _packer().pack(head)
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidArgument(f"cannot send the body of {msg.service}.{msg.op or msg.kind}: {exc}") from None
     return frames
 
 
+_local = threading.local()
+
+
+def _packer() -> msgpack.Packer:
+    """This thread's packer: building one per message costs more than packing a small header.
+    Per thread, since encoders run on several (loops, the shared-memory ring's worker)."""
+    try:
+        return _local.packer
+    except AttributeError:
+        _local.packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+        return _local.packer
+
+
 _ndarray, _generic = np.ndarray, np.generic
+
+
+_REFS = [msgpack.ExtType(_EXT_TENSOR, _U32.pack(i)) for i in range(64)]
+_PLAIN = frozenset((int, float, str, bool, bytes, type(None)))  # leaves that pass through unchanged
+
+
+def _ref(index: int) -> msgpack.ExtType:
+    return _REFS[index] if index < 64 else msgpack.ExtType(_EXT_TENSOR, _U32.pack(index))
 
 
 def _extract(obj: Any, arrays: list[np.ndarray]) -> Any:
     """``obj`` with each array replaced by a tensor reference (appended to ``arrays``)."""
     t = type(obj)
-    if t is dict:
-        return {k: _extract(v, arrays) for k, v in obj.items()}
+    if t is dict:  # the usual body: a map of plain values and arrays, handled without a call per value
+        out = {}
+        for k, v in obj.items():
+            c = v.__class__
+            if c in _PLAIN:
+                out[k] = v
+            elif c is _ndarray:
+                arrays.append(v)
+                out[k] = _ref(len(arrays) - 1)
+            else:
+                out[k] = _extract(v, arrays)
+        return out
     if t is list or t is tuple:
         return [_extract(v, arrays) for v in obj]
     if isinstance(obj, _ndarray):
         arrays.append(obj)
-        return msgpack.ExtType(_EXT_TENSOR, _U32.pack(len(arrays) - 1))
+        return _ref(len(arrays) - 1)
     if isinstance(obj, _generic):
         return obj.item()
     if isinstance(obj, _Struct):  # a declared request as the map of its fields, an item as its list
@@ -258,7 +289,7 @@ def _unpack(frames: Sequence[Any], header_view: memoryview, limits: Limits) -> t
 
     def ext_hook(code: int, data: bytes) -> object:
         if code == _EXT_TENSOR and len(data) == 4:
-            ref = _TensorRef(_U32.unpack(data)[0])
+            ref = _TensorRef(_from_bytes(data, "big"))
             exts.append(ref)
             return ref
         bad = _BadExt(code, len(data))
@@ -315,31 +346,48 @@ def _from_header(head: dict, frames: Sequence[Any], limits: Limits, exts: list[o
     if exts and exts[0].__class__ is _BadExt:
         bad = exts[0]
         raise DecodeError(f"unknown msgpack extension type {bad.code} (length {bad.size})", request_id=rid, kind=kind)
-    table = head.get("t", [])
-    arrays = _tensors(table, frames, limits, rid, kind) if table != [] or len(frames) > 1 else []
-    msg = Message(kind=kind, id=rid, source=_opt_str(head, "src", rid, kind) if "src" in head else "")
+    table = head.get("t", _NO_TABLE)
+    arrays = _tensors(table, frames, limits, rid, kind) if table != [] or len(frames) > 1 else _NO_TABLE
+    source = head.get("src", "")
+    if source.__class__ is not str or len(source) > _MAX_NAME:
+        _opt_str(head, "src", rid, kind)  # raises, naming the field
     if kind == REQUEST:
-        msg.service = _name(head, "svc", rid)
-        msg.op = _name(head, "op", rid)
+        service, op = head.get("svc"), head.get("op")
+        if service.__class__ is not str or not 0 < len(service) <= _MAX_NAME:
+            service = _name(head, "svc", rid)  # raises unless a str subclass that passes
+        if op.__class__ is not str or not 0 < len(op) <= _MAX_NAME:
+            op = _name(head, "op", rid)
         dl = head.get("dl")
-        if dl is not None and (not isinstance(dl, (int, float)) or isinstance(dl, bool) or not dl > 0 or math.isinf(dl)):
-            raise DecodeError(f"deadline must be a positive number of seconds, got {dl!r}", request_id=rid, kind=kind)
-        msg.deadline = None if dl is None else float(dl)
+        if dl is not None:
+            c = dl.__class__
+            if (c is not float and c is not int) or not 0 < dl < _INF:  # msgpack makes exact floats and ints
+                raise DecodeError(f"deadline must be a positive number of seconds, got {dl!r}", request_id=rid, kind=kind)
+            dl = float(dl)
+        msg = Message(kind, rid, service, op, None, dl, source)
+    else:
+        msg = Message(kind, rid, "", "", None, None, source)
     if kind == ERROR:
         msg.error = _error_fields(head.get("e"), rid, bool(exts))
         if arrays:
             raise DecodeError("an error message carries no tensors", request_id=rid, kind=kind)
-    else:
-        body = head.get("a")
-        used = [False] * len(arrays)
-        msg.body = _resolve(body, arrays, used, rid, kind) if exts else body
-        if not all(used):
+    elif exts:
+        used = bytearray(len(arrays))
+        msg.body = _resolve(head.get("a"), arrays, used, rid, kind)
+        if used.count(0):
             raise DecodeError(
                 f"tensor frames {[i + 1 for i, u in enumerate(used) if not u]} are not referenced by the body",
                 request_id=rid,
                 kind=kind,
             )
+    elif arrays:
+        raise DecodeError(f"tensor frames {list(range(1, len(arrays) + 1))} are not referenced by the body",
+                          request_id=rid, kind=kind)
+    else:
+        msg.body = head.get("a")
     return msg
+
+
+_NO_TABLE: list = []  # read only: "no tensors", without a new list per message
 
 
 def _tensors(table: object, frames: Sequence[Any], limits: Limits, rid: int, kind: str) -> list[np.ndarray]:
@@ -352,29 +400,28 @@ def _tensors(table: object, frames: Sequence[Any], limits: Limits, rid: int, kin
     arrays: list[np.ndarray] = []
     seen: set[int] = set()
     total = 0
+    nframes = len(frames)
     for i, entry in enumerate(table):
-        where = f"tensor {i}"
-        if not isinstance(entry, list) or len(entry) != 3:
-            raise DecodeError(f"{where}: entry must be [dtype, shape, frame]", request_id=rid, kind=kind)
+        if entry.__class__ is not list or len(entry) != 3:
+            raise DecodeError(f"tensor {i}: entry must be [dtype, shape, frame]", request_id=rid, kind=kind)
         name, shape, index = entry
-        try:
-            dtype = dtype_from_name(name)
-        except InvalidArgument as exc:
-            raise DecodeError(f"{where}: {exc}", request_id=rid, kind=kind) from None
-        if (
-            shape.__class__ is not list
-            or len(shape) > _MAX_NDIM
-            or not all(d.__class__ is int and d >= 0 for d in shape)  # msgpack's ints are exact ints
-        ):
-            raise DecodeError(f"{where}: shape must be a list of at most {_MAX_NDIM} non-negative ints, got {shape!r}", request_id=rid, kind=kind)
-        if index.__class__ is not int or not 1 <= index < len(frames) or index in seen:
-            raise DecodeError(f"{where}: frame index {index!r} is out of range or used twice", request_id=rid, kind=kind)
+        dtype = _WIRE_DTYPES.get(name) if name.__class__ is str else None
+        if dtype is None:
+            try:
+                dtype = dtype_from_name(name)
+            except InvalidArgument as exc:
+                raise DecodeError(f"tensor {i}: {exc}", request_id=rid, kind=kind) from None
+        if shape.__class__ is not list or len(shape) > _MAX_NDIM or not _dims_ok(shape):
+            raise DecodeError(f"tensor {i}: shape must be a list of at most {_MAX_NDIM} non-negative ints, got {shape!r}",
+                              request_id=rid, kind=kind)
+        if index.__class__ is not int or not 1 <= index < nframes or index in seen:
+            raise DecodeError(f"tensor {i}: frame index {index!r} is out of range or used twice", request_id=rid, kind=kind)
         seen.add(index)
         view = memoryview(frames[index])
         nbytes = view.nbytes  # a zmq Frame or bytes: one-dimensional bytes, so nbytes is its length
         if nbytes > limits.max_frame_bytes:
             raise LimitExceeded(
-                f"{where}: frame of {nbytes} bytes exceeds the limit of {limits.max_frame_bytes}", request_id=rid, kind=kind
+                f"tensor {i}: frame of {nbytes} bytes exceeds the limit of {limits.max_frame_bytes}", request_id=rid, kind=kind
             )
         total += nbytes
         if total > limits.max_message_bytes:
@@ -384,26 +431,35 @@ def _tensors(table: object, frames: Sequence[Any], limits: Limits, rid: int, kin
         expected = (shape[0] if len(shape) == 1 else math.prod(shape)) * dtype.itemsize
         if expected != nbytes:
             raise DecodeError(
-                f"{where}: {name}{tuple(shape)} needs {expected} bytes but its frame has {nbytes}", request_id=rid, kind=kind
+                f"tensor {i}: {name}{tuple(shape)} needs {expected} bytes but its frame has {nbytes}", request_id=rid, kind=kind
             )
         try:
             arr = np.frombuffer(view, dtype=dtype)
             arrays.append(arr if len(shape) == 1 else arr.reshape(shape))  # 1-d: frombuffer's shape already
         except ValueError:  # an empty shape whose other dimensions overflow numpy's index type
-            raise DecodeError(f"{where}: shape {shape!r} is too large", request_id=rid, kind=kind) from None
+            raise DecodeError(f"tensor {i}: shape {shape!r} is too large", request_id=rid, kind=kind) from None
     return arrays
 
 
-def _resolve(obj: object, arrays: list[np.ndarray], used: list[bool], rid: int, kind: str) -> object:
-    if isinstance(obj, _TensorRef):
-        if obj.index >= len(arrays):
-            raise DecodeError(f"reference to tensor {obj.index} but only {len(arrays)} were described", request_id=rid, kind=kind)
-        used[obj.index] = True
-        return arrays[obj.index]
-    if isinstance(obj, list):
-        return [_resolve(v, arrays, used, rid, kind) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _resolve(v, arrays, used, rid, kind) for k, v in obj.items()}
+def _dims_ok(shape: list) -> bool:
+    for d in shape:
+        if d.__class__ is not int or d < 0:  # msgpack's ints are exact ints
+            return False
+    return True
+
+
+def _resolve(obj: object, arrays: list[np.ndarray], used: bytearray, rid: int, kind: str) -> object:
+    c = obj.__class__
+    if c is _TensorRef:
+        index = obj.index  # type: ignore[attr-defined]
+        if index >= len(arrays):
+            raise DecodeError(f"reference to tensor {index} but only {len(arrays)} were described", request_id=rid, kind=kind)
+        used[index] = 1
+        return arrays[index]
+    if c is dict:  # msgpack builds exact dicts and lists
+        return {k: v if v.__class__ in _PLAIN else _resolve(v, arrays, used, rid, kind) for k, v in obj.items()}  # type: ignore[attr-defined]
+    if c is list:
+        return [v if v.__class__ in _PLAIN else _resolve(v, arrays, used, rid, kind) for v in obj]  # type: ignore[attr-defined]
     return obj
 
 
@@ -445,51 +501,3 @@ def _contains_ref(obj: object) -> bool:
     if isinstance(obj, dict):
         return any(_contains_ref(v) for v in obj.values())
     return False
-
-
-# errors as data ---------------------------------------------------------------------------
-
-
-def error_message(rid: int, exc: BaseException, *, source: str = "", with_traceback: bool = False) -> Message:
-    """An error reply carrying ``exc`` as data: code, type, message and, only when asked (a
-    server started with ``debug``), the traceback text: it tells a stranger the server's paths
-    and code."""
-    code = exc.code if isinstance(exc, ZmqflowError) else "INTERNAL"
-    text = exc.message if isinstance(exc, ZmqflowError) else str(exc)
-    tb = "".join(_tb.format_exception(exc)) if with_traceback else ""
-    error: dict[str, Any] = {"code": code, "type": type(exc).__name__, "message": text, "traceback": tb}
-    details = _plain_details(exc)
-    if details:
-        error["details"] = details
-    return Message(kind=ERROR, id=rid, source=source, error=error)
-
-
-def _plain_details(exc: BaseException) -> dict[str, Any]:
-    """The error's details that are plain msgpack values (strings, numbers, lists of them)."""
-    if not isinstance(exc, ZmqflowError):
-        return {}
-    plain = (str, int, float, bool, type(None))
-    out: dict[str, Any] = {}
-    for key, value in exc.details.items():
-        if isinstance(value, plain):
-            out[key] = value
-        elif isinstance(value, (list, tuple)) and all(isinstance(v, plain) for v in value):
-            out[key] = list(value)
-    return out
-
-
-_RESERVED_DETAILS = frozenset(("message", "remote_traceback"))  # named parameters of ZmqflowError
-
-
-def raise_error(msg: Message, *, context: str = "") -> None:
-    """Raise the local class for an error reply (``RemoteError`` for unknown codes)."""
-    err = msg.error or {}
-    cls = error_class(err.get("code", ""))
-    text = err.get("message", "")
-    if context:
-        text = f"{text} ({context})"
-    details = {k: v for k, v in (err.get("details") or {}).items() if k not in _RESERVED_DETAILS}
-    details["remote_type"] = err.get("type", "")
-    if cls.__name__ == "RemoteError":
-        text = f"{err.get('type', '?')}: {text}"
-    raise cls(text, remote_traceback=err.get("traceback"), **details)
