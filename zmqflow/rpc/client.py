@@ -32,22 +32,23 @@ import functools
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError, DeadlineExceeded, ProtocolError, Unauthenticated, Unavailable, VersionMismatch, ZmqflowError
+from ..errors import ConfigError, DeadlineExceeded, Unavailable, ZmqflowError
 from ..transport import registry
-from ..transport.base import AUTH_FAILED, CONNECTING, DOWN, UP, Connection, SendFailed, Transport
+from ..transport.base import AUTH_FAILED, CONNECTING, DOWN, UP, SendFailed, Transport
 from ..transport.curve import Keys
 from ..transport.faults import FaultInjector
 from ..transport.options import DEFAULT_OPTIONS, SocketOptions
 from ..wire import ERROR, REPLY, REQUEST, DecodeError, Limits, Message, decode, encode, raise_error
 from ..wire.batch import batch_id, decode_batch, encode_batch
 from ..wire.codec import DEFAULT_LIMITS
+from .calls import Peer, Pending, protocol_error, unauthenticated, unreachable
 from .coalesce import Coalescer
 from .counters import Counters, frames_nbytes
+from .deadlines import Deadlines
 
-__all__ = ["RpcClient", "Peer", "DEFAULT_TIMEOUT"]
+__all__ = ["RpcClient", "Peer", "DEFAULT_TIMEOUT"]  # Peer: re-exported from .calls
 
 log = logging.getLogger(__name__)
 
@@ -55,40 +56,6 @@ DEFAULT_TIMEOUT = 30.0
 # After a connection drops, calls wait this long for the reconnect before failing fast
 # (twice the longest reconnect interval, so one reconnect attempt always fits).
 RECONNECT_GRACE = 2.0  # a call to a peer down for less than this waits for it to come back (a quick restart)
-
-
-@dataclass(slots=True)
-class _Pending:
-    future: asyncio.Future
-    peer: "Peer"
-    service: str
-    op: str
-    timer: asyncio.TimerHandle | None = None
-    sent: bool = False
-    retry: asyncio.TimerHandle | None = None
-    timeout: float = 0.0
-    batch: int = 0  # the envelope it went out in, until the peer answers anything of it
-
-    @property
-    def what(self) -> str:
-        """``service.op on peer`` for messages: formatted only when one is written, not per call."""
-        return f"{self.service}.{self.op} on {self.peer.name}"
-
-
-@dataclass(eq=False)
-class Peer:
-    """The connection to one peer and what is in flight on it."""
-
-    endpoint: str
-    name: str
-    conn: Connection = field(init=False)
-    state: str = CONNECTING  # as last reported by the connection; only DOWN changes what a call does
-    down_since: float = 0.0
-    inflight: set[int] = field(default_factory=set)
-    # set while the connection is up; a call made while it is down waits for it before sending:
-    # a message written just after a drop can land in the dead pipe, unseen by either side
-    up: asyncio.Event = field(default_factory=asyncio.Event)
-    batching: bool = True  # small requests may share an envelope (off once the peer refused one)
 
 
 class RpcClient:
@@ -126,7 +93,11 @@ class RpcClient:
         # chosen now, so a client made inside ``registry.use`` keeps that transport for good
         self._transport = transport if transport is not None else registry.current_override()
         self._peers: dict[str, Peer] = {}
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, Pending] = {}
+        # one loop timer for every call's deadline, armed for the earliest (per-call timers cost more)
+        self._deadlines = Deadlines()
+        self._wake: asyncio.TimerHandle | None = None
+        self._wake_at = 0.0
         self._ids = itertools.count(1)
         self._closed = False
         self._senders: dict[int, asyncio.Task] = {}  # sends waiting for a connection, by request id
@@ -180,24 +151,13 @@ class RpcClient:
             for rid in list(peer.inflight):  # sent or not: none of them gets through
                 pending = self._pending.get(rid)
                 if pending is not None:
-                    self._finish(rid, exc=self._unauthenticated(pending))
+                    self._finish(rid, exc=unauthenticated(pending, self.keys))
 
-    def _unauthenticated(self, pending: _Pending) -> Unauthenticated:
-        peer = pending.peer
-        if self.keys is None:
-            why = (f"{peer.name} requires CurveZMQ keys and this process has none "
-                   "(pass keys=DIR or set ZMQFLOW_KEYS=DIR)")
-        else:
-            why = (f"{peer.name} refused this process's key ({self.keys.role} {self.keys.name!r} from "
-                   f"{self.keys.directory}): the key is not on its allow-list, its own key is not the one this "
-                   "directory lists for it, or it runs without keys")
-        return Unauthenticated(f"authentication failed: {why}; {pending.what} was not sent", task=peer.name)
-
-    def _refusal(self, pending: _Pending) -> ZmqflowError | None:
+    def _refusal(self, pending: Pending) -> ZmqflowError | None:
         """Why a call to a peer that is not up fails at once (None: it may wait for the peer)."""
         peer = pending.peer
         if peer.state is AUTH_FAILED:
-            return self._unauthenticated(pending)
+            return unauthenticated(pending, self.keys)
         if peer.state == DOWN and self._loop.time() - peer.down_since > RECONNECT_GRACE:
             return Unavailable(f"{peer.name} is down; {pending.what} not sent", task=peer.name)
         return None
@@ -240,11 +200,14 @@ class RpcClient:
         peer = self.peer(endpoint, name)
         rid = next(self._ids)
         fut = self._loop.create_future()
-        pending = _Pending(fut, peer, service, op, timeout=timeout)
-        frames = encode(Message(REQUEST, rid, service, op, body, deadline=timeout, source=self.source))
+        pending = Pending(fut, peer, service, op, False, None, timeout)
+        frames = encode(Message(REQUEST, rid, service, op, body, timeout, self.source))
         self._pending[rid] = pending
         peer.inflight.add(rid)
-        pending.timer = self._loop.call_later(timeout, self._expire, rid, timeout)
+        due = self._loop.time() + timeout
+        self._deadlines.add(due, rid, self._pending)
+        if self._wake is None or due < self._wake_at:
+            self._arm(due)
         if self.retry_interval is not None and self.retry_interval < timeout:
             pending.retry = self._loop.call_later(self.retry_interval, self._retry, rid, frames)
         state = peer.state
@@ -258,7 +221,7 @@ class RpcClient:
                 now, schedule = coalescer.add(peer, (rid, frames), nbytes + 8 * len(frames))
                 if schedule:  # alone in its tick: out now, the tick ends on the next one
                     self._loop.call_soon(self._end_tick, peer)
-                    self._send_one(peer, rid, frames)
+                    self._send_one(peer, rid, frames, nbytes)
                 elif now is not None:
                     self._send_group(peer, now)
                 return fut
@@ -268,14 +231,14 @@ class RpcClient:
         self._send_one(peer, rid, frames)
         return fut
 
-    def _send_one(self, peer: Peer, rid: int, frames: list[Any]) -> None:
+    def _send_one(self, peer: Peer, rid: int, frames: list[Any], nbytes: int | None = None) -> None:
         """Send one request now, or start waiting for room or for the connection."""
         pending = self._pending.get(rid)
         if pending is None or pending.sent:
             return
         if peer.state != DOWN and (peer.conn.try_send(frames) or (self._refresh(peer, rid) and peer.conn.try_send(frames))):
             pending.sent = True
-            self._count_out(frames)
+            self._count_out(frames, nbytes)
             return
         task = self._loop.create_task(self._send_later(rid, peer, frames, pending.timeout))
         self._senders[rid] = task
@@ -331,18 +294,7 @@ class RpcClient:
                 pending.sent = True
             return
         if pending is not None:
-            self._finish(rid, exc=self._unreachable(pending, limit))
-
-    @staticmethod
-    def _unreachable(pending: _Pending, waited: float) -> Unavailable:
-        peer = pending.peer
-        where = peer.name if peer.name == peer.endpoint else f"{peer.name} at {peer.endpoint}"
-        # a transport that resolves host names (ZeroMQ tcp) says when that is why the peer is not up
-        host = getattr(peer.conn, "unresolved", None)
-        if host:
-            return Unavailable(f"{where} could not be reached within {waited:g}s: host {host} does not resolve; "
-                               f"{pending.what} not sent", task=peer.name, host=host)
-        return Unavailable(f"{where} could not be reached within {waited:g}s; {pending.what} not sent", task=peer.name)
+            self._finish(rid, exc=unreachable(pending, limit))
 
     def _retry(self, rid: int, frames: list[Any]) -> None:
         """Send an unanswered call again, unchanged (the server answers a duplicate from its record)."""
@@ -356,16 +308,34 @@ class RpcClient:
         # not sent yet (its send waits for the connection) or no room now: try again later
         pending.retry = self._loop.call_later(self.retry_interval, self._retry, rid, frames)  # type: ignore[arg-type]
 
-    def _count_out(self, frames: Sequence[Any]) -> None:
-        self.counters.msgs_out += 1
-        self.counters.bytes_out += frames_nbytes(frames)
+    def _count_out(self, frames: Sequence[Any], nbytes: int | None = None) -> None:
+        counters = self.counters
+        counters.msgs_out += 1
+        counters.bytes_out += frames_nbytes(frames) if nbytes is None else nbytes
 
-    def _expire(self, rid: int, timeout: float) -> None:
-        pending = self._pending.get(rid)
-        if pending is None:
-            return
+    def _arm(self, due: float) -> None:
+        if self._wake is not None:
+            self._wake.cancel()
+        self._wake_at = due
+        self._wake = self._loop.call_at(due, self._on_wake)
+
+    def _on_wake(self) -> None:
+        """The earliest deadline came: end every call due by the time the timer was armed for (a
+        loop may fire it a hair early), then arm it for the next."""
+        self._wake = None
+        live = self._pending
+        for rid in self._deadlines.pop_due(max(self._loop.time(), self._wake_at), live):
+            pending = live.get(rid)
+            if pending is not None:
+                self._expire(rid, pending)
+        due = self._deadlines.next_due(live)
+        if due is not None and not self._closed:
+            self._arm(due)
+
+    def _expire(self, rid: int, pending: Pending) -> None:
+        timeout = pending.timeout
         if not pending.sent:  # never left this process: the peer is unreachable, not slow
-            self._finish(rid, exc=self._unreachable(pending, timeout))
+            self._finish(rid, exc=unreachable(pending, timeout))
         else:
             self._finish(rid, exc=DeadlineExceeded(f"{pending.what} did not answer within {timeout:g}s", task=pending.peer.name))
 
@@ -378,8 +348,6 @@ class RpcClient:
             sender = self._senders.pop(rid, None)
             if sender is not None and sender is not asyncio.current_task():
                 sender.cancel()
-        if pending.timer is not None:
-            pending.timer.cancel()
         if pending.retry is not None:
             pending.retry.cancel()
         if pending.future.done():  # the caller cancelled
@@ -390,8 +358,9 @@ class RpcClient:
             pending.future.set_result(result)
 
     def _on_reply(self, peer: Peer, frames: list[Any]) -> None:
-        self.counters.msgs_in += 1
-        self.counters.bytes_in += sum(map(len, frames))
+        counters = self.counters
+        counters.msgs_in += 1
+        counters.bytes_in += sum(map(len, frames))
         try:
             msg = decode(frames, self.limits)
         except DecodeError as exc:
@@ -420,7 +389,7 @@ class RpcClient:
 
     def _undecodable(self, peer: Peer, exc: DecodeError) -> None:
         if exc.request_id is not None and exc.request_id in self._pending:
-            self._finish(exc.request_id, exc=_protocol_error(exc, self._pending[exc.request_id]))
+            self._finish(exc.request_id, exc=protocol_error(exc, self._pending[exc.request_id]))
         else:
             self.counters.dropped += 1
             log.warning("dropped an unreadable reply from %s: %s", peer.name, exc)
@@ -478,6 +447,9 @@ class RpcClient:
         if self._closed:
             return
         self._closed = True
+        if self._wake is not None:
+            self._wake.cancel()
+            self._wake = None
         for task in list(self._senders.values()):
             task.cancel()
         for rid, pending in list(self._pending.items()):
@@ -486,7 +458,3 @@ class RpcClient:
             peer.conn.close()
         self._peers.clear()
 
-
-def _protocol_error(exc: DecodeError, pending: _Pending) -> ProtocolError:
-    cls = VersionMismatch if isinstance(exc, VersionMismatch) else ProtocolError
-    return cls(f"bad reply to {pending.what}: {exc}", task=pending.peer.name)

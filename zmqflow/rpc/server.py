@@ -54,6 +54,8 @@ REPLY_GRACE = 5.0
 MAX_DEADLINE = 3600.0
 # Handlers one peer may have running at once (a multi-GiB push in 4 MiB slices stays well below).
 MAX_IN_FLIGHT = 4096
+# what most handlers return: known not to be coroutines without asking asyncio (an ABC check)
+_PLAIN_RESULTS = frozenset((dict, list, tuple, int, float, str, bytes, bool, type(None)))
 
 
 class RpcServer:
@@ -208,13 +210,13 @@ class RpcServer:
             if bound and metrics is not None:
                 metrics.request(msg.service, msg.op, self._loop.time() - now)
             return
-        if asyncio.iscoroutine(result):
+        if result.__class__ not in _PLAIN_RESULTS and asyncio.iscoroutine(result):
             task = self._loop.create_task(self._run_async(identity, msg.id, result, ctx, capped, reply_by, now))
             self._tasks.add(task)
             self._in_flight[identity] = in_flight + 1
             task.add_done_callback(lambda t: self._done(t, identity))
         else:
-            self._reply(identity, Message(REPLY, msg.id, body=result), reply_by)
+            self._reply(identity, Message(REPLY, msg.id, "", "", result), reply_by)
             if metrics is not None:
                 metrics.request(msg.service, msg.op, self._loop.time() - now)
 

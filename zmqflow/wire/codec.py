@@ -14,14 +14,15 @@ import math
 import struct
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import msgspec
 import numpy as np
 
-from ..errors import InvalidArgument, ProtocolError, ResourceExhausted, VersionMismatch
+from ..errors import InvalidArgument
+from .message import (DEFAULT_LIMITS, ERROR, KINDS, REPLY, REQUEST, VERSION, DecodeError, LimitExceeded, Limits,
+                      Message, VersionError)
 from .dtypes import AS_IS, WIRE_DTYPES as _WIRE_DTYPES, dtype_from_name, dtype_name
 from .peek import container_marks, read_start, too_deep
 
@@ -38,9 +39,6 @@ __all__ = [
     "decode",
 ]
 
-VERSION = 1
-REQUEST, REPLY, ERROR = "req", "rep", "err"
-_KINDS = (REQUEST, REPLY, ERROR)
 _EXT_TENSOR = 1
 _MAX_ID = (1 << 64) - 1
 _MAX_NAME = 128
@@ -48,56 +46,6 @@ _MAX_NDIM = 32
 _U32 = struct.Struct(">I")
 _from_bytes = int.from_bytes
 _INF = math.inf
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """Bounds a decoder enforces before trusting anything a peer sent. A message past one is
-    refused with :class:`LimitExceeded` (``RESOURCE_EXHAUSTED``), answered when its id is readable."""
-
-    max_header_bytes: int = 4 << 20
-    max_frame_bytes: int = 2 << 30  # one tensor frame: whole parts travel in one (create, restore)
-    max_frames: int = 4096
-    max_container_len: int = 1 << 20
-    max_depth: int = 256  # nesting of arrays and maps in the header, the header map itself counted
-    max_message_bytes: int = 8 << 30  # every frame of one message together
-
-
-DEFAULT_LIMITS = Limits()
-
-
-@dataclass(slots=True)
-class Message:
-    """One request, reply or error. ``body`` holds arguments (a map, or a declared request of
-    :mod:`.requests`, sent as the map of its fields) or results; arrays may sit anywhere in it."""
-
-    kind: str
-    id: int
-    service: str = ""
-    op: str = ""
-    body: Any = None
-    deadline: float | None = None  # seconds left when sent; relative, so clocks need not agree
-    source: str = ""
-    error: dict[str, str] | None = field(default=None)
-
-
-class DecodeError(ProtocolError):
-    """A message broke the format. ``request_id`` is set when the id was readable, so a reply is possible."""
-
-    def __init__(self, message: str, *, request_id: int | None = None, kind: str | None = None):
-        super().__init__(message)
-        self.request_id = request_id
-        self.kind = kind
-
-
-class _VersionError(DecodeError, VersionMismatch):
-    pass
-
-
-class LimitExceeded(DecodeError, ResourceExhausted):
-    """A message passed one of the decoder's :class:`Limits` (sizes, counts, nesting)."""
-
-    code = ResourceExhausted.code
 
 
 class _TensorRef:
@@ -112,8 +60,8 @@ class _TensorRef:
 
 def encode(msg: Message) -> list[Any]:
     """Frames for ``msg``: the header bytes, then one buffer per array (zero-copy views)."""
-    if msg.kind not in _KINDS:
-        raise InvalidArgument(f"message kind must be one of {', '.join(_KINDS)}, got {msg.kind!r}")
+    if msg.kind not in KINDS:
+        raise InvalidArgument(f"message kind must be one of {', '.join(KINDS)}, got {msg.kind!r}")
     arrays: list[np.ndarray] = []
     head: dict[str, Any] = {"v": VERSION, "k": msg.kind, "id": msg.id}  # insertion order is wire order
     if msg.kind == REQUEST:
@@ -322,7 +270,7 @@ def _peek_id(header_view: memoryview, limits: Limits) -> tuple[int | None, str |
     big, too deep or too long is answered rather than dropped."""
     found = read_start(header_view, limits.max_container_len)
     rid, kind = found.get("id"), found.get("k")
-    if found.get("v") == VERSION and found["v"].__class__ is int and rid.__class__ is int and 0 <= rid <= _MAX_ID and kind in _KINDS:
+    if found.get("v") == VERSION and found["v"].__class__ is int and rid.__class__ is int and 0 <= rid <= _MAX_ID and kind in KINDS:
         return rid, kind
     return None, None
 
@@ -331,10 +279,10 @@ def _from_header(head: dict, frames: Sequence[Any], limits: Limits, exts: list[o
     rid = head.get("id")
     rid = rid if rid.__class__ is int and 0 <= rid <= _MAX_ID else None  # msgpack makes exact ints (never bools)
     kind = head.get("k")
-    kind = kind if kind in _KINDS else None
+    kind = kind if kind in KINDS else None
     version = head.get("v")
     if version.__class__ is not int or version != VERSION:
-        raise _VersionError(
+        raise VersionError(
             f"protocol version {version!r} is not supported (this side speaks {VERSION})", request_id=rid, kind=kind
         )
     if kind is None:

@@ -11,7 +11,7 @@ import traceback as _tb
 from typing import Any
 
 from ..errors import ZmqflowError, error_class
-from .codec import ERROR, Message
+from .message import ERROR, Message
 
 __all__ = ["error_message", "raise_error"]
 
