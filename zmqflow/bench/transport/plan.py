@@ -13,6 +13,8 @@ __all__ = [
     "DEFAULT_SIZES",
     "FULL",
     "LAT_TARGET",
+    "SMALL_TPUT_TARGET",
+    "TPUT_TARGET_INPROC",
     "LAT_TARGET_MAX_BYTES",
     "QUICK",
     "QUICK_SIZES",
@@ -28,9 +30,11 @@ DEFAULT_SIZES: tuple[int, ...] = (64, 4 * KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB
 QUICK_SIZES: tuple[int, ...] = DEFAULT_SIZES[:-1]
 TRANSPORTS: tuple[str, ...] = ("inproc", "ipc", "tcp")
 
-TPUT_TARGET = 0.9  # zmqflow / raw throughput, for messages >= TPUT_TARGET_MIN_BYTES
+TPUT_TARGET = 0.9  # zmqflow / raw throughput, for messages >= TPUT_TARGET_MIN_BYTES (ipc, tcp)
+TPUT_TARGET_INPROC = 0.8  # the same, inproc: client and server share one process and one GIL
 TPUT_TARGET_MIN_BYTES = MiB
-LAT_TARGET = 1.5  # zmqflow / raw p50 latency, for messages <= LAT_TARGET_MAX_BYTES
+SMALL_TPUT_TARGET = 0.5  # zmqflow / raw throughput, for messages <= LAT_TARGET_MAX_BYTES
+LAT_TARGET = 1.3  # zmqflow / raw p50 latency, for messages <= LAT_TARGET_MAX_BYTES
 LAT_TARGET_MAX_BYTES = 64
 
 

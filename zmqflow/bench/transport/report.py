@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..report import cell, size_label
-from .plan import LAT_TARGET, LAT_TARGET_MAX_BYTES, TPUT_TARGET, TPUT_TARGET_MIN_BYTES
+from .plan import LAT_TARGET, LAT_TARGET_MAX_BYTES, SMALL_TPUT_TARGET, TPUT_TARGET, TPUT_TARGET_INPROC, TPUT_TARGET_MIN_BYTES
 
 __all__ = ["DISTURBED_CPUS", "format_curve_table", "format_table"]
 
@@ -72,7 +72,11 @@ def _target_line(rows: Sequence[dict[str, Any]], met: str, ratio: str, what: str
 def _target_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     return _target_line(
         rows, "target_tput_met", "tput_ratio",
-        f"throughput target (zmqflow >= {TPUT_TARGET}x raw at >= {size_label(TPUT_TARGET_MIN_BYTES)})",
+        f"throughput target (zmqflow >= {TPUT_TARGET}x raw at >= {size_label(TPUT_TARGET_MIN_BYTES)}; "
+        f"inproc >= {TPUT_TARGET_INPROC}x)",
+    ) + _target_line(
+        rows, "target_small_tput_met", "tput_ratio",
+        f"small-message target (zmqflow >= {SMALL_TPUT_TARGET}x raw throughput at {size_label(LAT_TARGET_MAX_BYTES)})",
     ) + _target_line(
         rows, "target_lat_met", "lat_ratio",
         f"latency target (zmqflow p50 <= {LAT_TARGET}x raw at {size_label(LAT_TARGET_MAX_BYTES)})",

@@ -36,6 +36,8 @@ from .plan import (
     FULL,
     LAT_TARGET,
     LAT_TARGET_MAX_BYTES,
+    SMALL_TPUT_TARGET,
+    TPUT_TARGET_INPROC,
     QUICK,
     QUICK_SIZES,
     TPUT_TARGET,
@@ -183,7 +185,9 @@ def _row(
     }
     row["lat_ratio"] = row["zf_p50_us"] / row["raw_p50_us"]
     row["lat_ratio_p99"] = row["zf_p99_us"] / row["raw_p99_us"]
-    row["target_tput_met"] = row["tput_ratio"] >= TPUT_TARGET if size >= TPUT_TARGET_MIN_BYTES else None
+    tput_target = TPUT_TARGET_INPROC if transport == "inproc" else TPUT_TARGET
+    row["target_tput_met"] = row["tput_ratio"] >= tput_target if size >= TPUT_TARGET_MIN_BYTES else None
+    row["target_small_tput_met"] = row["tput_ratio"] >= SMALL_TPUT_TARGET if size <= LAT_TARGET_MAX_BYTES else None
     row["target_lat_met"] = row["lat_ratio"] <= LAT_TARGET if size <= LAT_TARGET_MAX_BYTES else None
     return row
 
