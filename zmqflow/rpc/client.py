@@ -454,6 +454,7 @@ class RpcClient:
             task.cancel()
         for rid, pending in list(self._pending.items()):
             self._finish(rid, exc=Unavailable(f"client closed during {pending.what}", task=pending.peer.name))
+        self._deadlines.clear()  # after the calls above ended: nothing is live to wake for
         for peer in self._peers.values():
             peer.conn.close()
         self._peers.clear()

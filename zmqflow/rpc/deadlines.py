@@ -28,12 +28,12 @@ class Deadlines:
     def __len__(self) -> int:
         return len(self._heap)
 
-    def add(self, due: float, rid: int, live: Collection[int] | None = None) -> None:
-        """Note that call ``rid`` is due at ``due``; with ``live`` (the calls still in flight), drop
-        the stale entries once they outnumber the live ones."""
+    def add(self, due: float, rid: int, live: Collection[int]) -> None:
+        """Note that call ``rid`` is due at ``due``; drop the stale entries once they outnumber the
+        ``live`` ones (the calls still in flight)."""
         heap = self._heap
         heapq.heappush(heap, (due, rid))
-        if live is not None and len(heap) > 2 * len(live) + _SLACK:
+        if len(heap) > 2 * len(live) + _SLACK:
             self._heap = [entry for entry in heap if entry[1] in live]
             heapq.heapify(self._heap)
 
@@ -55,5 +55,6 @@ class Deadlines:
         return heap[0][0] if heap else None
 
     def clear(self) -> None:
+        """Forget every entry (the client closed: no call is live)."""
         self._heap.clear()
 

@@ -318,18 +318,15 @@ def _from_header(head: dict, frames: Sequence[Any], limits: Limits, exts: list[o
         msg.error = _error_fields(head.get("e"), rid, bool(exts))
         if arrays:
             raise DecodeError("an error message carries no tensors", request_id=rid, kind=kind)
-    elif exts:
+    elif exts or arrays:
         used = bytearray(len(arrays))
-        msg.body = _resolve(head.get("a"), arrays, used, rid, kind)
+        msg.body = _resolve(head.get("a"), arrays, used, rid, kind) if exts else head.get("a")
         if used.count(0):
             raise DecodeError(
                 f"tensor frames {[i + 1 for i, u in enumerate(used) if not u]} are not referenced by the body",
                 request_id=rid,
                 kind=kind,
             )
-    elif arrays:
-        raise DecodeError(f"tensor frames {list(range(1, len(arrays) + 1))} are not referenced by the body",
-                          request_id=rid, kind=kind)
     else:
         msg.body = head.get("a")
     return msg

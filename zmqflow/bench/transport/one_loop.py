@@ -63,8 +63,8 @@ async def channel_round_trip(calls: int, size: int = 64) -> float:
         t0 = time.perf_counter()
         for _ in range(calls):
             box[0] = loop.create_future()
-            while not conn.try_send([header, arr]):
-                await asyncio.sleep(0.001)  # the connection is not up yet
+            if not await conn.send([header, arr], loop.time() + 10):  # waits for the connection, within 10 s
+                raise RuntimeError(f"the channel to {ep} took no message within 10 s")
             await asyncio.wait_for(box[0], 10)
         return (time.perf_counter() - t0) / calls * 1e6
     finally:
