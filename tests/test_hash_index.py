@@ -300,6 +300,23 @@ def test_repeats_in_one_lookup_are_one_sighting_and_get_their_rows() -> None:
         table.push(np.array([7], np.int64), np.ones((2, 2), np.float32))
 
 
+def test_new_rows_get_the_values_of_the_tables_seeded_draws() -> None:
+    """New rows in fresh slots are initialized where they lie, rows in reused slots through a
+    temporary: both get the values of one draw per batch from the table's seeded generator."""
+    spec = init.normal(0.5, seed=3)
+    table = HashTable(8, np.dtype("float32"), initializer=spec, capacity=20_000)
+    seeds = np.random.default_rng([spec.seed, 0x5EED, 0])
+
+    def draw(n: int) -> np.ndarray:
+        rng = np.random.default_rng([int(seeds.integers(0, 2**62)), 0])
+        return rng.normal(0.0, 0.5, n * 8).astype(np.float32).reshape(n, 8)
+
+    first, second = np.arange(20_000, dtype=np.int64) * 7919, np.arange(-5000, 0, dtype=np.int64)
+    assert np.array_equal(table.lookup(first), draw(20_000))
+    assert np.array_equal(table.lookup(second), draw(5000))  # evicts 5000 rows, reuses their slots
+    assert table.fresh == 20_000 and np.array_equal(table.lookup(first[5000:], create=False), table.values[5000:20_000])
+
+
 def test_big_arrays_are_zeroed_mappings_of_their_own() -> None:
     small, big = pages.zeros(10, np.int64), pages.zeros((1 << 16, 64), np.float32)
     assert small.shape == (10,) and not small.any()

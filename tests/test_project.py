@@ -59,7 +59,8 @@ def test_free_ports_are_never_handed_out_twice():
 def test_a_task_server_loads_only_what_it_serves():
     """``zmqflow serve`` is the process of every task: it must not carry the client, the training
     loops, the benchmarks or prometheus-client (until metrics are asked for), which cost each task
-    start-up time and several MB of resident memory. Public names still resolve on first use."""
+    start-up time and several MB of resident memory, nor modules only a rare path needs (zipfile for
+    old checkpoints). Public names still resolve on first use."""
     script = (
         "import sys\n"
         "from zmqflow.cli.main import main\n"
@@ -67,6 +68,9 @@ def test_a_task_server_loads_only_what_it_serves():
         "heavy = [m for m in sys.modules if m.startswith(('zmqflow.client', 'zmqflow.training', 'zmqflow.bench',"
         " 'zmqflow.cli.launch', 'prometheus_client', 'rich', 'safetensors'))]\n"
         "assert cmd.name == 'serve' and not heavy, heavy\n"
+        "assert 'zmqflow.state.snapshot' in sys.modules and 'zmqflow.transport.memory' in sys.modules\n"
+        "late = [m for m in ('zipfile', 'ctypes.util') if m in sys.modules]  # old checkpoints, finding libc\n"
+        "assert not late, late\n"
         "import zmqflow as zf\n"
         "assert zf.Session.__module__ == 'zmqflow.client.blocking'\n"
         "assert callable(zf.checkpoint.checkpoints_iterator) and 'Session' in dir(zf)\n"

@@ -425,6 +425,27 @@ def test_initializers_are_seeded_by_seed_and_first_row():
     assert not np.array_equal(u, init.build(init.uniform(seed=4), (100, 8), (0, 100), F32))
 
 
+@pytest.mark.parametrize("name", sorted(ALL_INITS))
+def test_initializers_fill_a_given_array_with_the_same_values(name):
+    spec = ALL_INITS[name]
+    want = init.build(spec, (3000, 40), (5, 2505), F32)
+    out = np.full((2500, 40), np.nan, F32)
+    assert init.build(spec, (3000, 40), (5, 2505), F32, out=out) is out
+    assert np.array_equal(out, want)
+    with pytest.raises(ValueError):
+        init.build(spec, (3000, 40), (5, 2505), F32, out=np.empty((2500, 40), F64))
+
+
+def test_normal_and_uniform_values_do_not_depend_on_how_they_are_drawn():
+    """They are drawn in small chunks (little scratch memory) but equal one draw of them all:
+    tables initialized before keep their values."""
+    n = 3 * init._DRAW + 5
+    x = init.build(init.normal(stddev=2.0, mean=3.0, seed=7), (n,), (0, n), F32)
+    assert np.array_equal(x, np.random.default_rng([7, 0]).normal(3.0, 2.0, n).astype(F32))
+    u = init.build(init.uniform(-1.0, 3.0, seed=7), (n, 1), (4, n), F64)
+    assert np.array_equal(u.ravel(), np.random.default_rng([7, 4]).uniform(-1.0, 3.0, n - 4))
+
+
 @pytest.mark.parametrize("spec", ["normal", {"kind": "he"}, {}, None, 3])
 def test_unknown_initializer_spec(spec):
     with pytest.raises(InvalidArgument):

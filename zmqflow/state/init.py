@@ -94,26 +94,36 @@ def _fans(shape: tuple[int, ...]) -> tuple[int, int]:
     return shape[-2] * receptive, shape[-1] * receptive
 
 
-_CHUNK = 1 << 20  # values drawn per step: bounds the float64 scratch memory of big tables
+_CHUNK = 1 << 20  # truncated normal values drawn per step (its redraws depend on the chunk: kept for its values)
+_DRAW = 1 << 16  # other random values drawn per step: 512 KB of float64 scratch, reused from the heap
 
 
-def build(init: Initializer, full_shape: tuple[int, ...], rows: tuple[int, int], dtype: np.dtype, salt: int = 0) -> np.ndarray:
-    """The values of rows ``[rows[0], rows[1])`` of a variable of ``full_shape``.
+def build(init: Initializer, full_shape: tuple[int, ...], rows: tuple[int, int], dtype: np.dtype, salt: int = 0,
+          out: np.ndarray | None = None) -> np.ndarray:
+    """The values of rows ``[rows[0], rows[1])`` of a variable of ``full_shape``, written into
+    ``out`` when given (C-contiguous, that shape and ``dtype``: a table's own rows, no copy).
 
     Random values are drawn in chunks straight into an array of ``dtype`` (a 2.5 GB float32 table
     never needs a 5 GB float64 temporary), from a generator seeded by ``(seed, rows[0], salt)``.
+    The chunks are small: the heap keeps its high-water mark resident, and normal and uniform
+    draws are the same values however they are chunked.
     """
     part_shape = (rows[1] - rows[0], *full_shape[1:]) if full_shape else ()
+    if out is None:
+        out = np.empty(part_shape, dtype=dtype)
+    elif out.shape != part_shape or out.dtype != np.dtype(dtype) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous {np.dtype(dtype)} array of shape {part_shape}")
     if init.kind == "constant":
-        return np.full(part_shape, init.value, dtype=dtype)
+        out[...] = init.value
+        return out
     rng = np.random.default_rng([init.seed, rows[0]] + ([salt] if salt else []))
-    out = np.empty(part_shape, dtype=dtype)
     flat = out.reshape(-1)
     if init.kind == "glorot_uniform":
         fan_in, fan_out = _fans(full_shape)
         limit = math.sqrt(6.0 / (fan_in + fan_out))
-    for start in range(0, flat.size, _CHUNK):
-        n = min(_CHUNK, flat.size - start)
+    step = _CHUNK if init.kind == "truncated_normal" else _DRAW
+    for start in range(0, flat.size, step):
+        n = min(step, flat.size - start)
         if init.kind == "normal":
             chunk = rng.normal(init.mean, init.stddev, n)
         elif init.kind == "truncated_normal":

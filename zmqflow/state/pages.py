@@ -12,7 +12,6 @@ do come from the heap; ``trim`` hands their pages back once it is done.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import math
 import mmap
 import sys
@@ -61,7 +60,9 @@ def trim() -> bool:
         _libc = False
         if sys.platform.startswith("linux"):
             try:
-                lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+                # the process's own symbols, libc's among them: no ctypes.util (and the shutil and
+                # tempfile it imports) in every task server
+                lib = ctypes.CDLL(None)
                 lib.malloc_trim  # glibc only (musl has none)
                 _libc = lib
             except (OSError, AttributeError):

@@ -23,7 +23,6 @@ import re
 import socket
 import threading
 import time
-import zipfile
 
 import numpy as np
 
@@ -138,6 +137,8 @@ def write_atomic(path: str, arrays: dict[str, np.ndarray] | None = None, text: s
 
 def read_arrays(path: str) -> dict[str, np.ndarray]:
     """Every array of a format-1 ``.npz`` file."""
+    import zipfile  # here, not at the top: only old checkpoints need it, and it brings bz2, lzma and shutil
+
     try:
         with np.load(path, allow_pickle=False) as data:
             return {k: data[k] for k in data.files}

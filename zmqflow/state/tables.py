@@ -216,12 +216,16 @@ class HashTable:
         if excess > 0:
             self._evict_lru(excess)
         new_ids = new_ids[: self.capacity]
+        reused = min(len(new_ids), self._nfreed)
         slots = self._take_slots(len(new_ids))
         self.ids[slots] = new_ids
         self.index.insert(new_ids, slots, self.ids)
         if len(self.sightings):
             self.sightings.discard(new_ids)
-        self.values[slots] = self._initial(len(new_ids))
+        if reused == 0 and len(slots):  # fresh slots only: one run of rows, initialized where they are
+            self._initial(len(slots), self.values[slots[0]: slots[0] + len(slots)])
+        else:
+            self.values[slots] = self._initial(len(slots))
         opt = self.optimizer
         for k, s in self.slots.items():
             s[slots] = opt.slot_init(k) if opt else 0.0
@@ -233,11 +237,17 @@ class HashTable:
             pages.trim()  # the initializer's temporaries of a big batch: not kept resident in the heap
         return slots
 
-    def _initial(self, n: int) -> np.ndarray:
+    def _initial(self, n: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Initial values of ``n`` new rows, written into ``out`` (rows of ``values``) when given:
+        a batch of new rows then needs no temporary of its size, which the heap would keep."""
         if self.init.kind == "constant":
-            return np.full((n, self.dim), self.init.value, self.dtype)
+            if out is None:
+                return np.full((n, self.dim), self.init.value, self.dtype)
+            out[...] = self.init.value
+            return out
         seed = int(self._rng.integers(0, 2**62))
-        return _init.build(_init.Initializer(**{**self.init.spec(), "seed": seed}), (n, self.dim), (0, n), self.dtype)
+        return _init.build(_init.Initializer(**{**self.init.spec(), "seed": seed}), (n, self.dim), (0, n), self.dtype,
+                           out=out)
 
     def _admit(self, unseen: np.ndarray) -> np.ndarray:
         """One more sighting of each of ``unseen`` (unique, absent); create those that reach

@@ -12,7 +12,6 @@ serve``, launched tasks, benchmarks); a training script may call it too.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import sys
 
@@ -33,7 +32,7 @@ def keep_big_blocks(mmap_threshold: int = 128 << 20, trim_threshold: int = 512 <
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the process's own symbols, libc's among them (no ctypes.util to import)
         ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold))) and bool(
             libc.mallopt(_M_TRIM_THRESHOLD, int(trim_threshold))
         )
