@@ -11,6 +11,12 @@ member that does not join within the window (a longer one before the first forma
 may still be loading) is left out and joins later as a newcomer. Newcomers
 waiting at the coordinator are counted (``waiting``), so the running ranks can agree, through
 their next allreduce, to re-form at one step boundary.
+
+A joiner's short status calls can miss a leader that is alive but slow to answer (a loaded
+host); it then asks the next member. That member is connected to the leader and knows better:
+while a member ranked before it answers at its generation or later, it refuses the join and
+names that member (``join_through``), and the joiner goes there. Otherwise the newcomer would wait
+at a rank that never re-forms for it, or two survivors would each form a generation alone.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class _Round:
     started: float | None = None  # when the first member of the generation joined: the window opens
     probed: set[str] = field(default_factory=set)  # members left out whose status was asked
     answering: set[str] = field(default_factory=set)  # ... and that answered: alive after all
+    vetted_at: int | None = None  # the generation at which no earlier-ranked member was found leading
 
 
 class Rendezvous:
@@ -84,6 +91,7 @@ class Rendezvous:
         self._ready: asyncio.Event | None = None
         self._round: _Round | None = None
         self._gatherer: asyncio.Future | None = None
+        self._vetting: asyncio.Future | None = None  # the one look at the earlier-ranked members under way
 
     def configure(self, task: str, universe: Sequence[str], client: RpcClient, spec: ClusterSpec, window: float,
                   first_window: float | None = None) -> None:
@@ -135,11 +143,64 @@ class Rendezvous:
                               task=self.task)
         if task not in self.universe:
             raise InvalidArgument(f"{task} is not a ring member ({', '.join(self.universe)})")
+        await self._defer_to_leader()
+        if self.closed:  # while it looked at the leader
+            raise Unavailable(f"{self.task}: its ring has finished; it takes no joins", task=self.task)
         rnd = self._open()
-        rnd.joins[task] = _Join(task, int(generation), int(step))
+        rnd.vetted_at = self.generation
+        mine = rnd.joins[task] = _Join(task, int(generation), int(step))
         if rnd.started is None and task in self.view():
             rnd.started = asyncio.get_running_loop().time()
-        return await asyncio.shield(rnd.done)
+        try:
+            return await asyncio.shield(rnd.done)
+        except asyncio.CancelledError:  # its deadline passed: the joiner has gone to ask again elsewhere
+            if not rnd.done.done() and rnd.joins.get(task) is mine:
+                del rnd.joins[task]  # so this round does not count, or form with, a rank that never hears of it
+            raise
+
+    async def _defer_to_leader(self) -> None:
+        """Refuse to coordinate, naming the member to join through, while a member ranked before
+        this one in its generation is alive and leading. A joiner's survey missed that member (a
+        status call too short for a loaded host) or saw a stale answer; this rank asks it for as
+        long as the join window, and coordinates only once it is down, silent, restarted or closed."""
+        if not self.generation or self.task not in self.members:
+            return
+        if self._round is not None and self._round.vetted_at == self.generation:
+            return  # already coordinating this generation's successor: the others join it
+        earlier = [t for t in self.members[:self.members.index(self.task)] if self.alive(t)]
+        if not earlier:
+            return
+        if self._vetting is None:
+            self._vetting = vetting = asyncio.ensure_future(self._leading(earlier))
+            vetting.add_done_callback(self._vetted)
+        found = await asyncio.shield(self._vetting)
+        if found is not None:
+            leader, generation = found
+            raise Unavailable(f"{self.task} does not coordinate ring generation {self.generation}'s successor: "
+                              f"{leader} leads (generation {generation}); join through it",
+                              task=self.task, join_through=leader, generation=generation)
+
+    def _vetted(self, vetting: asyncio.Future) -> None:
+        if self._vetting is vetting:
+            self._vetting = None
+        if not vetting.cancelled():
+            vetting.exception()  # retrieved: every waiter sees the same outcome
+
+    async def _leading(self, earlier: list[str]) -> tuple[str, int] | None:
+        """(the lowest-ranked of ``earlier`` alive at this generation or later, its generation), or
+        None. Asked together; each answer is awaited in rank order, so the first leader found is
+        the one to join through."""
+        timeout = max(_STATUS_TIMEOUT, self.window)
+        asks = [asyncio.ensure_future(self._status_of(t, timeout)) for t in earlier]
+        try:
+            for t, ask in zip(earlier, asks):
+                status = await ask
+                if status is not None and not status.get("closed") and status["generation"] >= self.generation:
+                    return t, int(status["generation"])
+            return None
+        finally:
+            for ask in asks:
+                ask.cancel()
 
     def _open(self) -> _Round:
         if self._round is None:
@@ -203,11 +264,11 @@ class Rendezvous:
             rnd.answering.add(t)
         return late or all(t in rnd.joins for t in rnd.answering)
 
-    async def _status_of(self, task: str) -> dict[str, Any] | None:
+    async def _status_of(self, task: str, timeout: float = _STATUS_TIMEOUT) -> dict[str, Any] | None:
         """``task``'s ring status, asked now whatever the connection's state; None if it does not answer."""
         assert self.client is not None and self.spec is not None
         try:
-            status = await self.client.call(_endpoint(self.spec, task), "ring", "status", timeout=_STATUS_TIMEOUT, name=task)
+            status = await self.client.call(_endpoint(self.spec, task), "ring", "status", timeout=timeout, name=task)
         except ZmqflowError:
             return None
         return status if _well_formed(status) else None
@@ -237,9 +298,13 @@ async def join_next_generation(state: Rendezvous, step: int, timeout: float) -> 
     deadline = loop.time() + timeout
     last = "no member answered"
     delay = 0.05
+    redirect: tuple[str, int] | None = None
     while (remaining := deadline - loop.time()) > 0:
-        views = await _survey(state, min(_STATUS_TIMEOUT, remaining))
-        coordinator, target, last = _coordinator(state, views)
+        if redirect is not None:  # a member that knows better named the coordinator: no survey can miss it
+            (coordinator, target), redirect = redirect, None
+        else:
+            views = await _survey(state, min(_STATUS_TIMEOUT, remaining))
+            coordinator, target, last = _coordinator(state, views)
         if coordinator is not None:
             body = Join(task=state.task, generation=state.generation, step=int(step), target=target)
             try:
@@ -247,6 +312,7 @@ async def join_next_generation(state: Rendezvous, step: int, timeout: float) -> 
                                           timeout=max(0.05, min(deadline - loop.time(), _JOIN_TRY_S)), name=coordinator)
             except (Unavailable, DeadlineExceeded) as exc:
                 last = str(exc)
+                redirect = _redirect(state, exc)
             else:
                 formation = Formation.from_wire(reply)
                 if state.task in formation.members:
@@ -266,6 +332,14 @@ async def _survey(state: Rendezvous, timeout: float) -> dict[str, dict[str, Any]
     calls = [state.client.call(_endpoint(state.spec, t), "ring", "status", timeout=timeout, name=t) for t in others]
     results = await asyncio.gather(*calls, return_exceptions=True)
     return {t: r for t, r in zip(others, results) if _well_formed(r)}
+
+
+def _redirect(state: Rendezvous, exc: ZmqflowError) -> tuple[str, int] | None:
+    """(member, generation) that a refusing rank named to join through instead, if any."""
+    to, generation = exc.details.get("join_through"), exc.details.get("generation")
+    if isinstance(to, str) and to in state.universe and type(generation) is int:
+        return to, generation
+    return None
 
 
 def _well_formed(status: Any) -> bool:
