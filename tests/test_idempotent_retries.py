@@ -103,6 +103,23 @@ def test_without_retries_a_dropped_reply_still_times_out():
     arun(main())
 
 
+def test_a_client_that_starts_over_under_the_same_identity_gets_its_calls_run_anew():
+    """A restarted task reuses its routing identity. Its first calls, the same op and body as its
+    predecessor's first calls, must run again, not be answered from the record of the old ones."""
+    async def main():
+        async with faulty_cluster({"worker": 2}, timeout=10, services=_diag) as (servers, faults):
+            diag, endpoint = servers["worker:1"].service("diag"), servers["worker:1"].target
+            for incarnation in range(3):
+                client = RpcClient(identity="worker:0", default_timeout=5)  # as a restarted task's own client
+                try:
+                    assert await client.call(endpoint, "diag", "add", {"a": 2, "b": 3}, timeout=1.0) == 5
+                finally:
+                    client.close()
+                assert diag.calls == incarnation + 1
+
+    arun(main())
+
+
 def test_the_record_is_bounded_per_peer_and_tells_a_new_incarnation_from_a_retry():
     d = Dedup(per_peer=3, max_kept_reply=4)
     for rid in range(1, 6):

@@ -31,6 +31,7 @@ import asyncio
 import functools
 import itertools
 import logging
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -98,7 +99,9 @@ class RpcClient:
         self._deadlines = Deadlines()
         self._wake: asyncio.TimerHandle | None = None
         self._wake_at = 0.0
-        self._ids = itertools.count(1)
+        # from a random point of 2**62: a restarted task reuses its routing identity, and a request it
+        # sends anew under an id its last incarnation used (same op, same body) would get that one's kept reply
+        self._ids = itertools.count(secrets.randbits(62) + 1)
         self._closed = False
         self._senders: dict[int, asyncio.Task] = {}  # sends waiting for a connection, by request id
         self.coalesce = coalesce
