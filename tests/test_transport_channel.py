@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -203,3 +206,18 @@ def test_received_frame_accepts_only_whole_c_ordered_views_of_a_frame():
     assert received_frame(whole[::-1]) is None
     assert received_frame(np.arange(64, dtype=np.float32)) is None  # not from a frame at all
     assert received_frame(memoryview(b"x" * 256)) is None
+
+
+def test_io_threads_come_from_the_environment_and_a_bad_value_is_named():
+    from zmqflow.errors import ConfigError
+    from zmqflow.transport.context import io_threads
+
+    assert io_threads({}) == 1 and io_threads({"ZMQFLOW_IO_THREADS": " 4 "}) == 4
+    for bad in ("0", "-1", "two", "65", "1.5"):
+        with pytest.raises(ConfigError, match=f"ZMQFLOW_IO_THREADS must be an integer from 1 to 64, got '{bad}'"):
+            io_threads({"ZMQFLOW_IO_THREADS": bad})
+    script = ("import zmq\nfrom zmqflow.transport.context import context\n"
+              "print(context().get(zmq.IO_THREADS))")
+    env = {**os.environ, "ZMQFLOW_IO_THREADS": "3"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "3", out.stderr

@@ -1,4 +1,9 @@
-"""The process's ZeroMQ context, created lazily and again after a fork (never shared across one)."""
+"""The process's ZeroMQ context, created lazily and again after a fork (never shared across one).
+
+``ZMQFLOW_IO_THREADS`` sets its I/O threads (default 1, libzmq's: its guide asks for about one
+per gigabyte a second of traffic). Every connection is served by one of them, so a process that
+moves tensors to or from several peers at once over a fast link can spread that work over cores.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,28 @@ import threading
 
 import zmq
 
-__all__ = ["context"]
+from ..errors import ConfigError
+
+__all__ = ["context", "io_threads"]
 
 _lock = threading.Lock()
 _ctx: zmq.Context | None = None
 _pid = 0
+MAX_IO_THREADS = 64
+
+
+def io_threads(environ: dict[str, str] | None = None) -> int:
+    """The I/O threads ``ZMQFLOW_IO_THREADS`` asks for (1 when unset); ConfigError names a bad value."""
+    raw = (os.environ if environ is None else environ).get("ZMQFLOW_IO_THREADS", "").strip()
+    if not raw:
+        return 1
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_IO_THREADS:
+        raise ConfigError(f"ZMQFLOW_IO_THREADS must be an integer from 1 to {MAX_IO_THREADS}, got {raw!r}")
+    return n
 
 
 def context() -> zmq.Context:
@@ -19,6 +41,6 @@ def context() -> zmq.Context:
     global _ctx, _pid
     with _lock:
         if _ctx is None or _pid != os.getpid() or _ctx.closed:
-            _ctx = zmq.Context()
+            _ctx = zmq.Context(io_threads=io_threads())
             _pid = os.getpid()
         return _ctx
