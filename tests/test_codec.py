@@ -7,6 +7,8 @@ import json
 import math
 import random
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +119,25 @@ SHAPES = [(), (0,), (1,), (7,), (0, 3), (3, 0, 2), (2, 3, 4), (1, 1, 1, 1), (5, 
 
 
 # round trips ------------------------------------------------------------------------------
+
+
+def test_bfloat16_is_known_before_ml_dtypes_is_imported_and_decodes_once_it_arrives():
+    """A process imports ml_dtypes (2.6 MB resident) only once a bfloat16 is looked up, sent or received."""
+    if importlib.util.find_spec("ml_dtypes") is None:
+        pytest.skip("bfloat16 needs ml_dtypes")
+    script = (
+        "import sys, numpy as np\n"
+        "from zmqflow.wire import REQUEST, Message, decode, encode\n"
+        "from zmqflow.wire.dtypes import WIRE_DTYPES\n"
+        "assert 'bfloat16' in WIRE_DTYPES and 'bfloat16' in sorted(WIRE_DTYPES) and 'ml_dtypes' not in sys.modules\n"
+        "frames = encode(Message(REQUEST, 1, 's', 'op', {'x': np.arange(4, dtype=np.uint16)}))\n"
+        "frames[0] = frames[0].replace(b'\\xa6uint16', b'\\xa8bfloat16')\n"
+        "x = decode(frames).body['x']\n"
+        "assert x.dtype.name == 'bfloat16' and 'ml_dtypes' in sys.modules, x.dtype\n"
+        "assert x.view(np.uint16).tolist() == [0, 1, 2, 3]\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
 
 
 @pytest.mark.parametrize("name", sorted(WIRE_DTYPES))

@@ -6,7 +6,10 @@ it, in the same run: numpy ``take`` of the same ids from one in-process array of
 the physical reference for a gather. Then a ``num_rows`` x 64 float32 table (10,000,000 rows,
 2.56 GB, by default) is created over 4 shards and each shard's resident memory is compared with
 the bytes it holds (target: within 1.3x; reported, never asserted), and the same for a dynamic
-table filled with as many ids.
+table filled with as many ids (target: within 1.1x). For memory the shards are what a deployment
+runs, a ``zmqflow serve`` process each, and their RSS is read once each has made its idle heap
+trim (``zmqflow.server.idle_trim``: after 1 s with no traffic, as ``zmqflow serve`` makes it),
+waited for by polling their status, with a deadline.
 
 A dynamic table's index, in process: new-id insertion per id (the index alone, and through the
 table's lookup, rows created), a 4096-id Zipf lookup (the index alone, and the table's whole
@@ -18,6 +21,7 @@ Run ``zmqflow bench embedding [--quick] [--json FILE]``.
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
 import tracemalloc
@@ -29,13 +33,15 @@ import numpy as np
 from .. import loop as zf_loop
 from ..client.session import AsyncSession
 from ..cluster import ClusterSpec
+from ..errors import ClusterNotReady
 from ..ports import free_port
+from ..rpc.health import wait_for_tasks
 from ..state import init, optim
 from ..state.hash_index import HashIndex
 from ..state.tables import HashTable
 from ..transport.memory import keep_big_blocks
 from .machine import rss_bytes
-from .procs import Procs, zf_task_process
+from .procs import Procs, Served, zf_task_process
 from .report import align, script_main, write_jsonl
 from .stats import seconds, seconds_async
 
@@ -101,14 +107,16 @@ def _throughput(shards: int, rows: int, batches: int) -> dict[str, Any]:
 
 def _memory(rows: int, shards: int = 4, dynamic: bool = False) -> dict[str, Any]:
     """Each shard's resident memory beside the bytes it holds, for a ``rows`` x DIM table: static,
-    or dynamic and filled with ``rows`` ids (rows, index and admission state all counted)."""
-    procs = Procs()
+    or dynamic and filled with ``rows`` ids (rows, index and admission state all counted). The
+    shards are ``zmqflow serve`` processes, as deployed; RSS is read once each has gone quiet
+    and handed its free heap back (its idle trim)."""
+    spec = ClusterSpec({"ps": [f"127.0.0.1:{free_port()}" for _ in range(shards)]})
+    served = Served(spec)
     try:
-        spec = _cluster(shards, procs)
-        base = [rss_bytes(pid) for pid in procs.pids]
-
-        async def main() -> list[int]:
+        async def main() -> tuple[list[int], list[int], list[int]]:
             async with AsyncSession(cluster=spec, task="ps:0", timeout=600) as sess:
+                await _ready(sess, spec, served)
+                base = [rss_bytes(pid) for pid in served.pids]
                 emb = await sess.embedding("big", None if dynamic else rows, DIM, initializer=init.normal(0.01),
                                            optimizer=optim.SGD(0.1))
                 for start in range(0, rows if dynamic else 0, FILL_BATCH):
@@ -118,10 +126,11 @@ def _memory(rows: int, shards: int = 4, dynamic: bool = False) -> dict[str, Any]
                     ids = zipf_ids(rng, BATCH, rows)
                     await emb.lookup(ids)
                     await emb.push(ids, np.ones((BATCH, DIM), np.float32))
-                return [s["bytes"] for s in await emb.stats()]
+                held = [s["bytes"] for s in await emb.stats()]
+                await _trimmed(sess, spec)
+                return base, held, [rss_bytes(pid) for pid in served.pids]
 
-        held = zf_loop.run(main())
-        rss = [rss_bytes(pid) for pid in procs.pids]
+        base, held, rss = zf_loop.run(main())
         return {
             "kind": "dynamic" if dynamic else "static",
             "rows": rows,
@@ -134,7 +143,35 @@ def _memory(rows: int, shards: int = 4, dynamic: bool = False) -> dict[str, Any]
             "growth_over_held": [(r - b) / h for r, b, h in zip(rss, base, held)],
         }
     finally:
-        procs.close()
+        served.close()
+
+
+async def _ready(sess: AsyncSession, spec: ClusterSpec, served: Served, timeout: float = 60.0) -> None:
+    """Every task answers a ping (RuntimeError with its output if one exited first)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        served.check()
+        try:
+            await wait_for_tasks(sess.client, spec, 1.0, list(spec.tasks))
+            return
+        except ClusterNotReady:
+            if time.monotonic() > deadline:
+                raise
+
+
+async def _trimmed(sess: AsyncSession, spec: ClusterSpec, timeout: float = 60.0) -> None:
+    """Until each task has made an idle heap trim since now, polled (a status call is small: the
+    tasks stay quiet). Called right after the last big message, so that trim is still to come
+    (a task trims a whole quiet period after it at the earliest); TimeoutError past ``timeout``."""
+    async def trims() -> list[int]:
+        return [(await sess.status(str(t)))["counters"]["heap_trims"] for t in spec.tasks]
+
+    before = await trims()
+    deadline = time.monotonic() + timeout
+    while any(n <= b for n, b in zip(await trims(), before)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the shards made no idle heap trim within {timeout:g}s")
+        await asyncio.sleep(0.2)
 
 
 class _DictTable:

@@ -4,6 +4,9 @@ Every benchmark server (a zmqflow task server or a raw pyzmq baseline) is a proc
 ``target(*args, conn)`` that answers ``("ready", value)`` or ``("error", message)`` on ``conn``
 and returns once ``conn`` becomes readable (a stop message, or EOF when the parent is gone), so a
 benchmark that dies leaves no server behind.
+
+Where what is measured is the task process itself (its resident memory), :class:`Served` runs the
+real one instead, ``zmqflow serve`` per task, which the OS stops (SIGTERM) if the benchmark dies.
 """
 
 from __future__ import annotations
@@ -11,16 +14,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import loop as zf_loop
 from ..cluster import ClusterSpec
+from ..server.idle_trim import IDLE_TRIM
 from ..server.task import AsyncServer
 from ..transport.memory import keep_big_blocks
 
-__all__ = ["Child", "Procs", "reap", "run_to_end", "spawn_queue", "zf_task_process"]
+__all__ = ["Child", "Procs", "Served", "reap", "run_to_end", "spawn_queue", "zf_task_process"]
 
 _SPAWN = multiprocessing.get_context("spawn")  # no forked copies of this process's sockets and threads
 
@@ -44,7 +52,7 @@ def zf_task_process(spec_json: str, task: str, conn: Any) -> None:
 
 async def _serve(spec_json: str, task: str, conn: Any) -> None:
     try:
-        server = AsyncServer(ClusterSpec.from_json(spec_json), task)
+        server = AsyncServer(ClusterSpec.from_json(spec_json), task, idle_trim=IDLE_TRIM)  # as `zmqflow serve`
         await server.start()
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -112,6 +120,62 @@ class Procs:
     @property
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self.children]
+
+
+# Runs in the task's process before it becomes `zmqflow serve` (execv keeps the setting): SIGTERM
+# when the benchmark that started it dies, so none outlives it.
+_ORPHAN_STOP = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n    sys.exit(1)  # the benchmark is already gone\n"
+    "os.execv(sys.executable, [sys.executable, '-m', 'zmqflow', 'serve', *sys.argv[2:]])\n"
+)
+
+
+class Served:
+    """``zmqflow serve`` of every task of ``spec``, the process a deployment runs for a task;
+    ``close`` stops them (SIGTERM, as an operator would, then SIGKILL) and reaps them."""
+
+    def __init__(self, spec: ClusterSpec, *args: str):
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs: list[Any] = []
+        argv = [sys.executable, "-c", _ORPHAN_STOP, str(os.getpid())] if sys.platform.startswith("linux") else \
+            [sys.executable, "-m", "zmqflow", "serve"]
+        try:
+            for t in spec.tasks:
+                log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close())
+                self.logs.append(log)
+                self.procs.append(subprocess.Popen(
+                    [*argv, "--cluster", spec.to_json(), "--task", str(t), "--log-level", "warning", *args],
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def check(self) -> None:
+        """RuntimeError, with its output, if a task process has exited."""
+        for p, log in zip(self.procs, self.logs):
+            if p.poll() is not None:
+                log.seek(0)
+                tail = log.read()[-2000:].decode(errors="replace")
+                raise RuntimeError(f"zmqflow serve exited (code {p.returncode}): {tail}")
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()  # all at once: they stop in parallel, each within 2 s
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        for log in self.logs:
+            log.close()
 
 
 def run_to_end(target: Callable[..., None], argsets: Sequence[tuple], timeout: float) -> None:

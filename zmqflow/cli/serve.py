@@ -15,6 +15,7 @@ from ..cluster import ClusterSpec, TaskId, resolve
 from ..errors import AddressInUse, ConfigError, ZmqflowError
 from ..loop import run
 from ..observe.endpoint import start_for as start_metrics
+from ..server.idle_trim import IDLE_TRIM
 from ..server.limits import ServerLimits
 from ..server.task import AsyncServer
 from ..transport.memory import keep_big_blocks
@@ -54,9 +55,12 @@ STOP_TIMEOUT = 1.5  # the process must be gone within 2 s of the signal
 @click.option("--exit-when-done", is_flag=True, envvar="ZMQFLOW_EXIT_WHEN_DONE",
               help="Exit 0 once every chief and worker task finished training (for ps tasks; else "
                    "ZMQFLOW_EXIT_WHEN_DONE=1).")
+@click.option("--idle-trim", type=click.FloatRange(min=0), default=IDLE_TRIM, show_default=True, metavar="SECONDS",
+              help="After this long with next to no traffic (under 64 KiB), hand the heap's free pages back to "
+                   "the OS, once (0: never; the heap then stays as big as the biggest requests made it).")
 def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: tuple[str, ...], debug: bool,
           keys: str | None, insecure: bool, checkpoint_roots: tuple[str, ...], metrics_port: int | None,
-          exit_when_done: bool,
+          exit_when_done: bool, idle_trim: float,
           **limits: object) -> None:
     """Serve one task of a cluster until SIGTERM or SIGINT."""
     try:
@@ -75,7 +79,7 @@ def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: 
         log.info("metrics at %s", endpoint.url)
     try:
         code = run(_serve(spec, tid, list(allow_modules) or None, server_limits, debug, keys, insecure,
-                          list(checkpoint_roots) or None, exit_when_done=exit_when_done))
+                          list(checkpoint_roots) or None, exit_when_done=exit_when_done, idle_trim=idle_trim or None))
     except ZmqflowError as exc:
         fail("serve", exc, EXIT_FAILURE)
     raise SystemExit(code)
@@ -104,10 +108,11 @@ def limits_from_flags(flags: dict[str, object]) -> ServerLimits:
 
 async def _serve(spec: ClusterSpec, tid: TaskId, allow_modules: list[str] | None, limits: ServerLimits,
                  debug: bool, keys: str | None, insecure: bool, checkpoint_roots: list[str] | None = None, *,
-                 exit_when_done: bool = False) -> int:
+                 exit_when_done: bool = False, idle_trim: float | None = None) -> int:
     try:
         server = AsyncServer(spec, tid, allow_modules=allow_modules, limits=limits, debug=debug, keys=keys,
-                             insecure=insecure, checkpoint_roots=checkpoint_roots, exit_when_done=exit_when_done)
+                             insecure=insecure, checkpoint_roots=checkpoint_roots, exit_when_done=exit_when_done,
+                             idle_trim=idle_trim)
     except ConfigError as exc:
         fail("serve", exc, EXIT_USAGE)
     try:

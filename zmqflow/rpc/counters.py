@@ -1,4 +1,4 @@
-"""Traffic and error counters a task reports in its ``status``."""
+"""Traffic and error counters a task reports in its ``status``, and its idle heap trims."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ class Counters:
     dropped: int = 0  # messages that could not be answered (unreadable id, not a request)
     undeliverable: int = 0  # replies whose requester was gone or never drained its pipe
     late_replies: int = 0  # replies that arrived after their call had ended
+    heap_trims: int = 0  # free heap handed back to the OS once quiet (server/idle_trim.py)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -35,6 +35,7 @@ from ..observe.metrics import MetricsHub, TaskMetrics
 from ..rpc import DEFAULT_TIMEOUT, Counters, RpcClient, RpcServer, Service
 from ..rpc.health import wait_for_tasks
 from .checkpoint_roots import CheckpointRoots
+from .idle_trim import IdleTrim
 from .services import MasterService, PsService, WorkerService
 from .services.catalog import CatalogService
 from .services.ring import RingService
@@ -73,8 +74,12 @@ class AsyncServer:
         checkpoint_roots: "Sequence[str | os.PathLike[str]] | str | None" = None,
         metrics_hub: MetricsHub | None = None,
         exit_when_done: bool = False,
+        idle_trim: float | None = None,
     ):
-        """``exit_when_done``: stop once every chief and worker task finished training (a ps task
+        """``idle_trim``: once no big message came for that many seconds, hand the heap's free
+        pages back to the OS (:mod:`.idle_trim`; ``zmqflow serve`` uses 1 s). Off by default: in a
+        process that embeds a server, the heap is the rest of the process's too.
+        ``exit_when_done``: stop once every chief and worker task finished training (a ps task
         under ``serve --exit-when-done``; see :mod:`.services.sessions`). ``checkpoint_roots``: the directories a ps shard here may write checkpoints under
         (None: ``ZMQFLOW_CHECKPOINT_ROOTS``, else none, and saves are refused; ``"*"``: anywhere).
         ``allow_modules``: modules whose public functions sessions may run here. ``metrics_hub``:
@@ -127,6 +132,7 @@ class AsyncServer:
         # who acts on a requested stop, called on the loop with the reason; None: stop this server
         self.stop_handler: Callable[[str], None] | None = None
         self._stop_task: asyncio.Task[None] | None = None
+        self._idle_trim = None if idle_trim is None else IdleTrim(self.counters, idle_trim)
 
     # TaskRuntime ------------------------------------------------------------------------
     @property
@@ -239,6 +245,8 @@ class AsyncServer:
         )
         for svc in self._services.values():
             await svc.start()
+        if self._idle_trim is not None:
+            self._idle_trim.start()
         return self
 
     @property
@@ -265,6 +273,8 @@ class AsyncServer:
         if self._rpc is None:
             return
         rpc, self._rpc = self._rpc, None
+        if self._idle_trim is not None:
+            self._idle_trim.stop()
         for svc in reversed(list(self._services.values())):
             await svc.stop()
         await rpc.close()

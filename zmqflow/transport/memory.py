@@ -6,7 +6,9 @@ page-faults all its pages again: measured here, pulling a 100 MB model from one 
 0.31 GB/s that way and at 1.25 GB/s with big blocks kept in the heap. ``keep_big_blocks`` raises
 the mmap threshold (and the trim threshold with it) so freed blocks are reused. It changes
 process-wide malloc behaviour, so zmqflow applies it only in processes it owns (``zmqflow
-serve``, launched tasks, benchmarks); a training script may call it too.
+serve``, launched tasks, benchmarks); a training script may call it too. The kept blocks stay
+resident after the traffic that needed them; a task server hands them back once it goes quiet
+(``zmqflow.server.idle_trim``).
 """
 
 from __future__ import annotations

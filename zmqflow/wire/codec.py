@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import InvalidArgument
 from .message import (DEFAULT_LIMITS, ERROR, KINDS, REPLY, REQUEST, VERSION, DecodeError, LimitExceeded, Limits,
                       Message, VersionError)
-from .dtypes import AS_IS, WIRE_DTYPES as _WIRE_DTYPES, dtype_from_name, dtype_name
+from .dtypes import AS_IS, LOADED as _LOADED_DTYPES, dtype_from_name, dtype_name
 from .peek import container_marks, read_start, too_deep
 
 __all__ = [
@@ -350,7 +350,7 @@ def _tensors(table: object, frames: Sequence[Any], limits: Limits, rid: int, kin
         if entry.__class__ is not list or len(entry) != 3:
             raise DecodeError(f"tensor {i}: entry must be [dtype, shape, frame]", request_id=rid, kind=kind)
         name, shape, index = entry
-        dtype = _WIRE_DTYPES.get(name) if name.__class__ is str else None
+        dtype = _LOADED_DTYPES.get(name) if name.__class__ is str else None
         if dtype is None:
             try:
                 dtype = dtype_from_name(name)
