@@ -419,3 +419,20 @@ def test_a_dynamic_tables_capacity_fits_the_shards_budget():
     assert table_capacity("t", (10 << 20) // row, row, lim) == (10 << 20) // row
     with pytest.raises(errors.ResourceExhausted, match=r"'t': capacity \d+ rows of 552 bytes"):
         table_capacity("t", (10 << 20) // row + 1, row, lim)
+
+
+def test_step_counts_are_kept_and_budgeted_only_for_an_optimizer_that_reads_them():
+    """Adam's per-row steps (int64) count towards the shard's byte limit; SGD's part keeps none:
+    a 1-D float32 variable would otherwise carry twice its bytes in counters nothing reads."""
+    n = 1000
+    sgd = ShardStore(StateLimits(max_shard_bytes=4 * n))
+    assert sgd.create("w", 0, [n], [0, n], "float32", optimizer=zf.optim.SGD(0.1).spec())
+    assert sgd.get("w").steps is None and sgd.nbytes == 4 * n
+    budget = 4 * n * 3 + 8 * n  # value, m and v, and one step count a row
+    adam = ShardStore(StateLimits(max_shard_bytes=budget - 1))
+    with pytest.raises(errors.ResourceExhausted, match=f"its {budget} bytes .value, optimizer slots, step counts."):
+        adam.create("w", 0, [n], [0, n], "float32", optimizer=zf.optim.Adam().spec())
+    assert not adam.parts
+    adam = ShardStore(StateLimits(max_shard_bytes=budget))
+    assert adam.create("w", 0, [n], [0, n], "float32", optimizer=zf.optim.Adam().spec())
+    assert adam.get("w").steps.shape == (n,) and adam.nbytes == budget

@@ -159,13 +159,13 @@ def test_get_unknown_names_it():
         store.get("w", 3)
 
 
-def test_nbytes_counts_value_and_slots():
+def test_nbytes_counts_value_slots_and_step_counts():
     store = ShardStore()
     store.create("a", 0, [4, 2], [0, 4], "float32")
     store.create("b", 0, [4, 2], [0, 4], "float64", optimizer=Adam().spec())
     assert store.get("a").nbytes == 32
-    assert store.get("b").nbytes == 64 * 3
-    assert store.nbytes == 32 + 192
+    assert store.get("b").nbytes == 64 * 3 + 4 * 8  # value, m, v, and Adam's step count per row
+    assert store.nbytes == 32 + 224
 
 
 # === ShardStore: reads and writes ==================================================================

@@ -25,6 +25,10 @@ class Optimizer:
 
     kind: ClassVar[str] = ""
     slot_names: ClassVar[tuple[str, ...]] = ()
+    # whether ``update`` reads each row's step: only then does a part keep the counts (8 bytes a
+    # row: as much as the values of a 1-D float64 variable, twice a float32 one's, and a pass over
+    # them on every push)
+    uses_step: ClassVar[bool] = False
     learning_rate: float = 0.01
 
     def spec(self) -> dict[str, Any]:
@@ -33,8 +37,9 @@ class Optimizer:
     def slot_init(self, name: str) -> float:
         return 0.0
 
-    def update(self, param: np.ndarray, grad: np.ndarray, slots: dict[str, np.ndarray], t: np.ndarray) -> np.ndarray:
-        """New rows for ``param``; ``slots`` are updated in place; ``t`` is each row's step (from 1)."""
+    def update(self, param: np.ndarray, grad: np.ndarray, slots: dict[str, np.ndarray], t: np.ndarray | None) -> np.ndarray:
+        """New rows for ``param``; ``slots`` are updated in place; ``t`` is each row's step (from 1),
+        None for an optimizer that does not use it."""
         raise NotImplementedError
 
 
@@ -94,6 +99,7 @@ class Adagrad(Optimizer):
 class Adam(Optimizer):
     kind: ClassVar[str] = "adam"
     slot_names: ClassVar[tuple[str, ...]] = ("m", "v")
+    uses_step: ClassVar[bool] = True
     learning_rate: float = 0.001
     beta1: float = 0.9
     beta2: float = 0.999

@@ -65,7 +65,8 @@ class Part:
 
     @property
     def nbytes(self) -> int:
-        return self.value.nbytes + sum(s.nbytes for s in self.slots.values())
+        steps = self.steps.nbytes if self.steps is not None else 0
+        return self.value.nbytes + sum(s.nbytes for s in self.slots.values()) + steps
 
     def own(self) -> None:
         """Call before writing ``value`` in place. Pulls send views of ``value`` zero-copy, and
@@ -126,7 +127,8 @@ def build(plan: Plan) -> Part:
         if opt is not None:
             for slot in opt.slot_names:
                 p.slots[slot] = np.full(p.part_shape, opt.slot_init(slot), dtype=p.dtype)
-            p.steps = np.zeros(max(p.nrows, 1) if p.full_shape else 1, dtype=np.int64)
+            if opt.uses_step:
+                p.steps = np.zeros(max(p.nrows, 1) if p.full_shape else 1, dtype=np.int64)
     except MemoryError:
         raise ResourceExhausted(f"variable {p.label}: the shard could not allocate its {plan.nbytes} bytes",
                                 name=p.name, bytes=plan.nbytes) from None
@@ -238,11 +240,13 @@ class ShardStore:
             value = _check_array(value, p.part_shape, dt, f"initial value of {p.label}")
         init = None if value is not None else _init.from_spec(initializer) if initializer is not None else _init.zeros()
         nbytes = math.prod(p.part_shape) * dt.itemsize * (1 + (len(opt.slot_names) if opt is not None else 0))
+        if opt is not None and opt.uses_step:
+            nbytes += 8 * (max(p.nrows, 1) if p.full_shape else 1)  # each row's step count (int64)
         held = self.held_bytes() + extra_bytes
         if held + nbytes > limits.max_shard_bytes:
             raise ResourceExhausted(
-                f"variable {p.label}: its {nbytes} bytes (value and optimizer slots) would bring this shard to "
-                f"{held + nbytes} bytes, over its limit of {limits.max_shard_bytes}",
+                f"variable {p.label}: its {nbytes} bytes (value, optimizer slots, step counts) would bring this "
+                f"shard to {held + nbytes} bytes, over its limit of {limits.max_shard_bytes}",
                 name=name, bytes=nbytes, limit=limits.max_shard_bytes)
         if key in self._reserved:
             raise VariableConflict(f"variable {p.label} is being created by another request; declare it again")
@@ -394,13 +398,16 @@ class ShardStore:
         self.apply(self.sparse(name, part, indices, rows, "sparse gradient"))
 
     def _update(self, p: Part, rows: slice | np.ndarray, grad2d: np.ndarray) -> None:
-        assert p.optimizer is not None and p.steps is not None
+        assert p.optimizer is not None
         value2d = p.grid(p.value)
         fancy = not isinstance(rows, slice)
         param = value2d[rows].copy() if fancy else value2d[rows]
         slots = {k: (p.grid(s)[rows].copy() if fancy else p.grid(s)[rows]) for k, s in p.slots.items()}
-        p.steps[rows] += 1
-        out = p.optimizer.update(param, grad2d, slots, p.steps[rows])
+        t = None
+        if p.steps is not None:  # only for an optimizer that reads them (Adam's t)
+            p.steps[rows] += 1
+            t = p.steps[rows]
+        out = p.optimizer.update(param, grad2d, slots, t)
         if fancy or out is not param:
             value2d[rows] = out
         if fancy:
