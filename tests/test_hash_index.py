@@ -350,3 +350,6 @@ def test_the_bench_measures_the_index_beside_a_dict() -> None:
     assert 12 <= result["pending_bytes_per_id"] <= 40 and result["dict_pending_bytes_per_id"] > 40
     text = embedding_bench.format_table({"throughput": [], "dynamic": result})
     assert "4096-id Zipf lookup" in text and "bytes per id pending admission" in text
+    assert result["probe"] == ("C" if hash_index.compiled() else "numpy") and f"probe in {result['probe']}" in text
+    if hash_index.compiled():
+        assert result["numpy_lookup_p50_us"] > 0 and "the numpy rounds in the same run" in text
