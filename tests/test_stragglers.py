@@ -7,7 +7,7 @@ import sys
 import textwrap
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from zmqflow.errors import InvalidArgument
@@ -29,6 +29,7 @@ def test_equals_with_jitter_below_the_floor_are_never_named(rounds, base):
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(jitter, min_size=2, max_size=12), st.floats(0.2, 5.0), st.integers(0, 11), st.integers(1, 6))
+@example([0.02, 0.0], 1.4827420935639664, 0, 1)  # the lag lands on the bound, plus a rounding of the sums
 def test_one_member_well_behind_is_named_after_hits_rounds(times, lag, which, hits):
     which %= len(times)
     d = StragglerDetector("t", floor_s=0.1, hits=hits)
@@ -38,7 +39,8 @@ def test_one_member_well_behind_is_named_after_hits_rounds(times, lag, which, hi
     last = found[-1]
     assert last is not None and last.task == f"w{which}" and last.members == len(times)
     # its lag is measured against the median (for two: against the other), so within the jitter of ``lag``
-    assert lag - 0.02 <= last.lag_s <= lag + 0.02
+    # (arrivals are sums near 100 s: their rounding, ~1e-14 s, may carry the lag just past the jitter)
+    assert lag - 0.02 - 1e-9 <= last.lag_s <= lag + 0.02 + 1e-9
 
 
 def test_one_slow_round_names_no_one_and_old_rounds_expire():
