@@ -4,7 +4,8 @@ A client that retries sends the same frames under the same request id, so the se
 record by (peer routing identity, request id). A restarted task reuses its routing identity, so
 clients number their requests from a random point of 2**62 (``RpcClient``): a new incarnation's
 ids are not its predecessor's. As a second guard the record holds a hash of each request's header
-frame: a known id whose header differs starts that peer's record afresh. Sans-IO: the caller passes the loop time and says how replies go out.
+frame: a known id whose header differs starts that peer's record afresh. Sans-IO: the caller
+passes the loop time and says how replies go out.
 
 Each id is ``IN_FLIGHT`` (a duplicate is ignored: the one reply goes out when the handler ends),
 a tuple of the reply's frames (a duplicate gets them again), or ``DONE`` (the reply was too big to

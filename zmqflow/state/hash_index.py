@@ -229,17 +229,19 @@ class HashIndex:
             return
         if self.used + len(ids) > self.max_load * len(self.handles):
             self._rebuild(self.live + len(ids), keys)
-        self._place(ids, np.asarray(handles).astype(self.dtype, copy=False))
+        self._place(ids, np.asarray(handles))
 
     def _place(self, ids: np.ndarray, handles: np.ndarray) -> None:
         """Each id into the lowest free (empty or deleted) byte of the first group of its probe
-        sequence that has one.
+        sequence that has one. ``handles`` of any integer dtype: each path casts them once, to
+        what it reads (int64 for the C probe, the index's dtype for the numpy rounds).
         Ids racing for one bucket all write its handle; the one that reads back won, the others
         look again (the group's control word now shows the bucket taken)."""
         if _use_compiled:
             self.used += _compiled.place(self.ctrl, self.handles, _i64(ids), _i64(handles), self.bits)
             self.live += len(ids)
             return
+        handles = handles.astype(self.dtype, copy=False)
         ctrl, table, gmask = self.ctrl, self.handles, self.gmask
         group, fp = self._hash(ids)
         fp = (fp & np.uint64(0xFF)).astype(np.uint8)

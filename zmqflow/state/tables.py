@@ -240,11 +240,8 @@ class HashTable:
     def _initial(self, n: int, out: np.ndarray | None = None) -> np.ndarray:
         """Initial values of ``n`` new rows, written into ``out`` (rows of ``values``) when given:
         a batch of new rows then needs no temporary of its size, which the heap would keep."""
-        if self.init.kind == "constant":
-            if out is None:
-                return np.full((n, self.dim), self.init.value, self.dtype)
-            out[...] = self.init.value
-            return out
+        if self.init.kind == "constant":  # no draw: the table's seed sequence is for random initializers
+            return _init.build(self.init, (n, self.dim), (0, n), self.dtype, out=out)
         seed = int(self._rng.integers(0, 2**62))
         return _init.build(_init.Initializer(**{**self.init.spec(), "seed": seed}), (n, self.dim), (0, n), self.dtype,
                            out=out)
