@@ -52,3 +52,51 @@ def test_wrong_out_buffer_is_refused_naming_it_and_changes_nothing(sess):
     with pytest.raises(errors.InvalidArgument, match="not pulled: other"):
         sess.pull(["w"], out={"other": np.zeros((8, 4), np.float32)})
     assert (v.read() == np.arange(32, dtype=np.float32).reshape(8, 4)).all()
+
+
+def test_a_one_piece_read_is_the_received_frame_and_yours_to_write(sess):
+    """Without out=, a variable that came in one reply is that reply's array (nothing copied):
+    the right values, writeable, and writing it changes only the caller's copy."""
+    v = sess.variable("one", shape=(16, 4))
+    v.assign(np.arange(64, dtype=np.float32).reshape(16, 4))
+    s = sess.variable("scalar", 3.0)
+    got = sess.pull([v, s])
+    assert list(got) == ["one", "scalar"]
+    assert got["one"].shape == (16, 4) and got["one"].dtype == np.float32
+    assert (got["one"] == np.arange(64, dtype=np.float32).reshape(16, 4)).all()
+    assert got["scalar"].shape == () and got["scalar"] == 3.0
+    assert got["one"].flags.writeable
+    got["one"][:] = -1
+    assert (v.read() == np.arange(64, dtype=np.float32).reshape(16, 4)).all()
+
+
+def test_a_many_piece_read_without_out_is_assembled_whole(sess):
+    rows = 2 * SLICE_BYTES // (64 * 4) + 3
+    v = sess.variable("parts", shape=(rows, 64), partitioner=zf.fixed_size_partitioner(2))
+    want = np.arange(rows * 64, dtype=np.float32).reshape(rows, 64)
+    v.assign(want)
+    small = sess.variable("small", shape=(3,))
+    got = sess.pull([v, small])
+    assert got["parts"].shape == (rows, 64) and (got["parts"] == want).all()
+    assert (got["small"] == 0).all()
+
+
+def test_a_read_with_one_shard_gone_fails_typed_and_leaves_the_session_usable():
+    """One part's shard is down: the read raises a typed error within its timeout (the other
+    part's replies cancelled or done, nothing left running), and reads of the live shard go on."""
+    spec = make_spec({"ps": 2, "worker": 1}, "tcp")
+    with zf.Server(spec, "ps:0"), zf.Server(spec, "worker:0") as w:
+        ps1 = zf.Server(spec, "ps:1")
+        try:
+            with zf.Session(w.target, timeout=2.0) as s:
+                rows = 2 * SLICE_BYTES // (64 * 4) + 3
+                v = s.variable("split", shape=(rows, 64), partitioner=zf.fixed_size_partitioner(2))
+                with zf.device("/job:ps/task:0"):
+                    live = s.variable("live", shape=(4,))
+                ps1.stop()
+                buf = np.zeros((rows, 64), np.float32)
+                with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
+                    s.pull([v], out={"split": buf}, timeout=1.0)
+                assert (s.pull([live])["live"] == 0).all()
+        finally:
+            ps1.stop()

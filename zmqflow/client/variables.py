@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -129,6 +129,20 @@ async def _all(calls: list[Any]) -> list[Any]:
     return await asyncio.gather(*calls)
 
 
+async def _every(calls: list[Any]) -> None:
+    """Run the coroutines together; on the first failure the rest are cancelled and awaited
+    before it is raised, so none writes into a caller's buffer after the call has returned."""
+    if len(calls) == 1:
+        await calls[0]
+        return
+    try:
+        async with asyncio.TaskGroup() as group:
+            for c in calls:
+                group.create_task(c)
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+
+
 def _as_array(x: Any, info: VarInfo, what: str) -> np.ndarray:
     """``x`` as an array of the variable's full shape and dtype; python values are converted."""
     if isinstance(x, np.ndarray):
@@ -222,13 +236,21 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
                out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Every part's rows, in requests of about SLICE_BYTES all sent at once, each with ``timeout``
     (the session's by default). ``out`` maps names to arrays to fill (reused by a caller that
-    reads the same variables every step: no fresh pages to fault in); the others get new ones."""
+    reads the same variables every step: no fresh pages to fault in); each reply is copied in as
+    it lands, while the others are still in flight. A variable not in ``out`` that came in one
+    piece is the received frame itself (writeable, nothing copied); others get new arrays."""
     given = out or {}
     extra = set(given) - {info.name for info in infos}
     if extra:
         raise InvalidArgument(f"out= names variables not pulled: {', '.join(sorted(map(str, extra)))}")
-    outs = {info.name: check_out(info, given[info.name]) if info.name in given else np.empty(info.shape, dtype=info.dtype)
-            for info in infos}
+    outs: dict[str, np.ndarray | None] = {}
+    for info in infos:
+        if info.name in given:
+            outs[info.name] = check_out(info, given[info.name])
+        elif len(info.parts) == 1 and len(info.chunks(0)) == 1:
+            outs[info.name] = None  # the reply's array, once it lands
+        else:
+            outs[info.name] = np.empty(info.shape, dtype=info.dtype)
     where: dict[int, tuple[VarInfo, int, tuple[int | None, int | None]]] = {}
     items = []
     for info in infos:
@@ -238,18 +260,29 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
                 where[key] = (info, p, chunk)
                 nbytes = ((chunk[1] or 0) - (chunk[0] or 0)) * info.row_bytes if info.shape else info.row_bytes
                 items.append((task, nbytes, (key, rq.PullItem(info.name, p, chunk[0], chunk[1]))))
-    requests = []
+
+    def place(keys: list[int], arrays: list[np.ndarray]) -> None:
+        for key, arr in zip(keys, arrays):
+            info, p, chunk = where[key]
+            target = outs[info.name]
+            if target is None:
+                if arr.shape == info.shape and arr.dtype == info.dtype:
+                    outs[info.name] = arr
+                    continue
+                target = outs[info.name] = np.empty(info.shape, dtype=info.dtype)
+            _rows_of(info, p, chunk, target)[...] = arr
+
+    async def fetch(keys: list[int], call: Awaitable[list[np.ndarray]]) -> None:
+        place(keys, await call)
+
+    calls = []
     for task, batches in _bundle(items).items():
         for batch in batches:
             keys = [key for key, _ in batch]
-            requests.append((keys, sess.call_task(task, "ps", "pull", rq.Pull(items=[it for _, it in batch]), timeout=timeout)))
-    results = await _all([r for _, r in requests])
-    for (keys, _), arrays in zip(requests, results):
-        for key, arr in zip(keys, arrays):
-            info, p, chunk = where[key]
-            target = _rows_of(info, p, chunk, outs[info.name])
-            target[...] = arr
-    return outs
+            call = sess.call_task(task, "ps", "pull", rq.Pull(items=[it for _, it in batch]), timeout=timeout)
+            calls.append(fetch(keys, call))
+    await _every(calls)
+    return outs  # type: ignore[return-value]  # every None was replaced by its reply
 
 
 async def assign(sess: SessionPort, info: VarInfo, x: Any, mode: str, timeout: float | None = None) -> None:
