@@ -389,7 +389,7 @@ def test_dynamic_tables_have_a_finite_default_capacity():
                 await emb.lookup(np.arange(50))
                 table = servers["ps:0"].service("ps").tables[("dyn", 0)]
                 assert table.capacity == 8 and len(table) == 8 and len(table.ids) == 8
-                with pytest.raises(errors.ResourceExhausted, match="capacity 101 rows of 56 bytes is over the limit of 100 rows"):
+                with pytest.raises(errors.ResourceExhausted, match="capacity 101 rows of 48 bytes is over the limit of 100 rows"):
                     await sess.embedding("wide", None, 4, capacity=101)
                 assert "wide" not in servers["ps:0"].service("catalog").catalog.records
                 await sess.embedding("wide", None, 4, capacity=100)
@@ -417,8 +417,27 @@ def test_a_dynamic_tables_capacity_fits_the_shards_budget():
     assert table_capacity("t", None, row, lim) == (10 << 20) // row  # the default, lowered to fit
     assert table_capacity("t", None, row, StateLimits()) == StateLimits().table_capacity
     assert table_capacity("t", (10 << 20) // row, row, lim) == (10 << 20) // row
-    with pytest.raises(errors.ResourceExhausted, match=r"'t': capacity \d+ rows of 552 bytes"):
+    with pytest.raises(errors.ResourceExhausted, match=r"'t': capacity \d+ rows of 544 bytes"):
         table_capacity("t", (10 << 20) // row + 1, row, lim)
+
+
+def test_a_dynamic_table_keeps_step_counts_only_for_an_optimizer_that_reads_them():
+    """8 B a row (the 4 x float32 row's 16 B is smaller): SGD and Adagrad tables keep none and
+    count none; an Adam table keeps, counts and advances one per row."""
+    f32 = np.dtype("float32")
+    for opt in (None, zf.optim.SGD(0.1).spec(), zf.optim.Adagrad(0.1).spec()):
+        t = HashTable(4, f32, optimizer=opt)
+        t.lookup(np.arange(10))
+        t.push(np.arange(5), np.ones((5, 4), np.float32))
+        assert t.steps is None and t.row_bytes == HashTable.row_size(4, f32, opt)
+        assert t.nbytes == 10 * (4 * 4 * (1 + len(t.slots)) + HashTable.ROW_OVERHEAD)
+    adam = HashTable(4, f32, optimizer=zf.optim.Adam().spec())
+    adam.lookup(np.arange(10))
+    adam.push(np.arange(5), np.ones((5, 4), np.float32))
+    adam.push(np.arange(3), np.ones((3, 4), np.float32))
+    at = adam.index.find(np.arange(10), adam.ids)
+    assert adam.steps[at].tolist() == [2, 2, 2, 1, 1, 0, 0, 0, 0, 0]
+    assert adam.row_bytes == HashTable.row_size(4, f32, zf.optim.Adam().spec()) == 4 * 4 * 3 + HashTable.ROW_OVERHEAD + 8
 
 
 def test_step_counts_are_kept_and_budgeted_only_for_an_optimizer_that_reads_them():
@@ -436,3 +455,12 @@ def test_step_counts_are_kept_and_budgeted_only_for_an_optimizer_that_reads_them
     adam = ShardStore(StateLimits(max_shard_bytes=budget))
     assert adam.create("w", 0, [n], [0, n], "float32", optimizer=zf.optim.Adam().spec())
     assert adam.get("w").steps.shape == (n,) and adam.nbytes == budget
+
+
+def test_saved_step_counts_load_into_a_table_whose_optimizer_reads_none():
+    """A checkpoint written with step counts restores into an SGD table: rows and values back,
+    the counts not kept."""
+    t = HashTable(2, np.dtype("float32"), optimizer=zf.optim.SGD(0.1).spec())
+    assert t.load(np.array([7, 9]), np.ones((2, 2), np.float32), {}, np.array([3, 4])) == 2
+    assert t.steps is None and len(t) == 2
+    assert (t.values[t.index.find(np.array([7, 9]), t.ids)] == 1).all()

@@ -3,10 +3,10 @@
 A shard's checkpoint file is one safetensors file (:mod:`zmqflow.state.tensorfile`: readable by
 any safetensors reader, memory-mapped on restore; nothing in it can execute code). Tensors are
 named for people and other tools: a variable held whole is ``name``, a part of one
-``name/part_3``; its optimizer slots ``name/slot/m``, per-row step counts ``name/steps``, a sync
-step ``name/sync_step``; a dynamic table part ``name/part_0/ids``, ``/values``, ``/slot/m``,
-``/steps`` (optimizer step counts), ``/changed`` (the step each row last changed) and its
-admission state ``/pending_ids``, ``/pending_counts``. The file's ``__metadata__`` holds
+``name/part_3``; its optimizer slots ``name/slot/m``, per-row step counts ``name/steps`` (kept
+only under an optimizer that reads them), a sync step ``name/sync_step``; a dynamic table part
+``name/part_0/ids``, ``/values``, ``/slot/m``, ``/steps`` (the same), ``/changed`` (the step each
+row last changed) and its admission state ``/pending_ids``, ``/pending_counts``. The file's ``__metadata__`` holds
 ``format`` and ``entries`` (JSON: each part and table, its rows and tensor prefix), so a file
 describes itself without its manifest.
 
@@ -93,7 +93,9 @@ def table_arrays(t: HashTable, key: str) -> dict[str, np.ndarray]:
     live = t.live_slots()
     live = live[np.argsort(t.ids[live], kind="stable")]
     out = {tensor_name(key, f, "table"): a for f, a in (
-        ("ids", t.ids[live]), ("value", t.values[live]), ("steps", t.steps[live]), ("changed", t.updated_step[live]))}
+        ("ids", t.ids[live]), ("value", t.values[live]), ("changed", t.updated_step[live]))}
+    if t.steps is not None:
+        out[tensor_name(key, "steps", "table")] = t.steps[live]
     for name, slot in t.slots.items():
         out[tensor_name(key, f"slot.{name}", "table")] = slot[live]
     pending_ids, pending_counts = t.sightings.items()

@@ -131,7 +131,8 @@ class HashTable:
         self.ids = np.zeros(n, np.int64)
         self.values = np.zeros((n, self.dim), self.dtype)
         self.slots = {k: np.zeros((n, self.dim), self.dtype) for k in (opt.slot_names if opt else ())}
-        self.steps = np.zeros(n, np.int64)
+        # per-row update counts only for an optimizer that reads them (Adam's t): 8 B a row otherwise idle
+        self.steps: np.ndarray | None = np.zeros(n, np.int64) if opt is not None and opt.uses_step else None
         self.last_used = np.zeros(n, np.int64)  # lookup/push tick, for LRU
         self.updated_step = np.zeros(n, np.int64)
         self.updated_time = np.zeros(n, np.float64)
@@ -149,7 +150,8 @@ class HashTable:
     def __len__(self) -> int:
         return len(self.index)
 
-    ROW_OVERHEAD = 8 * 5  # id, step count, last use, last update step and time
+    ROW_OVERHEAD = 8 * 4  # id, last use, last update step and time
+    STEP_BYTES = 8  # a row's update count, kept for an optimizer that reads it (``uses_step``)
 
     @classmethod
     def row_size(cls, dim: int, dtype: np.dtype, optimizer: Any = None) -> int:
@@ -157,11 +159,13 @@ class HashTable:
         opt = _optim.from_spec(optimizer)
         if isinstance(opt, _optim.SyncReplicas):
             opt = opt.optimizer
-        return int(dim) * np.dtype(dtype).itemsize * (1 + (len(opt.slot_names) if opt else 0)) + cls.ROW_OVERHEAD
+        steps = cls.STEP_BYTES if opt is not None and opt.uses_step else 0
+        return int(dim) * np.dtype(dtype).itemsize * (1 + (len(opt.slot_names) if opt else 0)) + cls.ROW_OVERHEAD + steps
 
     @property
     def row_bytes(self) -> int:
-        return self.dim * self.dtype.itemsize * (1 + len(self.slots)) + self.ROW_OVERHEAD
+        steps = self.STEP_BYTES if self.steps is not None else 0
+        return self.dim * self.dtype.itemsize * (1 + len(self.slots)) + self.ROW_OVERHEAD + steps
 
     @property
     def nbytes(self) -> int:
@@ -184,6 +188,8 @@ class HashTable:
         new = min(old * 2, self.capacity)
         for name in ("ids", "steps", "last_used", "updated_step", "updated_time"):
             arr = getattr(self, name)
+            if arr is None:
+                continue
             grown = pages.zeros(new, arr.dtype)
             grown[:old] = arr
             setattr(self, name, grown)
@@ -229,7 +235,8 @@ class HashTable:
         opt = self.optimizer
         for k, s in self.slots.items():
             s[slots] = opt.slot_init(k) if opt else 0.0
-        self.steps[slots] = 0
+        if self.steps is not None:
+            self.steps[slots] = 0
         self.last_used[slots] = self.tick
         self.updated_step[slots] = self.step
         self.updated_time[slots] = time.time()
@@ -339,8 +346,11 @@ class HashTable:
         else:
             param = self.values[slots]
             slot_rows = {k: s[slots] for k, s in self.slots.items()}
-            self.steps[slots] += 1
-            self.values[slots] = self.optimizer.update(param, g, slot_rows, self.steps[slots])
+            t = None
+            if self.steps is not None:
+                self.steps[slots] += 1
+                t = self.steps[slots]
+            self.values[slots] = self.optimizer.update(param, g, slot_rows, t)
             for k, rows in slot_rows.items():
                 self.slots[k][slots] = rows
         self.last_used[slots] = self.tick
@@ -383,7 +393,7 @@ class HashTable:
         self.values[at] = values[keep]
         for k, v in slots.items():
             self.slots[k][at] = v[keep]
-        if steps is not None:
+        if steps is not None and self.steps is not None:  # saved counts an optimizer without them does not read
             self.steps[at] = np.asarray(steps)[keep]
         self.updated_step[at] = self.step if changed is None else np.asarray(changed, np.int64)[keep]
         return int(keep.sum())
