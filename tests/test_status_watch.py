@@ -116,9 +116,12 @@ def test_rates_recover_a_constant_rate(gaps, per_s, bytes_per_s, window):
         rates = tracker.update("w", Reading(t, 7, int((t - 3.0) * 1000), round(per_s * (t - 3.0)), round(bytes_per_s * (t - 3.0))))
     assert rates.samples is not None and rates.bytes is not None and rates.steps is not None
     span = t - 3.0
-    assert rates.samples == pytest.approx(per_s, abs=1.0 / min(span, window) + 1e-6)
-    assert rates.bytes == pytest.approx(bytes_per_s, abs=1.0 / min(span, window) + 1e-6)
-    assert rates.steps == pytest.approx(1000, abs=1.0 / min(span, window) + 1e-6)
+    # the counters' rounding moves a rate by under 1/dt, dt >= min(span, window); rel: the float
+    # error of ``t - 3.0`` (an ulp of t near 100 s) times a rate near 1e9 B/s
+    tol = {"abs": 1.0 / min(span, window) + 1e-6, "rel": 1e-12}
+    assert rates.samples == pytest.approx(per_s, **tol)
+    assert rates.bytes == pytest.approx(bytes_per_s, **tol)
+    assert rates.steps == pytest.approx(1000, **tol)
 
 
 @settings(max_examples=200, deadline=None)
