@@ -68,6 +68,13 @@ def test_a_one_piece_read_is_the_received_frame_and_yours_to_write(sess):
     assert got["one"].flags.writeable
     got["one"][:] = -1
     assert (v.read() == np.arange(64, dtype=np.float32).reshape(16, 4)).all()
+    rows = 2 * SLICE_BYTES // (64 * 4) + 3  # over a slice: still one frame, no copy
+    big = sess.variable("big_whole", shape=(rows, 64))
+    want = np.arange(rows * 64, dtype=np.float32).reshape(rows, 64)
+    big.assign(want)
+    whole = sess.pull([big])["big_whole"]
+    assert whole.shape == (rows, 64) and whole.flags.writeable and (whole == want).all()
+    assert not whole.flags.owndata  # a view of the received frame, not an array it was copied into
 
 
 def test_a_many_piece_read_without_out_is_assembled_whole(sess):

@@ -34,6 +34,9 @@ from ..wire.requests import ps as rq
 __all__ = ["SLICE_BYTES", "VarInfo", "check_out", "AsyncVariable", "declare", "create_parts", "pull", "push", "assign", "scatter"]
 
 SLICE_BYTES = 4 << 20
+# a one-part variable pulled without out= up to this size comes whole, as one frame that becomes
+# the result (no copy); bigger ones come in slices, copied into a new array as they land
+WHOLE_PULL_BYTES = 1 << 30
 T = TypeVar("T")
 
 
@@ -66,6 +69,10 @@ class VarInfo:
     @property
     def row_bytes(self) -> int:
         return math.prod(self.shape[1:]) * self.dtype.itemsize if self.shape else self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def chunks(self, part: int) -> list[tuple[int | None, int | None]]:
         """Part-local row ranges of at most SLICE_BYTES (one row at least); scalars are one chunk.
@@ -237,8 +244,9 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
     """Every part's rows, in requests of about SLICE_BYTES all sent at once, each with ``timeout``
     (the session's by default). ``out`` maps names to arrays to fill (reused by a caller that
     reads the same variables every step: no fresh pages to fault in); each reply is copied in as
-    it lands, while the others are still in flight. A variable not in ``out`` that came in one
-    piece is the received frame itself (writeable, nothing copied); others get new arrays."""
+    it lands, while the others are still in flight. A one-part variable not in ``out`` (up to
+    WHOLE_PULL_BYTES) comes whole and is the received frame itself (writeable, nothing copied);
+    others get new arrays."""
     given = out or {}
     extra = set(given) - {info.name for info in infos}
     if extra:
@@ -247,7 +255,7 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
     for info in infos:
         if info.name in given:
             outs[info.name] = check_out(info, given[info.name])
-        elif len(info.parts) == 1 and len(info.chunks(0)) == 1:
+        elif len(info.parts) == 1 and info.nbytes <= WHOLE_PULL_BYTES:
             outs[info.name] = None  # the reply's array, once it lands
         else:
             outs[info.name] = np.empty(info.shape, dtype=info.dtype)
@@ -255,7 +263,9 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
     items = []
     for info in infos:
         for p, (task, r0, r1) in enumerate(info.parts):
-            for chunk in info.chunks(p):
+            # a variable received whole comes in one frame: slices would have to be copied together
+            chunks = info.chunks(p) if outs[info.name] is not None or not info.shape else [(0, r1 - r0)]
+            for chunk in chunks:
                 key = len(where)
                 where[key] = (info, p, chunk)
                 nbytes = ((chunk[1] or 0) - (chunk[0] or 0)) * info.row_bytes if info.shape else info.row_bytes
