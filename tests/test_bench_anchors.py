@@ -67,6 +67,8 @@ def _check_rows(rows: list[dict], shards: tuple[int, ...], with_tf: bool) -> Non
     for step, pull in zip(steps, pulls):
         # a step moves the model twice (pull, push); its throughput counts both
         assert step["size_bytes"] == pull["size_bytes"] == 1_000_000
+        # the wire's own time for the same bytes, measured beside it
+        assert step["wire_ms"] > 0 and step["over_wire"] == pytest.approx(step["zmqflow_ms"] / step["wire_ms"])
         # warm-up + reps SGD pushes of 1e-3 on zeros: the pushes were applied, not only sent
         expected = -(TINY["reps"] + 1) * DENSE_LR * 1e-3
         assert step["final_value"]["zmqflow"] == pytest.approx(expected, rel=1e-4)
@@ -84,6 +86,7 @@ def test_tf1_rows_json_and_table_with_zmqflow_alone(tmp_path):
     for m in MEASURES:
         assert m in table
     assert "above 1: zmqflow faster" in table
+    assert "for raw pyzmq to move the same bytes" in table
 
 
 @pytest.mark.skipif(not plot.available(), reason="matplotlib is not installed (the [plot] extra)")

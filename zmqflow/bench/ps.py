@@ -36,13 +36,13 @@ from .procs import Procs, zf_task_process
 from .report import align, script_main, write_jsonl
 from .stats import seconds, seconds_async
 
-__all__ = ["format_table", "run", "zf_model", "zf_round_trips"]
+__all__ = ["RawWire", "format_table", "run", "zf_model", "zf_round_trips"]
 
 MB = 1e6
 PULL_TARGET, PUSH_TARGET, SCALAR_TARGET = 0.9, 0.8, 0.7  # zmqflow / raw: reported, never asserted
 
 
-def _raw_ps_process(port: int, nbytes: int, conn: Any) -> None:
+def raw_ps_process(port: int, nbytes: int, conn: Any) -> None:
     """Process entry (see :mod:`zmqflow.bench.procs`): a ROUTER that answers b"pull a,b" with
     those bytes of its buffer, anything else (a pushed slice) with an ack."""
     keep_big_blocks()  # the same allocator as the zmqflow side
@@ -67,13 +67,7 @@ def _raw_ps_process(port: int, nbytes: int, conn: Any) -> None:
     ctx.term()
 
 
-def _slices(total: int, shards: int) -> list[list[tuple[int, int]]]:
-    """Each shard's byte ranges of SLICE_BYTES, for a model of ``total`` bytes split evenly."""
-    per = total // shards
-    return [[(a, min(a + SLICE_BYTES, per)) for a in range(0, per, SLICE_BYTES)] for _ in range(shards)]
-
-
-def _raw_pull_push(socks: list[zmq.Socket], plan: list[list[tuple[int, int]]], payload: np.ndarray) -> tuple[float, float]:
+def _pull_push(socks: list[zmq.Socket], plan: list[list[tuple[int, int]]], payload: np.ndarray) -> tuple[float, float]:
     """Seconds to pull every shard's slices, then to push them, each time all in flight at once."""
     view = payload.view(np.uint8)
     start = time.perf_counter()
@@ -95,7 +89,7 @@ def _raw_pull_push(socks: list[zmq.Socket], plan: list[list[tuple[int, int]]], p
     return pull_s, time.perf_counter() - start
 
 
-def _raw_round_trips(sock: zmq.Socket, n: int) -> float:
+def _round_trips(sock: zmq.Socket, n: int) -> float:
     """Request/reply round trips per second of a few bytes, one in flight."""
 
     def trips() -> None:
@@ -104,6 +98,48 @@ def _raw_round_trips(sock: zmq.Socket, n: int) -> float:
             sock.recv_multipart()
 
     return n / seconds(trips)
+
+
+def _slices(total: int, shards: int) -> list[list[tuple[int, int]]]:
+    """Each shard's byte ranges of SLICE_BYTES, for a model of ``total`` bytes split evenly."""
+    per = total // shards
+    return [[(a, min(a + SLICE_BYTES, per)) for a in range(0, per, SLICE_BYTES)] for _ in range(shards)]
+
+
+class RawWire:
+    """The baseline: ``shards`` raw ROUTER processes (started in ``procs``, which stops them) and
+    a DEALER to each, moving up to ``max_bytes`` of model in SLICE_BYTES slices, all in flight."""
+
+    def __init__(self, procs: Procs, shards: int, max_bytes: int):
+        self.shards = shards
+        self._ctx = zmq.Context()
+        self.socks: list[zmq.Socket] = []
+        ports = [free_port() for _ in range(shards)]
+        for port in ports:
+            procs.start(raw_ps_process, port, max_bytes // shards)
+        for port in ports:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(f"tcp://127.0.0.1:{port}")
+            self.socks.append(s)
+        self._payload = np.ones(max(max_bytes // shards, SLICE_BYTES) // 4, np.float32)
+
+    def nbytes(self, model_bytes: int) -> int:
+        """The bytes one move of a ``model_bytes`` model carries each way (split evenly)."""
+        return model_bytes // self.shards * self.shards
+
+    def move(self, model_bytes: int) -> tuple[float, float]:
+        """Seconds to pull every shard's slices of the model, then to push them."""
+        return _pull_push(self.socks, _slices(model_bytes, self.shards), self._payload)
+
+    def round_trips(self, n: int) -> float:
+        """Request/reply round trips per second of a few bytes, one in flight, to the first shard."""
+        return _round_trips(self.socks[0], n)
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close(0)
+        self._ctx.term()
 
 
 async def zf_model(sess: AsyncSession, names: list[str], grads: dict[str, np.ndarray], reps: int,
@@ -141,56 +177,44 @@ async def zf_round_trips(sess: AsyncSession, n: int) -> float:
 def _measure(shards: int, model_bytes: int, nvars: int, reps: int, trips: int) -> dict[str, Any]:
     """One row: zmqflow and raw pyzmq on ``shards`` server processes each, medians of ``reps``."""
     procs = Procs()
-    ctx = zmq.Context()
-    socks: list[zmq.Socket] = []
+    wire: RawWire | None = None
     try:
         spec = ClusterSpec({"ps": [f"127.0.0.1:{free_port()}" for _ in range(shards)]})
         for t in spec.tasks:
             procs.start(zf_task_process, spec.to_json(), str(t))
-        raw_ports = [free_port() for _ in range(shards)]
-        for port in raw_ports:
-            procs.start(_raw_ps_process, port, model_bytes // shards)
-        for port in raw_ports:
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(f"tcp://127.0.0.1:{port}")
-            socks.append(s)
-        plan = _slices(model_bytes, shards)
-        payload = np.ones(max(model_bytes // shards, SLICE_BYTES) // 4, np.float32)
+        wire = RawWire(procs, shards, model_bytes)
         per_var = model_bytes // nvars // 4
         names = [f"v{i}" for i in range(nvars)]
         grads = {n: np.ones(per_var, np.float32) for n in names}
-
+        raw: list[tuple[float, float]] = []
+        raw_rates: list[float] = []
         fresh: list[float] = []
 
-        async def zf_all() -> tuple[list[float], list[float], float]:
+        async def zf_all(wire: RawWire) -> tuple[list[float], list[float], float]:
             async with AsyncSession(cluster=spec, task="ps:0", timeout=120) as sess:
                 await sess.wait_for_cluster(30)
                 for n in names:
                     await sess.variable(n, shape=(per_var,))
                 await zf_model(sess, names, grads, 1)  # warm up connections and pages
-                pulls, pushes = await zf_model(sess, names, grads, reps, fresh,
-                                               lambda: raw.append(_raw_pull_push(socks, plan, payload)))
+                pulls, pushes = await zf_model(sess, names, grads, reps, fresh, lambda: raw.append(wire.move(model_bytes)))
                 zf_rates = []
                 for _ in range(2):  # alternating halves, as above
-                    raw_rates.append(_raw_round_trips(socks[0], trips // 2))
+                    raw_rates.append(wire.round_trips(trips // 2))
                     zf_rates.append(await zf_round_trips(sess, trips // 2))
                 return pulls, pushes, statistics.mean(zf_rates)
 
-        raw: list[tuple[float, float]] = []
-        raw_rates: list[float] = []
-        _raw_pull_push(socks, plan, payload)  # warm up
-        zf_pulls, zf_pushes, zf_trips = zf_loop.run(zf_all())
+        wire.move(model_bytes)  # warm up
+        zf_pulls, zf_pushes, zf_trips = zf_loop.run(zf_all(wire))
         raw_trips = statistics.mean(raw_rates)
-        gb = per_var * 4 * nvars / 1e9
+        gb, raw_gb = per_var * 4 * nvars / 1e9, wire.nbytes(model_bytes) / 1e9
         row = {
             "shards": shards,
             "model_mb": round(per_var * 4 * nvars / MB, 1),
             "zf_pull_gbps": gb / statistics.median(zf_pulls),
-            "raw_pull_gbps": (model_bytes // shards * shards / 1e9) / statistics.median(r[0] for r in raw),
+            "raw_pull_gbps": raw_gb / statistics.median(r[0] for r in raw),
             "zf_pull_fresh_gbps": gb / statistics.median(fresh),
             "zf_push_gbps": gb / statistics.median(zf_pushes),
-            "raw_push_gbps": (model_bytes // shards * shards / 1e9) / statistics.median(r[1] for r in raw),
+            "raw_push_gbps": raw_gb / statistics.median(r[1] for r in raw),
             "zf_assign_add_per_s": zf_trips,
             "raw_rtt_per_s": raw_trips,
         }
@@ -200,9 +224,8 @@ def _measure(shards: int, model_bytes: int, nvars: int, reps: int, trips: int) -
         row["scalar_ratio"] = zf_trips / raw_trips
         return row
     finally:
-        for s in socks:
-            s.close(0)
-        ctx.term()
+        if wire is not None:
+            wire.close()
         procs.close()
 
 

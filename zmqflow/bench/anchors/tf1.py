@@ -5,7 +5,10 @@ For 1 and 2 ps tasks (each a separate process on tcp loopback, for both systems)
 * ``assign_add``: scalar ``assign_add`` round trips, one in flight (a variable on ps 0);
 * ``dense``: a model of ``nvars`` float32 variables (64 MB in all by default, placed round robin)
   pulled whole, then an SGD step pushed with a fed gradient for every variable (TF:
-  ``apply_gradient_descent`` on the ps); the step is the pull and the push one after the other;
+  ``apply_gradient_descent`` on the ps); the step is the pull and the push one after the other.
+  After each repetition raw pyzmq moves the same bytes between processes of its own (pull then
+  push, 4 MiB slices all in flight: :class:`zmqflow.bench.ps.RawWire`): the wire's own time, which
+  the step is also reported against;
 * ``embedding``: 4096 Zipf ids (dim 64) looked up in a table of one partition per ps (``mod``
   ids), then their SGD rows pushed (TF: ``tf.nn.embedding_lookup`` over a partitioned variable,
   the lookup's gradient applied with ``scatter_sub`` on each partition).
@@ -37,13 +40,14 @@ from ...transport.memory import keep_big_blocks
 from ..embedding import BATCH, DIM
 from ..machine import OtherLoad
 from ..procs import Procs, zf_task_process
-from ..ps import zf_model, zf_round_trips
+from ..ps import RawWire, zf_model, zf_round_trips
 from ..report import align, cell, write_jsonl
 from ..stats import seconds_async
 from .tf1_side import DENSE_LR, EMB_LR, id_batches, tf_ps_process, tf_worker_process
 
 __all__ = ["MISSING_TF", "format_table", "plan", "run", "tf_available"]
 
+WIRE_TARGET = 1.5  # the dense step within this factor of raw pyzmq moving the same bytes (reported only)
 MISSING_TF = "zmqflow bench ps --vs tf1 needs TensorFlow: pip install 'zmqflow[anchors]' (tensorflow-cpu)"
 
 
@@ -96,10 +100,12 @@ async def _pair(zf_rep: Callable[[], Awaitable[Any]], tf: _TfWorker | None, kind
         await theirs()
 
 
-async def _lockstep(spec: ClusterSpec, p: dict[str, Any], tf: _TfWorker | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Every measure on both sides, repetition by repetition; TF's results empty without ``tf``."""
+async def _lockstep(spec: ClusterSpec, p: dict[str, Any], tf: _TfWorker | None,
+                    wire: RawWire) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every measure on both sides, repetition by repetition; TF's results empty without ``tf``.
+    After each dense repetition ``wire`` moves the same bytes in raw pyzmq (``zf["wire"]``)."""
     reps, trips = p["reps"], p["trips"]
-    zf: dict[str, Any] = {"scalar_s": [], "dense": {}, "embedding": []}
+    zf: dict[str, Any] = {"scalar_s": [], "dense": {}, "embedding": [], "wire": {}}
     theirs: dict[str, Any] = {"scalar_s": [], "dense": {}, "embedding": []}
     async with AsyncSession(cluster=spec, task="ps:0", timeout=300) as sess:
         await sess.wait_for_cluster(30)
@@ -120,9 +126,10 @@ async def _lockstep(spec: ClusterSpec, p: dict[str, Any], tf: _TfWorker | None) 
                 pulls, pushes = await zf_model(sess, names, grads, 1)
                 return [pulls[0], pushes[0]]
 
-            zf["dense"][mb], theirs["dense"][mb] = [], []
+            zf["dense"][mb], theirs["dense"][mb], zf["wire"][mb] = [], [], []
             for i in range(reps + 1):
                 await _pair(dense, tf, "dense", mb, i, zf["dense"][mb], theirs["dense"][mb])
+                zf["wire"][mb].append(sum(wire.move(per_var * 4 * p["nvars"])))
         first = f"d{p['model_mbs'][0]:g}_0"
         zf["check"] = float(np.mean((await sess.pull([first]))[first][:4]))
         theirs["check"] = None if tf is None else tf.call("check", p["model_mbs"][0])
@@ -140,6 +147,7 @@ async def _lockstep(spec: ClusterSpec, p: dict[str, Any], tf: _TfWorker | None) 
         side["scalar_s"] = side["scalar_s"][1:]
         side["dense"] = {mb: v[1:] for mb, v in side["dense"].items()}
         side["embedding"] = side["embedding"][warm:]
+    zf["wire"] = {mb: v[1:] for mb, v in zf["wire"].items()}
     return zf, theirs
 
 
@@ -147,10 +155,12 @@ def _measure(n_ps: int, p: dict[str, Any], with_tf: bool) -> tuple[dict[str, Any
     """Both systems' clusters up side by side (idle while the other measures), then the lock-step run;
     also the CPUs other processes used meanwhile."""
     procs = Procs()
+    wire: RawWire | None = None
     try:
         spec = ClusterSpec({"ps": [f"127.0.0.1:{free_port()}" for _ in range(n_ps)]})
         for t in spec.tasks:
             procs.start(zf_task_process, spec.to_json(), str(t))
+        wire = RawWire(procs, n_ps, int(max(p["model_mbs"]) * 1e6))
         tf = None
         if with_tf:
             spec_json = json.dumps({"ps": [f"127.0.0.1:{free_port()}" for _ in range(n_ps)],
@@ -160,9 +170,11 @@ def _measure(n_ps: int, p: dict[str, Any], with_tf: bool) -> tuple[dict[str, Any
             procs.start(tf_worker_process, spec_json, p)
             tf = _TfWorker(procs.children[-1].conn)
         load = OtherLoad()
-        zf, theirs = zf_loop.run(_lockstep(spec, p, tf))
+        zf, theirs = zf_loop.run(_lockstep(spec, p, tf, wire))
         return zf, theirs if with_tf else None, load.cpus()
     finally:
+        if wire is not None:
+            wire.close()
         procs.close()
 
 
@@ -199,6 +211,9 @@ def _rows(n_ps: int, p: dict[str, Any], zf: dict[str, Any], tf: dict[str, Any] |
                              col(tf, "dense", mb, j)))
         rows.append(_row("dense step", n_ps, size, nbytes, "GB/s", 2 * nbytes / 1e9, col(zf, "dense", mb, -1),
                          col(tf, "dense", mb, -1)))
+        wire_s = statistics.median(zf["wire"][mb])  # raw pyzmq pulling and pushing the same bytes
+        rows[-1]["wire_ms"] = wire_s * 1e3
+        rows[-1]["over_wire"] = rows[-1]["zmqflow_ms"] / rows[-1]["wire_ms"]
         if mb == p["model_mbs"][0]:
             rows[-1]["final_value"] = {"zmqflow": zf["check"], "tf1": None if tf is None else tf["check"]}
     for j, what in enumerate(("lookup", "push", "step")):
@@ -242,6 +257,11 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     out.append(f"medians of {'/'.join(map(str, sorted(reps)))} repetitions (embedding: of "
                f"{'/'.join(map(str, sorted(batches)))} id batches); ratio = zmqflow throughput / tf1 throughput "
                "(above 1: zmqflow faster); dense step GB/s counts the bytes pulled and pushed")
+    for r in rows:
+        if r.get("wire_ms") is not None:
+            out.append(f"dense step, {r['ps']} ps, {r['size']}: {r['zmqflow_ms']:.1f} ms against {r['wire_ms']:.1f} ms "
+                       f"for raw pyzmq to move the same bytes in this run: {r['over_wire']:.2f}x the wire "
+                       f"(moonshot: within {WIRE_TARGET:g}x)")
     loads = {r["ps"]: r["other_load_cpus"] for r in rows if r["other_load_cpus"] is not None}
     if loads:
         out.append("CPUs kept busy by other processes meanwhile: "
