@@ -398,3 +398,24 @@ def test_bench_transport_measures_curve_beside_plaintext():
     table = format_curve_table(rows)
     assert "zf GB/s on" in table and "tcp" in table.splitlines()[-1]
     assert "curve" in format_table(rows)
+
+
+def test_a_keyed_session_with_several_streams_moves_large_requests_over_each(keyed, monkeypatch):
+    """Every extra stream is a CURVE connection of its own under the same key: admitted, and the
+    large pushes and pulls it carries land exactly."""
+    from zmqflow.client.variables import SLICE_BYTES
+    from zmqflow.rpc.streams import STREAMS_ENV
+
+    spec, keys = keyed
+    monkeypatch.setenv(STREAMS_ENV, "3")
+    rows = 3 * SLICE_BYTES // (64 * 4) + 1
+
+    async def main():
+        async with local_cluster(spec, timeout=10, keys=keys):
+            async with zf.AsyncSession(cluster=spec, task="ps:0", keys=keys) as sess:
+                await sess.variable("big", shape=(rows, 64))
+                await sess.push({"big": np.ones((rows, 64), np.float32)})
+                got = (await sess.pull(["big"]))["big"]
+                np.testing.assert_array_equal(got, np.ones((rows, 64), np.float32))
+
+    arun(main())

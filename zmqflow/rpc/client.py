@@ -48,6 +48,7 @@ from .calls import Peer, Pending, protocol_error, unauthenticated, unreachable
 from .coalesce import Coalescer
 from .counters import Counters, frames_nbytes
 from .deadlines import Deadlines
+from .streams import Streams, configured_streams
 
 __all__ = ["RpcClient", "Peer", "DEFAULT_TIMEOUT"]  # Peer: re-exported from .calls
 
@@ -76,6 +77,7 @@ class RpcClient:
         keys: Keys | None = None,
         retry_interval: float | None = None,
         coalesce: bool = True,
+        streams: int | None = None,
     ):
         if retry_interval is not None and not retry_interval > 0:
             raise ValueError(f"retry_interval must be positive or None, got {retry_interval!r}")
@@ -106,14 +108,17 @@ class RpcClient:
         self._senders: dict[int, asyncio.Task] = {}  # sends waiting for a connection, by request id
         self.coalesce = coalesce
         self._coalescer = Coalescer()
+        # connections per peer for large requests (rpc/streams.py); ZMQFLOW_STREAMS when not given
+        self._streams = Streams(configured_streams() if streams is None else streams)
         # envelopes sent whose peer has answered nothing of them yet: (peer, [(request id, frames)])
         self._batches: dict[int, tuple[Peer, list[tuple[int, list[Any]]]]] = {}
         self.batches_out = 0  # envelopes sent
 
     # connections ------------------------------------------------------------------------
-    def peer(self, endpoint: str, name: str | None = None) -> Peer:
-        """The pooled connection to ``endpoint``, opened on first use."""
-        found = self._peers.get(endpoint)
+    def peer(self, endpoint: str, name: str | None = None, stream: int = 0) -> Peer:
+        """The pooled connection to ``endpoint`` (its ``stream``-th: see :mod:`.streams`), opened on first use."""
+        key = Streams.key(endpoint, stream)
+        found = self._peers.get(key)
         if found is not None:
             return found
         if self._closed:
@@ -124,7 +129,7 @@ class RpcClient:
         try:
             peer.conn = transport.connect(
                 endpoint,
-                self.identity,
+                Streams.identity(self.identity, stream),
                 functools.partial(self._on_reply, peer),
                 functools.partial(self._on_state, peer),
                 loop=self._loop,
@@ -137,7 +142,7 @@ class RpcClient:
                 raise
             raise ConfigError(f"the transport for {endpoint} ({type(transport).__name__}) does not carry keys") from None
         peer.batching = self.coalesce and not isinstance(transport, FaultInjector)
-        self._peers[endpoint] = peer
+        self._peers[key] = peer
         return peer
 
     def _on_state(self, peer: Peer, state: str) -> None:
@@ -202,9 +207,11 @@ class RpcClient:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         peer = self.peer(endpoint, name)
         rid = next(self._ids)
+        frames = encode(Message(REQUEST, rid, service, op, body, timeout, self.source))
+        if self._streams.count > 1 and (k := self._streams.pick(endpoint, frames_nbytes(frames))):
+            peer = self.peer(endpoint, name, k)
         fut = self._loop.create_future()
         pending = Pending(fut, peer, service, op, False, None, timeout)
-        frames = encode(Message(REQUEST, rid, service, op, body, timeout, self.source))
         self._pending[rid] = pending
         peer.inflight.add(rid)
         due = self._loop.time() + timeout
