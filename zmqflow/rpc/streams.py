@@ -14,8 +14,9 @@ Requests on different streams may be run in another order than they were sent. C
 awaits one after the other are unaffected; requests started together without waiting (the slices
 of one pull or push, each on its own rows) never depended on an order.
 
-Off by default (1): on the 2-core machine of ``bench/README.md`` a second stream gained nothing.
-inproc endpoints never use extra streams.
+Off by default (1): on the 2-core machine of ``bench/README.md``, where both ends' copies
+already keep both cores busy, two streams (with two I/O threads) moved 100 MB pushes at 1.5-1.6
+GB/s against 1.8-2.1 with one. inproc endpoints never use extra streams.
 """
 
 from __future__ import annotations
