@@ -21,8 +21,7 @@ GB/s against 1.8-2.1 with one. inproc endpoints never use extra streams.
 
 from __future__ import annotations
 
-import os
-
+from ..env import bounded_int
 from ..errors import ConfigError
 
 __all__ = ["STREAMS_ENV", "STREAM_MIN_BYTES", "MAX_STREAMS", "Streams", "configured_streams"]
@@ -34,16 +33,7 @@ MAX_STREAMS = 16
 
 def configured_streams(environ: dict[str, str] | None = None) -> int:
     """The streams ``ZMQFLOW_STREAMS`` asks for (1 when unset); ConfigError names a bad value."""
-    raw = (os.environ if environ is None else environ).get(STREAMS_ENV, "").strip()
-    if not raw:
-        return 1
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= MAX_STREAMS:
-        raise ConfigError(f"{STREAMS_ENV} must be an integer from 1 to {MAX_STREAMS}, got {raw!r}")
-    return n
+    return bounded_int(STREAMS_ENV, 1, MAX_STREAMS, 1, environ)
 
 
 class Streams:

@@ -12,7 +12,7 @@ import threading
 
 import zmq
 
-from ..errors import ConfigError
+from ..env import bounded_int
 
 __all__ = ["context", "io_threads"]
 
@@ -24,16 +24,7 @@ MAX_IO_THREADS = 64
 
 def io_threads(environ: dict[str, str] | None = None) -> int:
     """The I/O threads ``ZMQFLOW_IO_THREADS`` asks for (1 when unset); ConfigError names a bad value."""
-    raw = (os.environ if environ is None else environ).get("ZMQFLOW_IO_THREADS", "").strip()
-    if not raw:
-        return 1
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= MAX_IO_THREADS:
-        raise ConfigError(f"ZMQFLOW_IO_THREADS must be an integer from 1 to {MAX_IO_THREADS}, got {raw!r}")
-    return n
+    return bounded_int("ZMQFLOW_IO_THREADS", 1, MAX_IO_THREADS, 1, environ)
 
 
 def context() -> zmq.Context:
