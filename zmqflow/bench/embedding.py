@@ -107,7 +107,8 @@ def _throughput(shards: int, rows: int, batches: int) -> dict[str, Any]:
 
 def _memory(rows: int, shards: int = 4, dynamic: bool = False) -> dict[str, Any]:
     """Each shard's resident memory beside the bytes it holds, for a ``rows`` x DIM table: static,
-    or dynamic and filled with ``rows`` ids (rows, index and admission state all counted). The
+    or dynamic and filled with ``rows`` ids. The held bytes are the rows with their bookkeeping;
+    the id index and admission state are not among them, so they count as overhead. The
     shards are ``zmqflow serve`` processes, as deployed; RSS is read once each has gone quiet
     and handed its free heap back (its idle trim)."""
     spec = ClusterSpec({"ps": [f"127.0.0.1:{free_port()}" for _ in range(shards)]})
