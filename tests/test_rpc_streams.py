@@ -13,7 +13,7 @@ from zmqflow import errors
 from zmqflow.client.variables import SLICE_BYTES
 from zmqflow.rpc import RpcClient, RpcServer, Service, op
 from zmqflow.rpc.streams import STREAM_MIN_BYTES, STREAMS_ENV, Streams, configured_streams
-from zmqflow.testing import free_port, make_spec
+from zmqflow.testing import free_port, local_cluster, make_spec
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,11 +71,19 @@ def test_a_session_with_streams_pulls_and_pushes_a_sliced_model_exactly(monkeypa
     spec = make_spec({"ps": 1, "worker": 1}, "tcp")
     rows = 3 * SLICE_BYTES // (64 * 4) + 5  # several slices of 4 MiB, dealt over both streams
     want = np.arange(rows * 64, dtype=np.float32).reshape(rows, 64)
-    with zf.Server(spec, "ps:0"), zf.Server(spec, "worker:0") as w, zf.Session(w.target) as s:
-        v = s.variable("m", shape=(rows, 64))
-        v.assign(want)
-        for step in range(1, 4):
-            s.push({"m": np.ones((rows, 64), np.float32)})
-            out = np.empty((rows, 64), np.float32)
-            assert s.pull(["m"], out={"m": out})["m"] is out
-            assert (out == want + step).all()
+
+    async def main() -> None:
+        async with local_cluster(spec, timeout=10):
+            async with zf.AsyncSession(cluster=spec, task="ps:0") as sess:
+                ps0 = spec.address("ps:0").endpoint
+                v = await sess.variable("m", shape=(rows, 64))
+                assert sess.client.connections(ps0) == 1  # small calls only so far
+                await v.assign(want)
+                for step in range(1, 4):
+                    await sess.push({"m": np.ones((rows, 64), np.float32)})
+                    out = np.empty((rows, 64), np.float32)
+                    assert (await sess.pull(["m"], out={"m": out}))["m"] is out
+                    assert (out == want + step).all()
+                assert sess.client.connections(ps0) == 2
+
+    asyncio.run(main())

@@ -443,6 +443,10 @@ class RpcClient:
             return None
         return peer.down_since
 
+    def connections(self, endpoint: str) -> int:
+        """How many connections to ``endpoint`` are open: more than one once streams carried large requests."""
+        return sum(Streams.key(endpoint, k) in self._peers for k in range(self._streams.count))
+
     def peer_state(self, endpoint: str) -> str:
         """``up``, ``down`` or ``connecting``, as the transport sees it now (an inproc peer is up
         while its pipe takes messages)."""
