@@ -180,7 +180,8 @@ class AsyncEmbedding:
             body: Request = (rq.EmbLookup(name=self.name, part=p, ids=ids, create=create) if rows is None else
                                 rq.EmbPush(name=self.name, part=p, ids=ids, grads=np.require(rows[mask], requirements="C"),
                                            step=step))
-            calls.append(self._session.call_task(self.info.tasks[p], "ps", op, body, timeout=timeout))
+            size = len(ids) * self.info.dim * self.info.dtype.itemsize if rows is None else 0  # a lookup's reply
+            calls.append(self._session.call_task(self.info.tasks[p], "ps", op, body, timeout=timeout, size=size))
         results = await asyncio.gather(*calls)
         return [(mask, r) for (_, mask), r in zip(masks, results)]
 

@@ -24,8 +24,9 @@ class SessionPort(Protocol):
     timeout: float
 
     async def call_task(self, task: TaskId, service: str, op: str, body: Any = None, *,
-                        timeout: float | None = None) -> Any:
-        """``service.op`` on one task of the session's cluster, within ``timeout`` (the session's by default)."""
+                        timeout: float | None = None, size: int = 0) -> Any:
+        """``service.op`` on one task of the session's cluster, within ``timeout`` (the session's by
+        default). ``size``: the bytes its reply will carry, when it is a large read."""
         ...
 
     async def call_catalog(self, op: str, body: Any, timeout: float | None = None) -> Any:

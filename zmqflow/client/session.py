@@ -93,13 +93,14 @@ class AsyncSession:
         return self._client
 
     async def call_task(self, task: TaskId, service: str, op: str, body: Any = None, *,
-                        timeout: float | None = None) -> Any:
+                        timeout: float | None = None, size: int = 0) -> Any:
         """``service.op`` on ``task`` of this session's cluster, within ``timeout`` (the session's
-        by default). A shard's NotFound for state it held, from a shard that restarted since this
+        by default); ``size``: the bytes its reply will carry, when large (``RpcClient.start_call``). A shard's NotFound for state it held, from a shard that restarted since this
         session learned of it, is raised as :class:`ShardStateLost` naming the shard."""
         spec = self._spec or await self.cluster()
         try:
-            return await self.client.call(spec.address(task).endpoint, service, op, body, timeout=timeout, name=str(task))
+            return await self.client.call(spec.address(task).endpoint, service, op, body, timeout=timeout, name=str(task),
+                                          size=size)
         except NotFound as exc:
             if service != "ps" or op not in _STATE_OPS:
                 raise

@@ -187,9 +187,10 @@ class RpcClient:
         *,
         timeout: float | None = None,
         name: str | None = None,
+        size: int = 0,
     ) -> Any:
         """Call ``service.op`` on the task at ``endpoint`` and return its result."""
-        return await self.start_call(endpoint, service, op, body, timeout=timeout, name=name)
+        return await self.start_call(endpoint, service, op, body, timeout=timeout, name=name, size=size)
 
     def start_call(
         self,
@@ -200,15 +201,18 @@ class RpcClient:
         *,
         timeout: float | None = None,
         name: str | None = None,
+        size: int = 0,
     ) -> asyncio.Future:
-        """Send now and return a future for the reply: pipelines many calls without a task each."""
+        """Send now and return a future for the reply: pipelines many calls without a task each.
+        ``size``: bytes the call moves that its request does not carry (a read's reply), so that
+        a large read may take another stream (:mod:`.streams`) as a large write would."""
         timeout = self.default_timeout if timeout is None else float(timeout)
         if not timeout > 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         peer = self.peer(endpoint, name)
         rid = next(self._ids)
         frames = encode(Message(REQUEST, rid, service, op, body, timeout, self.source))
-        if self._streams.count > 1 and (k := self._streams.pick(endpoint, frames_nbytes(frames))):
+        if self._streams.count > 1 and (k := self._streams.pick(endpoint, max(size, frames_nbytes(frames)))):
             peer = self.peer(endpoint, name, k)
         fut = self._loop.create_future()
         pending = Pending(fut, peer, service, op, False, None, timeout)
