@@ -503,3 +503,37 @@ def test_store_refuses_a_bad_optimizer_and_creates_nothing():
     with pytest.raises(InvalidArgument):
         store.create("w", 0, [2], [0, 2], "float64", optimizer={"kind": "rmsprop"})
     assert store.parts == {}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_sgd_scales_in_the_parts_own_precision(dtype):
+    """The scaled gradient is computed in the part's dtype, as ``np.multiply(..., dtype=)`` would:
+    the same bits as before bfloat16 needed another way to make it."""
+    rng = np.random.default_rng(1)
+    param = rng.standard_normal(1000).astype(dtype)
+    grad = rng.standard_normal(1000).astype(dtype)
+    want = param - np.multiply(grad, 0.037, dtype=dtype)
+    got = SGD(0.037).update(param.copy(), grad, {}, None)
+    assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("opt", [SGD(0.1), Momentum(0.1), Momentum(0.1, nesterov=True), Adagrad(0.1), Adam(0.01)],
+                         ids=["sgd", "momentum", "nesterov", "adagrad", "adam"])
+def test_bfloat16_variables_take_every_optimizer_dense_and_sparse(opt):
+    """A bfloat16 part steps like its float32 twin, to bfloat16's precision: the optimizers' scaled
+    temporaries are made in the part's dtype without asking numpy to cast a Python float to it
+    (ml_dtypes refuses that cast, and a push used to fail with a TypeError)."""
+    rng = np.random.default_rng(5)
+    init = rng.standard_normal((6, 4)).astype(np.float32)
+    grads = [rng.standard_normal((6, 4)).astype(np.float32) for _ in range(3)]
+    stores = {}
+    for dt in ("bfloat16", "float32"):
+        s = ShardStore()
+        s.create("w", 0, [6, 4], [0, 6], dt, optimizer=opt.spec())
+        s.assign("w", 0, init.astype(dt))
+        for g in grads:
+            s.apply_dense("w", 0, g.astype(dt))
+            s.apply_sparse("w", 0, np.array([1, 4, 1]), g[:3].astype(dt))
+        stores[dt] = s.read("w").astype(np.float32)
+    assert np.isfinite(stores["bfloat16"]).all()
+    np.testing.assert_allclose(stores["bfloat16"], stores["float32"], rtol=0.05, atol=0.05)

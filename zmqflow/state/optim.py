@@ -19,6 +19,15 @@ from ..errors import InvalidArgument
 __all__ = ["Optimizer", "SGD", "Momentum", "Adagrad", "Adam", "SyncReplicas", "from_spec"]
 
 
+def _scaled(x: np.ndarray, scale: float, dtype: np.dtype) -> np.ndarray:
+    """``x * scale`` as a new array of ``dtype``. The Python float is a weak scalar (NEP 50), so
+    float16/32/64 multiply in their own precision; bfloat16 (ml_dtypes) multiplies in float32
+    and rounds once. ``np.multiply(x, scale, dtype=bfloat16)`` would refuse to cast the float."""
+    out = np.empty(x.shape, dtype)
+    np.multiply(x, scale, out=out)
+    return out
+
+
 @dataclass(frozen=True)
 class Optimizer:
     """Base: ``update`` changes ``param`` rows in place from ``grad`` rows and their slots."""
@@ -51,7 +60,7 @@ class SGD(Optimizer):
         if self.learning_rate == 1.0:
             param -= grad
         else:  # one temporary of the chunk's size at most (the request's rows), never of the part
-            tmp = np.multiply(grad, self.learning_rate, dtype=param.dtype)
+            tmp = _scaled(grad, self.learning_rate, param.dtype)
             param -= tmp
         return param
 
@@ -67,7 +76,7 @@ class Momentum(Optimizer):
         m = slots["momentum"]
         m *= self.momentum
         m += grad
-        tmp = np.multiply(m, self.momentum, dtype=param.dtype) if self.nesterov else m.copy()
+        tmp = _scaled(m, self.momentum, param.dtype) if self.nesterov else m.copy()
         if self.nesterov:
             tmp += grad
         tmp *= self.learning_rate
@@ -108,7 +117,7 @@ class Adam(Optimizer):
     def update(self, param, grad, slots, t):
         m, v = slots["m"], slots["v"]
         # in place, with one scratch array of the chunk's size: no full-size temporaries
-        tmp = np.multiply(grad, 1 - self.beta1, dtype=m.dtype)
+        tmp = _scaled(grad, 1 - self.beta1, m.dtype)
         m *= self.beta1
         m += tmp
         np.multiply(grad, grad, out=tmp)
