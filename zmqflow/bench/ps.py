@@ -42,7 +42,7 @@ MB = 1e6
 PULL_TARGET, PUSH_TARGET, SCALAR_TARGET = 0.9, 0.8, 0.7  # zmqflow / raw: reported, never asserted
 
 
-def raw_ps_process(port: int, nbytes: int, conn: Any) -> None:
+def _raw_ps_process(port: int, nbytes: int, conn: Any) -> None:
     """Process entry (see :mod:`zmqflow.bench.procs`): a ROUTER that answers b"pull a,b" with
     those bytes of its buffer, anything else (a pushed slice) with an ack."""
     keep_big_blocks()  # the same allocator as the zmqflow side
@@ -116,7 +116,7 @@ class RawWire:
         self.socks: list[zmq.Socket] = []
         ports = [free_port() for _ in range(shards)]
         for port in ports:
-            procs.start(raw_ps_process, port, max_bytes // shards)
+            procs.start(_raw_ps_process, port, max_bytes // shards)
         for port in ports:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)

@@ -95,8 +95,9 @@ class AsyncSession:
     async def call_task(self, task: TaskId, service: str, op: str, body: Any = None, *,
                         timeout: float | None = None, size: int = 0) -> Any:
         """``service.op`` on ``task`` of this session's cluster, within ``timeout`` (the session's
-        by default); ``size``: the bytes its reply will carry, when large (``RpcClient.start_call``). A shard's NotFound for state it held, from a shard that restarted since this
-        session learned of it, is raised as :class:`ShardStateLost` naming the shard."""
+        by default); ``size``: the bytes its reply will carry, when large (``RpcClient.start_call``).
+        A shard's NotFound for state it held, from a shard that restarted since this session
+        learned of it, is raised as :class:`ShardStateLost` naming the shard."""
         spec = self._spec or await self.cluster()
         try:
             return await self.client.call(spec.address(task).endpoint, service, op, body, timeout=timeout, name=str(task),

@@ -260,7 +260,6 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
         else:
             outs[info.name] = np.empty(info.shape, dtype=info.dtype)
     where: dict[int, tuple[VarInfo, int, tuple[int | None, int | None]]] = {}
-    sizes: dict[int, int] = {}  # each item's bytes: a request's reply size picks its stream
     items = []
     for info in infos:
         for p, (task, r0, r1) in enumerate(info.parts):
@@ -269,8 +268,8 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
             for chunk in chunks:
                 key = len(where)
                 where[key] = (info, p, chunk)
-                nbytes = sizes[key] = ((chunk[1] or 0) - (chunk[0] or 0)) * info.row_bytes if info.shape else info.row_bytes
-                items.append((task, nbytes, (key, rq.PullItem(info.name, p, chunk[0], chunk[1]))))
+                nbytes = ((chunk[1] or 0) - (chunk[0] or 0)) * info.row_bytes if info.shape else info.row_bytes
+                items.append((task, nbytes, (key, nbytes, rq.PullItem(info.name, p, chunk[0], chunk[1]))))
 
     def place(keys: list[int], arrays: list[np.ndarray]) -> None:
         for key, arr in zip(keys, arrays):
@@ -289,9 +288,9 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
     calls = []
     for task, batches in _bundle(items).items():
         for batch in batches:
-            keys = [key for key, _ in batch]
-            call = sess.call_task(task, "ps", "pull", rq.Pull(items=[it for _, it in batch]), timeout=timeout,
-                                  size=sum(sizes[k] for k in keys))
+            keys = [key for key, _, _ in batch]
+            call = sess.call_task(task, "ps", "pull", rq.Pull(items=[it for _, _, it in batch]), timeout=timeout,
+                                  size=sum(n for _, n, _ in batch))  # the reply's bytes pick its stream
             calls.append(fetch(keys, call))
     await _every(calls)
     return outs  # type: ignore[return-value]  # every None was replaced by its reply

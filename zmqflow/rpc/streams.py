@@ -5,10 +5,10 @@ Gbit/s), or where the network caps each flow, one stream cannot fill the link. W
 above 1 an :class:`~zmqflow.rpc.RpcClient` opens up to that many connections to a peer, the extra
 ones under their own routing identity (``<identity>~<k>``), and deals calls that move at least
 ``STREAM_MIN_BYTES`` over them in turn: a large request, or a read whose caller says its reply
-will be large (``size=``: pulls and embedding lookups do); other calls (and their batch envelopes)
-keep to the first. Each extra connection is a peer of its own to the client (its state, its calls in flight,
-its retries, which stay on it so the server's duplicate record sees them), so nothing else about a
-call changes. The server needs nothing: to it each is one more DEALER. Pair it with
+will be large (``size=``: pulls and embedding lookups do); other calls (and their batch
+envelopes) keep to the first. Each extra connection is a peer of its own to the client (its
+state, its calls in flight, its retries, which stay on it so the server's duplicate record sees
+them), so nothing else about a call changes. The server needs nothing: to it each is one more DEALER. Pair it with
 ``ZMQFLOW_IO_THREADS`` so the streams are served by different threads.
 
 Requests on different streams may be run in another order than they were sent. Calls a caller

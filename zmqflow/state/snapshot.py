@@ -6,9 +6,9 @@ named for people and other tools: a variable held whole is ``name``, a part of o
 ``name/part_3``; its optimizer slots ``name/slot/m``, per-row step counts ``name/steps`` (kept
 only under an optimizer that reads them), a sync step ``name/sync_step``; a dynamic table part
 ``name/part_0/ids``, ``/values``, ``/slot/m``, ``/steps`` (the same), ``/changed`` (the step each
-row last changed) and its admission state ``/pending_ids``, ``/pending_counts``. The file's ``__metadata__`` holds
-``format`` and ``entries`` (JSON: each part and table, its rows and tensor prefix), so a file
-describes itself without its manifest.
+row last changed) and its admission state ``/pending_ids``, ``/pending_counts``. The file's
+``__metadata__`` holds ``format`` and ``entries`` (JSON: each part and table, its rows and
+tensor prefix), so a file describes itself without its manifest.
 
 Files are written to a temporary name in the same directory, flushed and fsynced, then renamed
 over the final name, and the directory is fsynced: a crash at any moment leaves either the old

@@ -164,8 +164,7 @@ class HashTable:
 
     @property
     def row_bytes(self) -> int:
-        steps = self.STEP_BYTES if self.steps is not None else 0
-        return self.dim * self.dtype.itemsize * (1 + len(self.slots)) + self.ROW_OVERHEAD + steps
+        return self.row_size(self.dim, self.dtype, self.optimizer)
 
     @property
     def nbytes(self) -> int:
