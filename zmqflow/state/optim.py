@@ -16,7 +16,31 @@ import numpy as np
 
 from ..errors import InvalidArgument
 
-__all__ = ["Optimizer", "SGD", "Momentum", "Adagrad", "Adam", "SyncReplicas", "from_spec"]
+try:
+    from . import kernels as _kernels  # type: ignore[attr-defined]
+except ImportError:  # not built here: numpy's two steps do the same work
+    _kernels = None
+
+__all__ = ["Optimizer", "SGD", "Momentum", "Adagrad", "Adam", "SyncReplicas", "from_spec", "compiled"]
+
+_FUSED = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def compiled() -> bool:
+    """Whether the fused update (``zmqflow/state/kernels.c``) was built here."""
+    return _kernels is not None
+
+
+def _sub_scaled(param: np.ndarray, x: np.ndarray, scale: float) -> None:
+    """``param -= x * scale`` in place, the product rounded to ``param``'s dtype first. One pass
+    in C where it was built and the arrays allow (float32 or float64 alike, contiguous, apart),
+    with the same bits as numpy's temporary-then-subtract, which runs everywhere else."""
+    if (_kernels is not None and param.dtype in _FUSED and x.dtype == param.dtype and param.shape == x.shape
+            and param.flags.c_contiguous and param.flags.writeable and x.flags.c_contiguous
+            and not np.may_share_memory(param, x)):
+        _kernels.axpy(param, x, -scale)
+    else:
+        param -= _scaled(x, scale, param.dtype)
 
 
 def _scaled(x: np.ndarray, scale: float, dtype: np.dtype) -> np.ndarray:
@@ -59,9 +83,8 @@ class SGD(Optimizer):
     def update(self, param, grad, slots, t):
         if self.learning_rate == 1.0:
             param -= grad
-        else:  # one temporary of the chunk's size at most (the request's rows), never of the part
-            tmp = _scaled(grad, self.learning_rate, param.dtype)
-            param -= tmp
+        else:  # fused, or one temporary of the chunk's size at most (the request's rows), never of the part
+            _sub_scaled(param, grad, self.learning_rate)
         return param
 
 
@@ -76,11 +99,12 @@ class Momentum(Optimizer):
         m = slots["momentum"]
         m *= self.momentum
         m += grad
-        tmp = _scaled(m, self.momentum, param.dtype) if self.nesterov else m.copy()
         if self.nesterov:
+            tmp = _scaled(m, self.momentum, param.dtype)
             tmp += grad
-        tmp *= self.learning_rate
-        param -= tmp
+            _sub_scaled(param, tmp, self.learning_rate)
+        else:
+            _sub_scaled(param, m, self.learning_rate)
         return param
 
 

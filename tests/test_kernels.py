@@ -1,0 +1,109 @@
+"""The optimizers' fused update (zmqflow/state/kernels.c): built where it can be, the same bits as
+numpy's two steps, strict about the arrays it is handed, and skipped by the optimizers where it
+does not apply."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sysconfig
+
+import numpy as np
+import pytest
+
+from zmqflow.state import optim
+from zmqflow.state.optim import SGD, Momentum
+
+kernels = optim._kernels
+needs_kernels = pytest.mark.skipif(kernels is None, reason="zmqflow/state/kernels.c is not built here: numpy runs")
+
+
+def test_the_fused_update_is_built_where_a_compiler_is() -> None:
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    headers = sysconfig.get_paths()["include"]
+    if not shutil.which(cc) or not os.path.exists(f"{headers}/Python.h"):
+        pytest.skip(f"no C compiler ({cc}) or Python headers here: the optimizers run numpy's steps")
+    assert optim.compiled(), "zmqflow/state/kernels.c was not built: run pip install -e . again"
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("n", [1, 1000, 70_001])  # the last is past the size that releases the GIL
+def test_axpy_has_numpys_bits(dtype: str, n: int) -> None:
+    """y + float(a) * x rounded as numpy rounds its temporary, then the sum (no fused multiply-add)."""
+    rng = np.random.default_rng(n)
+    y, x = rng.standard_normal(n).astype(dtype), rng.standard_normal(n).astype(dtype)
+    for a in (-0.037, 1e-3, -3.0e7):
+        want = y + np.multiply(x, a, dtype=dtype)
+        got = y.copy()
+        kernels.axpy(got, x, a)
+        assert got.tobytes() == want.tobytes()
+
+
+@needs_kernels
+def test_axpy_refuses_what_it_cannot_do_and_changes_nothing() -> None:
+    y, x = np.ones(8, np.float32), np.ones(8, np.float32)
+    cases = [
+        (y, x.astype(np.float64), TypeError, "two float32 or two float64"),
+        (y.astype(np.float16), x.astype(np.float16), TypeError, "two float32 or two float64"),
+        (y, x[:7], ValueError, "32 bytes and x 28"),
+        (y, y, ValueError, "overlap"),
+        (y[1:], y[:-1], ValueError, "overlap"),
+        (y[::2], x[::2], (BufferError, ValueError), None),  # not contiguous
+    ]
+    for yy, xx, err, match in cases:
+        before = yy.copy()
+        with pytest.raises(err, match=match):
+            kernels.axpy(yy, xx, 2.0)
+        assert np.array_equal(yy, before)
+    frozen = np.ones(8, np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises((BufferError, ValueError)):
+        kernels.axpy(frozen, x, 2.0)
+    assert (frozen == 1).all()
+
+
+def _reference_sgd(param: np.ndarray, grad: np.ndarray, lr: float) -> np.ndarray:
+    """numpy's two steps: the scaled gradient made into an array of the parameter's dtype, subtracted."""
+    scaled = np.empty(param.shape, param.dtype)
+    np.multiply(grad, lr, out=scaled)
+    return param - scaled
+
+
+@pytest.mark.parametrize("case", ["strided", "mixed dtypes", "float16", "aliased", "2-D rows"])
+def test_sgd_takes_every_layout_with_the_same_bits(case: str) -> None:
+    """Arrays the C pass refuses go through numpy; the ones it takes give numpy's bits."""
+    rng = np.random.default_rng(7)
+    base = rng.standard_normal((40, 6)).astype(np.float32)
+    grad = rng.standard_normal((40, 6)).astype(np.float32)
+    if case == "strided":
+        param, grad = base[:, ::2], grad[:, ::2]
+    elif case == "mixed dtypes":
+        param, grad = base.astype(np.float64), grad
+    elif case == "float16":
+        param, grad = base.astype(np.float16), grad.astype(np.float16)
+    elif case == "aliased":
+        param, grad = base, base
+    else:
+        param = base[5:30]
+        grad = grad[5:30]
+    want = _reference_sgd(param.copy(), grad.copy(), 0.05)
+    got = SGD(0.05).update(param, grad, {}, None)
+    assert got is param
+    assert got.tobytes() == want.tobytes()
+
+
+def test_momentum_keeps_its_bits_with_the_fused_step() -> None:
+    """Momentum's last step (param -= lr * velocity) is the fused one; against numpy spelled out."""
+    rng = np.random.default_rng(11)
+    for nesterov in (False, True):
+        param, m = rng.standard_normal(500).astype(np.float32), np.zeros(500, np.float32)
+        ref_p, ref_m = param.copy(), m.copy()
+        for _ in range(4):
+            g = rng.standard_normal(500).astype(np.float32)
+            Momentum(0.1, 0.9, nesterov).update(param, g, {"momentum": m}, None)
+            ref_m = ref_m * np.float32(0.9) + g
+            step = (ref_m * np.float32(0.9) + g) if nesterov else ref_m
+            ref_p = ref_p - step * np.float32(0.1)
+        assert param.tobytes() == ref_p.tobytes()
+        assert m.tobytes() == ref_m.tobytes()
