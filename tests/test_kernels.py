@@ -1,6 +1,6 @@
-"""The optimizers' fused update (zmqflow/state/kernels.c): built where it can be, the same bits as
-numpy's two steps, strict about the arrays it is handed, and skipped by the optimizers where it
-does not apply."""
+"""The C loops of zmqflow/state/_kernels.c (the optimizers' fused update, the pull's streaming copy):
+built where they can be, with numpy's results, strict about the arrays they are handed, and
+skipped by their wrappers (zmqflow/state/kernels.py) where they do not apply."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import sysconfig
 import numpy as np
 import pytest
 
-from zmqflow.state import optim
+from zmqflow.state import kernels as wrappers
 from zmqflow.state.optim import SGD, Momentum
 
-kernels = optim._kernels
-needs_kernels = pytest.mark.skipif(kernels is None, reason="zmqflow/state/kernels.c is not built here: numpy runs")
+kernels = wrappers._kernels
+needs_kernels = pytest.mark.skipif(kernels is None, reason="zmqflow/state/_kernels.c is not built here: numpy runs")
 
 
 def test_the_fused_update_is_built_where_a_compiler_is() -> None:
@@ -23,7 +23,7 @@ def test_the_fused_update_is_built_where_a_compiler_is() -> None:
     headers = sysconfig.get_paths()["include"]
     if not shutil.which(cc) or not os.path.exists(f"{headers}/Python.h"):
         pytest.skip(f"no C compiler ({cc}) or Python headers here: the optimizers run numpy's steps")
-    assert optim.compiled(), "zmqflow/state/kernels.c was not built: run pip install -e . again"
+    assert wrappers.compiled(), "zmqflow/state/_kernels.c was not built: run pip install -e . again"
 
 
 @needs_kernels
@@ -107,3 +107,55 @@ def test_momentum_keeps_its_bits_with_the_fused_step() -> None:
             ref_p = ref_p - step * np.float32(0.1)
         assert param.tobytes() == ref_p.tobytes()
         assert m.tobytes() == ref_m.tobytes()
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 1000, (1 << 20) + 77])
+@pytest.mark.parametrize("shift", [0, 3])  # a destination off the 16-byte boundary the stores need
+def test_the_streaming_copy_copies_every_byte(n: int, shift: int) -> None:
+    rng = np.random.default_rng(n + shift)
+    src = rng.integers(0, 256, n, dtype=np.uint8)
+    store = np.zeros(n + 16, np.uint8)
+    dst = store[shift:shift + n]
+    kernels.copy(dst, src)
+    assert dst.tobytes() == src.tobytes()
+    assert not store[:shift].any() and not store[shift + n:].any()  # nothing written past either end
+
+
+@needs_kernels
+def test_the_streaming_copy_refuses_what_it_cannot_do_and_changes_nothing() -> None:
+    src, dst = np.arange(16, dtype=np.float32), np.zeros(16, np.float32)
+    with pytest.raises(ValueError, match="64 bytes and src 60"):
+        kernels.copy(dst, src[:15])
+    with pytest.raises(ValueError, match="overlap"):
+        kernels.copy(src[1:], src[:-1])
+    with pytest.raises((BufferError, ValueError)):
+        kernels.copy(dst[::2], src[::2])
+    frozen = np.zeros(16, np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises((BufferError, ValueError)):
+        kernels.copy(frozen, src)
+    assert not dst.any() and not frozen.any()
+    assert np.array_equal(src, np.arange(16, dtype=np.float32))
+
+
+@pytest.mark.parametrize("case", ["big", "small", "strided", "other dtype", "broadcast", "2-D rows"])
+def test_copy_into_copies_whatever_it_is_handed(case: str) -> None:
+    """The wrapper streams what it can and hands the rest to numpy's assignment, same result."""
+    n = wrappers.STREAM_FROM // 4 + 5
+    src = np.arange(n, dtype=np.float32)
+    dst = np.zeros(n, np.float32)
+    if case == "small":
+        src, dst = src[:100], dst[:100]
+    elif case == "strided":
+        src, dst = src[::2], dst[::2]
+    elif case == "other dtype":
+        dst = np.zeros(n, np.float64)
+    elif case == "broadcast":
+        src = np.float32(7.0)
+    elif case == "2-D rows":
+        src, dst = src[: (n // 8) * 8].reshape(-1, 8), np.zeros((n // 4, 8), np.float32)[3: 3 + n // 8]
+    want = np.empty_like(dst)
+    want[...] = src
+    wrappers.copy_into(dst, src)
+    assert dst.tobytes() == want.tobytes()

@@ -25,6 +25,7 @@ from ..errors import InvalidArgument
 from ..observe import timeline
 from .port import SessionPort
 from .placement import current_device, current_policy
+from ..state.kernels import copy_into
 from ..state.partition import num_partitions, row_splits
 from ..wire.dtypes import dtype_from_name, dtype_name
 from ..wire.requests import cluster as crq
@@ -280,7 +281,7 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
                     outs[info.name] = arr
                     continue
                 target = outs[info.name] = np.empty(info.shape, dtype=info.dtype)
-            _rows_of(info, p, chunk, target)[...] = arr
+            copy_into(_rows_of(info, p, chunk, target), arr)
 
     async def fetch(keys: list[int], call: Awaitable[list[np.ndarray]]) -> None:
         place(keys, await call)

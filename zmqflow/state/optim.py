@@ -15,41 +15,10 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import InvalidArgument
+from .kernels import scaled as _scaled
+from .kernels import sub_scaled as _sub_scaled
 
-try:
-    from . import kernels as _kernels  # type: ignore[attr-defined]
-except ImportError:  # not built here: numpy's two steps do the same work
-    _kernels = None
-
-__all__ = ["Optimizer", "SGD", "Momentum", "Adagrad", "Adam", "SyncReplicas", "from_spec", "compiled"]
-
-_FUSED = (np.dtype(np.float32), np.dtype(np.float64))
-
-
-def compiled() -> bool:
-    """Whether the fused update (``zmqflow/state/kernels.c``) was built here."""
-    return _kernels is not None
-
-
-def _sub_scaled(param: np.ndarray, x: np.ndarray, scale: float) -> None:
-    """``param -= x * scale`` in place, the product rounded to ``param``'s dtype first. One pass
-    in C where it was built and the arrays allow (float32 or float64 alike, contiguous, apart),
-    with the same bits as numpy's temporary-then-subtract, which runs everywhere else."""
-    if (_kernels is not None and param.dtype in _FUSED and x.dtype == param.dtype and param.shape == x.shape
-            and param.flags.c_contiguous and param.flags.writeable and x.flags.c_contiguous
-            and not np.may_share_memory(param, x)):
-        _kernels.axpy(param, x, -scale)
-    else:
-        param -= _scaled(x, scale, param.dtype)
-
-
-def _scaled(x: np.ndarray, scale: float, dtype: np.dtype) -> np.ndarray:
-    """``x * scale`` as a new array of ``dtype``. The Python float is a weak scalar (NEP 50), so
-    float16/32/64 multiply in their own precision; bfloat16 (ml_dtypes) multiplies in float32
-    and rounds once. ``np.multiply(x, scale, dtype=bfloat16)`` would refuse to cast the float."""
-    out = np.empty(x.shape, dtype)
-    np.multiply(x, scale, out=out)
-    return out
+__all__ = ["Optimizer", "SGD", "Momentum", "Adagrad", "Adam", "SyncReplicas", "from_spec"]
 
 
 @dataclass(frozen=True)

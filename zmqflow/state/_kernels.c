@@ -1,4 +1,6 @@
-/* The optimizers' fused update in C: y += a * x in one pass over memory.
+/* Two memory-bound loops in C, each one pass where numpy makes two or stores through the cache.
+
+   axpy: the optimizers' fused update, y += a * x in one pass over memory.
 
    numpy takes two: a temporary t = a * x (x read, t written), then y += t (y and t read, y
    written), so an SGD push moves each byte of its gradient about five times where one pass
@@ -6,14 +8,25 @@
    as numpy's two steps: the product is rounded to the arrays' type, then the sum is; the build
    passes -ffp-contract=off, so no fused multiply-add can round once instead.
    Only the buffer protocol is used (no numpy headers), and the optimizers fall back to numpy
-   where it was not built.
+   where it was not built (zmqflow/state/kernels.py wraps both, with numpy's way as the fallback).
+
+   copy: a pulled slice into the caller's array with non-temporal stores. A plain copy reads
+   every destination line into the cache before overwriting it, a third memory pass the
+   streaming stores skip; the lines then are not cached, which costs nothing for a model bigger
+   than the cache. x86-64 only (SSE2, its baseline); elsewhere memcpy.
 
    axpy(y, x, a): y writable, x readable, both C-contiguous float32 ('f') or float64 ('d') of the
    same type and length, not overlapping; a a Python float, taken in the arrays' precision as numpy takes a weak
-   scalar. */
+   scalar.
+   copy(dst, src): dst writable, both C-contiguous, the same number of bytes, apart. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #define RELEASE_GIL_FROM 65536 /* elements: below this the GIL's round trip costs more than it frees */
 
@@ -93,11 +106,63 @@ done:
     return result;
 }
 
+static void copy_streaming(char *dst, const char *src, Py_ssize_t n) {
+#if defined(__SSE2__)
+    Py_ssize_t i = 0;
+    while (i < n && ((uintptr_t)(dst + i) & 15))
+        i++;
+    memcpy(dst, src, (size_t)i); /* up to the destination's first 16-byte boundary */
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    memcpy(dst + i, src + i, (size_t)(n - i));
+    _mm_sfence(); /* the streamed stores are visible before the call returns */
+#else
+    memcpy(dst, src, (size_t)n);
+#endif
+}
+
+static PyObject *kernels_copy(PyObject *self, PyObject *args) {
+    PyObject *dsto, *srco;
+    if (!PyArg_ParseTuple(args, "OO", &dsto, &srco))
+        return NULL;
+    Py_buffer dst, src;
+    if (PyObject_GetBuffer(dsto, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(srco, &src, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (dst.len != src.len) {
+        PyErr_Format(PyExc_ValueError, "copy: dst holds %zd bytes and src %zd", dst.len, src.len);
+    } else if ((const char *)src.buf < (const char *)dst.buf + dst.len && (const char *)dst.buf < (const char *)src.buf + src.len) {
+        PyErr_SetString(PyExc_ValueError, "copy: dst and src overlap");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        copy_streaming((char *)dst.buf, (const char *)src.buf, dst.len);
+        Py_END_ALLOW_THREADS
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"axpy", kernels_axpy, METH_VARARGS, "axpy(y, x, a): y += a * x, in place, one pass (float32 or float64)."},
+    {"copy", kernels_copy, METH_VARARGS, "copy(dst, src): src's bytes into dst, with non-temporal stores."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kernels", "The optimizers' fused update in C.", -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "Memory-bound loops in C: the fused update, the streaming copy.", -1, methods};
 
-PyMODINIT_FUNC PyInit_kernels(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }

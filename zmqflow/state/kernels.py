@@ -1,0 +1,65 @@
+"""Memory-bound loops that numpy does in more passes than they need, in C where it was built.
+
+``zmqflow/state/_kernels.c`` is compiled by ``pip install`` where a C compiler is there (optional,
+as the hash probe). Each function here checks that the arrays are ones the C loop takes and
+otherwise does numpy's way, with the same result.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    from . import _kernels  # type: ignore[attr-defined]
+except ImportError:  # not built here: numpy does the same work
+    _kernels = None
+
+__all__ = ["compiled", "scaled", "sub_scaled", "copy_into", "STREAM_FROM"]
+
+_FUSED = (np.dtype(np.float32), np.dtype(np.float64))
+# Copies from this size on stream past the cache: below it the destination may well be read
+# again while it is still cached, and the plain copy is as fast.
+STREAM_FROM = 1 << 20
+
+
+def compiled() -> bool:
+    """Whether ``_kernels.c`` was built here."""
+    return _kernels is not None
+
+
+def scaled(x: np.ndarray, scale: float, dtype: np.dtype) -> np.ndarray:
+    """``x * scale`` as a new array of ``dtype``. The Python float is a weak scalar (NEP 50), so
+    float16/32/64 multiply in their own precision; bfloat16 (ml_dtypes) multiplies in float32
+    and rounds once. ``np.multiply(x, scale, dtype=bfloat16)`` would refuse to cast the float."""
+    out = np.empty(x.shape, dtype)
+    np.multiply(x, scale, out=out)
+    return out
+
+
+def _apart(a: np.ndarray, b: np.ndarray) -> bool:
+    return (a.flags.c_contiguous and b.flags.c_contiguous and a.flags.writeable
+            and not np.may_share_memory(a, b))
+
+
+def sub_scaled(param: np.ndarray, x: np.ndarray, scale: float) -> None:
+    """``param -= x * scale`` in place, the product rounded to ``param``'s dtype first. One pass
+    in C where the arrays allow (both float32 or both float64, contiguous, apart), with the bits
+    of numpy's temporary-then-subtract, which runs everywhere else. A shard's SGD push spends
+    most of its CPU here: the two passes move each byte about five times, the one pass three."""
+    if (_kernels is not None and param.dtype in _FUSED and x.dtype == param.dtype and param.shape == x.shape
+            and _apart(param, x)):
+        _kernels.axpy(param, x, -scale)
+    else:
+        param -= scaled(x, scale, param.dtype)
+
+
+def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src``. From STREAM_FROM bytes on, where both are contiguous arrays of one
+    dtype and shape, with streaming stores: a plain copy first reads each destination line into
+    the cache, a third pass over memory (a pull into ``out=`` spent a third to a half of its
+    time copying)."""
+    if (_kernels is not None and src.nbytes >= STREAM_FROM and dst.dtype == src.dtype and dst.shape == src.shape
+            and _apart(dst, src)):
+        _kernels.copy(dst, src)
+    else:
+        dst[...] = src
