@@ -1,4 +1,4 @@
-"""The C loops of zmqflow/state/_kernels.c (the optimizers' fused update, the pull's streaming copy):
+"""The C loops of zmqflow/state/_kernels.c (the optimizers' one-pass updates, the pull's streaming copy):
 built where they can be, with numpy's results, strict about the arrays they are handed, and
 skipped by their wrappers (zmqflow/state/kernels.py) where they do not apply."""
 
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from zmqflow.state import kernels as wrappers
-from zmqflow.state.optim import SGD, Momentum
+from zmqflow.state.optim import SGD, Adagrad, Adam, Momentum
+from zmqflow.state.store import ShardStore
 
 kernels = wrappers._kernels
 needs_kernels = pytest.mark.skipif(kernels is None, reason="zmqflow/state/_kernels.c is not built here: numpy runs")
@@ -44,10 +45,10 @@ def test_axpy_has_numpys_bits(dtype: str, n: int) -> None:
 def test_axpy_refuses_what_it_cannot_do_and_changes_nothing() -> None:
     y, x = np.ones(8, np.float32), np.ones(8, np.float32)
     cases = [
-        (y, x.astype(np.float64), TypeError, "two float32 or two float64"),
-        (y.astype(np.float16), x.astype(np.float16), TypeError, "two float32 or two float64"),
-        (y, x[:7], ValueError, "32 bytes and x 28"),
-        (y, y, ValueError, "overlap"),
+        (y, x.astype(np.float64), TypeError, "float32 arrays or float64 arrays, all alike; array 1 is 'd'"),
+        (y.astype(np.float16), x.astype(np.float16), TypeError, "array 0 is 'e'"),
+        (y, x[:7], ValueError, "array 0 holds 32 bytes and array 1 28"),
+        (y, y, ValueError, "arrays 0 and 1 overlap"),
         (y[1:], y[:-1], ValueError, "overlap"),
         (y[::2], x[::2], (BufferError, ValueError), None),  # not contiguous
     ]
@@ -159,3 +160,82 @@ def test_copy_into_copies_whatever_it_is_handed(case: str) -> None:
     want[...] = src
     wrappers.copy_into(dst, src)
     assert dst.tobytes() == want.tobytes()
+
+
+def _numpy_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wrappers, "_kernels", None)
+
+
+@needs_kernels
+@pytest.mark.parametrize("opt", [Adagrad(0.05), Adam(0.01), Adam(0.2, 0.5, 0.7, 1e-3)], ids=["adagrad", "adam", "adam-odd"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shape", [(1, 1), (37, 5), (70_000, 1)])
+def test_one_pass_updates_have_numpys_bits(opt, dtype: str, shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several steps, rows at different step counts (Adam's per-row size): parameter and every
+    slot equal, bit for bit, to numpy's chain of whole-array steps."""
+    rng = np.random.default_rng(shape[0])
+    init = rng.standard_normal(shape).astype(dtype)
+    grads = [rng.standard_normal(shape).astype(dtype) for _ in range(4)]
+    t0 = rng.integers(0, 50, shape[0])
+
+    def run() -> list[bytes]:
+        param = init.copy()
+        slots = {k: np.full(shape, opt.slot_init(k), dtype) for k in opt.slot_names}
+        t = t0.copy()
+        for g in grads:
+            t += 1
+            assert opt.update(param, g, slots, t if opt.uses_step else None) is param
+        return [param.tobytes(), *(s.tobytes() for s in slots.values())]
+
+    fused = run()
+    with monkeypatch.context() as m:
+        _numpy_only(m)
+        reference = run()
+    assert fused == reference
+
+
+@needs_kernels
+@pytest.mark.parametrize("opt", [SGD(0.1), Momentum(0.1, nesterov=True), Adagrad(0.1), Adam(0.01)],
+                         ids=["sgd", "nesterov", "adagrad", "adam"])
+def test_a_shard_steps_the_same_with_and_without_the_c_updates(opt, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the store, dense row ranges and sparse rows with duplicates (fancy-indexed copies):
+    the same values and slots either way."""
+    rng = np.random.default_rng(3)
+    init = rng.standard_normal((50, 8)).astype(np.float32)
+    pushes = [(rng.standard_normal((20, 8)).astype(np.float32), rng.integers(0, 50, 12),
+               rng.standard_normal((12, 8)).astype(np.float32)) for _ in range(3)]
+
+    def run() -> list[bytes]:
+        s = ShardStore()
+        s.create("w", 0, [50, 8], [0, 50], "float32", optimizer=opt.spec())
+        s.assign("w", 0, init)
+        for dense, idx, rows in pushes:
+            s.apply_dense("w", 0, dense, 10, 30)
+            s.apply_sparse("w", 0, idx, rows)
+        part = s.get("w", 0)
+        return [part.value.tobytes(), *(v.tobytes() for v in part.slots.values())]
+
+    fused = run()
+    with monkeypatch.context() as m:
+        _numpy_only(m)
+        assert run() == fused
+
+
+@needs_kernels
+def test_the_one_pass_updates_refuse_what_they_cannot_do_and_change_nothing() -> None:
+    p, g, m, v = (np.ones((4, 2), np.float32) for _ in range(4))
+    lr = np.ones(4, np.float32)
+    with pytest.raises(ValueError, match="overlap"):
+        kernels.adam(p, g, p, v, 0.1, 0.9, 0.001, 0.999, 1e-8, lr)
+    with pytest.raises(ValueError, match="8 elements do not make 3 rows"):
+        kernels.adam(p, g, m, v, 0.1, 0.9, 0.001, 0.999, 1e-8, lr[:3])
+    with pytest.raises(TypeError, match="lr_rows"):
+        kernels.adam(p, g, m, v, 0.1, 0.9, 0.001, 0.999, 1e-8, lr.astype(np.float64))
+    with pytest.raises(TypeError, match="array 2 is 'd'"):
+        kernels.adagrad(p, g.astype(np.float64), m, 0.1)
+    for a in (p, g, m, v):
+        assert (a == 1).all()
+    assert not wrappers.adam_step(p, g, m, v, 0.9, 0.999, 1e-8, lr[:3])  # the wrapper says no first
+    assert not wrappers.adagrad_step(p, g, p, 0.1)
+    assert not wrappers.adagrad_step(p[:, :1], g[:, :1], m[:, :1], 0.1)  # strided
+    assert (p == 1).all() and (m == 1).all()

@@ -1,27 +1,34 @@
-/* Two memory-bound loops in C, each one pass where numpy makes two or stores through the cache.
+/* Memory-bound loops in C, each one pass where numpy makes several or stores through the cache.
 
-   axpy: the optimizers' fused update, y += a * x in one pass over memory.
-
-   numpy takes two: a temporary t = a * x (x read, t written), then y += t (y and t read, y
-   written), so an SGD push moves each byte of its gradient about five times where one pass
-   moves it three. A shard spends most of a dense push's CPU here. The result has the same bits
-   as numpy's two steps: the product is rounded to the arrays' type, then the sum is; the build
-   passes -ffp-contract=off, so no fused multiply-add can round once instead.
-   Only the buffer protocol is used (no numpy headers), and the optimizers fall back to numpy
-   where it was not built (zmqflow/state/kernels.py wraps both, with numpy's way as the fallback).
+   The optimizers' updates. numpy runs an update as a chain of whole-array steps, each a pass
+   over memory with a temporary: SGD's param -= lr * grad is two passes, Adagrad's five, Adam's
+   eleven. Here each is one pass: every element is read once, its chain run in registers, and
+   written once. The results have numpy's bits: the same operations in the same order, each
+   rounded to the arrays' type (sqrt and division are correctly rounded in both), and the build
+   passes -ffp-contract=off so that no fused multiply-add rounds once where numpy rounds twice.
+   Scalars come as Python floats and are taken in the arrays' precision, as numpy takes a weak
+   scalar (NEP 50).
 
    copy: a pulled slice into the caller's array with non-temporal stores. A plain copy reads
    every destination line into the cache before overwriting it, a third memory pass the
    streaming stores skip; the lines then are not cached, which costs nothing for a model bigger
    than the cache. x86-64 only (SSE2, its baseline); elsewhere memcpy.
 
-   axpy(y, x, a): y writable, x readable, both C-contiguous float32 ('f') or float64 ('d') of the
-   same type and length, not overlapping; a a Python float, taken in the arrays' precision as numpy takes a weak
-   scalar.
-   copy(dst, src): dst writable, both C-contiguous, the same number of bytes, apart. */
+   Only the buffer protocol is used (no numpy headers). zmqflow/state/kernels.py wraps each
+   function and does numpy's way where this module was not built or the arrays do not fit.
+
+   axpy(y, x, a)                          y += a * x
+   adagrad(param, grad, acc, lr)          acc += g*g; param -= g / sqrt(acc) * lr
+   adam(param, grad, m, v, c1, b1, c2, b2, eps, lr_rows)
+                                          m = m*b1 + g*c1; v = v*b2 + g*g*c2;
+                                          param -= m / (sqrt(v) + eps) * lr_rows[row]
+       The float arrays: C-contiguous, all float32 ('f') or all float64 ('d'), the same length,
+       none overlapping another; lr_rows: one value a row, of the same type (rows = its length).
+   copy(dst, src)                         dst writable, both C-contiguous, the same bytes, apart. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__SSE2__)
@@ -29,20 +36,15 @@
 #endif
 
 #define RELEASE_GIL_FROM 65536 /* elements: below this the GIL's round trip costs more than it frees */
+#define MAX_ARRAYS 5
 
-static void axpy_f32(float *restrict y, const float *restrict x, float a, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        float t = a * x[i];
-        y[i] = y[i] + t;
-    }
-}
-
-static void axpy_f64(double *restrict y, const double *restrict x, double a, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        double t = a * x[i];
-        y[i] = y[i] + t;
-    }
-}
+/* the arrays of one call: acquired and checked together, released together */
+typedef struct {
+    Py_buffer b[MAX_ARRAYS];
+    int n;
+    char type; /* 'f' or 'd' */
+    Py_ssize_t count; /* elements of each */
+} Arrays;
 
 static char type_of(const Py_buffer *b) {
     const char *f = b->format ? b->format : "B";
@@ -51,60 +53,198 @@ static char type_of(const Py_buffer *b) {
     return (f[0] == 'f' || f[0] == 'd') && f[1] == '\0' ? f[0] : 0;
 }
 
+static void release(Arrays *a) {
+    for (int i = 0; i < a->n; i++)
+        PyBuffer_Release(&a->b[i]);
+    a->n = 0;
+}
+
+static int overlap(const Py_buffer *x, const Py_buffer *y) {
+    return (const char *)x->buf < (const char *)y->buf + y->len && (const char *)y->buf < (const char *)x->buf + x->len;
+}
+
+/* Acquire ``n`` float arrays, the first ``writable`` of them writable: one type, one length,
+   apart. -1 with an exception set (and nothing held) when they are not. */
+static int acquire(Arrays *a, const char *what, PyObject **objs, int n, int writable) {
+    a->n = 0;
+    for (int i = 0; i < n; i++) {
+        int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (i < writable ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(objs[i], &a->b[i], flags) < 0) {
+            release(a);
+            return -1;
+        }
+        a->n++;
+    }
+    a->type = type_of(&a->b[0]);
+    for (int i = 0; i < n; i++) {
+        if (a->type == 0 || type_of(&a->b[i]) != a->type) {
+            PyErr_Format(PyExc_TypeError, "%s takes float32 arrays or float64 arrays, all alike; array %d is '%s'",
+                         what, i, a->b[i].format ? a->b[i].format : "B");
+            release(a);
+            return -1;
+        }
+        if (a->b[i].len != a->b[0].len) {
+            PyErr_Format(PyExc_ValueError, "%s: array 0 holds %zd bytes and array %d %zd", what, a->b[0].len, i, a->b[i].len);
+            release(a);
+            return -1;
+        }
+        for (int j = 0; j < i; j++) {
+            if (a->b[i].len && overlap(&a->b[i], &a->b[j])) {
+                PyErr_Format(PyExc_ValueError, "%s: arrays %d and %d overlap", what, j, i);
+                release(a);
+                return -1;
+            }
+        }
+    }
+    a->count = a->b[0].len / (a->type == 'f' ? (Py_ssize_t)sizeof(float) : (Py_ssize_t)sizeof(double));
+    return 0;
+}
+
+/* Run STMT with the GIL released for big arrays. */
+#define MAYBE_WITHOUT_GIL(count, STMT) \
+    do {                               \
+        if ((count) >= RELEASE_GIL_FROM) { \
+            Py_BEGIN_ALLOW_THREADS STMT; Py_END_ALLOW_THREADS \
+        } else {                       \
+            STMT;                      \
+        }                              \
+    } while (0)
+
+/* ---- axpy ---------------------------------------------------------------------------------- */
+
+#define AXPY(T, NAME)                                                             \
+    static void NAME(T *restrict y, const T *restrict x, T a, Py_ssize_t n) {     \
+        for (Py_ssize_t i = 0; i < n; i++) {                                      \
+            T t = a * x[i];                                                       \
+            y[i] = y[i] + t;                                                      \
+        }                                                                         \
+    }
+AXPY(float, axpy_f32)
+AXPY(double, axpy_f64)
+
 static PyObject *kernels_axpy(PyObject *self, PyObject *args) {
-    PyObject *yo, *xo;
+    PyObject *o[2];
     double a;
-    if (!PyArg_ParseTuple(args, "OOd", &yo, &xo, &a))
+    if (!PyArg_ParseTuple(args, "OOd", &o[0], &o[1], &a))
         return NULL;
-    Py_buffer y, x;
-    if (PyObject_GetBuffer(yo, &y, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0)
+    Arrays arr;
+    if (acquire(&arr, "axpy", o, 2, 1) < 0)
         return NULL;
-    if (PyObject_GetBuffer(xo, &x, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(&y);
+    Py_ssize_t n = arr.count;
+    if (arr.type == 'f')
+        MAYBE_WITHOUT_GIL(n, axpy_f32(arr.b[0].buf, arr.b[1].buf, (float)a, n));
+    else
+        MAYBE_WITHOUT_GIL(n, axpy_f64(arr.b[0].buf, arr.b[1].buf, a, n));
+    release(&arr);
+    Py_RETURN_NONE;
+}
+
+/* ---- adagrad ------------------------------------------------------------------------------- */
+
+#define ADAGRAD(T, SQRT, NAME)                                                                  \
+    static void NAME(T *restrict p, const T *restrict g, T *restrict acc, T lr, Py_ssize_t n) { \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                    \
+            T gi = g[i];                                                                        \
+            T sq = gi * gi;                                                                     \
+            T a = acc[i] + sq;                                                                  \
+            acc[i] = a;                                                                         \
+            T d = SQRT(a);                                                                      \
+            d = gi / d;                                                                         \
+            d = d * lr;                                                                         \
+            p[i] = p[i] - d;                                                                    \
+        }                                                                                       \
+    }
+ADAGRAD(float, sqrtf, adagrad_f32)
+ADAGRAD(double, sqrt, adagrad_f64)
+
+static PyObject *kernels_adagrad(PyObject *self, PyObject *args) {
+    PyObject *o[3];
+    double lr;
+    if (!PyArg_ParseTuple(args, "OOOd", &o[0], &o[1], &o[2], &lr))
+        return NULL;
+    Arrays arr;
+    /* param and acc are written: acquire them first (writable), then the gradient */
+    PyObject *order[3] = {o[0], o[2], o[1]};
+    if (acquire(&arr, "adagrad", order, 3, 2) < 0)
+        return NULL;
+    Py_ssize_t n = arr.count;
+    if (arr.type == 'f')
+        MAYBE_WITHOUT_GIL(n, adagrad_f32(arr.b[0].buf, arr.b[2].buf, arr.b[1].buf, (float)lr, n));
+    else
+        MAYBE_WITHOUT_GIL(n, adagrad_f64(arr.b[0].buf, arr.b[2].buf, arr.b[1].buf, lr, n));
+    release(&arr);
+    Py_RETURN_NONE;
+}
+
+/* ---- adam ---------------------------------------------------------------------------------- */
+
+#define ADAM(T, SQRT, NAME)                                                                        \
+    static void NAME(T *restrict p, const T *restrict g, T *restrict m, T *restrict v, T c1, T b1, \
+                     T c2, T b2, T eps, const T *restrict lr, Py_ssize_t rows, Py_ssize_t cols) {  \
+        for (Py_ssize_t r = 0; r < rows; r++) {                                                    \
+            T lr_r = lr[r];                                                                        \
+            Py_ssize_t base = r * cols;                                                            \
+            for (Py_ssize_t c = 0; c < cols; c++) {                                                \
+                Py_ssize_t i = base + c;                                                           \
+                T gi = g[i];                                                                       \
+                T t1 = gi * c1;                                                                    \
+                T mi = m[i] * b1;                                                                  \
+                mi = mi + t1;                                                                      \
+                m[i] = mi;                                                                         \
+                T t2 = gi * gi;                                                                    \
+                t2 = t2 * c2;                                                                      \
+                T vi = v[i] * b2;                                                                  \
+                vi = vi + t2;                                                                      \
+                v[i] = vi;                                                                         \
+                T d = SQRT(vi);                                                                    \
+                d = d + eps;                                                                       \
+                d = mi / d;                                                                        \
+                d = d * lr_r;                                                                      \
+                p[i] = p[i] - d;                                                                   \
+            }                                                                                      \
+        }                                                                                          \
+    }
+ADAM(float, sqrtf, adam_f32)
+ADAM(double, sqrt, adam_f64)
+
+static PyObject *kernels_adam(PyObject *self, PyObject *args) {
+    PyObject *o[4], *lro;
+    double c1, b1, c2, b2, eps;
+    if (!PyArg_ParseTuple(args, "OOOOdddddO", &o[0], &o[1], &o[2], &o[3], &c1, &b1, &c2, &b2, &eps, &lro))
+        return NULL;
+    Arrays arr;
+    PyObject *order[4] = {o[0], o[2], o[3], o[1]}; /* param, m, v written; the gradient read */
+    if (acquire(&arr, "adam", order, 4, 3) < 0)
+        return NULL;
+    Py_buffer lr;
+    if (PyObject_GetBuffer(lro, &lr, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        release(&arr);
         return NULL;
     }
     PyObject *result = NULL;
-    char t = type_of(&y);
-    if (t == 0 || type_of(&x) != t) {
-        PyErr_Format(PyExc_TypeError, "axpy takes two float32 or two float64 arrays, got '%s' and '%s'",
-                     y.format ? y.format : "B", x.format ? x.format : "B");
-        goto done;
-    }
-    if (x.len != y.len) {
-        PyErr_Format(PyExc_ValueError, "axpy: y holds %zd bytes and x %zd", y.len, x.len);
-        goto done;
-    }
-    if ((const char *)x.buf < (const char *)y.buf + y.len && (const char *)y.buf < (const char *)x.buf + x.len) {
-        PyErr_SetString(PyExc_ValueError, "axpy: y and x overlap");
-        goto done;
-    }
-    if (t == 'f') {
-        Py_ssize_t n = y.len / (Py_ssize_t)sizeof(float);
-        float af = (float)a;
-        if (n >= RELEASE_GIL_FROM) {
-            Py_BEGIN_ALLOW_THREADS
-            axpy_f32((float *)y.buf, (const float *)x.buf, af, n);
-            Py_END_ALLOW_THREADS
-        } else {
-            axpy_f32((float *)y.buf, (const float *)x.buf, af, n);
-        }
+    Py_ssize_t item = arr.type == 'f' ? (Py_ssize_t)sizeof(float) : (Py_ssize_t)sizeof(double);
+    Py_ssize_t rows = lr.len / item, n = arr.count;
+    if (type_of(&lr) != arr.type) {
+        PyErr_SetString(PyExc_TypeError, "adam: lr_rows must be of the arrays' type");
+    } else if (rows == 0 ? n != 0 : n % rows != 0) {
+        PyErr_Format(PyExc_ValueError, "adam: %zd elements do not make %zd rows", n, rows);
     } else {
-        Py_ssize_t n = y.len / (Py_ssize_t)sizeof(double);
-        if (n >= RELEASE_GIL_FROM) {
-            Py_BEGIN_ALLOW_THREADS
-            axpy_f64((double *)y.buf, (const double *)x.buf, a, n);
-            Py_END_ALLOW_THREADS
-        } else {
-            axpy_f64((double *)y.buf, (const double *)x.buf, a, n);
-        }
+        Py_ssize_t cols = rows ? n / rows : 0;
+        if (arr.type == 'f')
+            MAYBE_WITHOUT_GIL(n, adam_f32(arr.b[0].buf, arr.b[3].buf, arr.b[1].buf, arr.b[2].buf, (float)c1, (float)b1,
+                                          (float)c2, (float)b2, (float)eps, lr.buf, rows, cols));
+        else
+            MAYBE_WITHOUT_GIL(n, adam_f64(arr.b[0].buf, arr.b[3].buf, arr.b[1].buf, arr.b[2].buf, c1, b1, c2, b2, eps,
+                                          lr.buf, rows, cols));
+        result = Py_None;
+        Py_INCREF(result);
     }
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    PyBuffer_Release(&y);
-    PyBuffer_Release(&x);
+    PyBuffer_Release(&lr);
+    release(&arr);
     return result;
 }
+
+/* ---- copy ---------------------------------------------------------------------------------- */
 
 static void copy_streaming(char *dst, const char *src, Py_ssize_t n) {
 #if defined(__SSE2__)
@@ -143,7 +283,7 @@ static PyObject *kernels_copy(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     if (dst.len != src.len) {
         PyErr_Format(PyExc_ValueError, "copy: dst holds %zd bytes and src %zd", dst.len, src.len);
-    } else if ((const char *)src.buf < (const char *)dst.buf + dst.len && (const char *)dst.buf < (const char *)src.buf + src.len) {
+    } else if (overlap(&dst, &src)) {
         PyErr_SetString(PyExc_ValueError, "copy: dst and src overlap");
     } else {
         Py_BEGIN_ALLOW_THREADS
@@ -158,11 +298,13 @@ static PyObject *kernels_copy(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"axpy", kernels_axpy, METH_VARARGS, "axpy(y, x, a): y += a * x, in place, one pass (float32 or float64)."},
+    {"axpy", kernels_axpy, METH_VARARGS, "axpy(y, x, a): y += a * x, in place, one pass."},
+    {"adagrad", kernels_adagrad, METH_VARARGS, "adagrad(param, grad, acc, lr): Adagrad's step, in place, one pass."},
+    {"adam", kernels_adam, METH_VARARGS, "adam(param, grad, m, v, c1, b1, c2, b2, eps, lr_rows): Adam's step, in place, one pass."},
     {"copy", kernels_copy, METH_VARARGS, "copy(dst, src): src's bytes into dst, with non-temporal stores."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "Memory-bound loops in C: the fused update, the streaming copy.", -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "Memory-bound loops in C: the optimizers' updates, the streaming copy.", -1, methods};
 
 PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }

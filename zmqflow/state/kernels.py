@@ -14,7 +14,7 @@ try:
 except ImportError:  # not built here: numpy does the same work
     _kernels = None
 
-__all__ = ["compiled", "scaled", "sub_scaled", "copy_into", "STREAM_FROM"]
+__all__ = ["compiled", "scaled", "sub_scaled", "adagrad_step", "adam_step", "copy_into", "STREAM_FROM"]
 
 _FUSED = (np.dtype(np.float32), np.dtype(np.float64))
 # Copies from this size on stream past the cache: below it the destination may well be read
@@ -41,6 +41,20 @@ def _apart(a: np.ndarray, b: np.ndarray) -> bool:
             and not np.may_share_memory(a, b))
 
 
+def _fusable(written: list[np.ndarray], read: list[np.ndarray]) -> bool:
+    """Whether the C update takes these arrays: one float type and shape, contiguous, the
+    written ones writeable, no two sharing memory."""
+    arrays = written + read
+    first = arrays[0]
+    if _kernels is None or first.dtype not in _FUSED:
+        return False
+    if any(a.dtype != first.dtype or a.shape != first.shape or not a.flags.c_contiguous for a in arrays):
+        return False
+    if not all(a.flags.writeable for a in written):
+        return False
+    return not any(np.may_share_memory(a, b) for i, a in enumerate(arrays) for b in arrays[:i])
+
+
 def sub_scaled(param: np.ndarray, x: np.ndarray, scale: float) -> None:
     """``param -= x * scale`` in place, the product rounded to ``param``'s dtype first. One pass
     in C where the arrays allow (both float32 or both float64, contiguous, apart), with the bits
@@ -51,6 +65,25 @@ def sub_scaled(param: np.ndarray, x: np.ndarray, scale: float) -> None:
         _kernels.axpy(param, x, -scale)
     else:
         param -= scaled(x, scale, param.dtype)
+
+
+def adagrad_step(param: np.ndarray, grad: np.ndarray, acc: np.ndarray, lr: float) -> bool:
+    """Adagrad's step in one C pass where the arrays allow; False (nothing done) where not."""
+    if not _fusable([param, acc], [grad]):
+        return False
+    _kernels.adagrad(param, grad, acc, lr)
+    return True
+
+
+def adam_step(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, beta1: float, beta2: float,
+              epsilon: float, lr_rows: np.ndarray) -> bool:
+    """Adam's step in one C pass where the arrays allow (``lr_rows``: the step size of each row,
+    one per row of ``param``); False (nothing done) where not."""
+    if param.ndim == 0 or len(lr_rows) != len(param) or not _fusable([param, m, v], [grad]):
+        return False
+    lr = np.ascontiguousarray(lr_rows, dtype=param.dtype)
+    _kernels.adam(param, grad, m, v, 1 - beta1, beta1, 1 - beta2, beta2, epsilon, lr)
+    return True
 
 
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import InvalidArgument
+from . import kernels as _kernels
 from .kernels import scaled as _scaled
 from .kernels import sub_scaled as _sub_scaled
 
@@ -88,6 +89,8 @@ class Adagrad(Optimizer):
 
     def update(self, param, grad, slots, t):
         acc = slots["accumulator"]
+        if _kernels.adagrad_step(param, grad, acc, self.learning_rate):
+            return param
         tmp = np.multiply(grad, grad, dtype=acc.dtype)
         acc += tmp
         np.sqrt(acc, out=tmp)
@@ -109,7 +112,11 @@ class Adam(Optimizer):
 
     def update(self, param, grad, slots, t):
         m, v = slots["m"], slots["v"]
-        # in place, with one scratch array of the chunk's size: no full-size temporaries
+        tt = t.reshape((-1,) + (1,) * (param.ndim - 1)).astype(np.float64)
+        lr_t = self.learning_rate * np.sqrt(1 - self.beta2**tt) / (1 - self.beta1**tt)  # per row, small
+        if _kernels.adam_step(param, grad, m, v, self.beta1, self.beta2, self.epsilon, lr_t.reshape(-1)):
+            return param
+        # numpy's way, in place, with one scratch array of the chunk's size: no full-size temporaries
         tmp = _scaled(grad, 1 - self.beta1, m.dtype)
         m *= self.beta1
         m += tmp
@@ -117,8 +124,6 @@ class Adam(Optimizer):
         tmp *= 1 - self.beta2
         v *= self.beta2
         v += tmp
-        tt = t.reshape((-1,) + (1,) * (param.ndim - 1)).astype(np.float64)
-        lr_t = self.learning_rate * np.sqrt(1 - self.beta2**tt) / (1 - self.beta1**tt)  # per row, small
         np.sqrt(v, out=tmp)
         tmp += self.epsilon
         np.divide(m, tmp, out=tmp)
