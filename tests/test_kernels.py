@@ -4,9 +4,11 @@ skipped by their wrappers (zmqflow/state/kernels.py) where they do not apply."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sysconfig
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from zmqflow.state import kernels as wrappers
 from zmqflow.state.optim import SGD, Adagrad, Adam, Momentum
 from zmqflow.state.store import ShardStore
 
-kernels = wrappers._kernels
+kernels = wrappers._built
 needs_kernels = pytest.mark.skipif(kernels is None, reason="zmqflow/state/_kernels.c is not built here: numpy runs")
 
 
@@ -162,15 +164,22 @@ def test_copy_into_copies_whatever_it_is_handed(case: str) -> None:
     assert dst.tobytes() == want.tobytes()
 
 
-def _numpy_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(wrappers, "_kernels", None)
+@contextlib.contextmanager
+def _numpy_only() -> Iterator[None]:
+    before = wrappers.use_compiled(False)
+    try:
+        assert not wrappers.compiled()
+        yield
+    finally:
+        wrappers.use_compiled(before)
 
 
 @needs_kernels
-@pytest.mark.parametrize("opt", [Adagrad(0.05), Adam(0.01), Adam(0.2, 0.5, 0.7, 1e-3)], ids=["adagrad", "adam", "adam-odd"])
+@pytest.mark.parametrize("opt", [Momentum(0.05, 0.9), Momentum(0.05, 0.7, nesterov=True), Adagrad(0.05), Adam(0.01),
+                                 Adam(0.2, 0.5, 0.7, 1e-3)], ids=["momentum", "nesterov", "adagrad", "adam", "adam-odd"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("shape", [(1, 1), (37, 5), (70_000, 1)])
-def test_one_pass_updates_have_numpys_bits(opt, dtype: str, shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_pass_updates_have_numpys_bits(opt, dtype: str, shape: tuple[int, int]) -> None:
     """Several steps, rows at different step counts (Adam's per-row size): parameter and every
     slot equal, bit for bit, to numpy's chain of whole-array steps."""
     rng = np.random.default_rng(shape[0])
@@ -188,16 +197,15 @@ def test_one_pass_updates_have_numpys_bits(opt, dtype: str, shape: tuple[int, in
         return [param.tobytes(), *(s.tobytes() for s in slots.values())]
 
     fused = run()
-    with monkeypatch.context() as m:
-        _numpy_only(m)
+    with _numpy_only():
         reference = run()
     assert fused == reference
 
 
 @needs_kernels
-@pytest.mark.parametrize("opt", [SGD(0.1), Momentum(0.1, nesterov=True), Adagrad(0.1), Adam(0.01)],
-                         ids=["sgd", "nesterov", "adagrad", "adam"])
-def test_a_shard_steps_the_same_with_and_without_the_c_updates(opt, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("opt", [SGD(0.1), Momentum(0.1), Momentum(0.1, nesterov=True), Adagrad(0.1), Adam(0.01)],
+                         ids=["sgd", "momentum", "nesterov", "adagrad", "adam"])
+def test_a_shard_steps_the_same_with_and_without_the_c_updates(opt) -> None:
     """Through the store, dense row ranges and sparse rows with duplicates (fancy-indexed copies):
     the same values and slots either way."""
     rng = np.random.default_rng(3)
@@ -216,8 +224,7 @@ def test_a_shard_steps_the_same_with_and_without_the_c_updates(opt, monkeypatch:
         return [part.value.tobytes(), *(v.tobytes() for v in part.slots.values())]
 
     fused = run()
-    with monkeypatch.context() as m:
-        _numpy_only(m)
+    with _numpy_only():
         assert run() == fused
 
 
@@ -233,6 +240,8 @@ def test_the_one_pass_updates_refuse_what_they_cannot_do_and_change_nothing() ->
         kernels.adam(p, g, m, v, 0.1, 0.9, 0.001, 0.999, 1e-8, lr.astype(np.float64))
     with pytest.raises(TypeError, match="array 2 is 'd'"):
         kernels.adagrad(p, g.astype(np.float64), m, 0.1)
+    with pytest.raises(ValueError, match="arrays 0 and 1 overlap"):
+        kernels.momentum(p, g, p, 0.1, 0.9, True)
     for a in (p, g, m, v):
         assert (a == 1).all()
     assert not wrappers.adam_step(p, g, m, v, 0.9, 0.999, 1e-8, lr[:3])  # the wrapper says no first

@@ -81,6 +81,17 @@ def embedding(quick: bool, json_out: str | None) -> None:
     click.echo(format_table(run(quick=quick, json_out=json_out)))
 
 
+@bench.command("optim")
+@click.option("--quick", is_flag=True, help="16 MB instead of 64, and fewer repetitions.")
+@click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Append JSON lines here.")
+def optim_bench(quick: bool, dtype: str, json_out: str | None) -> None:
+    """A shard's optimizer step: numpy's whole-array passes vs the one-pass C loops."""
+    from ..bench.optim import format_table, run
+
+    click.echo(format_table(run(quick=quick, dtype=dtype, json_out=json_out)))
+
+
 @bench.command("allreduce")
 @click.option("--quick", is_flag=True, help="Sizes up to 16 MB, fewer repetitions.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Append JSON lines here.")

@@ -1,8 +1,8 @@
 /* Memory-bound loops in C, each one pass where numpy makes several or stores through the cache.
 
    The optimizers' updates. numpy runs an update as a chain of whole-array steps, each a pass
-   over memory with a temporary: SGD's param -= lr * grad is two passes, Adagrad's five, Adam's
-   eleven. Here each is one pass: every element is read once, its chain run in registers, and
+   over memory with a temporary: SGD's param -= lr * grad is two passes, momentum's four or six,
+   Adagrad's five, Adam's eleven. Here each is one pass: every element is read once, its chain run in registers, and
    written once. The results have numpy's bits: the same operations in the same order, each
    rounded to the arrays' type (sqrt and division are correctly rounded in both), and the build
    passes -ffp-contract=off so that no fused multiply-add rounds once where numpy rounds twice.
@@ -18,6 +18,8 @@
    function and does numpy's way where this module was not built or the arrays do not fit.
 
    axpy(y, x, a)                          y += a * x
+   momentum(param, grad, m, lr, mu, nesterov)
+                                          m = m*mu + g; param -= (nesterov ? m*mu + g : m) * lr
    adagrad(param, grad, acc, lr)          acc += g*g; param -= g / sqrt(acc) * lr
    adam(param, grad, m, v, c1, b1, c2, b2, eps, lr_rows)
                                           m = m*b1 + g*c1; v = v*b2 + g*g*c2;
@@ -135,6 +137,46 @@ static PyObject *kernels_axpy(PyObject *self, PyObject *args) {
         MAYBE_WITHOUT_GIL(n, axpy_f32(arr.b[0].buf, arr.b[1].buf, (float)a, n));
     else
         MAYBE_WITHOUT_GIL(n, axpy_f64(arr.b[0].buf, arr.b[1].buf, a, n));
+    release(&arr);
+    Py_RETURN_NONE;
+}
+
+/* ---- momentum ------------------------------------------------------------------------------ */
+
+#define MOMENTUM(T, NAME)                                                                                \
+    static void NAME(T *restrict p, const T *restrict g, T *restrict m, T lr, T mu, int nesterov, Py_ssize_t n) { \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                             \
+            T gi = g[i];                                                                                 \
+            T mi = m[i] * mu;                                                                            \
+            mi = mi + gi;                                                                                \
+            m[i] = mi;                                                                                   \
+            T d = mi;                                                                                    \
+            if (nesterov) {                                                                              \
+                d = mi * mu;                                                                             \
+                d = d + gi;                                                                              \
+            }                                                                                            \
+            d = d * lr;                                                                                  \
+            p[i] = p[i] - d;                                                                             \
+        }                                                                                                \
+    }
+MOMENTUM(float, momentum_f32)
+MOMENTUM(double, momentum_f64)
+
+static PyObject *kernels_momentum(PyObject *self, PyObject *args) {
+    PyObject *o[3];
+    double lr, mu;
+    int nesterov;
+    if (!PyArg_ParseTuple(args, "OOOddp", &o[0], &o[1], &o[2], &lr, &mu, &nesterov))
+        return NULL;
+    Arrays arr;
+    PyObject *order[3] = {o[0], o[2], o[1]}; /* param and m written; the gradient read */
+    if (acquire(&arr, "momentum", order, 3, 2) < 0)
+        return NULL;
+    Py_ssize_t n = arr.count;
+    if (arr.type == 'f')
+        MAYBE_WITHOUT_GIL(n, momentum_f32(arr.b[0].buf, arr.b[2].buf, arr.b[1].buf, (float)lr, (float)mu, nesterov, n));
+    else
+        MAYBE_WITHOUT_GIL(n, momentum_f64(arr.b[0].buf, arr.b[2].buf, arr.b[1].buf, lr, mu, nesterov, n));
     release(&arr);
     Py_RETURN_NONE;
 }
@@ -299,6 +341,7 @@ static PyObject *kernels_copy(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"axpy", kernels_axpy, METH_VARARGS, "axpy(y, x, a): y += a * x, in place, one pass."},
+    {"momentum", kernels_momentum, METH_VARARGS, "momentum(param, grad, m, lr, mu, nesterov): momentum's step, in place, one pass."},
     {"adagrad", kernels_adagrad, METH_VARARGS, "adagrad(param, grad, acc, lr): Adagrad's step, in place, one pass."},
     {"adam", kernels_adam, METH_VARARGS, "adam(param, grad, m, v, c1, b1, c2, b2, eps, lr_rows): Adam's step, in place, one pass."},
     {"copy", kernels_copy, METH_VARARGS, "copy(dst, src): src's bytes into dst, with non-temporal stores."},

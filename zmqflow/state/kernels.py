@@ -10,11 +10,12 @@ from __future__ import annotations
 import numpy as np
 
 try:
-    from . import _kernels  # type: ignore[attr-defined]
+    from . import _kernels as _built  # type: ignore[attr-defined]
 except ImportError:  # not built here: numpy does the same work
-    _kernels = None
+    _built = None
+_kernels = _built  # what the functions call: the module, or None when not built or turned off
 
-__all__ = ["compiled", "scaled", "sub_scaled", "adagrad_step", "adam_step", "copy_into", "STREAM_FROM"]
+__all__ = ["compiled", "use_compiled", "scaled", "sub_scaled", "momentum_step", "adagrad_step", "adam_step", "copy_into", "STREAM_FROM"]
 
 _FUSED = (np.dtype(np.float32), np.dtype(np.float64))
 # Copies from this size on stream past the cache: below it the destination may well be read
@@ -23,8 +24,16 @@ STREAM_FROM = 1 << 20
 
 
 def compiled() -> bool:
-    """Whether ``_kernels.c`` was built here."""
+    """Whether the C loops run (built here, and not turned off)."""
     return _kernels is not None
+
+
+def use_compiled(on: bool) -> bool:
+    """Turn the C loops on or off (on only where built), for a benchmark's numpy side or to rule
+    them out; returns the previous setting. The results are the same either way."""
+    global _kernels
+    before, _kernels = _kernels is not None, (_built if on else None)
+    return before
 
 
 def scaled(x: np.ndarray, scale: float, dtype: np.dtype) -> np.ndarray:
@@ -65,6 +74,14 @@ def sub_scaled(param: np.ndarray, x: np.ndarray, scale: float) -> None:
         _kernels.axpy(param, x, -scale)
     else:
         param -= scaled(x, scale, param.dtype)
+
+
+def momentum_step(param: np.ndarray, grad: np.ndarray, m: np.ndarray, lr: float, mu: float, nesterov: bool) -> bool:
+    """Momentum's step (Nesterov's too) in one C pass where the arrays allow; False (nothing done) where not."""
+    if not _fusable([param, m], [grad]):
+        return False
+    _kernels.momentum(param, grad, m, lr, mu, nesterov)
+    return True
 
 
 def adagrad_step(param: np.ndarray, grad: np.ndarray, acc: np.ndarray, lr: float) -> bool:

@@ -67,6 +67,8 @@ class Momentum(Optimizer):
 
     def update(self, param, grad, slots, t):
         m = slots["momentum"]
+        if _kernels.momentum_step(param, grad, m, self.learning_rate, self.momentum, self.nesterov):
+            return param
         m *= self.momentum
         m += grad
         if self.nesterov:

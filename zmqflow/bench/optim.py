@@ -1,0 +1,116 @@
+"""A shard's optimizer step: numpy's chain of whole-array passes against the one-pass C loops.
+
+What a dense push costs a ps shard beyond receiving it: each optimizer applied through
+``ShardStore.apply_dense`` to a float variable in the 4 MiB row ranges a push arrives in (the
+client's slices), numpy's way (``kernels.use_compiled(False)``) and the one-pass way
+(``zmqflow/state/_kernels.c``), alternating repetition by repetition on the same machine. Both
+sides start from the same values and must end with the same bits, or the run fails. Without the
+C module built the table says so and times numpy alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..state import kernels
+from ..state.optim import SGD, Adagrad, Adam, Momentum, Optimizer
+from ..state.store import ShardStore
+from ..transport.memory import keep_big_blocks
+from .report import align, write_jsonl
+
+__all__ = ["OPTIMIZERS", "run", "format_table"]
+
+OPTIMIZERS: dict[str, Optimizer] = {
+    "sgd": SGD(0.01),
+    "momentum": Momentum(0.01),
+    "nesterov": Momentum(0.01, nesterov=True),
+    "adagrad": Adagrad(0.01),
+    "adam": Adam(0.001),
+}
+CHUNK_BYTES = 4 << 20  # the slices a push arrives in (``zmqflow.client.variables.SLICE_BYTES``)
+
+
+def _store(opt: Optimizer, rows: int, cols: int, dtype: str, init: np.ndarray) -> ShardStore:
+    store = ShardStore()
+    store.create("w", 0, [rows, cols], [0, rows], dtype, optimizer=opt.spec())
+    store.assign("w", 0, init)
+    return store
+
+
+def _step(store: ShardStore, grad: np.ndarray, per: int) -> float:
+    """Seconds to apply ``grad`` to the whole variable, ``per`` rows at a time."""
+    t0 = time.perf_counter()
+    for a in range(0, len(grad), per):
+        b = min(a + per, len(grad))
+        store.apply_dense("w", 0, grad[a:b], a, b)
+    return time.perf_counter() - t0
+
+
+def _state(store: ShardStore) -> list[bytes]:
+    part = store.get("w", 0)
+    return [part.value.tobytes(), *(s.tobytes() for s in part.slots.values())]
+
+
+def run(quick: bool = False, mb: float | None = None, dtype: str = "float32", names: Sequence[str] | None = None,
+        reps: int | None = None, json_out: str | None = None) -> list[dict[str, Any]]:
+    """One row per optimizer: median seconds of a step over ``mb`` MB each way, and the ratio."""
+    keep_big_blocks()  # a shard's allocator: numpy's temporaries reuse their blocks, as in `zmqflow serve`
+    mb = mb if mb is not None else (16 if quick else 64)
+    reps = reps if reps is not None else (3 if quick else 7)
+    cols = 64
+    itemsize = np.dtype(dtype).itemsize
+    rows = max(1, int(mb * 1e6) // (cols * itemsize))
+    per = max(1, CHUNK_BYTES // (cols * itemsize))
+    rng = np.random.default_rng(0)
+    init = rng.standard_normal((rows, cols)).astype(dtype)
+    grad = (rng.standard_normal((rows, cols)) * 1e-2).astype(dtype)
+    built = kernels.compiled()
+    out = []
+    for name in names or list(OPTIMIZERS):
+        opt = OPTIMIZERS[name]
+        sides = {"numpy": _store(opt, rows, cols, dtype, init)}
+        if built:
+            sides["one pass"] = _store(opt, rows, cols, dtype, init)
+        times: dict[str, list[float]] = {k: [] for k in sides}
+        for rep in range(reps + 1):  # the first is a warm-up (pages, caches)
+            order = list(sides) if rep % 2 else list(sides)[::-1]
+            for side in order:
+                before = kernels.use_compiled(side == "one pass")
+                try:
+                    seconds = _step(sides[side], grad, per)
+                finally:
+                    kernels.use_compiled(before)
+                if rep:
+                    times[side].append(seconds)
+        if built and _state(sides["numpy"]) != _state(sides["one pass"]):
+            raise AssertionError(f"{name}: the one-pass step and numpy's disagree")
+        row: dict[str, Any] = {"optimizer": name, "dtype": dtype, "mb": rows * cols * itemsize / 1e6, "reps": reps,
+                               "numpy_ms": statistics.median(times["numpy"]) * 1e3, "numpy_s": times["numpy"]}
+        if built:
+            row["one_pass_ms"] = statistics.median(times["one pass"]) * 1e3
+            row["one_pass_s"] = times["one pass"]
+            row["speedup"] = row["numpy_ms"] / row["one_pass_ms"]
+        out.append(row)
+    if json_out:
+        write_jsonl(json_out, [{"bench": "optim", **r} for r in out])
+    return out
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    lines = [["optimizer", "dtype", "MB", "numpy ms", "one pass ms", "numpy GB/s", "one pass GB/s", "speedup"]]
+    for r in rows:
+        one = r.get("one_pass_ms")
+        lines.append([r["optimizer"], r["dtype"], f"{r['mb']:.0f}", f"{r['numpy_ms']:.1f}",
+                      "-" if one is None else f"{one:.1f}", f"{r['mb'] / r['numpy_ms']:.2f}",
+                      "-" if one is None else f"{r['mb'] / one:.2f}", "-" if one is None else f"{r['speedup']:.2f}x"])
+    text = align(lines)
+    text.append("a dense push's optimizer step on one shard, in 4 MiB row ranges; medians; GB/s of gradient; "
+                "both sides end with the same bits")
+    if rows and "one_pass_ms" not in rows[0]:
+        text.append("zmqflow/state/_kernels.c is not built here: numpy's way only")
+    return "\n".join(text)
