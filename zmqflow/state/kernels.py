@@ -15,7 +15,8 @@ except ImportError:  # not built here: numpy does the same work
     _built = None
 _kernels = _built  # what the functions call: the module, or None when not built or turned off
 
-__all__ = ["compiled", "use_compiled", "scaled", "sub_scaled", "momentum_step", "adagrad_step", "adam_step", "copy_into", "STREAM_FROM"]
+__all__ = ["compiled", "use_compiled", "scaled", "sub_scaled", "momentum_step", "adagrad_step", "adam_step",
+           "copy_into", "STREAM_FROM"]
 
 _FUSED = (np.dtype(np.float32), np.dtype(np.float64))
 # Copies from this size on stream past the cache: below it the destination may well be read
@@ -69,8 +70,7 @@ def sub_scaled(param: np.ndarray, x: np.ndarray, scale: float) -> None:
     in C where the arrays allow (both float32 or both float64, contiguous, apart), with the bits
     of numpy's temporary-then-subtract, which runs everywhere else. A shard's SGD push spends
     most of its CPU here: the two passes move each byte about five times, the one pass three."""
-    if (_kernels is not None and param.dtype in _FUSED and x.dtype == param.dtype and param.shape == x.shape
-            and _apart(param, x)):
+    if _fusable([param], [x]):
         _kernels.axpy(param, x, -scale)
     else:
         param -= scaled(x, scale, param.dtype)
