@@ -1,4 +1,4 @@
-"""The C loops of zmqflow/state/_kernels.c (the optimizers' one-pass updates, the pull's streaming copy):
+"""The C loops of zmqflow/state/kernels_c.c (the optimizers' one-pass updates, the pull's streaming copy):
 built where they can be, with numpy's results, strict about the arrays they are handed, and
 skipped by their wrappers (zmqflow/state/kernels.py) where they do not apply."""
 
@@ -18,7 +18,7 @@ from zmqflow.state.optim import SGD, Adagrad, Adam, Momentum
 from zmqflow.state.store import ShardStore
 
 kernels = wrappers._built
-needs_kernels = pytest.mark.skipif(kernels is None, reason="zmqflow/state/_kernels.c is not built here: numpy runs")
+needs_kernels = pytest.mark.skipif(kernels is None, reason="zmqflow/state/kernels_c.c is not built here: numpy runs")
 
 
 def test_the_fused_update_is_built_where_a_compiler_is() -> None:
@@ -26,7 +26,7 @@ def test_the_fused_update_is_built_where_a_compiler_is() -> None:
     headers = sysconfig.get_paths()["include"]
     if not shutil.which(cc) or not os.path.exists(f"{headers}/Python.h"):
         pytest.skip(f"no C compiler ({cc}) or Python headers here: the optimizers run numpy's steps")
-    assert wrappers.compiled(), "zmqflow/state/_kernels.c was not built: run pip install -e . again"
+    assert wrappers.compiled(), "zmqflow/state/kernels_c.c was not built: run pip install -e . again"
 
 
 @needs_kernels

@@ -3,7 +3,7 @@
 What a dense push costs a ps shard beyond receiving it: each optimizer applied through
 ``ShardStore.apply_dense`` to a float variable in the 4 MiB row ranges a push arrives in (the
 client's slices), numpy's way (``kernels.use_compiled(False)``) and the one-pass way
-(``zmqflow/state/_kernels.c``), alternating repetition by repetition on the same machine. Both
+(``zmqflow/state/kernels_c.c``), alternating repetition by repetition on the same machine. Both
 sides start from the same values and must end with the same bits, or the run fails. Without the
 C module built the table says so and times numpy alone.
 """
@@ -112,5 +112,5 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     text.append("a dense push's optimizer step on one shard, in 4 MiB row ranges; medians; GB/s of gradient; "
                 "both sides end with the same bits")
     if rows and "one_pass_ms" not in rows[0]:
-        text.append("zmqflow/state/_kernels.c is not built here: numpy's way only")
+        text.append("zmqflow/state/kernels_c.c is not built here: numpy's way only")
     return "\n".join(text)

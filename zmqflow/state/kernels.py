@@ -1,6 +1,6 @@
 """Memory-bound loops that numpy does in more passes than they need, in C where it was built.
 
-``zmqflow/state/_kernels.c`` is compiled by ``pip install`` where a C compiler is there (optional,
+``zmqflow/state/kernels_c.c`` is compiled by ``pip install`` where a C compiler is there (optional,
 as the hash probe). Each function here checks that the arrays are ones the C loop takes and
 otherwise does numpy's way, with the same result.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 try:
-    from . import _kernels as _built  # type: ignore[attr-defined]
+    from . import kernels_c as _built  # type: ignore[attr-defined]
 except ImportError:  # not built here: numpy does the same work
     _built = None
 _kernels = _built  # what the functions call: the module, or None when not built or turned off

@@ -348,6 +348,6 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", "Memory-bound loops in C: the optimizers' updates, the streaming copy.", -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kernels_c", "Memory-bound loops in C: the optimizers' updates, the streaming copy.", -1, methods};
 
-PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit_kernels_c(void) { return PyModule_Create(&module); }
