@@ -250,6 +250,30 @@ def test_ps_backend_matches_the_torch_optimizer(local, make, sync):
         torch.testing.assert_close(q, p, msg=lambda m: f"{n}: {m}", **_tolerance("ps", "adam" if adam else "other"))
 
 
+def test_ps_backend_pulls_into_contiguous_parameters_and_copies_into_strided_ones(local):
+    """A contiguous CPU parameter is the pull's out= (its own memory filled as replies land); a
+    strided one gets the received values copied in. Both end as a plain torch SGD leaves them."""
+    torch.manual_seed(0)
+    dense, strided = torch.randn(6, 5), torch.randn(5, 6).t()  # the second is not contiguous
+    assert not strided.is_contiguous()
+    ours = [torch.nn.Parameter(dense.clone()), torch.nn.Parameter(strided.clone().t().contiguous().t())]
+    ref = [torch.nn.Parameter(dense.clone()), torch.nn.Parameter(strided.clone())]
+    assert ours[0].is_contiguous() and not ours[1].is_contiguous()
+    memory = [p.data_ptr() for p in ours]
+    dist = zt.DistributedOptimizer(torch.optim.SGD(ours, lr=0.1), [("a", ours[0]), ("b", ours[1])], backend="ps")
+    plain = torch.optim.SGD(ref, lr=0.1)
+    for s in range(3):
+        g = torch.Generator().manual_seed(s)
+        grads = [torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g)]
+        for params, opt in ((ours, dist), (ref, plain)):
+            for p, gr in zip(params, grads):
+                p.grad = gr.clone()
+            opt.step()
+    assert [p.data_ptr() for p in ours] == memory  # updated in place, never replaced
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p.detach(), q.detach())
+
+
 def test_ps_backend_refuses_what_the_shards_cannot_run(local):
     model = _model()
     with pytest.raises(ConfigError, match="RMSprop is not supported"):

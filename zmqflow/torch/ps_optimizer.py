@@ -101,9 +101,17 @@ class PsOptimizerMixin:
             sess.global_step()  # pushes carry the shards' step
 
     def _zf_pull(self) -> None:
-        values = self._zf_runtime.session.pull(self._zf_names)
+        """The shards' values into the parameters. A contiguous CPU parameter is the pull's
+        ``out=`` (a numpy view of its memory), filled slice by slice as the replies land: no
+        received frames to fault in and copy afterwards. Others (CUDA, strided) are copied in from
+        the received arrays. A pull that fails part way may have written some slices already:
+        each is a value the shards held."""
+        into = {var: to_array(p.data, f"parameter {name!r}") for (name, p), var in zip(self._zf_named, self._zf_names)
+                if p.data.device.type == "cpu" and p.data.is_contiguous()}
+        values = self._zf_runtime.session.pull(self._zf_names, out=into)
         for (_, p), var in zip(self._zf_named, self._zf_names):
-            write_into(p.data, values[var])
+            if var not in into:
+                write_into(p.data, values[var])
 
     def synchronize(self) -> None:
         """Nothing to wait for: ``step()`` pushes and pulls synchronously."""
