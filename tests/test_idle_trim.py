@@ -96,8 +96,10 @@ def _rss(pid: int) -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc_trim and /proc are Linux's")
 def test_a_served_shard_gives_back_the_heap_of_big_pushes_once_idle(tmp_path, procs):
     """``zmqflow serve`` (trimming after 0.5 s quiet here): sparse pushes of 32 MB leave their
-    temporaries (the duplicate-summing sort, the optimizer's) free in the heap, which keeps big
-    blocks; once nothing comes, at least half of what the burst added goes back."""
+    temporaries (the duplicate-summing sort, the optimizer's) and the received requests free in
+    the heap, which keeps big blocks; once nothing comes, nearly all of what the burst added goes
+    back. The requests were allocated by ZeroMQ's I/O thread: in an arena of its own (before the
+    process kept to one), a quarter of the burst stayed resident at that arena's top."""
     cfile = tmp_path / "cluster.json"
     cfile.write_text(json.dumps({"ps": [f"127.0.0.1:{free_port()}"]}))
     server = procs([*ZMQFLOW, "serve", "--cluster", str(cfile), "--task", "ps:0", "--idle-trim", "0.5"])
@@ -112,6 +114,6 @@ def test_a_served_shard_gives_back_the_heap_of_big_pushes_once_idle(tmp_path, pr
             v.push((ids, np.ones((len(ids), 256), np.float32)))
         burst = _rss(pid)
         assert burst - before > 64 * MB, (before, burst)  # the pushes did leave free heap behind
-        wait_until(lambda: _rss(pid) < burst - (burst - before) // 2, 30, interval=0.1,
+        wait_until(lambda: _rss(pid) < burst - (burst - before) * 7 // 8, 30, interval=0.1,
                    what=f"the pushes' heap given back (resident {before >> 20} MiB before, {burst >> 20} MiB after)")
         assert sess.status("ps:0")["counters"]["heap_trims"] >= 1
