@@ -8,8 +8,8 @@ ones under their own routing identity (``<identity>~<k>``), and deals calls that
 will be large (``size=``: pulls and embedding lookups do); other calls (and their batch
 envelopes) keep to the first. Each extra connection is a peer of its own to the client (its
 state, its calls in flight, its retries, which stay on it so the server's duplicate record sees
-them), so nothing else about a call changes. The server needs nothing: to it each is one more DEALER. Pair it with
-``ZMQFLOW_IO_THREADS`` so the streams are served by different threads.
+them), so nothing else about a call changes. The server needs nothing: to it each is one more
+DEALER. Pair it with ``ZMQFLOW_IO_THREADS`` so the streams are served by different threads.
 
 Requests on different streams may be run in another order than they were sent. Calls a caller
 awaits one after the other are unaffected; requests started together without waiting (the slices

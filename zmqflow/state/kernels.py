@@ -46,23 +46,23 @@ def scaled(x: np.ndarray, scale: float, dtype: np.dtype) -> np.ndarray:
     return out
 
 
-def _apart(a: np.ndarray, b: np.ndarray) -> bool:
-    return (a.flags.c_contiguous and b.flags.c_contiguous and a.flags.writeable
-            and not np.may_share_memory(a, b))
-
-
-def _fusable(written: list[np.ndarray], read: list[np.ndarray]) -> bool:
-    """Whether the C update takes these arrays: one float type and shape, contiguous, the
-    written ones writeable, no two sharing memory."""
+def _takes(written: list[np.ndarray], read: list[np.ndarray]) -> bool:
+    """Whether a C loop takes these arrays: one dtype and shape, contiguous, the written ones
+    writeable, no two sharing memory (and the loops built and on)."""
     arrays = written + read
     first = arrays[0]
-    if _kernels is None or first.dtype not in _FUSED:
+    if _kernels is None:
         return False
     if any(a.dtype != first.dtype or a.shape != first.shape or not a.flags.c_contiguous for a in arrays):
         return False
     if not all(a.flags.writeable for a in written):
         return False
     return not any(np.may_share_memory(a, b) for i, a in enumerate(arrays) for b in arrays[:i])
+
+
+def _fusable(written: list[np.ndarray], read: list[np.ndarray]) -> bool:
+    """Whether the C updates take these arrays: as ``_takes``, all float32 or all float64."""
+    return written[0].dtype in _FUSED and _takes(written, read)
 
 
 def sub_scaled(param: np.ndarray, x: np.ndarray, scale: float) -> None:
@@ -108,8 +108,7 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     dtype and shape, with streaming stores: a plain copy first reads each destination line into
     the cache, a third pass over memory (a pull into ``out=`` spent a third to a half of its
     time copying)."""
-    if (_kernels is not None and src.nbytes >= STREAM_FROM and dst.dtype == src.dtype and dst.shape == src.shape
-            and _apart(dst, src)):
+    if src.nbytes >= STREAM_FROM and _takes([dst], [src]):
         _kernels.copy(dst, src)
     else:
         dst[...] = src
