@@ -6,11 +6,13 @@ import os
 import signal
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import zmqflow as zf
 from zmqflow.client import ring_shm
 from zmqflow.state import shm_schedule as plan
 from zmqflow.state.reduce import reduce_in_order
@@ -188,6 +190,31 @@ def test_a_peer_that_dies_after_its_last_piece_does_not_fail_the_call(tmp_path):
                 p.wait(10)
             p.stdin.close()
             p.stdout.close()
+
+
+def test_a_peer_that_aborts_on_a_mismatch_and_exits_is_a_mismatch_not_a_death(monkeypatch):
+    """Rank 1 finds the calls differ, sets its abort word, and its process exits, all while rank 0
+    is between looking at it and judging it (as a loaded machine deschedules it). Rank 0 must
+    report the mismatch rank 1 wrote, not merely that rank 1 is gone: whether a peer is gone is
+    read first, its words after. Here the peer's liveness check itself plays the abort and exit."""
+    ranks = [ring_shm.ShmChannel("mismatch-race", r, 2, ["worker:0", "worker:1"]) for r in range(2)]
+    try:
+        blobs = np.stack([ch.blob() for ch in ranks])
+        for ch in ranks:
+            ch.attach(blobs)
+
+        def abort_then_exit(pid: int) -> bool:
+            ranks[0].headers[1][plan.H_ABORT] = 1 + 1 + 2  # what rank 1's collective() writes for a mismatch
+            return False
+
+        monkeypatch.setattr(ring_shm, "_alive", abort_then_exit)
+        src = np.ones(8, np.float32)
+        with pytest.raises(zf.errors.CollectiveMismatch, match="rank 1 .* made different calls"):
+            ranks[0].collective(src, "sum", 0, ["allreduce", "sum", "float32", 1, src.size, 0, None],
+                                time.monotonic() + 10)
+    finally:
+        for ch in ranks:
+            ch.close()
 
 
 def test_stale_segments_of_dead_processes_are_removed(tmp_path):

@@ -383,12 +383,19 @@ class ShmChannel:
         if not others:
             return  # the counters moved: the caller makes progress
         for r in others:
+            # Whether it is gone first, its words after: a peer that wrote them and then exited (an
+            # abort, or the pieces this rank waited for) is judged by what it wrote. Read the other
+            # way round, a peer that aborted on a mismatch and exited between the two reads looked
+            # merely gone.
+            dead = not _alive(self.pids[r]) or self.unreachable(r)
             culprit = int(self.headers[r][plan.H_ABORT]) - 1
             if culprit >= self.size:  # name a rank whose description differs from this one's, if one wrote it
                 lay = self.layout
                 odd = [q for q in range(self.size) if q != self.rank and [int(v) for v in self.headers[q][lay.meta_word:lay.words]] != words]
                 raise self._mismatch(seq, words, odd[0] if odd else r)
-            if not _alive(self.pids[r]) or culprit >= 0 or self.unreachable(r):
+            if dead and culprit < 0 and r not in owing():
+                continue  # it published what this rank needs before it went: the call goes on
+            if dead or culprit >= 0:
                 gone = r if culprit < 0 else culprit
                 raise Unavailable(f"ring {self.name!r} call {seq}: member rank {gone} ({self.members[gone]}) is gone",
                                   task=self.members[gone], rank=gone)
