@@ -1,17 +1,23 @@
-"""The compiled parts: the hash index's inner loops (zmqflow/state/hash_probe.c), and the
-optimizers' one-pass updates and the pull's streaming copy (zmqflow/state/kernels_c.c).
+"""The compiled parts: the hash index's inner loops (zmqflow/state/hash_probe.c), the
+optimizers' one-pass updates and the pull's streaming copy (zmqflow/state/kernels_c.c), and the
+ring's one-pass fold (zmqflow/state/fold_c.c).
 
-Both are optional: where no C compiler is found the build goes on without them, the index runs
+All are optional: where no C compiler is found the build goes on without them, the index runs
 its numpy rounds (``zmqflow.state.hash_index.compiled()`` tells which) and the kernels numpy's
 way (``zmqflow.state.kernels.compiled()``). Everything else is in pyproject.toml.
 """
 
 from setuptools import Extension, setup
 
+_COMMON = ["zmqflow/state/kernels_common.h"]
+# no contraction: a fused multiply-add would round once where numpy's two steps round twice;
+# no errno from sqrt (its arguments are never negative) lets the compiler vectorise it
+_EXACT = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
+
 setup(ext_modules=[
     Extension("zmqflow.state.hash_probe", ["zmqflow/state/hash_probe.c"], optional=True, extra_compile_args=["-O3"]),
-    # no contraction: a fused multiply-add would round once where numpy's two steps round twice;
-    # no errno from sqrt (its arguments are never negative) lets the compiler vectorise it
-    Extension("zmqflow.state.kernels_c", ["zmqflow/state/kernels_c.c"], optional=True,
-              extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"]),
+    Extension("zmqflow.state.kernels_c", ["zmqflow/state/kernels_c.c"], optional=True, depends=_COMMON,
+              extra_compile_args=_EXACT),
+    Extension("zmqflow.state.fold_c", ["zmqflow/state/fold_c.c"], optional=True, depends=_COMMON,
+              extra_compile_args=_EXACT),
 ])

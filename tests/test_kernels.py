@@ -26,7 +26,7 @@ def test_the_fused_update_is_built_where_a_compiler_is() -> None:
     headers = sysconfig.get_paths()["include"]
     if not shutil.which(cc) or not os.path.exists(f"{headers}/Python.h"):
         pytest.skip(f"no C compiler ({cc}) or Python headers here: the optimizers run numpy's steps")
-    assert wrappers.compiled(), "zmqflow/state/kernels_c.c was not built: run pip install -e . again"
+    assert wrappers.compiled(), "zmqflow/state/kernels_c.c or fold_c.c was not built: run pip install -e . again"
 
 
 @needs_kernels

@@ -48,6 +48,7 @@ import numpy as np
 
 from ..errors import CollectiveMismatch, DeadlineExceeded, Unavailable, ZmqflowError
 from ..state import shm_schedule as plan
+from ..state.kernels import FOLD_STREAM_FROM, fold_sum
 from ..state.reduce import finish_mean
 
 __all__ = ["ShmChannel", "negotiate", "enabled", "SHM_DIR"]
@@ -58,22 +59,27 @@ _POLL_S = 0.05  # how often a blocked rank checks its peers' pids and its deadli
 _SPIN = 20
 
 
-def _combine(op: str, views: list[np.ndarray], out: np.ndarray, a: int, b: int, root: int) -> None:
+def _combine(op: str, views: list[np.ndarray], out: np.ndarray, a: int, b: int, root: int) -> bool:
     """Fold (or place) one piece of every rank, in rank order, into ``out[a:b]``: the bits of
-    ``reduce_in_order`` (a mean's sum is divided by the caller, as there)."""
+    ``reduce_in_order``. Returns whether a mean's division is done; else the caller divides, as
+    there. A float sum or mean is one C pass (:func:`fold_sum`), its result streamed past the
+    cache when big; numpy makes one pass per rank, each writing the piece."""
     n = len(views)
     if op == "gather":
         rows = out.reshape(n, -1)
         for r, v in enumerate(views):
             rows[r, a:b] = v
-        return
+        return False
     if op in ("broadcast", "barrier"):
         out[a:b] = views[root]
-        return
+        return False
     ufunc, o = _UFUNC[op], out[a:b]  # a piece at a time (at most a slot, 1 MiB) stays in L2: no finer
+    if ufunc is np.add and fold_sum(o, views, n if op == "mean" else 0, out.nbytes >= FOLD_STREAM_FROM):
+        return op == "mean"
     ufunc(views[0], views[1], out=o)
     for v in views[2:]:
         ufunc(o, v, out=o)
+    return False
 
 
 def _no_span(kind: str, name: str) -> contextlib.AbstractContextManager[None]:
@@ -319,8 +325,8 @@ class ShmChannel:
                         raise self._mismatch(seq, words, r)
                 views = [src[a:b] if r == me else self._view(r, g, src.dtype, b - a) for r in range(n)]
                 with span("ring reduce", "reduce" if op in _UFUNC else "place"):
-                    _combine(op, views, out, a, b, root)
-                if op == "mean":
+                    divided = _combine(op, views, out, a, b, root)
+                if op == "mean" and not divided:
                     with span("ring reduce", "mean"):
                         finish_mean(out[a:b], n)
                 folded += 1

@@ -1,7 +1,7 @@
 """Memory-bound loops that numpy does in more passes than they need, in C where it was built.
 
-``zmqflow/state/kernels_c.c`` is compiled by ``pip install`` where a C compiler is there (optional,
-as the hash probe). Each function here checks that the arrays are ones the C loop takes and
+``zmqflow/state/kernels_c.c`` and ``fold_c.c`` are compiled by ``pip install`` where a C compiler
+is there (optional, as the hash probe). Each function here checks that the arrays are ones the C loop takes and
 otherwise does numpy's way, with the same result.
 """
 
@@ -13,27 +13,38 @@ try:
     from . import kernels_c as _built  # type: ignore[attr-defined]
 except ImportError:  # not built here: numpy does the same work
     _built = None
-_kernels = _built  # what the functions call: the module, or None when not built or turned off
+try:
+    from . import fold_c as _built_fold  # type: ignore[attr-defined]
+except ImportError:
+    _built_fold = None
+_kernels = _built  # what the functions call: the modules, or None when not built or turned off
+_folds = _built_fold
 
 __all__ = ["compiled", "use_compiled", "scaled", "sub_scaled", "momentum_step", "adagrad_step", "adam_step",
-           "copy_into", "STREAM_FROM"]
+           "copy_into", "fold_sum", "STREAM_FROM", "FOLD_STREAM_FROM", "MAX_FOLD"]
 
 _FUSED = (np.dtype(np.float32), np.dtype(np.float64))
 # Copies from this size on stream past the cache: below it the destination may well be read
 # again while it is still cached, and the plain copy is as fast.
 STREAM_FROM = 1 << 20
+# A reduction's result from this size on is written past the cache: by the time it is whole its
+# first pieces have left the cache anyway (the shared cache also holds every rank's slots), and
+# the plain stores would read each line of it first.
+FOLD_STREAM_FROM = 4 << 20
+MAX_FOLD = 64  # views one fold takes (fold_c.c's MAX_FOLD)
 
 
 def compiled() -> bool:
     """Whether the C loops run (built here, and not turned off)."""
-    return _kernels is not None
+    return _kernels is not None and _folds is not None
 
 
 def use_compiled(on: bool) -> bool:
     """Turn the C loops on or off (on only where built), for a benchmark's numpy side or to rule
     them out; returns the previous setting. The results are the same either way."""
-    global _kernels
-    before, _kernels = _kernels is not None, (_built if on else None)
+    global _kernels, _folds
+    before = compiled()
+    _kernels, _folds = (_built, _built_fold) if on else (None, None)
     return before
 
 
@@ -112,3 +123,20 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
         _kernels.copy(dst, src)
     else:
         dst[...] = src
+
+
+def fold_sum(out: np.ndarray, views: list[np.ndarray], div: int = 0, stream: bool = False) -> bool:
+    """``out[...] = ((views[0] + views[1]) + views[2]) + ...``, divided by ``div`` unless it is 0,
+    in one pass where the C loop takes the arrays (out and views all float32 or all float64, of
+    one shape, contiguous, out writeable and apart from every view), with the bits of numpy's
+    ``np.add`` per view and ``out /= div``; False (nothing done) where it does not. ``stream``:
+    write ``out`` with non-temporal stores. numpy makes one pass per view, each writing out."""
+    if _folds is None or not 2 <= len(views) <= MAX_FOLD or out.dtype not in _FUSED:
+        return False
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        return False
+    for v in views:
+        if v.dtype != out.dtype or v.shape != out.shape or not v.flags.c_contiguous or np.may_share_memory(out, v):
+            return False
+    _folds.fold(out, views, div, stream)
+    return True

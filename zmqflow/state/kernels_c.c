@@ -28,16 +28,11 @@
        none overlapping another; lr_rows: one value a row, of the same type (rows = its length).
    copy(dst, src)                         dst writable, both C-contiguous, the same bytes, apart. */
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
+#include "kernels_common.h"
 
-#define RELEASE_GIL_FROM 65536 /* elements: below this the GIL's round trip costs more than it frees */
+#include <math.h>
+#include <string.h>
+
 #define MAX_ARRAYS 5
 
 /* the arrays of one call: acquired and checked together, released together */
@@ -48,21 +43,10 @@ typedef struct {
     Py_ssize_t count; /* elements of each */
 } Arrays;
 
-static char type_of(const Py_buffer *b) {
-    const char *f = b->format ? b->format : "B";
-    if (f[0] == '<' || f[0] == '=' || f[0] == '@')
-        f++;
-    return (f[0] == 'f' || f[0] == 'd') && f[1] == '\0' ? f[0] : 0;
-}
-
 static void release(Arrays *a) {
     for (int i = 0; i < a->n; i++)
         PyBuffer_Release(&a->b[i]);
     a->n = 0;
-}
-
-static int overlap(const Py_buffer *x, const Py_buffer *y) {
-    return (const char *)x->buf < (const char *)y->buf + y->len && (const char *)y->buf < (const char *)x->buf + x->len;
 }
 
 /* Acquire ``n`` float arrays, the first ``writable`` of them writable: one type, one length,
@@ -101,16 +85,6 @@ static int acquire(Arrays *a, const char *what, PyObject **objs, int n, int writ
     a->count = a->b[0].len / (a->type == 'f' ? (Py_ssize_t)sizeof(float) : (Py_ssize_t)sizeof(double));
     return 0;
 }
-
-/* Run STMT with the GIL released for big arrays. */
-#define MAYBE_WITHOUT_GIL(count, STMT) \
-    do {                               \
-        if ((count) >= RELEASE_GIL_FROM) { \
-            Py_BEGIN_ALLOW_THREADS STMT; Py_END_ALLOW_THREADS \
-        } else {                       \
-            STMT;                      \
-        }                              \
-    } while (0)
 
 /* ---- axpy ---------------------------------------------------------------------------------- */
 
