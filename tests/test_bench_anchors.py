@@ -121,3 +121,20 @@ def test_cli_vs_tf1_prints_the_ratio_table_and_writes_json(tmp_path):
     assert [r["measure"] for r in lines] == MEASURES and all(r["ratio"] > 0 for r in lines)
     if plot.available():
         assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_allreduce_runs_the_ranks_and_sizes_asked(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    result = _invoke("allreduce", "--quick", "--ranks", "2", "--sizes", "64K,4K", "--no-ps", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["ranks"], r["bytes"]) for r in rows] == [(2, 64 << 10), (2, 4 << 10)]
+    for r in rows:
+        assert r["zf_ms"] > 0 and r["ps_ms"] is None  # the PS columns left out
+        assert (r["gloo_ms"] is None) == (not allreduce_bench.gloo_available())
+
+
+@pytest.mark.parametrize("sizes, words", [("64K,1X", "malformed size '1X'"), ("6", "multiple of 4"), (",", "no size")])
+def test_allreduce_refuses_bad_sizes_before_running(sizes, words):
+    result = _invoke("allreduce", "--sizes", sizes)
+    assert result.exit_code == 2 and "--sizes" in result.output and words in result.output

@@ -100,16 +100,30 @@ def optim_bench(quick: bool, dtype: str, json_out: str | None) -> None:
                    "Without it gloo runs only when torch is installed.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False),
               help="Draw bus bandwidth against size into this image (needs the [plot] extra).")
-def allreduce(quick: bool, json_out: str | None, rival: str | None, plot_out: str | None) -> None:
+@click.option("--ranks", "ranks", type=click.IntRange(2, 16), multiple=True, metavar="N",
+              help="Ranks of one run (repeatable; 2 and 3 when none is given).")
+@click.option("--sizes", "sizes", metavar="LIST", help="Comma-separated sizes in bytes instead of the defaults, "
+              "e.g. 64K,1M,16M,64M (float32: multiples of 4).")
+@click.option("--no-ps", "no_ps", is_flag=True, help="Leave out the PS push/pull columns.")
+def allreduce(quick: bool, json_out: str | None, rival: str | None, plot_out: str | None, ranks: tuple[int, ...],
+              sizes: str | None, no_ps: bool) -> None:
     """Ring allreduce vs gloo (when torch is installed) vs memcpy vs PS push/pull."""
     from ..bench.allreduce import format_table, gloo_available, run
     from ..bench.anchors import plot
+    from ..bench.transport.plan import parse_size
 
     if plot_out and not plot.available():
         raise click.ClickException(plot.MISSING)
     if rival == "gloo" and not gloo_available():
         raise click.ClickException("zmqflow bench allreduce --vs gloo needs PyTorch: pip install 'zmqflow[torch]'")
-    rows = run(quick=quick, json_out=json_out, echo=click.echo, gloo=True if rival == "gloo" else None)
+    try:
+        chosen = [parse_size(x) for x in sizes.split(",") if x.strip()] if sizes is not None else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--sizes") from None
+    if chosen is not None and not chosen:
+        raise click.BadParameter("no size given", param_hint="--sizes")
+    rows = run(quick=quick, json_out=json_out, echo=click.echo, gloo=True if rival == "gloo" else None,
+               ranks=ranks or (2, 3), sizes=chosen, ps=not no_ps)
     click.echo(format_table(rows))
     if plot_out:
         plot.plot_allreduce(rows, plot_out)

@@ -6,7 +6,9 @@ map the others' segments, ranks stop sending chunks over loopback TCP: each rank
 piece by piece, into its own segment in ``/dev/shm`` and every rank folds all ranks' pieces, read
 straight from the segments, into its own output in rank order, so every rank ends with the same
 bits as ``reduce_in_order`` (an allgather places the pieces in rows, a broadcast copies the root's,
-a barrier exchanges one empty piece). A call is cut into at least 4 pieces (down to 128 KiB), so
+a barrier exchanges one empty piece). A float32 or float64 sum or mean folds a piece of every rank
+in one C pass (``state/kernels.py`` ``fold_sum``), writing a result of 4 MiB or more past the
+cache; numpy's fold, which the other dtypes and ops take, makes one pass per rank. A call is cut into at least 4 pieces (down to 128 KiB), so
 writing piece k+1 overlaps folding piece k; a segment's slots are reused once every reader
 consumed them (``state/shm_schedule.py`` is the plan).
 
