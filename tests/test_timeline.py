@@ -33,6 +33,7 @@ WORK = textwrap.dedent(
         s.push({"g": np.ones(4)}, step=step)  # a sync round on ps:0
     rt.ring.allreduce(np.ones(1000, np.float32))  # small: one exchange
     rt.ring.allreduce(np.ones(600_000, np.float32), op="mean")  # 2.4 MB: the ring, in chunks
+    rt.ring.allreduce(np.full(1000, 3, np.int32), op="mean")  # an integer mean divides in a pass of its own
     if rt.rank == 0:
         zf.checkpoint.save(s, sys.argv[1], step=1)
     rt.ring.barrier()
