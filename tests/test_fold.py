@@ -101,7 +101,8 @@ def test_the_fold_refuses_what_it_cannot_do_and_changes_nothing() -> None:
     assert np.array_equal(a, np.arange(16, dtype=np.float32)) and (b == 1).all()
 
 
-@pytest.mark.parametrize("case", ["float16", "int32", "strided", "mixed", "overlapping", "one view", "turned off"])
+@pytest.mark.parametrize("case", ["float16", "int32", "strided", "unaligned", "mixed", "overlapping", "one view",
+                                  "turned off"])
 def test_fold_sum_leaves_what_it_cannot_take_to_numpy(case: str) -> None:
     a, b = np.arange(8, dtype=np.float32), np.ones(8, np.float32)
     out = np.zeros(8, np.float32)
@@ -113,6 +114,9 @@ def test_fold_sum_leaves_what_it_cannot_take_to_numpy(case: str) -> None:
         out, views = out.astype(np.int32), [a.astype(np.int32), b.astype(np.int32)]
     elif case == "strided":
         out, views = np.zeros(16, np.float32)[::2], [a, b]
+    elif case == "unaligned":  # a float32 view one byte into its buffer
+        views = [a, np.frombuffer(bytearray(33), np.float32, 8, 1)]
+        assert not views[1].flags.aligned
     elif case == "mixed":
         views = [a, b.astype(np.float64)]
     elif case == "overlapping":

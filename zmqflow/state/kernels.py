@@ -127,16 +127,18 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
 
 def fold_sum(out: np.ndarray, views: list[np.ndarray], div: int = 0, stream: bool = False) -> bool:
     """``out[...] = ((views[0] + views[1]) + views[2]) + ...``, divided by ``div`` unless it is 0,
-    in one pass where the C loop takes the arrays (out and views all float32 or all float64, of
-    one shape, contiguous, out writeable and apart from every view), with the bits of numpy's
-    ``np.add`` per view and ``out /= div``; False (nothing done) where it does not. ``stream``:
-    write ``out`` with non-temporal stores. numpy makes one pass per view, each writing out."""
+    in one pass where the C loop takes the arrays (out and views all float32 or all float64, of one
+    shape, contiguous and aligned, out writeable and apart from every view), with the bits of
+    numpy's ``np.add`` per view and ``out /= div``; False (nothing done) where it does not.
+    ``stream``: write ``out`` with non-temporal stores. numpy makes one pass per view, each
+    writing out."""
     if _folds is None or not 2 <= len(views) <= MAX_FOLD or out.dtype not in _FUSED:
         return False
-    if not out.flags.c_contiguous or not out.flags.writeable:
+    if not out.flags.c_contiguous or not out.flags.writeable or not out.flags.aligned:
         return False
     for v in views:
-        if v.dtype != out.dtype or v.shape != out.shape or not v.flags.c_contiguous or np.may_share_memory(out, v):
+        if (v.dtype != out.dtype or v.shape != out.shape or not v.flags.c_contiguous or not v.flags.aligned
+                or np.may_share_memory(out, v)):
             return False
     _folds.fold(out, views, div, stream)
     return True
