@@ -92,6 +92,17 @@ def optim_bench(quick: bool, dtype: str, json_out: str | None) -> None:
     click.echo(format_table(run(quick=quick, dtype=dtype, json_out=json_out)))
 
 
+@bench.command("fold")
+@click.option("--quick", is_flag=True, help="A 16 MB result instead of 64, and fewer repetitions.")
+@click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Append JSON lines here.")
+def fold_bench(quick: bool, dtype: str, json_out: str | None) -> None:
+    """The shared-memory ring's sum, 2 and 3 ranks: numpy's pass per rank vs the one-pass C loop."""
+    from ..bench.fold import format_table, run
+
+    click.echo(format_table(run(quick=quick, dtype=dtype, json_out=json_out)))
+
+
 @bench.command("allreduce")
 @click.option("--quick", is_flag=True, help="Sizes up to 16 MB, fewer repetitions.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Append JSON lines here.")
