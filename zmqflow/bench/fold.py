@@ -35,7 +35,10 @@ def _numpy_fold(out: np.ndarray, views: list[np.ndarray]) -> None:
         np.add(out, v, out=out)
 
 
-def _pass(out: np.ndarray, segments: list[np.ndarray], per: int, fold: Callable[[np.ndarray, list[np.ndarray]], None]) -> float:
+Fold = Callable[[np.ndarray, list[np.ndarray]], None]
+
+
+def _pass(out: np.ndarray, segments: list[np.ndarray], per: int, fold: Fold) -> float:
     """Seconds to fold the whole result, piece by piece, from the ranks' slots."""
     t0 = time.perf_counter()
     for i, a in enumerate(range(0, len(out), per)):
@@ -61,7 +64,7 @@ def run(quick: bool = False, mb: float | None = None, dtype: str = "float32", ra
     for k in ranks:
         segments = [rng.standard_normal(per * SLOTS).astype(dtype) for _ in range(k)]
         outs = {"numpy": np.empty(n, dtype)}
-        folds: dict[str, Callable[[np.ndarray, list[np.ndarray]], None]] = {"numpy": _numpy_fold}
+        folds: dict[str, Fold] = {"numpy": _numpy_fold}
         if built:
             outs["one pass"] = np.empty(n, dtype)
 

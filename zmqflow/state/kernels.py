@@ -1,8 +1,8 @@
 """Memory-bound loops that numpy does in more passes than they need, in C where it was built.
 
 ``zmqflow/state/kernels_c.c`` and ``fold_c.c`` are compiled by ``pip install`` where a C compiler
-is there (optional, as the hash probe). Each function here checks that the arrays are ones the C loop takes and
-otherwise does numpy's way, with the same result.
+is there (optional, as the hash probe). Each function here checks that the arrays are ones the C
+loop takes and otherwise does numpy's way, with the same result.
 """
 
 from __future__ import annotations
