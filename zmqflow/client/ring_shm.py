@@ -6,10 +6,9 @@ map the others' segments, ranks stop sending chunks over loopback TCP: each rank
 piece by piece, into its own segment in ``/dev/shm`` and every rank folds all ranks' pieces, read
 straight from the segments, into its own output in rank order, so every rank ends with the same
 bits as ``reduce_in_order`` (an allgather places the pieces in rows, a broadcast copies the root's,
-a barrier exchanges one empty piece). With three ranks or more, a float32 or float64 sum or mean
-folds a piece of every rank in one C pass (``state/kernels.py`` ``fold_sum``), writing a result of
-4 MiB or more past the cache; numpy's fold, which two ranks and the other dtypes and ops take,
-makes one pass per rank. A call is cut into at least 4 pieces (down to 128 KiB), so
+a barrier exchanges one empty piece). A float32 or float64 sum or mean folds a piece of every rank
+in one C pass (``state/kernels.py`` ``fold_sum``), writing a result of 4 MiB or more past the
+cache; numpy's fold, which the other dtypes and ops take, makes one pass per rank. A call is cut into at least 4 pieces (down to 128 KiB), so
 writing piece k+1 overlaps folding piece k; a segment's slots are reused once every reader
 consumed them (``state/shm_schedule.py`` is the plan).
 
@@ -65,8 +64,8 @@ _SPIN = 20
 def _combine(op: str, views: list[np.ndarray], out: np.ndarray, a: int, b: int, root: int) -> bool:
     """Fold (or place) one piece of every rank, in rank order, into ``out[a:b]``: the bits of
     ``reduce_in_order``. Returns whether a mean's division is done; else the caller divides, as
-    there. A float sum or mean of three ranks or more is one C pass (:func:`fold_sum`), its
-    result streamed past the cache when big; numpy makes one pass per rank, each writing the piece."""
+    there. A float sum or mean is one C pass (:func:`fold_sum`), its result streamed past the
+    cache when big; numpy makes one pass per rank, each writing the piece."""
     n = len(views)
     if op == "gather":
         rows = out.reshape(n, -1)
@@ -77,9 +76,7 @@ def _combine(op: str, views: list[np.ndarray], out: np.ndarray, a: int, b: int, 
         out[a:b] = views[root]
         return False
     ufunc, o = _UFUNC[op], out[a:b]  # a piece at a time (at most a slot, 1 MiB) stays in L2: no finer
-    # Two ranks: numpy's one np.add is one pass already, and the C loop was no faster here (its
-    # streamed stores slower in some runs); from three, numpy makes a pass per rank.
-    if n >= 3 and ufunc is np.add and fold_sum(o, views, n if op == "mean" else 0, out.nbytes >= FOLD_STREAM_FROM):
+    if ufunc is np.add and fold_sum(o, views, n if op == "mean" else 0, out.nbytes >= FOLD_STREAM_FROM):
         return op == "mean"
     ufunc(views[0], views[1], out=o)
     for v in views[2:]:

@@ -30,9 +30,10 @@
     } while (0)
 
 /* From element i: scalars up to out's next W-byte boundary, then whole vectors of W bytes with
-   aligned (or streaming) stores; returns where the vectors stopped. Every lane rounds as the
-   scalar operation does. ATTR lets one build carry a loop for an instruction set that only some
-   CPUs have. */
+   aligned (or streaming) stores, four at a time while four fit (four loads in flight per view
+   keep the memory busy: one at a time was slower than numpy's own loop), then one at a time;
+   returns where the vectors stopped. Every lane rounds as the scalar operation does. ATTR lets
+   one build carry a loop for an instruction set that only some CPUs have. */
 #define FOLD_VECTORS(NAME, ATTR, T, V, W, LOAD, ADD, DIV, SET1, STREAM, STORE)                       \
     ATTR static Py_ssize_t NAME(T *out, const T **v, int k, T d, int div, int stream, Py_ssize_t i, \
                                 Py_ssize_t n) {                                                     \
@@ -40,6 +41,28 @@
             FOLD_AT(T, i);                                                                          \
         const Py_ssize_t w = W / (Py_ssize_t)sizeof(T);                                             \
         V dv = SET1(d);                                                                             \
+        for (; i + 4 * w <= n; i += 4 * w) {                                                        \
+            V s0 = ADD(LOAD(v[0] + i), LOAD(v[1] + i));                                             \
+            V s1 = ADD(LOAD(v[0] + i + w), LOAD(v[1] + i + w));                                     \
+            V s2 = ADD(LOAD(v[0] + i + 2 * w), LOAD(v[1] + i + 2 * w));                             \
+            V s3 = ADD(LOAD(v[0] + i + 3 * w), LOAD(v[1] + i + 3 * w));                             \
+            for (int j = 2; j < k; j++) {                                                           \
+                s0 = ADD(s0, LOAD(v[j] + i));                                                       \
+                s1 = ADD(s1, LOAD(v[j] + i + w));                                                   \
+                s2 = ADD(s2, LOAD(v[j] + i + 2 * w));                                               \
+                s3 = ADD(s3, LOAD(v[j] + i + 3 * w));                                               \
+            }                                                                                       \
+            if (div) {                                                                              \
+                s0 = DIV(s0, dv); s1 = DIV(s1, dv); s2 = DIV(s2, dv); s3 = DIV(s3, dv);             \
+            }                                                                                       \
+            if (stream) {                                                                           \
+                STREAM(out + i, s0); STREAM(out + i + w, s1);                                       \
+                STREAM(out + i + 2 * w, s2); STREAM(out + i + 3 * w, s3);                           \
+            } else {                                                                                \
+                STORE(out + i, s0); STORE(out + i + w, s1);                                         \
+                STORE(out + i + 2 * w, s2); STORE(out + i + 3 * w, s3);                             \
+            }                                                                                       \
+        }                                                                                           \
         for (; i + w <= n; i += w) {                                                                \
             V s = ADD(LOAD(v[0] + i), LOAD(v[1] + i));                                              \
             for (int j = 2; j < k; j++)                                                             \
@@ -128,7 +151,8 @@ static PyObject *fold(PyObject *self, PyObject *args) {
         held++;
         if (type == 0 || type_of(&b[held - 1]) != type) {
             PyErr_Format(PyExc_TypeError, "fold takes float32 arrays or float64 arrays, all alike; out is '%s' and "
-                         "view %zd '%s'", b[0].format ? b[0].format : "B", j, b[held - 1].format ? b[held - 1].format : "B");
+                         "view %zd '%s'", b[0].format ? b[0].format : "B", j,
+                         b[held - 1].format ? b[held - 1].format : "B");
             goto done;
         }
         if (b[held - 1].len != b[0].len) {
@@ -146,10 +170,12 @@ static PyObject *fold(PyObject *self, PyObject *args) {
             src[j] = b[j + 1].buf;
         if (type == 'f') {
             Py_ssize_t n = b[0].len / (Py_ssize_t)sizeof(float);
-            MAYBE_WITHOUT_GIL(n, fold_float((float *)b[0].buf, (const float **)src, (int)k, (float)div, div > 0, stream, n));
+            MAYBE_WITHOUT_GIL(n, fold_float((float *)b[0].buf, (const float **)src, (int)k, (float)div, div > 0,
+                                            stream, n));
         } else {
             Py_ssize_t n = b[0].len / (Py_ssize_t)sizeof(double);
-            MAYBE_WITHOUT_GIL(n, fold_double((double *)b[0].buf, (const double **)src, (int)k, (double)div, div > 0, stream, n));
+            MAYBE_WITHOUT_GIL(n, fold_double((double *)b[0].buf, (const double **)src, (int)k, (double)div, div > 0,
+                                             stream, n));
         }
     }
     result = Py_None;
