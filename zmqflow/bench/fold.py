@@ -4,7 +4,7 @@ What a rank of the ring on one host spends on summing: every rank's piece (a slo
 ring's piece size) added in rank order into the result, piece after piece, numpy's way (one
 ``np.add`` per rank, each a pass that writes the piece) and with ``kernels.fold_sum`` (one pass,
 the result written past the cache from ``FOLD_STREAM_FROM``), alternating repetition by
-repetition. The pieces come from a few slots per rank that are used over and over, as the ring's
+repetition (:mod:`.two_ways`). The pieces come from a few slots per rank that are used over and over, as the ring's
 segments are, so they are warm in the cache as a peer's freshly written piece is. Both sides
 must end with the same bits, or the run fails. Without ``zmqflow/state/fold_c.c`` built the
 table says so and times numpy alone.
@@ -12,7 +12,6 @@ table says so and times numpy alone.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,7 +20,8 @@ import numpy as np
 
 from ..state import kernels
 from ..transport.memory import keep_big_blocks
-from .report import align, write_jsonl
+from .report import write_jsonl
+from .two_ways import NUMPY, ONE_PASS, alternate, format_rows, timings
 
 __all__ = ["run", "format_table", "PIECE_BYTES", "SLOTS"]
 
@@ -63,30 +63,21 @@ def run(quick: bool = False, mb: float | None = None, dtype: str = "float32", ra
     rows = []
     for k in ranks:
         segments = [rng.standard_normal(per * SLOTS).astype(dtype) for _ in range(k)]
-        outs = {"numpy": np.empty(n, dtype)}
-        folds: dict[str, Fold] = {"numpy": _numpy_fold}
+        outs = {NUMPY: np.empty(n, dtype)}
+        folds: dict[str, Fold] = {NUMPY: _numpy_fold}
         if built:
-            outs["one pass"] = np.empty(n, dtype)
+            outs[ONE_PASS] = np.empty(n, dtype)
 
             def one_pass(o: np.ndarray, views: list[np.ndarray]) -> None:
                 if not kernels.fold_sum(o, views, 0, stream):
                     raise AssertionError("fold_sum did not take the ring's own pieces")
 
-            folds["one pass"] = one_pass
-        times: dict[str, list[float]] = {side: [] for side in outs}
-        for rep in range(reps + 1):  # the first is a warm-up (pages, caches)
-            for side in (list(outs) if rep % 2 else list(outs)[::-1]):
-                seconds = _pass(outs[side], segments, per, folds[side])
-                if rep:
-                    times[side].append(seconds)
-        if built and outs["numpy"].tobytes() != outs["one pass"].tobytes():
+            folds[ONE_PASS] = one_pass
+        times = alternate(list(outs), reps, lambda side: _pass(outs[side], segments, per, folds[side]))
+        if built and outs[NUMPY].tobytes() != outs[ONE_PASS].tobytes():
             raise AssertionError(f"{k} ranks: the one-pass fold and numpy's disagree")
         row: dict[str, Any] = {"ranks": k, "dtype": dtype, "mb": n * itemsize / 1e6, "reps": reps, "streamed": stream,
-                               "numpy_ms": statistics.median(times["numpy"]) * 1e3, "numpy_s": times["numpy"]}
-        if built:
-            row["one_pass_ms"] = statistics.median(times["one pass"]) * 1e3
-            row["one_pass_s"] = times["one pass"]
-            row["speedup"] = row["numpy_ms"] / row["one_pass_ms"]
+                               **timings(times)}
         rows.append(row)
     if json_out:
         write_jsonl(json_out, [{"bench": "fold", **r} for r in rows])
@@ -94,15 +85,5 @@ def run(quick: bool = False, mb: float | None = None, dtype: str = "float32", ra
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    lines = [["ranks", "dtype", "MB", "numpy ms", "one pass ms", "numpy GB/s", "one pass GB/s", "speedup"]]
-    for r in rows:
-        one = r.get("one_pass_ms")
-        lines.append([str(r["ranks"]), r["dtype"], f"{r['mb']:.0f}", f"{r['numpy_ms']:.1f}",
-                      "-" if one is None else f"{one:.1f}", f"{r['mb'] / r['numpy_ms']:.2f}",
-                      "-" if one is None else f"{r['mb'] / one:.2f}", "-" if one is None else f"{r['speedup']:.2f}x"])
-    text = align(lines)
-    text.append("one ring rank's sum of every rank's 1 MiB pieces into its result; medians; GB/s of result; "
-                "both sides end with the same bits")
-    if rows and "one_pass_ms" not in rows[0]:
-        text.append("zmqflow/state/fold_c.c is not built here: numpy's way only")
-    return "\n".join(text)
+    return format_rows(rows, "ranks", "ranks", "one ring rank's sum of every rank's 1 MiB pieces into its result; "
+                       "GB/s of result", "zmqflow/state/fold_c.c")

@@ -10,7 +10,6 @@ C module built the table says so and times numpy alone.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +20,8 @@ from ..state import kernels
 from ..state.optim import SGD, Adagrad, Adam, Momentum, Optimizer
 from ..state.store import ShardStore
 from ..transport.memory import keep_big_blocks
-from .report import align, write_jsonl
+from .report import write_jsonl
+from .two_ways import NUMPY, ONE_PASS, alternate, format_rows, timings
 
 __all__ = ["OPTIMIZERS", "run", "format_table"]
 
@@ -73,28 +73,22 @@ def run(quick: bool = False, mb: float | None = None, dtype: str = "float32", na
     out = []
     for name in names or list(OPTIMIZERS):
         opt = OPTIMIZERS[name]
-        sides = {"numpy": _store(opt, rows, cols, dtype, init)}
+        sides = {NUMPY: _store(opt, rows, cols, dtype, init)}
         if built:
-            sides["one pass"] = _store(opt, rows, cols, dtype, init)
-        times: dict[str, list[float]] = {k: [] for k in sides}
-        for rep in range(reps + 1):  # the first is a warm-up (pages, caches)
-            order = list(sides) if rep % 2 else list(sides)[::-1]
-            for side in order:
-                before = kernels.use_compiled(side == "one pass")
-                try:
-                    seconds = _step(sides[side], grad, per)
-                finally:
-                    kernels.use_compiled(before)
-                if rep:
-                    times[side].append(seconds)
-        if built and _state(sides["numpy"]) != _state(sides["one pass"]):
+            sides[ONE_PASS] = _store(opt, rows, cols, dtype, init)
+
+        def step(side: str) -> float:  # the side's way turned on for its run alone
+            before = kernels.use_compiled(side == ONE_PASS)
+            try:
+                return _step(sides[side], grad, per)
+            finally:
+                kernels.use_compiled(before)
+
+        times = alternate(list(sides), reps, step)
+        if built and _state(sides[NUMPY]) != _state(sides[ONE_PASS]):
             raise AssertionError(f"{name}: the one-pass step and numpy's disagree")
         row: dict[str, Any] = {"optimizer": name, "dtype": dtype, "mb": rows * cols * itemsize / 1e6, "reps": reps,
-                               "numpy_ms": statistics.median(times["numpy"]) * 1e3, "numpy_s": times["numpy"]}
-        if built:
-            row["one_pass_ms"] = statistics.median(times["one pass"]) * 1e3
-            row["one_pass_s"] = times["one pass"]
-            row["speedup"] = row["numpy_ms"] / row["one_pass_ms"]
+                               **timings(times)}
         out.append(row)
     if json_out:
         write_jsonl(json_out, [{"bench": "optim", **r} for r in out])
@@ -102,15 +96,5 @@ def run(quick: bool = False, mb: float | None = None, dtype: str = "float32", na
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    lines = [["optimizer", "dtype", "MB", "numpy ms", "one pass ms", "numpy GB/s", "one pass GB/s", "speedup"]]
-    for r in rows:
-        one = r.get("one_pass_ms")
-        lines.append([r["optimizer"], r["dtype"], f"{r['mb']:.0f}", f"{r['numpy_ms']:.1f}",
-                      "-" if one is None else f"{one:.1f}", f"{r['mb'] / r['numpy_ms']:.2f}",
-                      "-" if one is None else f"{r['mb'] / one:.2f}", "-" if one is None else f"{r['speedup']:.2f}x"])
-    text = align(lines)
-    text.append("a dense push's optimizer step on one shard, in 4 MiB row ranges; medians; GB/s of gradient; "
-                "both sides end with the same bits")
-    if rows and "one_pass_ms" not in rows[0]:
-        text.append("zmqflow/state/kernels_c.c is not built here: numpy's way only")
-    return "\n".join(text)
+    return format_rows(rows, "optimizer", "optimizer", "a dense push's optimizer step on one shard, in 4 MiB row "
+                       "ranges; GB/s of gradient", "zmqflow/state/kernels_c.c")
