@@ -72,6 +72,9 @@ def test_views_may_be_one_array_more_than_once() -> None:
     out = np.empty_like(v)
     kernels.fold(out, [v, v, v[::-1].copy(), v], 0, False)
     assert np.array_equal(out, v + v + v[::-1] + v)
+    out[...] = 0
+    assert wrappers.fold_sum(out, [v, v[:], v]) is True  # the wrapper takes them too: views are only read
+    assert np.array_equal(out, v + v + v)
 
 
 @needs_kernels

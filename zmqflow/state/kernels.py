@@ -59,21 +59,21 @@ def scaled(x: np.ndarray, scale: float, dtype: np.dtype) -> np.ndarray:
 
 def _takes(written: list[np.ndarray], read: list[np.ndarray]) -> bool:
     """Whether a C loop takes these arrays: one dtype and shape, contiguous, the written ones
-    writeable, no two sharing memory (and the loops built and on)."""
+    writeable and apart from every other array (the read ones are only read: they may share
+    memory with one another, as a fold's views of one array may)."""
     arrays = written + read
     first = arrays[0]
-    if _kernels is None:
-        return False
     if any(a.dtype != first.dtype or a.shape != first.shape or not a.flags.c_contiguous for a in arrays):
         return False
     if not all(a.flags.writeable for a in written):
         return False
-    return not any(np.may_share_memory(a, b) for i, a in enumerate(arrays) for b in arrays[:i])
+    return not any(np.may_share_memory(w, a) for i, w in enumerate(written) for a in arrays[i + 1:])
 
 
 def _fusable(written: list[np.ndarray], read: list[np.ndarray]) -> bool:
-    """Whether the C updates take these arrays: as ``_takes``, all float32 or all float64."""
-    return written[0].dtype in _FUSED and _takes(written, read)
+    """Whether the C updates take these arrays (built and on): as ``_takes``, all float32 or all
+    float64."""
+    return _kernels is not None and written[0].dtype in _FUSED and _takes(written, read)
 
 
 def sub_scaled(param: np.ndarray, x: np.ndarray, scale: float) -> None:
@@ -119,7 +119,7 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     dtype and shape, with streaming stores: a plain copy first reads each destination line into
     the cache, a third pass over memory (a pull into ``out=`` spent a third to a half of its
     time copying)."""
-    if src.nbytes >= STREAM_FROM and _takes([dst], [src]):
+    if _kernels is not None and src.nbytes >= STREAM_FROM and _takes([dst], [src]):
         _kernels.copy(dst, src)
     else:
         dst[...] = src
@@ -134,11 +134,7 @@ def fold_sum(out: np.ndarray, views: list[np.ndarray], div: int = 0, stream: boo
     writing out."""
     if _folds is None or not 2 <= len(views) <= MAX_FOLD or out.dtype not in _FUSED:
         return False
-    if not out.flags.c_contiguous or not out.flags.writeable or not out.flags.aligned:
+    if not (out.flags.aligned and all(v.flags.aligned for v in views)) or not _takes([out], views):
         return False
-    for v in views:
-        if (v.dtype != out.dtype or v.shape != out.shape or not v.flags.c_contiguous or not v.flags.aligned
-                or np.may_share_memory(out, v)):
-            return False
     _folds.fold(out, views, div, stream)
     return True
