@@ -121,14 +121,14 @@ def allreduce(quick: bool, json_out: str | None, rival: str | None, plot_out: st
     """Ring allreduce vs gloo (when torch is installed) vs memcpy vs PS push/pull."""
     from ..bench.allreduce import format_table, gloo_available, run
     from ..bench.anchors import plot
-    from ..bench.transport.plan import parse_size
+    from ..bench.transport.plan import parse_sizes
 
     if plot_out and not plot.available():
         raise click.ClickException(plot.MISSING)
     if rival == "gloo" and not gloo_available():
         raise click.ClickException("zmqflow bench allreduce --vs gloo needs PyTorch: pip install 'zmqflow[torch]'")
     try:
-        chosen = [parse_size(x) for x in sizes.split(",") if x.strip()] if sizes is not None else None
+        chosen = parse_sizes(sizes) if sizes is not None else None
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--sizes") from None
     if chosen is not None and not chosen:

@@ -23,6 +23,7 @@ __all__ = [
     "TRANSPORTS",
     "Plan",
     "parse_size",
+    "parse_sizes",
     "tensor",
 ]
 
@@ -96,3 +97,9 @@ def parse_size(text: str) -> int:
     if value <= 0 or value % 4:
         raise ValueError(f"size {text!r} must be a positive multiple of 4 bytes")
     return value
+
+
+def parse_sizes(text: str) -> list[int]:
+    """A comma-separated list of sizes (``64,4K,1M``) -> bytes each, blanks skipped; ValueError
+    naming the first malformed one."""
+    return [parse_size(s) for s in text.split(",") if s.strip()]

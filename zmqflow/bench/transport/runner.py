@@ -44,7 +44,7 @@ from .plan import (
     TPUT_TARGET_MIN_BYTES,
     TRANSPORTS,
     Plan,
-    parse_size,
+    parse_sizes,
     tensor,
 )
 from .report import DISTURBED_CPUS, format_curve_table, format_table
@@ -288,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.transport:
         transports = tuple(t.strip() for item in args.transport for t in item.split(",") if t.strip())
     try:
-        sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()] if args.sizes else None
+        sizes = parse_sizes(args.sizes) if args.sizes else None
         unknown = [t for t in transports if t not in TRANSPORTS]
         if unknown:
             raise ValueError(f"unknown transport {unknown[0]!r} (choose from {', '.join(TRANSPORTS)})")
