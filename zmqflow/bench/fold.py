@@ -85,5 +85,5 @@ def run(quick: bool = False, mb: float | None = None, dtype: str = "float32", ra
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    return format_rows(rows, "ranks", "ranks", "one ring rank's sum of every rank's 1 MiB pieces into its result; "
+    return format_rows(rows, "ranks", "one ring rank's sum of every rank's 1 MiB pieces into its result; "
                        "GB/s of result", "zmqflow/state/fold_c.c")

@@ -96,5 +96,5 @@ def run(quick: bool = False, mb: float | None = None, dtype: str = "float32", na
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    return format_rows(rows, "optimizer", "optimizer", "a dense push's optimizer step on one shard, in 4 MiB row "
+    return format_rows(rows, "optimizer", "a dense push's optimizer step on one shard, in 4 MiB row "
                        "ranges; GB/s of gradient", "zmqflow/state/kernels_c.c")

@@ -36,10 +36,10 @@ def timings(times: dict[str, list[float]]) -> dict[str, Any]:
     return row
 
 
-def format_rows(rows: Sequence[dict[str, Any]], first: str, key: str, what: str, unbuilt: str) -> str:
-    """The table both benches print: ``first`` heads the column of each row's ``key``; ``what``
-    says what was timed (the GB/s are MB over ms); ``unbuilt`` names the C file when it is missing."""
-    lines = [[first, "dtype", "MB", "numpy ms", "one pass ms", "numpy GB/s", "one pass GB/s", "speedup"]]
+def format_rows(rows: Sequence[dict[str, Any]], key: str, what: str, unbuilt: str) -> str:
+    """The table both benches print, its first column each row's ``key``; ``what`` says what was
+    timed (the GB/s are MB over ms); ``unbuilt`` names the C file when it is missing."""
+    lines = [[key, "dtype", "MB", "numpy ms", "one pass ms", "numpy GB/s", "one pass GB/s", "speedup"]]
     for r in rows:
         one = r.get("one_pass_ms")
         lines.append([str(r[key]), r["dtype"], f"{r['mb']:.0f}", f"{r['numpy_ms']:.1f}",
