@@ -91,6 +91,11 @@ FOLD_VECTORS(avx_float, AVX, float, __m256, 32, _mm256_loadu_ps, _mm256_add_ps, 
 FOLD_VECTORS(avx_double, AVX, double, __m256d, 32, _mm256_loadu_pd, _mm256_add_pd, _mm256_div_pd, _mm256_set1_pd,
              _mm256_stream_pd, _mm256_store_pd)
 static int has_avx = -1; /* asked of the CPU on the first fold: the build itself runs on any x86-64 */
+static int avx_on(void) {
+    if (has_avx < 0)
+        has_avx = __builtin_cpu_supports("avx") ? 1 : 0;
+    return has_avx;
+}
 #define VECTORS(T) (has_avx ? avx_##T : vec_##T)
 #else
 #define VECTORS(T) vec_##T
@@ -126,8 +131,7 @@ static PyObject *fold(PyObject *self, PyObject *args) {
         return NULL;
     }
 #if defined(HAVE_AVX_FOLD)
-    if (has_avx < 0)
-        has_avx = __builtin_cpu_supports("avx") ? 1 : 0;
+    avx_on(); /* asked once, under the GIL, before a loop may run without it */
 #endif
     PyObject *views = PySequence_Fast(seq, "fold: views must be a sequence of arrays");
     if (views == NULL)
@@ -194,7 +198,7 @@ static PyObject *avx(PyObject *self, PyObject *arg) {
     if (on < 0)
         return NULL;
 #if defined(HAVE_AVX_FOLD)
-    int before = has_avx == 1 || (has_avx < 0 && __builtin_cpu_supports("avx"));
+    int before = avx_on();
     has_avx = on && __builtin_cpu_supports("avx") ? 1 : 0;
     return PyBool_FromLong(before);
 #else
