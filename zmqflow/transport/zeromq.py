@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import itertools
 import logging
+import os
 import socket
 import time
 from typing import Any
@@ -50,9 +52,13 @@ _released: dict[str, float] = {}  # endpoint -> when this process closed a liste
 RESOLVE_RETRY_S = 0.5  # how often a host name that does not resolve is looked up again
 RESOLVE_LOG_S = 10.0  # at most one "does not resolve yet" line per host and port this often
 _unresolved_logged: dict[str, float] = {}  # "host:port" -> loop time of its last log line
-_MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+# The events a connection's state is read from, and no others: a peer that is away makes its
+# connection retry every quarter second, and an event per retry (CLOSED, CONNECT_RETRIED) would say
+# nothing the state does not.
+_MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_monitor_ids = itertools.count()
 # a refused key (ZAP said no), or a handshake that failed on security: one side has CURVE, the
 # other not, or the keys do not match
 _AUTH_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
@@ -129,8 +135,7 @@ class ZmqConnection:
         self.send = self._channel.send
         self._monitor: Channel | None = None
         if not self._inproc:
-            msock = sock.get_monitor_socket(_MONITOR_EVENTS)
-            self._monitor = Channel(msock, self._on_monitor, self._loop, name=f"monitor->{self._name}")
+            self._monitor = Channel(_monitor(sock), self._on_monitor, self._loop, name=f"monitor->{self._name}")
         sock.connect(self.endpoint)
         self._watch_name()
 
@@ -210,6 +215,22 @@ class ZmqConnection:
         if self._resolving is not None:
             self._resolving.cancel()
         self._close_sockets()
+
+
+def _monitor(sock: zmq.Socket) -> zmq.Socket:
+    """A PAIR that receives ``sock``'s ``_MONITOR_EVENTS``, its queue without a high-water mark.
+
+    libzmq's I/O thread sends each event with a blocking send: were the queue bounded (pyzmq's
+    ``get_monitor_socket`` keeps libzmq's 1000), a reader that stopped reading (its loop blocked or
+    gone while the socket lives on) would stall that thread once the queue filled, and with it
+    every tcp and ipc connection of the process. Unbounded, such a queue only grows."""
+    endpoint = f"inproc://zmqflow.monitor.{os.getpid()}.{next(_monitor_ids)}"
+    sock.monitor(endpoint, _MONITOR_EVENTS)
+    reader = sock.context.socket(zmq.PAIR)
+    reader.setsockopt(zmq.LINGER, 0)
+    reader.setsockopt(zmq.RCVHWM, 0)  # before connecting: an inproc pipe takes its bound then
+    reader.connect(endpoint)
+    return reader
 
 
 def _named_host(endpoint: str) -> tuple[str, int] | None:
