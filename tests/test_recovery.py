@@ -283,8 +283,8 @@ def test_sync_pushes_name_the_replicas_each_step_averaged():
             target = servers["ps:0"].target
             a, b = zf.AsyncSession(target, name="worker:0"), zf.AsyncSession(target, name="worker:1")
             opt = zf.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=2, drop_dead_replicas=True)
-            v = await a.variable("v", np.zeros(2), optimizer=opt)
-            await b.get("v")
+            await a.variable("v", np.zeros(2), optimizer=opt)
+            v = await b.get("v")  # read through b: a is closed below
             await asyncio.gather(a.push({"v": np.ones(2)}), b.push({"v": np.ones(2)}))
             assert a.replicas == b.replicas == ["worker:0", "worker:1"]
             await a.close()  # worker:0 is gone: its connection drops

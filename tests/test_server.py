@@ -12,6 +12,8 @@ from zmqflow import errors
 from zmqflow import Session
 from zmqflow.testing import make_spec
 
+from .conftest import arun
+
 
 @pytest.mark.parametrize("transport", ["inproc", "tcp"])
 def test_servers_in_one_process_with_sessions(transport):
@@ -60,3 +62,26 @@ def test_session_wait_for_cluster_names_the_missing_tasks():
         with pytest.raises(errors.ClusterNotReady, match="ps:0, ps:1") as info:
             sess.wait_for_cluster(timeout=0.5)
         assert info.value.missing == ["ps:0", "ps:1"]
+
+
+def test_a_closed_session_refuses_every_use():
+    spec = make_spec({"ps": 1}, "tcp")
+    with zf.Server(spec, "ps:0") as ps:
+        sess = Session(ps.target)
+        v = sess.variable("v", np.zeros(2))
+        sess.close()
+        for use in (sess.status, v.read, lambda: sess.get("v"), lambda: sess.push({"v": np.ones(2)})):
+            with pytest.raises(errors.SessionClosed, match=f"session '{sess.name}' is closed"):
+                use()
+        sess.close()  # closing twice is harmless
+
+        async def main():
+            s = zf.AsyncSession(ps.target)
+            held = await s.get("v")
+            await s.close()
+            assert s.closed
+            for use in (held.read, s.status, lambda: s.variable("w", np.zeros(1))):
+                with pytest.raises(errors.SessionClosed):
+                    await use()
+
+        arun(main())

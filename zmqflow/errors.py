@@ -12,6 +12,7 @@ __all__ = [
     "ConfigError",
     "AddressInUse",
     "ClusterNotReady",
+    "SessionClosed",
     "Unavailable",
     "Recovering",
     "ShardStateLost",
@@ -69,6 +70,13 @@ class ClusterNotReady(ZmqflowError, TimeoutError):
     @property
     def missing(self) -> list[str]:
         return list(self.details.get("missing", []))
+
+
+class SessionClosed(ZmqflowError, RuntimeError):
+    """A session was used after ``close()``: closing is final, as TF's ``Session.close`` is (a
+    session that reopened itself would hold connections nobody closes)."""
+
+    code = "SESSION_CLOSED"
 
 
 class Unavailable(ZmqflowError, ConnectionError):
@@ -176,6 +184,7 @@ _BY_CODE: dict[str, type[ZmqflowError]] = {
         ConfigError,
         AddressInUse,
         ClusterNotReady,
+        SessionClosed,
         Unavailable,
         Recovering,
         ShardStateLost,

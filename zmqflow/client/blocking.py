@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
 
 from ..cluster import ClusterSpec, TaskId
+from ..errors import SessionClosed
 from ..loop import LoopThread
 from .embedding import AsyncEmbedding
 from .port import LoopPort
@@ -51,12 +52,19 @@ class Session:
     def run_on_loop(self, coro: Awaitable[T], timeout: float | None = None) -> T:
         """Run ``coro`` on the session's loop and wait: its deadline (the session's by default) plus a margin."""
         limit = (self._async.timeout if timeout is None else timeout) + WAIT_MARGIN
-        return self._thread.call(coro, timeout=limit)
+        return self._thread.call(self._open(coro), timeout=limit)
 
     def submit(self, coro: Awaitable[T]) -> "concurrent.futures.Future[T]":
         """Start ``coro`` on the session's loop without waiting (a background push, say): the
         caller keeps the future and must look at its result, or its error is lost."""
-        return self._thread.submit(coro)
+        return self._thread.submit(self._open(coro))
+
+    def _open(self, coro: Awaitable[T]) -> Awaitable[T]:
+        """``coro``, where the session is open; else SessionClosed (its loop has stopped)."""
+        if self._async.closed:
+            getattr(coro, "close", lambda: None)()  # never to run: no "never awaited" warning
+            raise SessionClosed(f"session {self.name!r} is closed", session=self.name)
+        return coro
 
     def call(self, service: str, op: str, body: Any = None, *, task: "TaskId | str | None" = None, timeout: float | None = None) -> Any:
         return self.run_on_loop(self._async.call(service, op, body, task=task, timeout=timeout), timeout)

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..cluster import Address, ClusterSpec, TaskId, catalog_task, env_task_name, load_config, shard_tasks
-from ..errors import ConfigError, InvalidArgument, NotFound, ShardStateLost, ZmqflowError
+from ..errors import ConfigError, InvalidArgument, NotFound, SessionClosed, ShardStateLost, ZmqflowError
 from ..rpc import DEFAULT_TIMEOUT, RpcClient
 from ..transport.base import Transport
 from ..transport.curve import Keys, keys_from
@@ -82,11 +82,14 @@ class AsyncSession:
         self.step = 0
         self.replicas: list[str] = []  # who contributed to the last synchronous step this session pushed
         self._client: RpcClient | None = None
+        self._closed = False
         self._infos: dict[str, VarInfo] = {}
         self._incarnations: dict[TaskId, str] = {}  # each shard this session used, as it was then
 
     @property
     def client(self) -> RpcClient:
+        if self._closed:
+            raise SessionClosed(f"session {self.name!r} is closed", session=self.name)
         if self._client is None:
             self._client = RpcClient(identity=f"{self.name}-{uuid.uuid4().hex[:8]}", source=self.name, default_timeout=self.timeout,
                                      transport=self.transport, keys=self.keys)
@@ -280,7 +283,13 @@ class AsyncSession:
             self.endpoint, "master", "wait_for_cluster", crq.WaitForCluster(timeout=float(timeout)), timeout=timeout + WAIT_MARGIN
         )
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def close(self) -> None:
+        """Close the session's connections; using it afterwards raises SessionClosed."""
+        self._closed = True
         if self._client is not None:
             self._client.close()
             self._client = None
