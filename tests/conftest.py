@@ -17,6 +17,17 @@ import pytest
 from zmqflow.errors import InvalidArgument
 from zmqflow.loop import run
 from zmqflow.rpc import CallContext, Service, op
+from zmqflow.transport.zeromq import open_connections
+
+
+@pytest.fixture(autouse=True)
+def no_connection_left_open():
+    """Every test closes the ZeroMQ connections it opened. One left open retries its peer for as
+    long as the run lasts, long after its loop is gone (until the garbage collector happens on
+    it): a leak the suite once paid for with a stalled I/O thread."""
+    yield
+    left = open_connections()
+    assert not left, f"connections left open (to {', '.join(left)}): close the session or client that opened them"
 
 
 class DiagService(Service):

@@ -74,7 +74,8 @@ class ClusterNotReady(ZmqflowError, TimeoutError):
 
 class SessionClosed(ZmqflowError, RuntimeError):
     """A session was used after ``close()``: closing is final, as TF's ``Session.close`` is (a
-    session that reopened itself would hold connections nobody closes)."""
+    session that reopened itself would hold connections nobody closes). Raised on the caller's
+    side only: not a wire code (one that came over the wire would be a RemoteError)."""
 
     code = "SESSION_CLOSED"
 
@@ -184,7 +185,6 @@ _BY_CODE: dict[str, type[ZmqflowError]] = {
         ConfigError,
         AddressInUse,
         ClusterNotReady,
-        SessionClosed,
         Unavailable,
         Recovering,
         ShardStateLost,

@@ -27,6 +27,7 @@ import logging
 import os
 import socket
 import time
+import weakref
 from typing import Any
 
 import zmq
@@ -40,7 +41,8 @@ from .context import context
 from .curve import CurveClient, CurveServer
 from .options import SocketOptions, apply_dealer, apply_router
 
-__all__ = ["ZmqTransport", "ZmqListener", "ZmqConnection", "REBIND_S", "RESOLVE_RETRY_S", "RESOLVE_LOG_S"]
+__all__ = ["ZmqTransport", "ZmqListener", "ZmqConnection", "REBIND_S", "RESOLVE_RETRY_S", "RESOLVE_LOG_S",
+           "open_connections"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,13 @@ _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _monitor_ids = itertools.count()
+_live: "weakref.WeakSet[ZmqConnection]" = weakref.WeakSet()  # not closed yet
+
+
+def open_connections() -> list[str]:
+    """The connections of this process not closed yet, by peer name: a test's leak check (one
+    left open retries its peer for as long as the process lives)."""
+    return sorted(c._name for c in list(_live))
 # a refused key (ZAP said no), or a handshake that failed on security: one side has CURVE, the
 # other not, or the keys do not match
 _AUTH_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
@@ -137,6 +146,7 @@ class ZmqConnection:
         if not self._inproc:
             self._monitor = Channel(_monitor(sock), self._on_monitor, self._loop, name=f"monitor->{self._name}")
         sock.connect(self.endpoint)
+        _live.add(self)
         self._watch_name()
 
     def _watch_name(self) -> None:
@@ -203,6 +213,7 @@ class ZmqConnection:
         return True
 
     def _close_sockets(self) -> None:
+        _live.discard(self)
         if self._monitor is not None:
             try:
                 self._channel.sock.disable_monitor()
