@@ -137,3 +137,15 @@ def test_reach_in_finder_sees_a_reach_in(tmp_path):
 def test_no_module_touches_another_modules_private_members():
     found = [hit for p in _modules() for hit in _reach_ins(p)]
     assert found == []
+
+
+def test_a_served_task_loads_no_test_transport_and_no_statistics():
+    """Every module a task imports stays resident in every task: the fault injector and the
+    in-process transport are for tests, and statistics pulls in decimal and fractions."""
+    import subprocess
+
+    code = ("import sys, zmqflow.cli.main, zmqflow.cli.serve, zmqflow.server.task; "
+            "print(sorted(m for m in ('zmqflow.transport.faults', 'zmqflow.transport.local', 'statistics') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

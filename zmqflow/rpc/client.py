@@ -39,7 +39,6 @@ from ..errors import ConfigError, DeadlineExceeded, Unavailable, ZmqflowError
 from ..transport import registry
 from ..transport.base import AUTH_FAILED, CONNECTING, DOWN, UP, SendFailed, Transport
 from ..transport.curve import Keys
-from ..transport.faults import FaultInjector
 from ..transport.options import DEFAULT_OPTIONS, SocketOptions
 from ..wire import ERROR, REPLY, REQUEST, DecodeError, Limits, Message, decode, encode, raise_error
 from ..wire.batch import batch_id, decode_batch, encode_batch
@@ -141,7 +140,8 @@ class RpcClient:
             if not extra:
                 raise
             raise ConfigError(f"the transport for {endpoint} ({type(transport).__name__}) does not carry keys") from None
-        peer.batching = self.coalesce and not isinstance(transport, FaultInjector)
+        # a transport that says ``envelopes = False`` (the fault injector) gets every request alone
+        peer.batching = self.coalesce and getattr(transport, "envelopes", True)
         self._peers[key] = peer
         return peer
 

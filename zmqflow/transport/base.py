@@ -102,7 +102,8 @@ class Connection(Protocol):
 
 
 class Transport(Protocol):
-    """Makes listeners and connections for endpoints of the schemes it is registered for."""
+    """Makes listeners and connections for endpoints of the schemes it is registered for. One may
+    set ``envelopes = False`` to have RPC clients send each request alone, never in a batch."""
 
     async def listen(
         self, endpoint: str, on_frames: OnFrames, *, loop: asyncio.AbstractEventLoop, options: SocketOptions, name: str

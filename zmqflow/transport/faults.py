@@ -131,6 +131,8 @@ class FaultInjector:
     the injector's seeded generator). ``log`` lists every (action, Packet) in order.
     """
 
+    envelopes = False  # its rules act on one request at a time: clients send each alone, never batched
+
     def __init__(self, inner: Transport | None = None, *, seed: int = 0):
         self.inner: Transport = inner if inner is not None else LocalTransport()
         self.rng = random.Random(seed)
