@@ -123,6 +123,29 @@ def test_index_survives_heavy_churn_and_colliding_ids() -> None:
     assert index.buckets <= 8 * 1024  # churn rebuilt the table in place rather than growing it
 
 
+@pytest.mark.parametrize("count", [3, 1000, 37_001])
+def test_the_c_probe_and_the_numpy_rounds_lay_ids_out_alike(probe: str, count: int) -> None:
+    """Each path reads what the other wrote (so the fallback can take over any index), at group
+    counts sized to the ids (not powers of two), with groups full enough that probes run on."""
+    if hash_index._compiled is None:
+        pytest.skip("the C probe is not built here: there is one path only")
+    rng = np.random.default_rng(count)
+    keys = np.unique(np.concatenate([rng.integers(I64.min, I64.max, count), np.array(SPECIAL, np.int64)]))
+    rng.shuffle(keys)
+    handles = np.arange(len(keys), dtype=np.int64)
+    index = HashIndex(np.int32, max_load=0.875)
+    for part in np.array_split(np.arange(len(keys)), 7):  # grown by inserts, rebuilt on the way
+        index.insert(keys[part], handles[part], keys)
+    other = hash_index.use_compiled(probe != "c")  # read with the path that did not write
+    try:
+        assert index.find(keys, keys).tolist() == handles.tolist()
+        absent = rng.integers(I64.min, I64.max, 500)
+        absent = absent[~np.isin(absent, keys)]
+        assert (index.find(absent, keys) == -1).all()
+    finally:
+        hash_index.use_compiled(other)
+
+
 def test_index_rejects_a_bad_load_factor() -> None:
     with pytest.raises(ValueError, match="max_load"):
         HashIndex(np.int32, max_load=1.0)

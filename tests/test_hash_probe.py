@@ -31,21 +31,22 @@ def test_the_c_probe_refuses_arrays_that_do_not_fit_the_index() -> None:
         pytest.skip("the C probe (zmqflow/state/hash_probe.c) is not built here")
     ctrl, handles = np.zeros(4, np.uint64), np.zeros(32, np.int32)
     keys, ids, out = np.zeros(8, np.int64), np.arange(3, dtype=np.int64), np.zeros(3, np.int64)
-    c.find(ctrl, handles, keys, ids, out, None, 2)
+    c.find(ctrl, handles, keys, ids, out, None, 4)
     assert out.tolist() == [-1, -1, -1]
-    with pytest.raises(ValueError, match="2\\*\\*3 groups"):
-        c.find(ctrl, handles, keys, ids, out, None, 3)
+    for groups in (3, 5, 0, 1 << 33):
+        with pytest.raises(ValueError, match=f"do not match {groups} groups"):
+            c.find(ctrl, handles, keys, ids, out, None, groups)
     with pytest.raises(ValueError, match="one handle per control byte"):
-        c.find(ctrl, handles[:16], keys, ids, out, None, 2)
+        c.find(ctrl, handles[:16], keys, ids, out, None, 4)
     with pytest.raises(ValueError, match="out must hold 3 int64"):
-        c.find(ctrl, handles, keys, ids, out[:2], None, 2)
+        c.find(ctrl, handles, keys, ids, out[:2], None, 4)
     with pytest.raises(ValueError, match="int32 or int64"):
-        c.find(ctrl, handles.view(np.int16), keys, ids, out, None, 2)
+        c.find(ctrl, handles.view(np.int16), keys, ids, out, None, 4)
     with pytest.raises(TypeError):
-        c.find(ctrl, handles, keys, ids, ids.astype(np.int64).tobytes(), None, 2)  # read-only out
+        c.find(ctrl, handles, keys, ids, ids.astype(np.int64).tobytes(), None, 4)  # read-only out
     with pytest.raises(ValueError, match="handles_in must hold 3 int64"):
-        c.place(ctrl, handles, ids, out[:1], 2)
+        c.place(ctrl, handles, ids, out[:1], 4)
     assert not ctrl.any() and not handles.any()
     full = np.full(4, 0x8181818181818181, np.uint64)  # every bucket taken: nothing can be placed
     with pytest.raises(RuntimeError, match="the index is full"):
-        c.place(full, handles, ids, out, 2)
+        c.place(full, handles, ids, out, 4)

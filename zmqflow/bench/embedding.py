@@ -389,8 +389,8 @@ def format_table(result: dict[str, Any]) -> str:
             out.append(f"\n{m['rows']:,} x {DIM} float32 {m['kind']} table ({m['table_gb']:.2f} GB) over {m['shards']} shards:")
             for i, (held, rss, ratio, grew) in enumerate(zip(m["held_bytes"], m["rss_bytes"], m["rss_over_held"],
                                                              m["growth_over_held"])):
-                out.append(f"  ps:{i}  holds {held / 1e9:.3f} GB  resident {rss / 1e9:.3f} GB  ({ratio:.2f}x; "
-                           f"{grew:.2f}x less the idle process; target <= 1.30x static, 1.10x dynamic)")
+                out.append(f"  ps:{i}  holds {held / 1e9:.3f} GB  resident {rss / 1e9:.3f} GB  ({ratio:.3f}x; "
+                           f"{grew:.3f}x less the idle process; target <= 1.30x static, 1.10x dynamic)")
     d = result.get("dynamic")
     if d:
         probe = d.get("probe", "numpy")

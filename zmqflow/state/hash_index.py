@@ -3,17 +3,21 @@
 A Python dict of a few million ids costs about 100 bytes per id and a Python loop per lookup;
 a dynamic table shard looks up thousands of ids per request. This index keeps no copy of the
 ids: the caller keeps them, ``keys[handle]``, in an array it already holds (a table's row ids).
-Per bucket it holds a handle (int32, or int64 for more than 2**31 of them) and one control byte,
-5 bytes, about 7 to 18 bytes per id at its load factors. Every int64 is a valid id (0, negatives
+Per bucket it holds a handle (int32, or int64 for more than 2**31 of them) and one control byte:
+5 bytes, about 7 to 8 bytes per id as it grows (any number of groups, sized to what it holds, not
+rounded up to a power of two, which at the wrong size nearly doubles it). Every int64 is a valid id (0, negatives
 and the extremes included): emptiness lives in the control byte, not in a reserved id.
 
 The layout is a SwissTable's: buckets in groups of 8, whose 8 control bytes are one uint64.
 A control byte is EMPTY (0x00), DELETED (0x01), or 0x80 | 7 bits of the id's hash. An id's hash
-picks its home group and its 7-bit fingerprint; a lookup compares the fingerprint with all 8
-bytes of a group at once (SWAR on uint64s), checks the caller's id only where it matches
-(a false match is 1 in 128 per occupied byte), and goes on only when the group is full, to the
-groups 1, 3, 6, 10, ... after its home (triangular probing: full groups do not pile up the way
-they do with linear probing). All ids of a batch do this in parallel, a few vectorised rounds per batch.
+(id * 2**64/phi) picks its home group from its top 32 bits (scaled to the number of groups, as
+Lemire's multiply-shift does: no power of two needed) and its 7-bit fingerprint from the 7 bits
+below them; a lookup compares the fingerprint with all 8 bytes of a group at once (SWAR on
+uint64s), checks the caller's id only where it matches (a false match is 1 in 128 per occupied
+byte), and goes on only when the group is full, to the next group (wrapping at the end). With
+8 buckets a group and the load at most 3/4, a group is seldom full, so the runs stay short;
+linear steps visit every group whatever their number. All ids of a batch do this in parallel, a
+few vectorised rounds per batch.
 
 Deletion leaves DELETED where the group is full (a probe may have passed it) and EMPTY where it
 is not. DELETED bytes are reused by inserts and dropped when the index is rebuilt, as it is when
@@ -62,9 +66,10 @@ _LSB = np.uint64(0x0101010101010101)  # times a byte: that byte in every lane
 _LOW7 = np.uint64(0x7F7F7F7F7F7F7F7F)
 _HIGH = np.uint64(0x8080808080808080)
 _BYTE_INDEX = np.uint64(0x0001020304050607)  # (1 << 8j) * this >> 56 == j
-_U1, _U3, _U7, _U56 = np.uint64(1), np.uint64(3), np.uint64(7), np.uint64(56)
+_U1, _U3, _U7, _U25, _U32, _U56 = (np.uint64(k) for k in (1, 3, 7, 25, 32, 56))
 _SEVEN_BITS, _TOP = np.uint64(0x7F), np.uint64(0x80)
 _MIN_GROUPS = 2
+_MAX_GROUPS = 1 << 32  # the home group is (top 32 bits of the hash) * groups >> 32
 _TRIM_AFTER = 1 << 20  # ids re-placed by a rebuild big enough to hand its temporaries back
 _SPAN = 4  # groups the ids left after the first round probe at once
 _SPAN_STEPS = np.arange(_SPAN, dtype=np.uint64)
@@ -121,10 +126,8 @@ class HashIndex:
         self.ctrl = pages.zeros(groups, _U64)  # 8 control bytes per group
         self.bytes = self.ctrl.view(np.uint8)  # the same bytes, one per bucket
         self.handles = pages.zeros(groups * GROUP, self.dtype)
-        self.gmask = np.uint64(groups - 1)
-        bits = self.bits = groups.bit_length() - 1
-        self.gshift = np.uint64(64 - bits)
-        self.fshift = np.uint64(64 - bits - 7)
+        self.groups = groups
+        self._groups = np.uint64(groups)
         self.live = 0  # buckets holding a handle
         self.used = 0  # buckets not empty: handles and DELETED
 
@@ -145,14 +148,17 @@ class HashIndex:
         return np.sort(self.handles[self.bytes >= 0x80]).astype(np.int64)
 
     def _hash(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(home group, fingerprint byte 0x80..0xFF in all 8 lanes) of each id: the top bits of
-        id * 2**64/phi (every bit of the id reaches them), then the 7 bits below those."""
+        """(home group, fingerprint byte 0x80..0xFF in all 8 lanes) of each id: the top 32 bits
+        of id * 2**64/phi (every bit of the id reaches them) times the groups, over 2**32; the
+        fingerprint from the 7 bits below those."""
         h = ids.view(np.uint64) * _GOLDEN
-        fp = h >> self.fshift
+        fp = h >> _U25
         fp &= _SEVEN_BITS
         fp |= _TOP
         fp *= _LSB
-        h >>= self.gshift
+        h >>= _U32
+        h *= self._groups
+        h >>= _U32
         return h, fp
 
     def find(self, ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
@@ -170,7 +176,7 @@ class HashIndex:
             return (np.full(n, -1, np.intp) if buckets else None), np.full(n, -1, np.int64)
         if _use_compiled:
             handle, bucket = np.empty(n, np.int64), (np.empty(n, np.int64) if buckets else None)
-            _compiled.find(self.ctrl, self.handles, _i64(keys), _i64(ids), handle, bucket, self.bits)
+            _compiled.find(self.ctrl, self.handles, _i64(keys), _i64(ids), handle, bucket, self.groups)
             return bucket, handle
         group, pattern = self._hash(ids)
         word = np.take(self.ctrl, group)
@@ -201,10 +207,10 @@ class HashIndex:
         full home group), ``_SPAN`` groups of their probe sequence at once: every fingerprint
         match in them is checked (a live bucket holding the id is its one entry, wherever it is),
         and an id not found is absent if one of those groups has an empty byte, else goes on."""
-        ctrl, handles, gmask = self.ctrl, self.handles, self.gmask
+        ctrl, handles = self.ctrl, self.handles
         step = 0
         while len(todo):
-            groups = (home[:, None] + _triangle(step + _SPAN_STEPS)) & gmask
+            groups = (home[:, None] + (step + _SPAN_STEPS)) % self._groups
             words = np.take(ctrl, groups)
             marks = _zero_bytes(words ^ pattern[:, None]).view(np.uint8)
             row, byte = np.nonzero(marks)
@@ -238,15 +244,14 @@ class HashIndex:
         Ids racing for one bucket all write its handle; the one that reads back won, the others
         look again (the group's control word now shows the bucket taken)."""
         if _use_compiled:
-            self.used += _compiled.place(self.ctrl, self.handles, _i64(ids), _i64(handles), self.bits)
+            self.used += _compiled.place(self.ctrl, self.handles, _i64(ids), _i64(handles), self.groups)
             self.live += len(ids)
             return
         handles = handles.astype(self.dtype, copy=False)
-        ctrl, table, gmask = self.ctrl, self.handles, self.gmask
+        ctrl, table = self.ctrl, self.handles
         group, fp = self._hash(ids)
         fp = (fp & np.uint64(0xFF)).astype(np.uint8)
         self.live += len(ids)
-        step = np.ones(len(group), np.uint64)  # triangular probing: home + 1, + 2, + 3, ... groups
         while len(group):
             word = np.take(ctrl, group)
             free = _zero_bytes(word) | _zero_bytes(word ^ _LSB)  # empty or deleted
@@ -262,9 +267,9 @@ class HashIndex:
             more = np.ones(len(group), bool)
             more[at[won]] = False
             full = ~room
-            group[full] = (group[full] + step[full]) & gmask
-            step[full] += _U1
-            group, fp, handles, step = group[more], fp[more], handles[more], step[more]
+            group[full] += _U1  # the next group, wrapping at the end
+            group[full & (group == self._groups)] = 0
+            group, fp, handles = group[more], fp[more], handles[more]
 
     def remove(self, handles: np.ndarray, keys: np.ndarray) -> int:
         """Drop present handles (by their ids, ``keys[handles]``); returns how many were dropped."""
@@ -291,7 +296,10 @@ class HashIndex:
     def _groups_for(self, count: int) -> int:
         """Groups to hold ``count`` ids within 85% of the load factor, so that a rebuild (which
         also drops DELETED bytes) is followed by many inserts before the next."""
-        return _pow2(max(_MIN_GROUPS, int(count / (self.max_load * 0.85 * GROUP)) + 1))
+        groups = max(_MIN_GROUPS, int(count / (self.max_load * 0.85 * GROUP)) + 1)
+        if groups > _MAX_GROUPS:
+            raise ValueError(f"{count} ids need more than {_MAX_GROUPS} groups of {GROUP}")
+        return groups
 
     def _rebuild(self, need: int, keys: np.ndarray) -> None:
         live = self.handles[self.bytes >= 0x80]
@@ -330,13 +338,3 @@ class HashIndex:
 def _i64(a: np.ndarray) -> np.ndarray:
     """``a`` as C-contiguous int64, the layout the C probe reads (no copy when it already is)."""
     return np.ascontiguousarray(a, dtype=np.int64)
-
-
-def _triangle(k: np.ndarray) -> np.ndarray:
-    """Offset of the k-th group of a probe sequence from the home group: 0, 1, 3, 6, 10, ...
-    (with a power-of-two number of groups, the sequence visits every group)."""
-    return k * (k + _U1) >> _U1
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()

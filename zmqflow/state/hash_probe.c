@@ -7,8 +7,8 @@
    (its docstring is the reference); only the buffer protocol is used, so the module needs no
    numpy headers to build, and the index falls back to numpy where it was not built.
 
-   find(ctrl, handles, keys, ids, out_handle, out_bucket_or_None, bits)
-   place(ctrl, handles, ids, handles_in, bits) -> buckets taken that were EMPTY */
+   find(ctrl, handles, keys, ids, out_handle, out_bucket_or_None, groups)
+   place(ctrl, handles, ids, handles_in, groups) -> buckets taken that were EMPTY */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -31,8 +31,7 @@ typedef struct {
     const uint8_t *ctrl;
     void *handles;
     int wide;          /* handles are int64 (else int32) */
-    uint64_t groups;   /* a power of two */
-    int bits;          /* log2(groups) */
+    uint64_t groups;   /* any number from 1 to 2**32 */
 } Index;
 
 static inline int64_t handle_at(const Index *ix, uint64_t bucket) {
@@ -41,8 +40,8 @@ static inline int64_t handle_at(const Index *ix, uint64_t bucket) {
 
 static inline void hash_of(const Index *ix, int64_t id, uint64_t *group, uint8_t *fp) {
     uint64_t h = (uint64_t)id * GOLDEN;
-    *fp = (uint8_t)(((h >> (64 - ix->bits - 7)) & 0x7F) | 0x80);
-    *group = h >> (64 - ix->bits);
+    *fp = (uint8_t)(((h >> 25) & 0x7F) | 0x80);
+    *group = ((h >> 32) * ix->groups) >> 32;
 }
 
 static inline void prefetch_home(const Index *ix, int64_t id) {
@@ -53,9 +52,9 @@ static inline void prefetch_home(const Index *ix, int64_t id) {
     PREFETCH((const char *)ix->handles + g * GROUP * (ix->wide ? 8 : 4));
 }
 
-static int index_from(Index *ix, Py_buffer *ctrl, Py_buffer *handles, int bits) {
-    if (bits < 1 || bits > 57 || ctrl->len != ((Py_ssize_t)GROUP << bits)) {
-        PyErr_Format(PyExc_ValueError, "control bytes (%zd) do not match 2**%d groups", ctrl->len, bits);
+static int index_from(Index *ix, Py_buffer *ctrl, Py_buffer *handles, unsigned long long groups) {
+    if (groups < 1 || groups > ((unsigned long long)1 << 32) || (unsigned long long)ctrl->len != GROUP * groups) {
+        PyErr_Format(PyExc_ValueError, "control bytes (%zd) do not match %llu groups", ctrl->len, groups);
         return -1;
     }
     if (handles->itemsize != 4 && handles->itemsize != 8) {
@@ -69,8 +68,7 @@ static int index_from(Index *ix, Py_buffer *ctrl, Py_buffer *handles, int bits) 
     ix->ctrl = (const uint8_t *)ctrl->buf;
     ix->handles = handles->buf;
     ix->wide = handles->itemsize == 8;
-    ix->groups = (uint64_t)1 << bits;
-    ix->bits = bits;
+    ix->groups = (uint64_t)groups;
     return 0;
 }
 
@@ -85,8 +83,8 @@ static int check_i64(Py_buffer *b, const char *what, Py_ssize_t n) {
 static PyObject *probe_find(PyObject *self, PyObject *args) {
     Py_buffer ctrl, handles, keys, ids, out, bucket = {0};
     PyObject *bucket_obj;
-    int bits;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*w*Oi", &ctrl, &handles, &keys, &ids, &out, &bucket_obj, &bits))
+    unsigned long long groups;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*w*OK", &ctrl, &handles, &keys, &ids, &out, &bucket_obj, &groups))
         return NULL;
     PyObject *result = NULL;
     Index ix;
@@ -94,7 +92,7 @@ static PyObject *probe_find(PyObject *self, PyObject *args) {
     if (want_bucket && PyObject_GetBuffer(bucket_obj, &bucket, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
         goto done;
     Py_ssize_t n = ids.len / 8;
-    if (index_from(&ix, &ctrl, &handles, bits) < 0 || check_i64(&keys, "keys", -1) < 0 ||
+    if (index_from(&ix, &ctrl, &handles, groups) < 0 || check_i64(&keys, "keys", -1) < 0 ||
         check_i64(&ids, "ids", n) < 0 || check_i64(&out, "out", n) < 0 || (want_bucket && check_i64(&bucket, "bucket", n) < 0))
         goto done;
     const int64_t *key = (const int64_t *)keys.buf, *id = (const int64_t *)ids.buf;
@@ -106,12 +104,11 @@ static PyObject *probe_find(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + AHEAD < n)
             prefetch_home(&ix, id[i + AHEAD]);
-        uint64_t home, mask = ix.groups - 1;
+        uint64_t g;
         uint8_t fp;
-        hash_of(&ix, id[i], &home, &fp);
+        hash_of(&ix, id[i], &g, &fp);
         int64_t h = -1, b = -1;
-        for (uint64_t k = 0; k < ix.groups; k++) {
-            uint64_t g = (home + (k * (k + 1) >> 1)) & mask;
+        for (uint64_t k = 0; k < ix.groups; k++, g = g + 1 == ix.groups ? 0 : g + 1) {
             const uint8_t *c = ix.ctrl + g * GROUP;
             int open = 0;
             for (int j = 0; j < GROUP; j++) {
@@ -149,27 +146,25 @@ done:
 
 static PyObject *probe_place(PyObject *self, PyObject *args) {
     Py_buffer ctrl, handles, ids, vals;
-    int bits;
-    if (!PyArg_ParseTuple(args, "w*w*y*y*i", &ctrl, &handles, &ids, &vals, &bits))
+    unsigned long long groups;
+    if (!PyArg_ParseTuple(args, "w*w*y*y*K", &ctrl, &handles, &ids, &vals, &groups))
         return NULL;
     PyObject *result = NULL;
     Index ix;
     Py_ssize_t n = ids.len / 8;
-    if (index_from(&ix, &ctrl, &handles, bits) < 0 || check_i64(&ids, "ids", n) < 0 || check_i64(&vals, "handles_in", n) < 0)
+    if (index_from(&ix, &ctrl, &handles, groups) < 0 || check_i64(&ids, "ids", n) < 0 || check_i64(&vals, "handles_in", n) < 0)
         goto done;
     const int64_t *id = (const int64_t *)ids.buf, *val = (const int64_t *)vals.buf;
     uint8_t *bytes = (uint8_t *)ctrl.buf;
     Py_ssize_t taken_empty = 0, placed = 0;
     Py_BEGIN_ALLOW_THREADS
-    uint64_t mask = ix.groups - 1;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + AHEAD < n)
             prefetch_home(&ix, id[i + AHEAD]);
-        uint64_t home;
+        uint64_t g;
         uint8_t fp;
-        hash_of(&ix, id[i], &home, &fp);
-        for (uint64_t k = 0; k < ix.groups; k++) {
-            uint64_t g = (home + (k * (k + 1) >> 1)) & mask;
+        hash_of(&ix, id[i], &g, &fp);
+        for (uint64_t k = 0; k < ix.groups; k++, g = g + 1 == ix.groups ? 0 : g + 1) {
             uint8_t *c = bytes + g * GROUP;
             int j = 0;
             while (j < GROUP && c[j] != EMPTY && c[j] != DELETED)
@@ -201,8 +196,8 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"find", probe_find, METH_VARARGS, "find(ctrl, handles, keys, ids, out, bucket_or_None, bits): each id's handle, -1 where absent."},
-    {"place", probe_place, METH_VARARGS, "place(ctrl, handles, ids, handles_in, bits) -> EMPTY buckets taken."},
+    {"find", probe_find, METH_VARARGS, "find(ctrl, handles, keys, ids, out, bucket_or_None, groups): each id's handle, -1 where absent."},
+    {"place", probe_place, METH_VARARGS, "place(ctrl, handles, ids, handles_in, groups) -> EMPTY buckets taken."},
     {NULL, NULL, 0, NULL},
 };
 
