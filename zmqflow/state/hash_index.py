@@ -310,9 +310,14 @@ class HashIndex:
             pages.trim()  # the rebuild's temporaries came from the heap: give their pages back
 
     def _fill(self, ids: np.ndarray, handles: np.ndarray) -> None:
-        """Place ids in an empty index at once: sorted by home group, the k-th id of a group
-        takes its byte k; only the ids past a group's 8 race for buckets further on (``_place``)."""
+        """Place ids in an empty index at once. The C probe places them one by one (5x faster
+        than sorting them, which is what lets the index grow by small steps); the numpy rounds
+        sort them by home group, the k-th id of a group taking its byte k, and only the ids past
+        a group's 8 race for buckets further on (``_place``)."""
         if len(ids) == 0:
+            return
+        if _use_compiled:
+            self._place(ids, handles)
             return
         group, fp = self._hash(ids)
         if len(self.ctrl) <= 1 << 32:
