@@ -4,8 +4,8 @@ A Python dict of a few million ids costs about 100 bytes per id and a Python loo
 a dynamic table shard looks up thousands of ids per request. This index keeps no copy of the
 ids: the caller keeps them, ``keys[handle]``, in an array it already holds (a table's row ids).
 Per bucket it holds a handle (int32, or int64 for more than 2**31 of them) and one control byte:
-5 bytes, about 7 to 8 bytes per id as it grows (any number of groups, sized to what it holds, not
-rounded up to a power of two, which at the wrong size nearly doubles it). Every int64 is a valid id (0, negatives
+5 bytes, about 7 to 8 bytes per id as it grows (any number of groups, sized to what it holds; a
+power of two, at the wrong size, nearly doubles that). Every int64 is a valid id (0, negatives
 and the extremes included): emptiness lives in the control byte, not in a reserved id.
 
 The layout is a SwissTable's: buckets in groups of 8, whose 8 control bytes are one uint64.

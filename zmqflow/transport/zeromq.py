@@ -63,17 +63,18 @@ _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 _monitor_ids = itertools.count()
 _live: "weakref.WeakSet[ZmqConnection]" = weakref.WeakSet()  # not closed yet
 
-
-def open_connections() -> list[str]:
-    """The connections of this process not closed yet, by peer name: a test's leak check (one
-    left open retries its peer for as long as the process lives)."""
-    return sorted(c._name for c in list(_live))
 # a refused key (ZAP said no), or a handshake that failed on security: one side has CURVE, the
 # other not, or the keys do not match
 _AUTH_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 # with CURVE, a server that cannot read our HELLO (we expected another server key) just hangs up
 _CURVE_EVENTS = (*_AUTH_EVENTS, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _EVENTS, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLOUT)
+
+
+def open_connections() -> list[str]:
+    """The connections of this process not closed yet, by peer name: a test's leak check (one
+    left open retries its peer for as long as the process lives)."""
+    return sorted(c._name for c in list(_live))
 
 
 class ZmqListener:
