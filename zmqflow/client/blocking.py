@@ -61,9 +61,11 @@ class Session:
 
     def _open(self, coro: Awaitable[T]) -> Awaitable[T]:
         """``coro``, where the session is open; else SessionClosed (its loop has stopped)."""
-        if self._async.closed:
+        try:
+            self._async.ensure_open()
+        except SessionClosed:
             getattr(coro, "close", lambda: None)()  # never to run: no "never awaited" warning
-            raise SessionClosed(f"session {self.name!r} is closed", session=self.name)
+            raise
         return coro
 
     def call(self, service: str, op: str, body: Any = None, *, task: "TaskId | str | None" = None, timeout: float | None = None) -> Any:

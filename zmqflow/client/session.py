@@ -88,8 +88,7 @@ class AsyncSession:
 
     @property
     def client(self) -> RpcClient:
-        if self._closed:
-            raise SessionClosed(f"session {self.name!r} is closed", session=self.name)
+        self.ensure_open()
         if self._client is None:
             self._client = RpcClient(identity=f"{self.name}-{uuid.uuid4().hex[:8]}", source=self.name, default_timeout=self.timeout,
                                      transport=self.transport, keys=self.keys)
@@ -286,6 +285,11 @@ class AsyncSession:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def ensure_open(self) -> None:
+        """SessionClosed naming this session once it is closed."""
+        if self._closed:
+            raise SessionClosed(f"session {self.name!r} is closed", session=self.name)
 
     async def close(self) -> None:
         """Close the session's connections; using it afterwards raises SessionClosed."""
