@@ -16,10 +16,10 @@ from zmqflow.testing import local_cluster
 from .conftest import arun
 
 
-def _two_ranks(make, check, op="sum"):
+def _two_ranks(make, check, op="sum", ranks=2, shm=True):
     async def main():
-        async with local_cluster({"worker": 2}, timeout=10, transport="tcp") as servers:
-            rings = [zf.Ring(servers[f"worker:{i}"], chunk_bytes=1 << 16) for i in range(2)]
+        async with local_cluster({"worker": ranks}, timeout=10, transport="tcp") as servers:
+            rings = [zf.Ring(servers[f"worker:{i}"], chunk_bytes=1 << 16, shm=shm) for i in range(ranks)]
             outs = await asyncio.gather(*(r.allreduce(make(i), op=op) for i, r in enumerate(rings)))
             for out in outs:
                 check(out)
@@ -37,20 +37,24 @@ def _gpu():
     return cp
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("shm", [True, False], ids=["one-host", "tcp"])
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32", "int64"])
-def test_cupy_arrays_are_reduced_on_the_gpu_and_come_back_as_cupy(dtype):
+def test_cupy_arrays_are_reduced_and_come_back_as_cupy(dtype, shm, ranks):
+    """On one host a GPU buffer goes through the host's shared memory; over TCP it is reduced on
+    the GPU chunk by chunk (float16's 600 KB take the one-step exchange instead)."""
     cp = _gpu()
     n = 300_007
 
-    def make(i):
-        return cp.arange(n, dtype=dtype) % 17 + i
+    def make(i):  # made as int64: float16 cannot count to n (it overflows past 65504)
+        return (cp.arange(n) % 17 + i).astype(dtype)
 
     def check(out):
         assert isinstance(out, cp.ndarray) and out.dtype == np.dtype(dtype)
-        expected = (np.arange(n) % 17) * 2 + 1
-        np.testing.assert_allclose(cp.asnumpy(out).astype(np.float64), expected, rtol=1e-3 if dtype == "float16" else 0)
+        expected = (np.arange(n) % 17) * ranks + sum(range(ranks))
+        np.testing.assert_array_equal(cp.asnumpy(out).astype(np.float64), expected)
 
-    _two_ranks(make, check)
+    _two_ranks(make, check, ranks=ranks, shm=shm)
 
 
 def test_dlpack_tensors_are_reduced_in_place():

@@ -218,6 +218,76 @@ def test_a_peer_that_aborts_on_a_mismatch_and_exits_is_a_mismatch_not_a_death(mo
             ch.close()
 
 
+def test_in_place_a_rank_folds_its_own_slot_before_writing_over_it(monkeypatch):
+    """In place, a rank reads its own share back from its slot (the result overwrites its input),
+    so it must not write a later piece over that slot before folding it, even once its peers have
+    consumed it. Rank 0 is held back from its first fold until the peers have consumed a whole
+    round of its slots: it must still end with the very bits of ``reduce_in_order``."""
+    import threading
+
+    n, slots, slot_bytes = 3, 2, 4096
+    members = [f"worker:{r}" for r in range(n)]
+    ranks = [ring_shm.ShmChannel("in-place", r, n, members, slots=slots, slot_bytes=slot_bytes) for r in range(n)]
+    size = slot_bytes // 4 * (2 * slots + 1) + 3  # more pieces than two rounds of slots
+    inputs = [rank_array(r, size, "float32") for r in range(n)]
+    expected = reduce_in_order(inputs, "sum")
+    real_may_read, held = plan.may_read, threading.Event()
+
+    def may_read(piece, written):
+        if threading.current_thread().name == "rank0" and piece == 0 and not held.is_set():
+            word = ranks[0].layout.read_word(0)
+            wait_until(lambda: all(int(ranks[r].headers[r][word]) >= slots for r in (1, 2)), 20,
+                       what="the peers consumed a round of rank 0's slots")
+            held.set()
+            return False
+        return real_may_read(piece, written)
+
+    monkeypatch.setattr(plan, "may_read", may_read)
+    results: dict[int, object] = {}
+
+    def run(r):
+        src = inputs[r].copy()
+        try:
+            out = ranks[r].collective(src, "sum", 0, ["allreduce", "sum", "float32", 1, size, 0, None],
+                                      time.monotonic() + 20, in_place=True)
+            results[r] = (out, src)
+        except Exception as exc:  # reported below, with the rank
+            results[r] = exc
+
+    try:
+        blobs = np.stack([ch.blob() for ch in ranks])
+        for ch in ranks:
+            ch.attach(blobs)
+        threads = [threading.Thread(target=run, args=(r,), name=f"rank{r}") for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert held.is_set()
+        for r in range(n):
+            assert not isinstance(results[r], Exception), f"rank {r}: {results[r]!r}"
+            out, src = results[r]
+            assert out is src or np.shares_memory(out, src)  # written into the input itself
+            np.testing.assert_array_equal(src, expected, err_msg=f"rank {r}")
+    finally:
+        for ch in ranks:
+            ch.close()
+
+
+def test_only_a_reduction_runs_in_place(tmp_path):
+    ch = ring_shm.ShmChannel("in-place-refused", 0, 2, ["worker:0", "worker:1"])
+    try:
+        src = np.ones(4, np.float32)
+        meta = ["allgather", "none", "float32", 1, 4, 0, None]
+        with pytest.raises(zf.errors.InvalidArgument, match="only a reduction"):
+            ch.collective(src, "gather", 0, meta, time.monotonic() + 5, in_place=True)
+        with pytest.raises(zf.errors.InvalidArgument, match="only a reduction"):
+            ch.collective(np.ones(8, np.float32)[::2], "sum", 0, meta, time.monotonic() + 5, in_place=True)
+        assert ch.broken is None  # refused before anything was written: the channel still serves
+    finally:
+        ch.close()
+
+
 def test_stale_segments_of_dead_processes_are_removed(tmp_path):
     child = __import__("subprocess").Popen([sys.executable, "-c", "import os; print(os.getpid())"], stdout=-1)
     dead = int(child.communicate()[0])

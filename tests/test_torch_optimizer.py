@@ -274,6 +274,30 @@ def test_ps_backend_pulls_into_contiguous_parameters_and_copies_into_strided_one
         torch.testing.assert_close(p.detach(), q.detach())
 
 
+@pytest.mark.parametrize("backend", ["ring", "ps"])
+def test_cuda_parameters_train_as_the_torch_optimizer_trains_them(local, backend):
+    """On a GPU, parameters and gradients stay CUDA tensors (reduced through cupy by the ring,
+    copied to and from the shards by the ps backend) and end as torch's own SGD leaves them."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: CUDA parameters are trained where torch.cuda.is_available()")
+    if backend == "ring":
+        pytest.importorskip("cupy", reason="cupy is needed to reduce CUDA tensors")
+    a, b = _model().cuda(), _model().cuda()
+    plain = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    dist = zt.DistributedOptimizer(torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9), b.named_parameters(),
+                                   backend=backend)
+    for s in range(3):
+        for model, opt in ((a, plain), (b, dist)):
+            g = torch.Generator().manual_seed(s)
+            x, y = torch.randn(8, 6, generator=g).cuda(), torch.randn(8, 3, generator=g).cuda()
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert q.is_cuda, n
+        torch.testing.assert_close(q, p, msg=lambda m: f"{n}: {m}")
+
+
 def test_ps_backend_refuses_what_the_shards_cannot_run(local):
     model = _model()
     with pytest.raises(ConfigError, match="RMSprop is not supported"):

@@ -6,9 +6,10 @@ busbw = algbw x 2(n-1)/n, the bandwidth each link carries. Beside it in the same
 allreduce when torch is installed (CPU wheel), numpy memcpy of the same bytes, and the PS
 equivalent (every worker pushes its gradient to one ps shard and pulls the result), so users see
 where each wins. Targets (reported, never asserted): ring busbw >= 1.0x gloo at 16 MB and up on
-2 ranks, >= 0.5x at 64 KB.
+2 ranks, >= 0.5x at 64 KB. With ``device="cuda"`` both sides reduce GPU buffers (cupy arrays for
+the ring, CUDA tensors for gloo; every rank on the one visible GPU) and the PS columns are left out.
 
-Run ``zmqflow bench allreduce [--quick] [--vs gloo] [--json FILE] [--plot FILE]``.
+Run ``zmqflow bench allreduce [--quick] [--vs gloo] [--device cuda] [--json FILE] [--plot FILE]``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = ["format_table", "gloo_available", "run"]
 
 SIZES = (KiB, 64 * KiB, MiB, 16 * MiB, 64 * MiB)
 QUICK_SIZES = (KiB, 64 * KiB, MiB, 16 * MiB)
+DEVICES = ("cpu", "cuda")
 
 
 def _reps(size: int, quick: bool) -> int:
@@ -40,21 +42,32 @@ def _reps(size: int, quick: bool) -> int:
     return max(3, base // (2 if quick else 1))
 
 
+def _check_sum(result: Any, ranks: int, who: str) -> None:
+    """A warm-up's result must be every rank's ones summed: a fast wrong answer is no result."""
+    ends = [float(result[0]), float(result[-1])]
+    if ends != [float(ranks)] * 2:
+        raise AssertionError(f"{who}: allreduce of ones over {ranks} ranks gave {ends} at its ends")
+
+
 def _zf_rank(spec_json: str, rank: int, sizes: Sequence[int], quick: bool, out: Any,
-             ring_kwargs: dict[str, Any] | None = None) -> None:
+             ring_kwargs: dict[str, Any] | None = None, device: str = "cpu") -> None:
     """Process entry: one rank of the ring; rank 0 puts ("zf", size, median seconds) on ``out``.
-    ``ring_kwargs`` (e.g. ``chunk_bytes``) go to the Ring, to tune it."""
+    ``ring_kwargs`` (e.g. ``chunk_bytes``) go to the Ring, to tune it; ``device="cuda"`` reduces
+    cupy arrays."""
     keep_big_blocks()
     from ..client.ring import Ring
     from ..cluster import ClusterSpec
     from ..server.task import Server
 
+    xp: Any = np
+    if device == "cuda":
+        import cupy as xp  # type: ignore[import-not-found,no-redef]
     with Server(ClusterSpec.from_json(spec_json), f"worker:{rank}") as server:
         ring = Ring(server, timeout=120, **(ring_kwargs or {}))
         ring.barrier()
         for size in sizes:
-            x = np.ones(size // 4, np.float32)
-            ring.allreduce(x)  # warm up
+            x = xp.ones(size // 4, np.float32)
+            _check_sum(ring.allreduce(x), ring.size, "zmqflow's ring")  # also the warm-up
             median = median_seconds(lambda: ring.allreduce(x), _reps(size, quick), before=ring.barrier)
             if rank == 0:
                 out.put(("zf", size, median))
@@ -62,18 +75,26 @@ def _zf_rank(spec_json: str, rank: int, sizes: Sequence[int], quick: bool, out: 
         ring.leave()  # a rank done first must not look dead to one still finishing the last barrier
 
 
-def _gloo_rank(port: int, rank: int, world: int, sizes: Sequence[int], quick: bool, out: Any) -> None:
-    """Process entry: one rank of torch.distributed's gloo; rank 0 puts ("gloo", size, seconds) on ``out``."""
+def _gloo_rank(port: int, rank: int, world: int, sizes: Sequence[int], quick: bool, out: Any, device: str = "cpu") -> None:
+    """Process entry: one rank of torch.distributed's gloo; rank 0 puts ("gloo", size, seconds) on
+    ``out``. On ``cuda`` each call waits for the device, as the ring's does."""
     keep_big_blocks()
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    done = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def call() -> None:
+        dist.all_reduce(x)
+        done()
+
     for size in sizes:
-        x = torch.ones(size // 4, dtype=torch.float32)
-        dist.all_reduce(x)  # warm up
-        median = median_seconds(lambda: dist.all_reduce(x), _reps(size, quick), before=dist.barrier)
+        x = torch.ones(size // 4, dtype=torch.float32, device=device)
+        call()
+        _check_sum(x, world, "gloo")  # also the warm-up
+        median = median_seconds(call, _reps(size, quick), before=dist.barrier)
         if rank == 0:
             out.put(("gloo", size, median))
     dist.barrier()
@@ -121,12 +142,19 @@ def gloo_available() -> bool:
 
 def run(quick: bool = False, ranks: Sequence[int] = (2, 3), json_out: str | None = None, echo: Any = print,
         gloo: bool | None = None, sizes: Sequence[int] | None = None, ps: bool = True,
-        ring_kwargs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        ring_kwargs: dict[str, Any] | None = None, device: str = "cpu") -> list[dict[str, Any]]:
     """One row per rank count x size: the ring, gloo, PS and memcpy. ``gloo``: None runs it when
     torch is installed (its columns ``None`` otherwise), True requires it (``--vs gloo``: a
     missing torch is a ConfigError before anything runs), False leaves it out. ``sizes``
-    overrides the sizes, ``ps=False`` skips the PS columns, ``ring_kwargs`` tune the ring."""
+    overrides the sizes, ``ps=False`` skips the PS columns, ``ring_kwargs`` tune the ring,
+    ``device="cuda"`` reduces GPU buffers on both sides (no PS columns)."""
     keep_big_blocks()
+    if device not in DEVICES:
+        raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cuda":
+        if importlib.util.find_spec("cupy") is None:
+            raise ConfigError("the GPU allreduce needs cupy (pip install cupy-cuda12x or cupy-cuda13x)")
+        ps = False
     sizes = tuple(sizes) if sizes else (QUICK_SIZES if quick else SIZES)
     have_torch = gloo_available() if gloo is None else gloo
     if have_torch and not gloo_available():
@@ -135,10 +163,10 @@ def run(quick: bool = False, ranks: Sequence[int] = (2, 3), json_out: str | None
     for n in ranks:
         out = spawn_queue()
         workers = [f"127.0.0.1:{free_port()}" for _ in range(n)]
-        run_to_end(_zf_rank, [(json.dumps({"worker": workers}), r, sizes, quick, out, ring_kwargs) for r in range(n)], 900)
+        run_to_end(_zf_rank, [(json.dumps({"worker": workers}), r, sizes, quick, out, ring_kwargs, device) for r in range(n)], 900)
         if have_torch:
             port = free_port()
-            run_to_end(_gloo_rank, [(port, r, n, sizes, quick, out) for r in range(n)], 900)
+            run_to_end(_gloo_rank, [(port, r, n, sizes, quick, out, device) for r in range(n)], 900)
         ps_spec = json.dumps({"ps": [f"127.0.0.1:{free_port()}"], "worker": [f"127.0.0.1:{free_port()}" for _ in range(n)]})
         if ps:
             ps_server = Procs()
@@ -153,7 +181,7 @@ def run(quick: bool = False, ranks: Sequence[int] = (2, 3), json_out: str | None
             got[(kind, size)] = seconds
         for size in sizes:
             factor = 2 * (n - 1) / n
-            row: dict[str, Any] = {"ranks": n, "bytes": size}
+            row: dict[str, Any] = {"ranks": n, "bytes": size, "device": device}
             for kind in ("zf", "gloo", "ps"):
                 s = got.get((kind, size))
                 row[f"{kind}_ms"] = None if s is None else s * 1e3

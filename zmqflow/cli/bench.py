@@ -116,11 +116,14 @@ def fold_bench(quick: bool, dtype: str, json_out: str | None) -> None:
 @click.option("--sizes", "sizes", metavar="LIST", help="Comma-separated sizes in bytes instead of the defaults, "
               "e.g. 64K,1M,16M,64M (float32: multiples of 4).")
 @click.option("--no-ps", "no_ps", is_flag=True, help="Leave out the PS push/pull columns.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the buffers live: cuda reduces cupy arrays (the ring) and CUDA tensors (gloo) on the GPU.")
 def allreduce(quick: bool, json_out: str | None, rival: str | None, plot_out: str | None, ranks: tuple[int, ...],
-              sizes: str | None, no_ps: bool) -> None:
+              sizes: str | None, no_ps: bool, device: str) -> None:
     """Ring allreduce vs gloo (when torch is installed) vs memcpy vs PS push/pull."""
     from ..bench.allreduce import format_table, gloo_available, run
     from ..bench.anchors import plot
+    from ..errors import ConfigError
     from ..bench.transport.plan import parse_sizes
 
     if plot_out and not plot.available():
@@ -133,8 +136,11 @@ def allreduce(quick: bool, json_out: str | None, rival: str | None, plot_out: st
         raise click.BadParameter(str(exc), param_hint="--sizes") from None
     if chosen is not None and not chosen:
         raise click.BadParameter("no size given", param_hint="--sizes")
-    rows = run(quick=quick, json_out=json_out, echo=click.echo, gloo=True if rival == "gloo" else None,
-               ranks=ranks or (2, 3), sizes=chosen, ps=not no_ps)
+    try:
+        rows = run(quick=quick, json_out=json_out, echo=click.echo, gloo=True if rival == "gloo" else None,
+                   ranks=ranks or (2, 3), sizes=chosen, ps=not no_ps, device=device)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
     click.echo(format_table(rows))
     if plot_out:
         plot.plot_allreduce(rows, plot_out)

@@ -7,7 +7,9 @@ whose chunks (4 MB) are pipelined: chunk k is reduced while chunk k+1 is on the 
 at most ``small_bytes`` (1 MiB) is latency-bound instead: every rank sends all of it to every
 other rank in one step and folds the ``n`` buffers locally in rank order (the same bits on every
 rank, as the ring's allgather gives). A single-array bucket is reduced from the caller's array
-into a new one, without copying it into the buffer first; numpy inputs are never written. Every
+into a new one, without copying it into the buffer first; numpy inputs are never written. cupy
+arrays are reduced on their GPU around the ring; on one host, or when small, they are copied to
+pinned host memory once and take the host's path (shared memory, or the one-step exchange). Every
 chunk carries the call's sequence number, op, dtype and shapes; a rank that sees a mismatch
 aborts the call on every rank with ``CollectiveMismatch`` naming both sides. A member that dies
 makes the others raise ``Unavailable`` naming it within seconds; a silent one ``DeadlineExceeded``.
@@ -25,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from ..cluster import ClusterSpec, TaskId
-from ..state.reduce import OPS, array_module, as_array, backend_for, finish_mean, is_cupy, reduce_in_order, write_back
+from ..state.reduce import (OPS, array_module, as_array, backend_for, finish_mean, is_cupy, reduce_in_order, to_device, to_host,
+                            write_back)
 from ..state.ring_schedule import RS, Step, allgather as allgather_steps, chunk_range, chunks, scatter_reduce, segments
 from ..errors import ConfigError, InvalidArgument, ZmqflowError
 from ..server.task import AsyncServer, Server
@@ -102,10 +105,10 @@ class AsyncRing:
         return self.shm_channel
 
     async def _on_host(self, shm: "ring_shm.ShmChannel", flat: Any, op: str, meta: list[Any], deadline: float,
-                       root: int = 0) -> Any:
+                       root: int = 0, in_place: bool = False) -> Any:
         seq, self.seq = self.seq, self.seq + 1
         left = deadline - asyncio.get_running_loop().time()
-        out = await asyncio.wrap_future(shm.submit(flat, op, seq, meta, left, self._seen, root))
+        out = await asyncio.wrap_future(shm.submit(flat, op, seq, meta, left, self._seen, root, in_place))
         self.completed = max(self.completed, seq)
         return out
 
@@ -140,23 +143,18 @@ class AsyncRing:
         results: list[Any] = [None] * len(items)
         for bucket in self._buckets([a for a, _ in items]):
             arrays_in = [items[i][0] for i in bucket]
-            xp = array_module(arrays_in[0])
             meta = call_meta("allreduce", op, arrays_in)
             nbytes = sum(a.nbytes for a in arrays_in)
-            shm = await self._same_host(deadline, is_cupy(arrays_in[0]))
-            if shm is not None:
-                flat = arrays_in[0].reshape(-1) if len(arrays_in) == 1 else np.concatenate([a.reshape(-1) for a in arrays_in])
-                fused = await self._on_host(shm, flat, op, meta, deadline)
-            elif 1 < self.size and nbytes <= self.small_bytes and not is_cupy(arrays_in[0]):
-                flat = arrays_in[0].reshape(-1) if len(arrays_in) == 1 else np.concatenate([a.reshape(-1) for a in arrays_in])
-                fused = await self._exchange(flat, op, meta, deadline)  # never writes into ``flat``
-            elif len(arrays_in) == 1 and not is_cupy(arrays_in[0]) and self.size > 1:
-                src = arrays_in[0].reshape(-1)  # only read: the result goes to a new buffer, no copy first
-                fused = np.empty_like(src)
-                await self._allreduce_buffer(fused, op, meta, deadline, src=src)
+            shm = await self._same_host(deadline)
+            small = 1 < self.size and nbytes <= self.small_bytes
+            if is_cupy(arrays_in[0]) and (shm is not None or small):  # one copy down, the host's path, one up
+                staged = to_host(arrays_in)  # pinned: the result lands here too, and goes up at full speed
+                if shm is not None:
+                    fused = to_device(await self._on_host(shm, staged, op, meta, deadline, in_place=True))
+                else:
+                    fused = to_device(await self._exchange(staged, op, meta, deadline))
             else:
-                fused = xp.concatenate([a.reshape(-1) for a in arrays_in]) if arrays_in else xp.zeros(0)
-                await self._allreduce_buffer(fused, op, meta, deadline)
+                fused = await self._reduce_bucket(arrays_in, op, meta, deadline, shm, small)
             start = 0
             for i in bucket:
                 a, original = items[i]
@@ -167,6 +165,26 @@ class AsyncRing:
         if metrics is not None and self.size > 1:
             metrics.ring_allreduce(sum(a.nbytes for a, _ in items), time.perf_counter() - started, self.size)
         return results[0] if single else results
+
+    async def _reduce_bucket(self, arrays_in: list[Any], op: str, meta: list[Any], deadline: float,
+                             shm: "ring_shm.ShmChannel | None", small: bool) -> Any:
+        """One bucket's reduced values, flat: host arrays through shared memory on one host, in
+        one exchange when small, else around the ring (cupy arrays on their GPU)."""
+        host = not is_cupy(arrays_in[0])
+        if host and (shm is not None or small):
+            flat = arrays_in[0].reshape(-1) if len(arrays_in) == 1 else np.concatenate([a.reshape(-1) for a in arrays_in])
+            if shm is not None:
+                return await self._on_host(shm, flat, op, meta, deadline)
+            return await self._exchange(flat, op, meta, deadline)  # never writes into ``flat``
+        if len(arrays_in) == 1 and host and self.size > 1:
+            src = arrays_in[0].reshape(-1)  # only read: the result goes to a new buffer, no copy first
+            fused = np.empty_like(src)
+            await self._allreduce_buffer(fused, op, meta, deadline, src=src)
+            return fused
+        xp = array_module(arrays_in[0])
+        fused = xp.concatenate([a.reshape(-1) for a in arrays_in]) if arrays_in else xp.zeros(0)
+        await self._allreduce_buffer(fused, op, meta, deadline)
+        return fused
 
     async def allgather(self, array: Any, *, timeout: float | None = None, shm: bool = True) -> Any:
         """Every rank's ``array`` (same shape and dtype everywhere), stacked: shape ``(size, *shape)``.

@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CollectiveMismatch, DeadlineExceeded, Unavailable, ZmqflowError
+from ..errors import CollectiveMismatch, DeadlineExceeded, InvalidArgument, Unavailable, ZmqflowError
 from ..state import shm_schedule as plan
 from ..state.kernels import FOLD_STREAM_FROM, fold_sum
 from ..state.reduce import finish_mean
@@ -237,25 +237,26 @@ class ShmChannel:
 
     # calls -----------------------------------------------------------------------------
     def submit(self, src: np.ndarray, op: str, seq: int, meta: Any, timeout: float,
-               seen: Any = None, root: int = 0) -> "concurrent.futures.Future[np.ndarray]":
+               seen: Any = None, root: int = 0, in_place: bool = False) -> "concurrent.futures.Future[np.ndarray]":
         """Start a collective on the flat host array ``src`` (only read) after every call submitted
         before. ``op``: a reduction (``sum``, ``mean``, ``min``, ``max``), ``gather`` (every rank's
         ``src``, row by row), ``broadcast`` (``root``'s) or ``barrier`` (nothing). ``seen``: the
-        ring's ``RingWatch`` (its timeline span, and who this call waited for)."""
+        ring's ``RingWatch`` (its timeline span, and who this call waited for). ``in_place``: a
+        reduction's result goes into ``src`` itself (a contiguous array) instead of a new one."""
         with self.lock:
             self.queued += 1
-        return self.pool.submit(self._queued_call, src, op, seq, meta, time.monotonic() + timeout, seen, root)
+        return self.pool.submit(self._queued_call, src, op, seq, meta, time.monotonic() + timeout, seen, root, in_place)
 
     def run(self, src: np.ndarray, op: str, seq: int, meta: Any, timeout: float, seen: Any = None,
-            root: int = 0) -> np.ndarray:
+            root: int = 0, in_place: bool = False) -> np.ndarray:
         """``submit(...).result()``, but on the caller's thread when no call is queued: a blocking
         caller saves the two thread wake-ups of a hand-off (about 0.1 ms, half a small call)."""
         with self.lock:
             inline = self.queued == 0 and self.turn.acquire(blocking=False)
         if not inline:
-            return self.submit(src, op, seq, meta, timeout, seen, root).result(timeout + 5.0)
+            return self.submit(src, op, seq, meta, timeout, seen, root, in_place).result(timeout + 5.0)
         try:
-            return self.collective(src, op, seq, meta, time.monotonic() + timeout, seen, root)
+            return self.collective(src, op, seq, meta, time.monotonic() + timeout, seen, root, in_place)
         finally:
             self.turn.release()
 
@@ -268,16 +269,18 @@ class ShmChannel:
                 self.queued -= 1
 
     def collective(self, src: np.ndarray, op: str, seq: int, meta: Any, deadline: float, seen: Any = None,
-                   root: int = 0) -> np.ndarray:
+                   root: int = 0, in_place: bool = False) -> np.ndarray:
         if self.broken is not None:
             raise self.broken
+        if in_place and (op not in _UFUNC or not src.flags.c_contiguous or not src.flags.writeable):
+            raise InvalidArgument(f"only a reduction writes in place, into a contiguous writeable array (op {op!r})")
         try:
             flat = np.ascontiguousarray(src).reshape(-1)
             if seen is None:
-                return self._collective(flat, op, seq, meta, deadline, root)
+                return self._collective(flat, op, seq, meta, deadline, root, in_place=in_place)
             probe = seen.call()
             with seen.span("ring", "allreduce" if op in _UFUNC else op):
-                out = self._collective(flat, op, seq, meta, deadline, root, probe, seen.span)
+                out = self._collective(flat, op, seq, meta, deadline, root, probe, seen.span, in_place)
             probe.done()
             return out
         except ZmqflowError as exc:
@@ -288,12 +291,14 @@ class ShmChannel:
             raise
 
     def _collective(self, src: np.ndarray, op: str, seq: int, meta: Any, deadline: float, root: int = 0,
-                    probe: Any = None, span: Any = _no_span) -> np.ndarray:
+                    probe: Any = None, span: Any = _no_span, in_place: bool = False) -> np.ndarray:
         """``probe`` hears when each peer's data first showed up; ``span(kind, name)`` times the
-        waits and folds on the timeline (the ring's ``ring wait``, ``ring reduce`` tracks)."""
+        waits and folds on the timeline (the ring's ``ring wait``, ``ring reduce`` tracks).
+        ``in_place``: a piece is folded into ``src`` once this rank has written it for its peers,
+        reading this rank's share back from its own slot, so no view aliases the result."""
         lay, n, me = self.layout, self.size, self.rank
         tag, words = plan.call_tag(seq, meta), plan.meta_words(meta)
-        out = np.empty(src.size * n if op == "gather" else src.size, src.dtype)
+        out = src if in_place else np.empty(src.size * n if op == "gather" else src.size, src.dtype)
         parts = plan.pieces(src.size, src.itemsize, lay.slot_bytes) or [(0, 0)]  # one, empty, to meet the peers
         copy = op != "broadcast" or me == root  # a broadcast needs the root's data only
         mine, hdrs = self.headers[me], self.headers
@@ -302,7 +307,8 @@ class ShmChannel:
         late = list(others) if probe is not None else []  # peers whose first piece of this call is not in yet
         while folded < len(parts) or wrote < len(parts):  # own pieces fold from ``src``: peers still need them
             moved = False
-            while wrote < len(parts) and plan.may_write(base + wrote, lay.slots, [int(hdrs[r][lay.read_word(me)]) for r in others]):
+            while wrote < len(parts) and plan.may_write(base + wrote, lay.slots, [int(hdrs[r][lay.read_word(me)]) for r in others]
+                                                        + ([base + folded] if in_place else [])):  # in place: this rank reads its slot too
                 a, b = parts[wrote]
                 g = base + wrote
                 if wrote == 0:
@@ -320,12 +326,12 @@ class ShmChannel:
                     probe.arrived(self.members[r])
                     late.remove(r)
             g = base + folded
-            if folded < len(parts) and plan.may_read(g, [int(hdrs[r][plan.H_WRITTEN]) for r in others]):
+            if folded < len(parts) and (folded < wrote or not in_place) and plan.may_read(g, [int(hdrs[r][plan.H_WRITTEN]) for r in others]):
                 a, b = parts[folded]
                 for r in others:
                     if int(hdrs[r][lay.tag_word(g % lay.slots)]) != tag:
                         raise self._mismatch(seq, words, r)
-                views = [src[a:b] if r == me else self._view(r, g, src.dtype, b - a) for r in range(n)]
+                views = [src[a:b] if r == me and not in_place else self._view(r, g, src.dtype, b - a) for r in range(n)]
                 with span("ring reduce", "reduce" if op in _UFUNC else "place"):
                     divided = _combine(op, views, out, a, b, root)
                 if op == "mean" and not divided:

@@ -3,7 +3,9 @@
 A backend owns the fused buffer of a call: it hands out host arrays to put on the wire and folds
 received host chunks into the buffer. The numpy backend works in place with zero copies; the
 cupy backend keeps the buffer on the GPU, reduces there with cupy kernels, and stages what crosses
-the wire through pinned host memory.
+the wire through pinned host memory. Its stream is a blocking one: it starts after the work queued
+on CUDA's default stream (where cupy and torch queue by default), so it never reads a buffer
+before that work has written it. Work on other streams must be finished by the caller.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import numpy as np
 
 from ..errors import InvalidArgument
 
-__all__ = ["OPS", "reduce_in_order", "NumpyBackend", "CupyBackend", "backend_for", "finish_mean", "is_cupy", "array_module", "as_array", "write_back"]
+__all__ = ["OPS", "reduce_in_order", "NumpyBackend", "CupyBackend", "backend_for", "finish_mean", "is_cupy", "array_module",
+           "as_array", "write_back", "to_host", "to_device"]
 
 OPS = ("sum", "mean", "min", "max")
 _UFUNC = {"sum": "add", "mean": "add", "min": "minimum", "max": "maximum"}  # mean divides at the end
@@ -62,7 +65,7 @@ class CupyBackend:  # pragma: no cover - runs where a GPU is present
     def __init__(self, buf: Any):
         self.buf = buf
         self.xp = _cp
-        self.stream = _cp.cuda.Stream(non_blocking=True)
+        self.stream = _cp.cuda.Stream(non_blocking=False)  # ordered after the default stream's work
 
     def _pinned(self, n: int) -> np.ndarray:
         mem = _cp.cuda.alloc_pinned_memory(max(1, n * self.buf.dtype.itemsize))
@@ -86,6 +89,31 @@ class CupyBackend:  # pragma: no cover - runs where a GPU is present
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+
+
+def to_host(arrays: list[Any]) -> np.ndarray:  # pragma: no cover - GPU only
+    """cupy arrays (one dtype) copied once, end to end, into one flat pinned host buffer, after the
+    default stream's work: how GPU buffers take the host's paths (shared memory on one host, the
+    one-step small exchange)."""
+    total = sum(a.size for a in arrays)
+    dtype = arrays[0].dtype
+    mem = _cp.cuda.alloc_pinned_memory(max(1, total * dtype.itemsize))
+    host = np.frombuffer(mem, dtype, total)
+    start = 0
+    for a in arrays:
+        a.reshape(-1).get(out=host[start:start + a.size], stream=_cp.cuda.Stream.null)
+        start += a.size
+    _cp.cuda.Stream.null.synchronize()
+    return host
+
+
+def to_device(host: np.ndarray) -> Any:  # pragma: no cover - GPU only
+    """A host result back on the GPU, as a new cupy array, copied in on the default stream and
+    waited for: a pinned ``host`` goes back to cupy's pool when the caller drops it."""
+    with _cp.cuda.Stream.null:
+        out = _cp.asarray(host)
+    _cp.cuda.Stream.null.synchronize()
+    return out
 
 
 def reduce_in_order(parts: list[np.ndarray], op: str) -> np.ndarray:
