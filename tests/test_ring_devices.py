@@ -6,6 +6,7 @@ Each test runs only where its library (and device) is present and says why it sk
 from __future__ import annotations
 
 import asyncio
+import textwrap
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import pytest
 import zmqflow as zf
 from zmqflow.testing import local_cluster
 
-from .conftest import arun
+from .conftest import arun, launch_script
 
 
 def _two_ranks(make, check, op="sum", ranks=2, shm=True):
@@ -55,6 +56,35 @@ def test_cupy_arrays_are_reduced_and_come_back_as_cupy(dtype, shm, ranks):
         np.testing.assert_array_equal(cp.asnumpy(out).astype(np.float64), expected)
 
     _two_ranks(make, check, ranks=ranks, shm=shm)
+
+
+GPU_WORKER = textwrap.dedent(
+    """
+    import sys, cupy as cp, numpy as np, zmqflow as zf
+    with zf.Server.from_env() as server:
+        ring = zf.Ring(server, timeout=20)
+        n, r = ring.size, ring.rank
+        for size in (1, 1000, 300_007, (5 << 20) // 4 + 3):  # small exchange, then shared memory
+            for op in ("sum", "mean", "max"):
+                x = (cp.arange(size) % 13 + r).astype(cp.float32)
+                before = x.copy()
+                got = ring.allreduce(x, op=op)  # the blocking ring stages it on this thread
+                parts = [(np.arange(size) % 13 + k).astype(np.float32) for k in range(n)]
+                want = {"sum": sum(parts), "mean": sum(parts) / n, "max": parts[-1]}[op]
+                assert isinstance(got, cp.ndarray) and bool((x == before).all()), (size, op)
+                np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-6, err_msg=f"{size} {op}")
+        print("SHM", ring.async_ring.shm_channel is not None, flush=True)
+        ring.barrier()
+        ring.leave()
+    """
+)
+
+
+def test_the_blocking_ring_stages_cupy_arrays_through_shared_memory(tmp_path, procs):
+    _gpu()
+    p = launch_script(procs, tmp_path / "worker.py", GPU_WORKER, workers=2)
+    assert p.wait(100) == 0, p.output
+    assert p.output.count("SHM True") == 2, p.output
 
 
 def test_dlpack_tensors_are_reduced_in_place():

@@ -113,11 +113,11 @@ class AsyncRing:
         return out
 
     def run_on_host(self, shm: "ring_shm.ShmChannel", flat: Any, op: str, meta: list[Any], timeout: float | None,
-                    root: int = 0) -> Any:
+                    root: int = 0, in_place: bool = False) -> Any:
         """A collective on the shared-memory path, run on the caller's thread (the blocking ring's
         fast path); it takes its sequence number here, so nothing may be in flight on the loop."""
         seq, self.seq = self.seq, self.seq + 1
-        out = shm.run(flat, op, seq, meta, self.timeout if timeout is None else float(timeout), self._seen, root)
+        out = shm.run(flat, op, seq, meta, self.timeout if timeout is None else float(timeout), self._seen, root, in_place)
         self.completed = max(self.completed, seq)
         return out
 
@@ -143,18 +143,7 @@ class AsyncRing:
         results: list[Any] = [None] * len(items)
         for bucket in self._buckets([a for a, _ in items]):
             arrays_in = [items[i][0] for i in bucket]
-            meta = call_meta("allreduce", op, arrays_in)
-            nbytes = sum(a.nbytes for a in arrays_in)
-            shm = await self._same_host(deadline)
-            small = 1 < self.size and nbytes <= self.small_bytes
-            if is_cupy(arrays_in[0]) and (shm is not None or small):  # one copy down, the host's path, one up
-                staged = to_host(arrays_in)  # pinned: the result lands here too, and goes up at full speed
-                if shm is not None:
-                    fused = to_device(await self._on_host(shm, staged, op, meta, deadline, in_place=True))
-                else:
-                    fused = to_device(await self._exchange(staged, op, meta, deadline))
-            else:
-                fused = await self._reduce_bucket(arrays_in, op, meta, deadline, shm, small)
+            fused = await self._reduce_bucket(arrays_in, op, call_meta("allreduce", op, arrays_in), deadline)
             start = 0
             for i in bucket:
                 a, original = items[i]
@@ -166,16 +155,22 @@ class AsyncRing:
             metrics.ring_allreduce(sum(a.nbytes for a, _ in items), time.perf_counter() - started, self.size)
         return results[0] if single else results
 
-    async def _reduce_bucket(self, arrays_in: list[Any], op: str, meta: list[Any], deadline: float,
-                             shm: "ring_shm.ShmChannel | None", small: bool) -> Any:
-        """One bucket's reduced values, flat: host arrays through shared memory on one host, in
-        one exchange when small, else around the ring (cupy arrays on their GPU)."""
+    async def _reduce_bucket(self, arrays_in: list[Any], op: str, meta: list[Any], deadline: float) -> Any:
+        """One bucket's reduced values, flat: through shared memory on one host, in one exchange
+        when small, else around the ring (cupy arrays on their GPU). On the first two paths cupy
+        arrays go down once into pinned memory, are reduced there in place, and go up once."""
+        shm = await self._same_host(deadline)
         host = not is_cupy(arrays_in[0])
-        if host and (shm is not None or small):
-            flat = arrays_in[0].reshape(-1) if len(arrays_in) == 1 else np.concatenate([a.reshape(-1) for a in arrays_in])
+        if shm is not None or (1 < self.size and sum(a.nbytes for a in arrays_in) <= self.small_bytes):
+            if not host:
+                flat = to_host(arrays_in)
+            else:
+                flat = arrays_in[0].reshape(-1) if len(arrays_in) == 1 else np.concatenate([a.reshape(-1) for a in arrays_in])
             if shm is not None:
-                return await self._on_host(shm, flat, op, meta, deadline)
-            return await self._exchange(flat, op, meta, deadline)  # never writes into ``flat``
+                out = await self._on_host(shm, flat, op, meta, deadline, in_place=not host)
+            else:
+                out = await self._exchange(flat, op, meta, deadline)  # never writes into ``flat``
+            return out if host else to_device(out)
         if len(arrays_in) == 1 and host and self.size > 1:
             src = arrays_in[0].reshape(-1)  # only read: the result goes to a new buffer, no copy first
             fused = np.empty_like(src)
@@ -459,16 +454,21 @@ class Ring:
         limit = (self._async.timeout if timeout is None else timeout) + 5.0
         return self._server.loop_thread.call(coro, timeout=limit)
 
-    def _host(self, array: Any) -> "ring_shm.ShmChannel | None":
-        """The same-host channel when ``array`` may go through it from this thread: a numpy array,
-        and no call submitted to the loop still running (it takes its sequence number there)."""
+    def _host(self, array: Any, gpu: bool = False) -> "ring_shm.ShmChannel | None":
+        """The same-host channel when ``array`` may go through it from this thread: a numpy array
+        (or, with ``gpu``, a cupy one, staged through the host), and no call submitted to the loop
+        still running (it takes its sequence number there)."""
         shm = self._async.shm_channel
-        return shm if shm is not None and not self._pending and type(array) is np.ndarray else None
+        usable = type(array) is np.ndarray or (gpu and is_cupy(array))
+        return shm if shm is not None and not self._pending and usable else None
 
     def allreduce(self, arrays: Any, op: str = "sum", *, timeout: float | None = None) -> Any:
-        shm = self._host(arrays)
+        shm = self._host(arrays, gpu=True)
         if shm is not None and op in OPS and arrays.nbytes <= self._async.bucket_bytes:  # no hand-off to the loop
             meta = call_meta("allreduce", op, [arrays])
+            if is_cupy(arrays):  # one copy down to pinned memory, reduced there in place, one copy up
+                staged = self._async.run_on_host(shm, to_host([arrays]), op, meta, timeout, in_place=True)
+                return to_device(staged).reshape(arrays.shape)
             return self._async.run_on_host(shm, arrays.reshape(-1), op, meta, timeout).reshape(arrays.shape)
         return self._call(self._async.allreduce(arrays, op, timeout=timeout), timeout)
 
