@@ -46,6 +46,21 @@ def test_vs_gloo_without_torch_names_the_extra(monkeypatch):
     _clean_failure(_invoke("allreduce", "--vs", "gloo", "--quick"), "PyTorch", "pip install 'zmqflow[torch]'")
 
 
+def test_device_cuda_without_cupy_says_what_to_install(monkeypatch, tmp_path):
+    real_find_spec = allreduce_bench.importlib.util.find_spec
+    monkeypatch.setattr(allreduce_bench.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "cupy" else real_find_spec(name, *a))  # as where cupy is missing
+    out = tmp_path / "rows.jsonl"
+    _clean_failure(_invoke("allreduce", "--device", "cuda", "--quick", "--json", str(out)), "cupy", "pip install cupy-cuda")
+    assert not out.exists()
+
+
+def test_the_allreduce_benchmark_refuses_an_unknown_device():
+    with pytest.raises(allreduce_bench.ConfigError, match="device must be one of cpu, cuda, got 'tpu'"):
+        allreduce_bench.run(device="tpu")
+    assert _invoke("allreduce", "--device", "tpu").exit_code == 2  # click names the choices
+
+
 @pytest.mark.skipif(plot.available(), reason="matplotlib is installed: the plots themselves are tested")
 @pytest.mark.parametrize("command", ["ps", "allreduce"])
 def test_plot_without_matplotlib_names_the_extra(command, tmp_path):
