@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, in one call on a machine with an NVIDIA GPU, cupy and torch (CUDA) installed:
-# the tests that skip without a GPU, then the GPU allreduce beside gloo on CUDA tensors.
+# the tests that skip without a GPU, the GPU allreduce beside gloo on CUDA tensors, and a training
+# step beside DDP.
 # Wheels the machine lacks (pyzmq, msgspec, python-hostlist) may wait in .whl/.
 # Usage: bash bench/gpu_check.sh [OUTDIR]   (results and logs go to OUTDIR, default $OUT or /tmp/gpu-check)
 set -uo pipefail
@@ -32,3 +33,5 @@ print(a.format_table(rows))" 2>&1 | tail -11
 echo "== allreduce on the CPU, same sizes, beside gloo"
 timeout 100 python3 -m zmqflow bench allreduce --vs gloo --ranks 2 --ranks 3 --sizes "${SIZES:-64K,1M,16M,64M}" --no-ps \
     --json "$out/allreduce_cpu.jsonl" 2>&1 | tail -11
+echo "== a training step on the GPU: DistributedOptimizer (ring) beside DDP over gloo"
+timeout 120 python3 -m zmqflow bench torch --only ddp --device cuda --json "$out/torch_ddp_cuda.jsonl" 2>&1 | tail -5

@@ -19,3 +19,18 @@ def test_quick_ddp_ratio_reports_both_step_times():
     # the same model, data and steps on both sides: the two trained models agree
     assert result["max_param_diff"] < 1e-4
     assert "ratio zmqflow/DDP" in torch_ddp.format_table(result)
+
+
+def test_the_ddp_benchmark_refuses_a_device_it_cannot_use():
+    import torch
+    from click.testing import CliRunner
+
+    from zmqflow.cli.bench import bench
+    from zmqflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="device must be cpu or cuda, got 'tpu'"):
+        torch_ddp.ddp_ratio(quick=True, device="tpu")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the cuda case runs (bench/gpu_check.sh)")
+    result = CliRunner().invoke(bench, ["torch", "--only", "ddp", "--device", "cuda", "--quick"])
+    assert result.exit_code == 1 and "torch sees no CUDA device" in result.output and "Traceback" not in result.output

@@ -9,6 +9,10 @@ rank. Reported: the median over phases of each, and ratio = zmqflow / DDP (targe
 models train on identical data for the same steps, so ``max_param_diff`` (their largest
 difference at the end) shows the two did the same work.
 
+With ``device="cuda"`` (``zmqflow bench torch --only ddp --device cuda``) both models, their
+batches and gradients live on the GPU: DDP's gloo reduces CUDA tensors, zmqflow's ring stages
+them through the host's shared memory; each timed span ends when the GPU is done.
+
 Run ``python -m zmqflow.bench.torch_ddp [--quick] [--json FILE]``, or call :func:`ddp_ratio`.
 """
 
@@ -20,6 +24,7 @@ import statistics
 import time
 from typing import Any
 
+from ..errors import ConfigError
 from ..ports import free_port
 from ..transport.memory import keep_big_blocks
 from .procs import run_to_end, spawn_queue
@@ -44,7 +49,7 @@ def _model(torch: Any) -> Any:
     return torch.nn.Sequential(*layers[:-1])
 
 
-def _rank(spec_json: str, port: int, rank: int, quick: bool, out: Any) -> None:
+def _rank(spec_json: str, port: int, rank: int, quick: bool, out: Any, device: str = "cpu") -> None:
     """Process entry: one rank running both phases; puts ("zf"|"ddp", round, seconds per step) and
     ("diff", max difference) on ``out``."""
     keep_big_blocks()
@@ -59,14 +64,15 @@ def _rank(spec_json: str, port: int, rank: int, quick: bool, out: Any) -> None:
     zt.init(spec_json, f"worker:{rank}", timeout=120)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        zf_model, ddp_inner = _model(torch), _model(torch)
+        zf_model, ddp_inner = _model(torch).to(device), _model(torch).to(device)
         zf_opt = zt.DistributedOptimizer(torch.optim.SGD(zf_model.parameters(), lr=0.01), zf_model.named_parameters(),
                                          bucket_mb=BUCKET_MB)
-        ddp_model = DistributedDataParallel(ddp_inner, bucket_cap_mb=BUCKET_MB)
+        ddp_model = DistributedDataParallel(ddp_inner, device_ids=[0] if device == "cuda" else None, bucket_cap_mb=BUCKET_MB)
         ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.01)
         g = torch.Generator().manual_seed(100 + rank)
-        data = [(torch.randn(BATCH, MODEL_SIZES[0], generator=g), torch.randint(0, MODEL_SIZES[-1], (BATCH,), generator=g))
-                for _ in range(4)]
+        data = [(torch.randn(BATCH, MODEL_SIZES[0], generator=g).to(device),
+                 torch.randint(0, MODEL_SIZES[-1], (BATCH,), generator=g).to(device)) for _ in range(4)]
+        done = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         loss_fn = torch.nn.CrossEntropyLoss()
 
         def step(model: Any, opt: Any, i: int) -> None:
@@ -80,10 +86,12 @@ def _rank(spec_json: str, port: int, rank: int, quick: bool, out: Any) -> None:
             for kind, (model, opt, barrier) in phases.items():
                 for i in range(cfg["warmup"]):
                     step(model, opt, i)
+                done()
                 barrier()
                 t0 = time.perf_counter()
                 for i in range(cfg["steps"]):
                     step(model, opt, i)
+                done()
                 out.put((kind, r, rank, (time.perf_counter() - t0) / cfg["steps"]))
         with torch.no_grad():
             diff = max(float((p - q).abs().max()) for p, q in zip(zf_model.parameters(), ddp_inner.parameters()))
@@ -93,17 +101,22 @@ def _rank(spec_json: str, port: int, rank: int, quick: bool, out: Any) -> None:
         zt.shutdown()
 
 
-def ddp_ratio(quick: bool = False) -> dict[str, Any]:
+def ddp_ratio(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     """Step times of zmqflow's DistributedOptimizer (ring) and torch DDP (gloo) on 2 ranks, and
     their ratio; see the module docstring for what is measured."""
     keep_big_blocks()
-    import torch  # noqa: F401  (fails early, here, where torch is missing)
+    import torch  # (fails early, here, where torch is missing)
+
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda: torch sees no CUDA device here")
 
     cfg = _settings(quick)
     spec = json.dumps({"worker": [f"127.0.0.1:{free_port()}" for _ in range(2)]})
     out = spawn_queue()
     port = free_port()  # gloo's rendezvous: one for both ranks
-    run_to_end(_rank, [(spec, port, r, quick, out) for r in range(2)], 900)
+    run_to_end(_rank, [(spec, port, r, quick, out, device) for r in range(2)], 900)
     got: dict[tuple[str, int], float] = {}
     diff = 0.0
     while not out.empty():
@@ -117,7 +130,7 @@ def ddp_ratio(quick: bool = False) -> dict[str, Any]:
     params = sum(a * b + b for a, b in zip(MODEL_SIZES, MODEL_SIZES[1:]))
     zf_ms, ddp_ms = statistics.median(zf) * 1e3, statistics.median(ddp) * 1e3
     return {
-        "bench": "torch_ddp", "ranks": 2, "params": params, "batch_per_rank": BATCH, "bucket_mb": BUCKET_MB,
+        "bench": "torch_ddp", "device": device, "ranks": 2, "params": params, "batch_per_rank": BATCH, "bucket_mb": BUCKET_MB,
         "threads_per_rank": 1, "cpus": os.cpu_count(), **cfg,
         "zmqflow_step_ms": zf_ms, "ddp_step_ms": ddp_ms, "ratio": zf_ms / ddp_ms,
         "zmqflow_rounds_ms": [x * 1e3 for x in zf], "ddp_rounds_ms": [x * 1e3 for x in ddp],
@@ -125,8 +138,8 @@ def ddp_ratio(quick: bool = False) -> dict[str, Any]:
     }
 
 
-def run(quick: bool = False, json_out: str | None = None, echo: Any = print) -> dict[str, Any]:
-    result = ddp_ratio(quick)
+def run(quick: bool = False, json_out: str | None = None, echo: Any = print, device: str = "cpu") -> dict[str, Any]:
+    result = ddp_ratio(quick, device)
     if json_out:
         write_jsonl(json_out, [result])
     return result
@@ -135,7 +148,7 @@ def run(quick: bool = False, json_out: str | None = None, echo: Any = print) -> 
 def format_table(r: dict[str, Any]) -> str:
     return "\n".join([
         f"MLP {'-'.join(map(str, MODEL_SIZES))} ({r['params'] / 1e6:.1f} M params), batch {r['batch_per_rank']} per rank, "
-        f"{r['ranks']} ranks, {r['steps']} timed steps x {r['rounds']} rounds, {r['cpus']} CPUs",
+        f"{r['ranks']} ranks on {r.get('device', 'cpu')}, {r['steps']} timed steps x {r['rounds']} rounds, {r['cpus']} CPUs",
         f"zmqflow ring: {r['zmqflow_step_ms']:.1f} ms/step  (rounds: {', '.join(f'{x:.1f}' for x in r['zmqflow_rounds_ms'])})",
         f"torch DDP/gloo: {r['ddp_step_ms']:.1f} ms/step  (rounds: {', '.join(f'{x:.1f}' for x in r['ddp_rounds_ms'])})",
         f"ratio zmqflow/DDP: {r['ratio']:.2f} (target <= 1.0); max parameter difference: {r['max_param_diff']:.2g}",

@@ -161,7 +161,9 @@ def recovery(quick: bool, json_out: str | None) -> None:
 @click.option("--quick", is_flag=True, help="Fewer steps and a smaller table.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Append JSON lines here.")
 @click.option("--only", type=click.Choice(["ddp", "embedding"]), help="Run one of the two parts.")
-def torch_bench(quick: bool, json_out: str | None, only: str | None) -> None:
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the DDP part's models and gradients live.")
+def torch_bench(quick: bool, json_out: str | None, only: str | None, device: str) -> None:
     """DistributedOptimizer vs torch DDP over gloo (2 ranks); EmbeddingBag vs torch's (needs [torch])."""
     try:
         import torch  # noqa: F401  (an optional extra: say so plainly when it is missing)
@@ -170,7 +172,12 @@ def torch_bench(quick: bool, json_out: str | None, only: str | None) -> None:
     if only in (None, "ddp"):
         from ..bench import torch_ddp
 
-        click.echo(torch_ddp.format_table(torch_ddp.run(quick=quick, json_out=json_out)))
+        from ..errors import ConfigError
+
+        try:
+            click.echo(torch_ddp.format_table(torch_ddp.run(quick=quick, json_out=json_out, device=device)))
+        except ConfigError as exc:
+            raise click.ClickException(str(exc)) from None
     if only in (None, "embedding"):
         from ..bench import torch_embedding
 
