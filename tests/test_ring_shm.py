@@ -15,7 +15,7 @@ import pytest
 import zmqflow as zf
 from zmqflow.client import ring_shm
 from zmqflow.state import shm_schedule as plan
-from zmqflow.state.reduce import reduce_in_order
+from zmqflow.state.reduce import Joined, reduce_in_order
 from zmqflow.testing import wait_until
 
 from .conftest import launch_script
@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="no w
 ROOT = str(Path(__file__).resolve().parent.parent)
 SIZES = (0, 1, 7, 300_001, (1 << 20) // 4 * 3 + 5, (1 << 20) + 3)  # several 1 MiB slots, not a multiple; the last
 # is past FOLD_STREAM_FROM for float32 too: its fold writes past the cache
+LIST_SIZES = (300_001, 0, (1 << 20) // 4 * 3 + 5, 7)  # one call's arrays: several slots, pieces across their ends
 DTYPES = ["float32", "float64"]
 try:
     import ml_dtypes  # noqa: F401  (numpy's bfloat16)
@@ -44,7 +45,7 @@ WORKER = textwrap.dedent(
     """
     import sys, numpy as np, zmqflow as zf
     sys.path.insert(0, sys.argv[2])
-    from tests.test_ring_shm import SIZES, DTYPES, rank_array
+    from tests.test_ring_shm import SIZES, DTYPES, LIST_SIZES, rank_array
     out = {}
     with zf.Server.from_env() as server:
         ring = zf.Ring(server, timeout=20)
@@ -54,6 +55,8 @@ WORKER = textwrap.dedent(
                     got = ring.allreduce(rank_array(ring.rank, size, dtype), op=op)
                     out[f"{size}-{dtype}-{op}"] = got.view(np.uint16) if dtype == "bfloat16" else got
         out["list"] = np.concatenate(ring.allreduce([rank_array(ring.rank, 5, "float32"), rank_array(ring.rank, 9, "float32")]))
+        for op in ("sum", "mean"):  # pieces copied straight out of the arrays, across their ends
+            out[f"long-list-{op}"] = np.concatenate(ring.allreduce([rank_array(ring.rank, m, "float32") for m in LIST_SIZES], op=op))
         print("SHM", ring.async_ring.shm_channel is not None, flush=True)
         ring.barrier()
         ring.leave()
@@ -88,6 +91,10 @@ def test_shm_allreduce_is_bit_identical_to_reduce_in_order(tmp_path, procs, n):
                     assert results[r][key].tobytes() == ref.tobytes(), f"{key} rank {r}"
     ref = np.concatenate([reduce_in_order([rank_array(r, m, "float32") for r in range(n)], "sum") for m in (5, 9)])
     np.testing.assert_array_equal(results[n - 1]["list"], ref)
+    for op in ("sum", "mean"):
+        ref = np.concatenate([reduce_in_order([rank_array(r, m, "float32") for r in range(n)], op) for m in LIST_SIZES])
+        for r in range(n):
+            assert results[r][f"long-list-{op}"].tobytes() == ref.tobytes(), f"long list {op} rank {r}"
     assert segments() <= before  # nothing left behind
 
 
@@ -218,16 +225,18 @@ def test_a_peer_that_aborts_on_a_mismatch_and_exits_is_a_mismatch_not_a_death(mo
             ch.close()
 
 
-def test_in_place_a_rank_folds_its_own_slot_before_writing_over_it(monkeypatch):
-    """In place, a rank reads its own share back from its slot (the result overwrites its input),
-    so it must not write a later piece over that slot before folding it, even once its peers have
-    consumed it. Rank 0 is held back from its first fold until the peers have consumed a whole
-    round of its slots: it must still end with the very bits of ``reduce_in_order``."""
+@pytest.mark.parametrize("mode", ["in-place", "new-array", "joined"])
+def test_a_rank_folds_its_own_slot_before_writing_over_it(monkeypatch, mode):
+    """A reduction reads a rank's own share back from its slot (hot in the cache; and in place,
+    the result overwrites the input), so the rank must not write a later piece over that slot
+    before folding it, even once its peers have consumed it. Rank 0 is held back from its first
+    fold until the peers have consumed a whole round of its slots: it must still end with the
+    very bits of ``reduce_in_order``."""
     import threading
 
     n, slots, slot_bytes = 3, 2, 4096
     members = [f"worker:{r}" for r in range(n)]
-    ranks = [ring_shm.ShmChannel("in-place", r, n, members, slots=slots, slot_bytes=slot_bytes) for r in range(n)]
+    ranks = [ring_shm.ShmChannel(f"own-slot-{mode}", r, n, members, slots=slots, slot_bytes=slot_bytes) for r in range(n)]
     size = slot_bytes // 4 * (2 * slots + 1) + 3  # more pieces than two rounds of slots
     inputs = [rank_array(r, size, "float32") for r in range(n)]
     expected = reduce_in_order(inputs, "sum")
@@ -247,9 +256,10 @@ def test_in_place_a_rank_folds_its_own_slot_before_writing_over_it(monkeypatch):
 
     def run(r):
         src = inputs[r].copy()
+        given = Joined([src[:size // 3], src[size // 3:]]) if mode == "joined" else src
         try:
-            out = ranks[r].collective(src, "sum", 0, ["allreduce", "sum", "float32", 1, size, 0, None],
-                                      time.monotonic() + 20, in_place=True)
+            out = ranks[r].collective(given, "sum", 0, ["allreduce", "sum", "float32", 1, size, 0, None],
+                                      time.monotonic() + 20, in_place=mode == "in-place")
             results[r] = (out, src)
         except Exception as exc:  # reported below, with the rank
             results[r] = exc
@@ -267,11 +277,30 @@ def test_in_place_a_rank_folds_its_own_slot_before_writing_over_it(monkeypatch):
         for r in range(n):
             assert not isinstance(results[r], Exception), f"rank {r}: {results[r]!r}"
             out, src = results[r]
-            assert out is src or np.shares_memory(out, src)  # written into the input itself
-            np.testing.assert_array_equal(src, expected, err_msg=f"rank {r}")
+            np.testing.assert_array_equal(out, expected, err_msg=f"rank {r}")
+            if mode == "in-place":
+                assert np.shares_memory(out, src)  # written into the input itself
+            else:
+                assert not np.shares_memory(out, src) and np.array_equal(src, inputs[r])  # the input untouched
     finally:
         for ch in ranks:
             ch.close()
+
+
+def test_joined_arrays_read_as_one_across_their_ends():
+    parts = [np.arange(3, dtype=np.float32), np.zeros(0, np.float32), np.arange(10, 15, dtype=np.float32).reshape(5, 1)]
+    joined = Joined(parts)
+    whole = np.concatenate([p.reshape(-1) for p in parts])
+    assert joined.size == whole.size == 8 and joined.dtype == np.float32
+    for a in range(9):
+        for b in range(a, 9):
+            dst = np.full(b - a, -1, np.float32)
+            joined.copy_to(a, b, dst)
+            np.testing.assert_array_equal(dst, whole[a:b], err_msg=f"[{a}, {b})")
+    with pytest.raises(zf.errors.InvalidArgument, match=r"range \[2, 9\) of 8"):
+        joined.copy_to(2, 9, np.empty(7, np.float32))
+    with pytest.raises(zf.errors.InvalidArgument, match="one dtype"):
+        Joined([np.zeros(2, np.float32), np.zeros(2, np.float64)])
 
 
 def test_only_a_reduction_runs_in_place(tmp_path):
@@ -283,6 +312,8 @@ def test_only_a_reduction_runs_in_place(tmp_path):
             ch.collective(src, "gather", 0, meta, time.monotonic() + 5, in_place=True)
         with pytest.raises(zf.errors.InvalidArgument, match="only a reduction"):
             ch.collective(np.ones(8, np.float32)[::2], "sum", 0, meta, time.monotonic() + 5, in_place=True)
+        with pytest.raises(zf.errors.InvalidArgument, match="only a reduction reads joined arrays"):
+            ch.collective(Joined([src, src]), "gather", 0, meta, time.monotonic() + 5)
         assert ch.broken is None  # refused before anything was written: the channel still serves
     finally:
         ch.close()

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from ..cluster import ClusterSpec, TaskId
-from ..state.reduce import (OPS, array_module, as_array, backend_for, finish_mean, is_cupy, reduce_in_order, to_device, to_host,
-                            write_back)
+from ..state.reduce import (OPS, Joined, array_module, as_array, backend_for, finish_mean, is_cupy, reduce_in_order, to_device,
+                            to_host, write_back)
 from ..state.ring_schedule import RS, Step, allgather as allgather_steps, chunk_range, chunks, scatter_reduce, segments
 from ..errors import ConfigError, InvalidArgument, ZmqflowError
 from ..server.task import AsyncServer, Server
@@ -164,8 +164,10 @@ class AsyncRing:
         if shm is not None or (1 < self.size and sum(a.nbytes for a in arrays_in) <= self.small_bytes):
             if not host:
                 flat = to_host(arrays_in)
-            else:
-                flat = arrays_in[0].reshape(-1) if len(arrays_in) == 1 else np.concatenate([a.reshape(-1) for a in arrays_in])
+            elif len(arrays_in) == 1:
+                flat = arrays_in[0].reshape(-1)
+            else:  # through shared memory each piece is copied out of the arrays: no fusing pass first
+                flat = Joined(arrays_in) if shm is not None else np.concatenate([a.reshape(-1) for a in arrays_in])
             if shm is not None:
                 out = await self._on_host(shm, flat, op, meta, deadline, in_place=not host)
             else:

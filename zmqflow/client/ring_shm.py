@@ -51,7 +51,7 @@ import numpy as np
 from ..errors import CollectiveMismatch, DeadlineExceeded, InvalidArgument, Unavailable, ZmqflowError
 from ..state import shm_schedule as plan
 from ..state.kernels import FOLD_STREAM_FROM, fold_sum
-from ..state.reduce import finish_mean
+from ..state.reduce import Joined, finish_mean
 
 __all__ = ["ShmChannel", "negotiate", "enabled", "SHM_DIR"]
 
@@ -238,8 +238,8 @@ class ShmChannel:
     # calls -----------------------------------------------------------------------------
     def submit(self, src: np.ndarray, op: str, seq: int, meta: Any, timeout: float,
                seen: Any = None, root: int = 0, in_place: bool = False) -> "concurrent.futures.Future[np.ndarray]":
-        """Start a collective on the flat host array ``src`` (only read) after every call submitted
-        before. ``op``: a reduction (``sum``, ``mean``, ``min``, ``max``), ``gather`` (every rank's
+        """Start a collective on the flat host array ``src`` (only read; a reduction also takes a
+        :class:`~zmqflow.state.reduce.Joined` of several) after every call submitted before. ``op``: a reduction (``sum``, ``mean``, ``min``, ``max``), ``gather`` (every rank's
         ``src``, row by row), ``broadcast`` (``root``'s) or ``barrier`` (nothing). ``seen``: the
         ring's ``RingWatch`` (its timeline span, and who this call waited for). ``in_place``: a
         reduction's result goes into ``src`` itself (a contiguous array) instead of a new one."""
@@ -272,10 +272,13 @@ class ShmChannel:
                    root: int = 0, in_place: bool = False) -> np.ndarray:
         if self.broken is not None:
             raise self.broken
-        if in_place and (op not in _UFUNC or not src.flags.c_contiguous or not src.flags.writeable):
+        joined = isinstance(src, Joined)
+        if in_place and (op not in _UFUNC or joined or not src.flags.c_contiguous or not src.flags.writeable):
             raise InvalidArgument(f"only a reduction writes in place, into a contiguous writeable array (op {op!r})")
+        if joined and op not in _UFUNC:
+            raise InvalidArgument(f"only a reduction reads joined arrays (op {op!r})")
         try:
-            flat = np.ascontiguousarray(src).reshape(-1)
+            flat = src if joined else np.ascontiguousarray(src).reshape(-1)
             if seen is None:
                 return self._collective(flat, op, seq, meta, deadline, root, in_place=in_place)
             probe = seen.call()
@@ -290,13 +293,16 @@ class ShmChannel:
             self._notify()
             raise
 
-    def _collective(self, src: np.ndarray, op: str, seq: int, meta: Any, deadline: float, root: int = 0,
+    def _collective(self, src: Any, op: str, seq: int, meta: Any, deadline: float, root: int = 0,
                     probe: Any = None, span: Any = _no_span, in_place: bool = False) -> np.ndarray:
         """``probe`` hears when each peer's data first showed up; ``span(kind, name)`` times the
         waits and folds on the timeline (the ring's ``ring wait``, ``ring reduce`` tracks).
         ``in_place``: a piece is folded into ``src`` once this rank has written it for its peers,
-        reading this rank's share back from its own slot, so no view aliases the result."""
+        reading this rank's share back from its own slot, so no view aliases the result. A
+        :class:`Joined` ``src`` is read the same way: its pieces are copied out of its parts."""
         lay, n, me = self.layout, self.size, self.rank
+        joined = isinstance(src, Joined)
+        from_slot = in_place or joined or op in _UFUNC  # this rank's share is folded from its own slot
         tag, words = plan.call_tag(seq, meta), plan.meta_words(meta)
         out = src if in_place else np.empty(src.size * n if op == "gather" else src.size, src.dtype)
         parts = plan.pieces(src.size, src.itemsize, lay.slot_bytes) or [(0, 0)]  # one, empty, to meet the peers
@@ -308,12 +314,14 @@ class ShmChannel:
         while folded < len(parts) or wrote < len(parts):  # own pieces fold from ``src``: peers still need them
             moved = False
             while wrote < len(parts) and plan.may_write(base + wrote, lay.slots, [int(hdrs[r][lay.read_word(me)]) for r in others]
-                                                        + ([base + folded] if in_place else [])):  # in place: this rank reads its slot too
+                                                        + ([base + folded] if from_slot else [])):  # this rank reads its slot too
                 a, b = parts[wrote]
                 g = base + wrote
                 if wrote == 0:
                     mine[lay.meta_word:lay.words] = words
-                if copy:
+                if joined:
+                    src.copy_to(a, b, self._view(me, g, src.dtype, b - a))
+                elif copy:
                     self._view(me, g, src.dtype, b - a)[...] = src[a:b]
                 mine[lay.tag_word(g % lay.slots)] = tag
                 wrote += 1
@@ -326,12 +334,12 @@ class ShmChannel:
                     probe.arrived(self.members[r])
                     late.remove(r)
             g = base + folded
-            if folded < len(parts) and (folded < wrote or not in_place) and plan.may_read(g, [int(hdrs[r][plan.H_WRITTEN]) for r in others]):
+            if folded < len(parts) and (folded < wrote or not from_slot) and plan.may_read(g, [int(hdrs[r][plan.H_WRITTEN]) for r in others]):
                 a, b = parts[folded]
                 for r in others:
                     if int(hdrs[r][lay.tag_word(g % lay.slots)]) != tag:
                         raise self._mismatch(seq, words, r)
-                views = [src[a:b] if r == me and not in_place else self._view(r, g, src.dtype, b - a) for r in range(n)]
+                views = [src[a:b] if r == me and not from_slot else self._view(r, g, src.dtype, b - a) for r in range(n)]
                 with span("ring reduce", "reduce" if op in _UFUNC else "place"):
                     divided = _combine(op, views, out, a, b, root)
                 if op == "mean" and not divided:

@@ -10,6 +10,8 @@ before that work has written it. Work on other streams must be finished by the c
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -17,7 +19,7 @@ import numpy as np
 from ..errors import InvalidArgument
 
 __all__ = ["OPS", "reduce_in_order", "NumpyBackend", "CupyBackend", "backend_for", "finish_mean", "is_cupy", "array_module",
-           "as_array", "write_back", "to_host", "to_device"]
+           "as_array", "write_back", "to_host", "to_device", "Joined"]
 
 OPS = ("sum", "mean", "min", "max")
 _UFUNC = {"sum": "add", "mean": "add", "min": "minimum", "max": "maximum"}  # mean divides at the end
@@ -114,6 +116,33 @@ def to_device(host: np.ndarray) -> Any:  # pragma: no cover - GPU only
         out = _cp.asarray(host)
     _cp.cuda.Stream.null.synchronize()
     return out
+
+
+class Joined:
+    """Several arrays of one dtype read end to end as one flat array, never copied together: a
+    collective copies each piece it sends straight out of them (``copy_to``), where fusing them
+    first would cost a whole extra pass over the bytes."""
+
+    def __init__(self, parts: Sequence[np.ndarray]):
+        if not parts or len({p.dtype for p in parts}) != 1:
+            raise InvalidArgument("joined arrays must be at least one, all of one dtype")
+        self.parts = [np.ascontiguousarray(p).reshape(-1) for p in parts]
+        self.dtype = self.parts[0].dtype
+        self.itemsize = self.dtype.itemsize
+        self.ends = np.cumsum([p.size for p in self.parts]).tolist()
+        self.size = int(self.ends[-1])
+
+    def copy_to(self, a: int, b: int, dst: np.ndarray) -> None:
+        """Elements ``[a, b)`` of the whole into ``dst`` (``b - a`` long)."""
+        if not 0 <= a <= b <= self.size or len(dst) != b - a:
+            raise InvalidArgument(f"range [{a}, {b}) of {self.size} elements into {len(dst)}")
+        i = bisect.bisect_right(self.ends, a)
+        pos = 0
+        while a < b:
+            start = self.ends[i - 1] if i else 0
+            take = min(b, self.ends[i]) - a
+            dst[pos:pos + take] = self.parts[i][a - start:a - start + take]
+            pos, a, i = pos + take, a + take, i + 1
 
 
 def reduce_in_order(parts: list[np.ndarray], op: str) -> np.ndarray:
