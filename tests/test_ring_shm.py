@@ -55,6 +55,8 @@ WORKER = textwrap.dedent(
                     got = ring.allreduce(rank_array(ring.rank, size, dtype), op=op)
                     out[f"{size}-{dtype}-{op}"] = got.view(np.uint16) if dtype == "bfloat16" else got
         out["list"] = np.concatenate(ring.allreduce([rank_array(ring.rank, 5, "float32"), rank_array(ring.rank, 9, "float32")]))
+        mixed = ring.allreduce([rank_array(ring.rank, 5, "float32"), rank_array(ring.rank, 7, "float64")])  # two buckets
+        out["mixed-32"], out["mixed-64"] = mixed
         for op in ("sum", "mean"):  # pieces copied straight out of the arrays, across their ends
             out[f"long-list-{op}"] = np.concatenate(ring.allreduce([rank_array(ring.rank, m, "float32") for m in LIST_SIZES], op=op))
         print("SHM", ring.async_ring.shm_channel is not None, flush=True)
@@ -91,6 +93,9 @@ def test_shm_allreduce_is_bit_identical_to_reduce_in_order(tmp_path, procs, n):
                     assert results[r][key].tobytes() == ref.tobytes(), f"{key} rank {r}"
     ref = np.concatenate([reduce_in_order([rank_array(r, m, "float32") for r in range(n)], "sum") for m in (5, 9)])
     np.testing.assert_array_equal(results[n - 1]["list"], ref)
+    for key, m, dtype in (("mixed-32", 5, "float32"), ("mixed-64", 7, "float64")):
+        ref = reduce_in_order([rank_array(r, m, dtype) for r in range(n)], "sum")
+        assert all(results[r][key].tobytes() == ref.tobytes() for r in range(n)), key
     for op in ("sum", "mean"):
         ref = np.concatenate([reduce_in_order([rank_array(r, m, "float32") for r in range(n)], op) for m in LIST_SIZES])
         for r in range(n):

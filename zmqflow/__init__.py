@@ -27,7 +27,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "AsyncElasticRing": (".client.elastic_ring", "AsyncElasticRing"),
     "ElasticRing": (".client.elastic_ring", "ElasticRing"),
     "AsyncRing": (".client.ring", "AsyncRing"),
-    "Ring": (".client.ring", "Ring"),
+    "Ring": (".client.ring_blocking", "Ring"),
     "Hook": (".training.hooks", "Hook"),
     "LoggingHook": (".training.hooks", "LoggingHook"),
     "ProgressHook": (".training.hooks", "ProgressHook"),

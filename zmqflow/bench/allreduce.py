@@ -55,7 +55,7 @@ def _zf_rank(spec_json: str, rank: int, sizes: Sequence[int], quick: bool, out: 
     ``ring_kwargs`` (e.g. ``chunk_bytes``) go to the Ring, to tune it; ``device="cuda"`` reduces
     cupy arrays."""
     keep_big_blocks()
-    from ..client.ring import Ring
+    from ..client.ring_blocking import Ring
     from ..cluster import ClusterSpec
     from ..server.task import Server
 
@@ -104,7 +104,7 @@ def _gloo_rank(port: int, rank: int, world: int, sizes: Sequence[int], quick: bo
 def _ps_rank(spec_json: str, rank: int, sizes: Sequence[int], quick: bool, out: Any) -> None:
     """The PS way to the same result: push the gradient, pull the variable (sync, all workers)."""
     keep_big_blocks()
-    from ..client.ring import Ring
+    from ..client.ring_blocking import Ring
     from ..client.blocking import Session
     from ..cluster import ClusterSpec
     from ..server.task import Server

@@ -27,7 +27,8 @@ from typing import Any
 
 from ..client.blocking import Session
 from ..client.presence import Presence
-from ..client.ring import Ring, default_members
+from ..client.ring import default_members
+from ..client.ring_blocking import Ring
 from ..cluster import ClusterSpec, TaskId, resolve
 from ..errors import ConfigError, Unavailable, ZmqflowError
 from ..observe.endpoint import Endpoint

@@ -15,7 +15,8 @@ from ..errors import ConfigError
 from ..observe import timeline
 from ..server.services.rendezvous import Formation, Rendezvous, join_next_generation
 from ..server.task import AsyncServer, Server
-from .ring import AsyncRing, Ring, default_members
+from .ring import AsyncRing, default_members
+from .ring_blocking import Ring
 
 __all__ = ["ElasticRing", "AsyncElasticRing", "Formation", "DEFAULT_JOIN_WINDOW"]
 

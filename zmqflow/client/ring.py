@@ -1,7 +1,7 @@
 """Peer ring collectives over the tasks' own servers: allreduce, allgather, broadcast, barrier.
 
-``Ring(server)`` joins the ring of the cluster's ``chief`` and ``worker`` tasks (or ``members``)
-through this task's in-process server: chunks go to the right neighbour's ``ring`` service and
+``AsyncRing(server)`` (or the blocking ``Ring`` of :mod:`.ring_blocking`) joins the ring of the
+cluster's ``chief`` and ``worker`` tasks (or ``members``) through this task's in-process server: chunks go to the right neighbour's ``ring`` service and
 arrive from the left one's. Tensors are fused into buckets (~25 MB); each bucket is one ring call
 whose chunks (4 MB) are pipelined: chunk k is reduced while chunk k+1 is on the wire. A bucket of
 at most ``small_bytes`` (1 MiB) is latency-bound instead: every rank sends all of it to every
@@ -18,9 +18,7 @@ makes the others raise ``Unavailable`` naming it within seconds; a silent one ``
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-import concurrent.futures
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +29,7 @@ from ..state.reduce import (OPS, Joined, array_module, as_array, backend_for, fi
                             to_host, write_back)
 from ..state.ring_schedule import RS, Step, allgather as allgather_steps, chunk_range, chunks, scatter_reduce, segments
 from ..errors import ConfigError, InvalidArgument, ZmqflowError
-from ..server.task import AsyncServer, Server
+from ..server.task import AsyncServer
 from ..rpc.health import wait_for_tasks
 from ..wire.requests import cluster as crq
 from . import ring_shm
@@ -39,7 +37,7 @@ from .ring_failures import RingFailures
 from .ring_meta import call_meta
 from .ring_probe import CallProbe, RingWatch
 
-__all__ = ["Ring", "AsyncRing", "default_members", "DEFAULT_BUCKET_BYTES", "DEFAULT_CHUNK_BYTES", "DEFAULT_SMALL_BYTES"]
+__all__ = ["AsyncRing", "default_members", "DEFAULT_BUCKET_BYTES", "DEFAULT_CHUNK_BYTES", "DEFAULT_SMALL_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 25 << 20
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -403,97 +401,3 @@ class AsyncRing:
         fut.add_done_callback(lambda f: self.failures.sent(f, seq))
         self._seen.track_send(fut, seq, str(self.members[right]))
         return fut
-
-
-class Ring:
-    """The blocking ring on a :class:`Server` (its loop thread runs the collectives).
-    ``Ring(async_server)`` gives an :class:`AsyncRing` instead."""
-
-    def __new__(cls, server: Any, members: Any = None, **kwargs: Any) -> Any:
-        if isinstance(server, AsyncServer):
-            return AsyncRing(server, members, **kwargs)
-        return super().__new__(cls)
-
-    def __init__(self, server: Server, members: Sequence["TaskId | str"] | None = None, **kwargs: Any):
-        self._bind(server, AsyncRing(server.async_server, members, **kwargs))
-
-    def _bind(self, server: Server, ring: AsyncRing) -> None:
-        self._server, self._async = server, ring
-        self._pending = 0  # submitted calls not yet finished: the blocking fast path waits its turn behind them
-        self._pending_lock = threading.Lock()  # counted up here, down on the loop thread
-
-    @classmethod
-    def over(cls, server: Server, ring: AsyncRing) -> "Ring":
-        """The blocking face of an existing AsyncRing."""
-        out = object.__new__(cls)
-        out._bind(server, ring)
-        return out
-
-    @property
-    def async_ring(self) -> AsyncRing:
-        """The ring this one drives; its coroutines run on the server's loop (``submit``)."""
-        return self._async
-
-    def submit(self, coro: Any) -> "concurrent.futures.Future[Any]":
-        """Start ``coro`` (a collective of :attr:`async_ring`) on the server's loop without waiting.
-        Collectives started from one thread start in that order, so every rank may keep several
-        in flight (a collective takes its sequence number when it starts)."""
-        with self._pending_lock:
-            self._pending += 1
-        fut = self._server.loop_thread.submit(coro)
-        fut.add_done_callback(self._finished)
-        return fut
-
-    def _finished(self, _: Any) -> None:
-        with self._pending_lock:
-            self._pending -= 1
-
-    rank = property(lambda self: self._async.rank)
-    size = property(lambda self: self._async.size)
-    members = property(lambda self: self._async.members)
-
-    def _call(self, coro: Any, timeout: float | None) -> Any:
-        limit = (self._async.timeout if timeout is None else timeout) + 5.0
-        return self._server.loop_thread.call(coro, timeout=limit)
-
-    def _host(self, array: Any, gpu: bool = False) -> "ring_shm.ShmChannel | None":
-        """The same-host channel when ``array`` may go through it from this thread: a numpy array
-        (or, with ``gpu``, a cupy one, staged through the host), and no call submitted to the loop
-        still running (it takes its sequence number there)."""
-        shm = self._async.shm_channel
-        usable = type(array) is np.ndarray or (gpu and is_cupy(array))
-        return shm if shm is not None and not self._pending and usable else None
-
-    def allreduce(self, arrays: Any, op: str = "sum", *, timeout: float | None = None) -> Any:
-        shm = self._host(arrays, gpu=True)
-        if shm is not None and op in OPS and arrays.nbytes <= self._async.bucket_bytes:  # no hand-off to the loop
-            meta = call_meta("allreduce", op, [arrays])
-            if is_cupy(arrays):  # one copy down to pinned memory, reduced there in place, one copy up
-                staged = self._async.run_on_host(shm, to_host([arrays]), op, meta, timeout, in_place=True)
-                return to_device(staged).reshape(arrays.shape)
-            return self._async.run_on_host(shm, arrays.reshape(-1), op, meta, timeout).reshape(arrays.shape)
-        return self._call(self._async.allreduce(arrays, op, timeout=timeout), timeout)
-
-    def allgather(self, array: Any, *, timeout: float | None = None) -> Any:
-        shm = self._host(array)
-        if shm is not None:
-            meta = call_meta("allgather", "none", [array])
-            return self._async.run_on_host(shm, array.reshape(-1), "gather", meta, timeout).reshape(self.size, *array.shape)
-        return self._call(self._async.allgather(array, timeout=timeout), timeout)
-
-    def broadcast(self, array: Any, root: int = 0, *, timeout: float | None = None) -> Any:
-        shm = self._host(array)
-        if shm is not None and type(root) is int and 0 <= root < self.size:
-            meta = call_meta("broadcast", "none", [array], root)
-            return self._async.run_on_host(shm, array.reshape(-1), "broadcast", meta, timeout, root).reshape(array.shape)
-        return self._call(self._async.broadcast(array, root, timeout=timeout), timeout)
-
-    def barrier(self, *, timeout: float | None = None) -> None:
-        shm = self._host(_NOTHING)
-        if shm is not None:
-            self._async.run_on_host(shm, _NOTHING, "barrier", call_meta("barrier", "sum", []), timeout)
-            return
-        self._call(self._async.barrier(timeout=timeout), timeout)
-
-    def leave(self, timeout: float = 5.0) -> None:
-        self._call(self._async.leave(timeout), timeout)

@@ -23,7 +23,8 @@ import numpy as np
 from jax.experimental import io_callback
 
 from ..bridge import runtime as rt
-from ..client.ring import AsyncRing, Ring
+from ..client.ring import AsyncRing
+from ..client.ring_blocking import Ring
 from ..cluster import ClusterSpec, TaskId
 from ..errors import DeadlineExceeded, InvalidArgument
 from .arrays import Leaves, as_buffer, check_dtype, flatten, fuse, group_by_dtype, prod_of, split, to_jax

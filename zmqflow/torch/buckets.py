@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..client.ring import Ring
+from ..client.ring_blocking import Ring
 from ..errors import InvalidArgument
 from .tensors import check_dtype, cuda_ready, from_array, to_array
 
