@@ -239,7 +239,8 @@ class ShmChannel:
     def submit(self, src: np.ndarray, op: str, seq: int, meta: Any, timeout: float,
                seen: Any = None, root: int = 0, in_place: bool = False) -> "concurrent.futures.Future[np.ndarray]":
         """Start a collective on the flat host array ``src`` (only read; a reduction also takes a
-        :class:`~zmqflow.state.reduce.Joined` of several) after every call submitted before. ``op``: a reduction (``sum``, ``mean``, ``min``, ``max``), ``gather`` (every rank's
+        :class:`~zmqflow.state.reduce.Joined` of several) after every call submitted before.
+        ``op``: a reduction (``sum``, ``mean``, ``min``, ``max``), ``gather`` (every rank's
         ``src``, row by row), ``broadcast`` (``root``'s) or ``barrier`` (nothing). ``seen``: the
         ring's ``RingWatch`` (its timeline span, and who this call waited for). ``in_place``: a
         reduction's result goes into ``src`` itself (a contiguous array) instead of a new one."""
@@ -311,7 +312,7 @@ class ShmChannel:
         base, wrote, folded, idle = self.base, 0, 0, 0
         others = [r for r in range(n) if r != me]
         late = list(others) if probe is not None else []  # peers whose first piece of this call is not in yet
-        while folded < len(parts) or wrote < len(parts):  # own pieces fold from ``src``: peers still need them
+        while folded < len(parts) or wrote < len(parts):  # a reduction folds its own pieces from its slot
             moved = False
             while wrote < len(parts) and plan.may_write(base + wrote, lay.slots, [int(hdrs[r][lay.read_word(me)]) for r in others]
                                                         + ([base + folded] if from_slot else [])):  # this rank reads its slot too
@@ -334,7 +335,8 @@ class ShmChannel:
                     probe.arrived(self.members[r])
                     late.remove(r)
             g = base + folded
-            if folded < len(parts) and (folded < wrote or not from_slot) and plan.may_read(g, [int(hdrs[r][plan.H_WRITTEN]) for r in others]):
+            ready = folded < len(parts) and (folded < wrote or not from_slot)
+            if ready and plan.may_read(g, [int(hdrs[r][plan.H_WRITTEN]) for r in others]):
                 a, b = parts[folded]
                 for r in others:
                     if int(hdrs[r][lay.tag_word(g % lay.slots)]) != tag:
