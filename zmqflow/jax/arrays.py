@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import InvalidArgument
 from ..wire.dtypes import WIRE_DTYPES, dtype_name
 
-__all__ = ["Leaves", "flatten", "is_tracer", "on_gpu", "as_buffer", "to_jax", "check_dtype", "group_by_dtype",
+__all__ = ["Leaves", "flatten", "is_tracer", "as_buffer", "to_jax", "check_dtype", "group_by_dtype",
            "split", "fuse", "prod_of", "HAVE_CUPY"]
 
 try:  # optional: the GPU path without a host copy
@@ -68,11 +68,6 @@ def is_tracer(x: Any) -> bool:
 
 def is_cupy(x: Any) -> bool:
     return _cp is not None and isinstance(x, _cp.ndarray)
-
-
-def on_gpu(x: Any) -> bool:
-    """Whether a JAX array lives (even in part) on an accelerator."""
-    return isinstance(x, jax.Array) and any(d.platform != "cpu" for d in x.devices())
 
 
 def check_dtype(what: str, path: str, dtype: Any) -> np.dtype:
