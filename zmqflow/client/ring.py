@@ -26,7 +26,7 @@ import numpy as np
 
 from ..cluster import ClusterSpec, TaskId
 from ..state.reduce import (OPS, Joined, array_module, as_array, backend_for, finish_mean, is_cupy, reduce_in_order, to_device,
-                            to_host, write_back)
+                            to_host, unfuse, write_back)
 from ..state.ring_schedule import RS, Step, allgather as allgather_steps, chunk_range, chunks, scatter_reduce, segments
 from ..errors import ConfigError, InvalidArgument, ZmqflowError
 from ..server.task import AsyncServer
@@ -142,12 +142,8 @@ class AsyncRing:
         for bucket in self._buckets([a for a, _ in items]):
             arrays_in = [items[i][0] for i in bucket]
             fused = await self._reduce_bucket(arrays_in, op, call_meta("allreduce", op, arrays_in), deadline)
-            start = 0
-            for i in bucket:
-                a, original = items[i]
-                part = fused[start:start + a.size].reshape(a.shape)
-                start += a.size
-                results[i] = write_back(original, part)
+            for i, part in zip(bucket, unfuse(fused, arrays_in)):
+                results[i] = write_back(items[i][1], part)
         metrics = self.server.metrics
         if metrics is not None and self.size > 1:
             metrics.ring_allreduce(sum(a.nbytes for a, _ in items), time.perf_counter() - started, self.size)

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..cluster import TaskId
 from ..server.task import AsyncServer, Server
-from ..state.reduce import OPS, Joined, is_cupy, to_device, to_host
+from ..state.reduce import OPS, Joined, is_cupy, to_device, to_host, unfuse
 from . import ring_shm
 from .ring import AsyncRing
 from .ring_meta import call_meta
@@ -106,11 +106,7 @@ class Ring:
                 or sum(a.nbytes for a in arrays) > self._async.bucket_bytes):
             return self._call(self._async.allreduce(list(arrays), op, timeout=timeout), timeout)
         fused = self._async.run_on_host(shm, Joined(arrays), op, call_meta("allreduce", op, list(arrays)), timeout)
-        out, start = [], 0
-        for a in arrays:
-            out.append(fused[start:start + a.size].reshape(a.shape))
-            start += a.size
-        return out
+        return unfuse(fused, arrays)
 
     def allgather(self, array: Any, *, timeout: float | None = None) -> Any:
         shm = self._host(array)

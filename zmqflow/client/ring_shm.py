@@ -298,12 +298,13 @@ class ShmChannel:
                     probe: Any = None, span: Any = _no_span, in_place: bool = False) -> np.ndarray:
         """``probe`` hears when each peer's data first showed up; ``span(kind, name)`` times the
         waits and folds on the timeline (the ring's ``ring wait``, ``ring reduce`` tracks).
-        ``in_place``: a piece is folded into ``src`` once this rank has written it for its peers,
-        reading this rank's share back from its own slot, so no view aliases the result. A
-        :class:`Joined` ``src`` is read the same way: its pieces are copied out of its parts."""
+        A reduction folds this rank's share of a piece from its own slot, just written and still in
+        the cache, so it writes no later piece over a slot it has not folded yet. ``in_place``: the
+        result goes into ``src`` (no view aliases it, as this rank's share is read from the slot).
+        A :class:`Joined` ``src`` (reductions only) has its pieces copied out of its parts."""
         lay, n, me = self.layout, self.size, self.rank
         joined = isinstance(src, Joined)
-        from_slot = in_place or joined or op in _UFUNC  # this rank's share is folded from its own slot
+        from_slot = op in _UFUNC  # ``collective`` lets only reductions run in place or on joined arrays
         tag, words = plan.call_tag(seq, meta), plan.meta_words(meta)
         out = src if in_place else np.empty(src.size * n if op == "gather" else src.size, src.dtype)
         parts = plan.pieces(src.size, src.itemsize, lay.slot_bytes) or [(0, 0)]  # one, empty, to meet the peers

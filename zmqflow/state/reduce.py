@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import InvalidArgument
 
 __all__ = ["OPS", "reduce_in_order", "NumpyBackend", "CupyBackend", "backend_for", "finish_mean", "is_cupy", "array_module",
-           "as_array", "write_back", "to_host", "to_device", "Joined"]
+           "as_array", "write_back", "to_host", "to_device", "Joined", "unfuse"]
 
 OPS = ("sum", "mean", "min", "max")
 _UFUNC = {"sum": "add", "mean": "add", "min": "minimum", "max": "maximum"}  # mean divides at the end
@@ -143,6 +143,15 @@ class Joined:
             take = min(b, self.ends[i]) - a
             dst[pos:pos + take] = self.parts[i][a - start:a - start + take]
             pos, a, i = pos + take, a + take, i + 1
+
+
+def unfuse(fused: Any, arrays: Sequence[Any]) -> list[Any]:
+    """Views of the flat ``fused``, one per array of ``arrays`` (laid end to end), each shaped as it."""
+    out, start = [], 0
+    for a in arrays:
+        out.append(fused[start:start + a.size].reshape(a.shape))
+        start += a.size
+    return out
 
 
 def reduce_in_order(parts: list[np.ndarray], op: str) -> np.ndarray:
