@@ -1,10 +1,10 @@
 """The compiled parts: the hash index's inner loops (zmqflow/state/hash_probe.c), the
-optimizers' one-pass updates and the pull's streaming copy (zmqflow/state/kernels_c.c), and the
-ring's one-pass fold (zmqflow/state/fold_c.c).
+optimizers' one-pass updates and the pull's streaming copy (zmqflow/state/kernels_c.c), the
+ring's one-pass fold (zmqflow/state/fold_c.c), and the codec's common case (zmqflow/wire/codec_c.c).
 
 All are optional: where no C compiler is found the build goes on without them, the index runs
-its numpy rounds (``zmqflow.state.hash_index.compiled()`` tells which) and the kernels numpy's
-way (``zmqflow.state.kernels.compiled()``). Everything else is in pyproject.toml.
+its numpy rounds (``zmqflow.state.hash_index.compiled()`` tells which), the kernels numpy's
+way (``zmqflow.state.kernels.compiled()``) and the codec in Python (``zmqflow.wire.codec.compiled()``). Everything else is in pyproject.toml.
 """
 
 from setuptools import Extension, setup
@@ -20,4 +20,5 @@ setup(ext_modules=[
               extra_compile_args=_EXACT),
     Extension("zmqflow.state.fold_c", ["zmqflow/state/fold_c.c"], optional=True, depends=_COMMON,
               extra_compile_args=_EXACT),
+    Extension("zmqflow.wire.codec_c", ["zmqflow/wire/codec_c.c"], optional=True, extra_compile_args=["-O2"]),
 ])

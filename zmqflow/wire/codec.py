@@ -6,6 +6,10 @@ whose entries ``[dtype, shape, frame]`` describe the raw frames that follow. Dec
 the version first, then every type, count and size, before it builds a single array; arrays are
 rebuilt with ``np.frombuffer`` on the received frame, so they share its memory. Nothing here is
 ever pickled. ``protocol/SPEC.md`` is the normative description.
+
+Requests and replies of plain data take a compiled path where it is built (``codec_c.c``): one
+call each way, byte for byte the same frames and the same checks; whatever it does not take (an
+error, an unusual body, anything malformed) comes here, which handles it or names the fault.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ __all__ = [
     "LimitExceeded",
     "encode",
     "decode",
+    "compiled",
+    "use_compiled",
 ]
 
 _EXT_TENSOR = 1
@@ -60,6 +66,13 @@ class _TensorRef:
 
 def encode(msg: Message) -> list[Any]:
     """Frames for ``msg``: the header bytes, then one buffer per array (zero-copy views)."""
+    kind = msg.kind
+    if _fast is not None and (kind == REQUEST or kind == REPLY):
+        dl = msg.deadline
+        if dl is None or (dl.__class__ is float and 0.0 < dl < _INF):
+            frames = _fast.encode(kind == REQUEST, msg.id, msg.service, msg.op, dl, msg.source, msg.body)
+            if frames is not None:
+                return frames
     if msg.kind not in KINDS:
         raise InvalidArgument(f"message kind must be one of {', '.join(KINDS)}, got {msg.kind!r}")
     arrays: list[np.ndarray] = []
@@ -209,6 +222,10 @@ class _BadExt:
 
 def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     """Validate and decode frames (bytes or zmq Frames) into a Message; raises DecodeError."""
+    if _fast is not None:
+        msg = _fast.decode(frames, limits)
+        if msg is not None:
+            return msg
     if not frames:
         raise DecodeError("empty message: no header frame")
     header_view = memoryview(frames[0])
@@ -446,3 +463,30 @@ def _contains_ref(obj: object) -> bool:
     if isinstance(obj, dict):
         return any(_contains_ref(v) for v in obj.values())
     return False
+
+
+# the compiled path ------------------------------------------------------------------------
+
+try:
+    from . import codec_c as _built  # type: ignore[attr-defined]
+except ImportError:  # built without a C compiler: everything runs above
+    _built = None
+if _built is not None:
+    assert VERSION == 1, "codec_c.c reads and writes version 1"
+    _built.configure(REQUEST, REPLY, Message, np.frombuffer, _LOADED_DTYPES, np.ndarray, msgpack.ExtType, _extract,
+                     _wire_buffer)
+_fast = _built  # what encode and decode try first: the module, or None when not built or turned off
+
+
+def compiled() -> bool:
+    """Whether requests and replies take the compiled path."""
+    return _fast is not None
+
+
+def use_compiled(on: bool) -> bool:
+    """Turn the compiled path on (where built) or off; returns the previous setting (for tests
+    that run both codecs)."""
+    global _fast
+    before = _fast is not None
+    _fast = _built if on else None
+    return before
