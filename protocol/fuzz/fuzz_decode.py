@@ -3,7 +3,9 @@
 One input is split into frames (the first is the header; see ``split_frames``). ``decode`` must
 either return a Message or raise ``DecodeError`` (or a subclass); anything else, a hang, or a
 decoded message that breaks the codec's invariants (arrays the size their table says, every
-frame referenced, a request that does not re-encode) is a finding.
+frame referenced, a request that does not re-encode) is a finding. Where the compiled codec is
+built (``wire/codec_c.c``), so is any input it reads that the Python codec refuses or reads
+differently.
 
     python protocol/fuzz/fuzz_decode.py -atheris_runs=100000 [-max_len=4096] [-timeout=5] [corpus_dir ...]
 
@@ -76,10 +78,28 @@ def _collect(obj: object, out: list[np.ndarray]) -> None:
             _collect(v, out)
 
 
+def same_as_python(frames: list[bytes], limits: Limits) -> None:
+    """What the compiled codec reads, the Python codec reads alike (compared as re-encoded frames,
+    so NaNs and arrays compare by their bytes)."""
+    fast = codec._built.decode(list(frames), limits)
+    if fast is None:  # handed back: decode() ran the Python codec on it above
+        return
+    codec.use_compiled(False)
+    try:
+        slow = decode(frames, limits)
+        assert (fast.kind, fast.id, fast.service, fast.op, fast.deadline, fast.source) == (
+            slow.kind, slow.id, slow.service, slow.op, slow.deadline, slow.source)
+        assert [bytes(memoryview(f)) for f in encode(fast)] == [bytes(memoryview(f)) for f in encode(slow)]
+    finally:
+        codec.use_compiled(True)
+
+
 def test_one_input(data: bytes) -> None:
     frames = split_frames(data)
-    check(frames, SMALL)
-    check(frames, codec.DEFAULT_LIMITS)
+    for limits in (SMALL, codec.DEFAULT_LIMITS):
+        check(frames, limits)
+        if codec._built is not None:
+            same_as_python(frames, limits)
 
 
 def seed_corpus(directory: Path) -> None:

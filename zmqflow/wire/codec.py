@@ -14,6 +14,7 @@ error, an unusual body, anything malformed) comes here, which handles it or name
 
 from __future__ import annotations
 
+import importlib
 import math
 import struct
 import threading
@@ -467,8 +468,8 @@ def _contains_ref(obj: object) -> bool:
 
 # the compiled path ------------------------------------------------------------------------
 
-try:
-    from . import codec_c as _built  # type: ignore[attr-defined]
+try:  # by name: an import graph cannot see into a compiled module and takes it for the package
+    _built: Any = importlib.import_module(".codec_c", __package__)
 except ImportError:  # built without a C compiler: everything runs above
     _built = None
 if _built is not None:
