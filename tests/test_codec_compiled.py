@@ -125,6 +125,30 @@ def test_the_compiled_writer_takes_the_common_case():
     frames = codec._built.encode(True, 1, "worker", "sink", 30.0, "c", {"x": np.zeros(4), "n": 2})
     assert frames is not None and len(frames) == 2
     assert codec._built.encode(False, 1, "", "", None, "", [1, "two", None]) is not None
+    declared = Assign(items=[RowsItem("w", 0, None, None, np.ones(3, np.float32))], mode="add")
+    assert codec._built.encode(True, 1, "ps", "assign", 30.0, "", declared) is not None
+
+
+class Counting:
+    """The compiled module, counting the messages it wrote."""
+
+    def __init__(self) -> None:
+        self.written = 0
+
+    def encode(self, *args: Any) -> Any:
+        out = codec._built.encode(*args)
+        self.written += out is not None
+        return out
+
+
+def test_a_whole_number_deadline_takes_the_compiled_path(monkeypatch):
+    counting = Counting()
+    monkeypatch.setattr(codec, "_fast", counting)
+    msg = Message(REQUEST, 1, "s", "o", {"n": 1}, 30, "")  # a session's timeout may be an int
+    frames = encode(msg)
+    assert counting.written == 1
+    monkeypatch.setattr(codec, "_fast", None)
+    assert as_bytes(frames) == as_bytes(encode(msg))
 
 
 # reading --------------------------------------------------------------------------------------

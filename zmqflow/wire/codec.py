@@ -30,6 +30,7 @@ from .message import (DEFAULT_LIMITS, ERROR, KINDS, REPLY, REQUEST, VERSION, Dec
                       Message, VersionError)
 from .dtypes import AS_IS, LOADED as _LOADED_DTYPES, dtype_from_name, dtype_name
 from .peek import container_marks, read_start, too_deep
+from .structs import REQUIRED, layout as struct_layout, sent_fields
 
 __all__ = [
     "VERSION",
@@ -70,7 +71,9 @@ def encode(msg: Message) -> list[Any]:
     kind = msg.kind
     if _fast is not None and (kind == REQUEST or kind == REPLY):
         dl = msg.deadline
-        if dl is None or (dl.__class__ is float and 0.0 < dl < _INF):
+        if dl is not None and kind == REQUEST:
+            dl = float(dl)  # as below: a session's timeout may be an int
+        if dl is None or kind == REPLY or 0.0 < dl < _INF:
             frames = _fast.encode(kind == REQUEST, msg.id, msg.service, msg.op, dl, msg.source, msg.body)
             if frames is not None:
                 return frames
@@ -153,12 +156,7 @@ def _extract(obj: Any, arrays: list[np.ndarray]) -> Any:
     if isinstance(obj, _generic):
         return obj.item()
     if isinstance(obj, _Struct):  # a declared request as the map of its fields, an item as its list
-        layout = _layouts[t] if t in _layouts else _layout(t)
-        if layout is None:
-            return [_extract(v, arrays) for v in _astuple(obj)]
-        if not layout:  # no defaults (a ring deposit): every field goes
-            return {k: _extract(v, arrays) for k, v in zip(t.__struct_fields__, _astuple(obj))}
-        return {k: _extract(v, arrays) for k, v in zip(t.__struct_fields__, _astuple(obj)) if _sent(v, layout.get(k, _REQUIRED))}
+        return _extract(sent_fields(obj), arrays)
     if isinstance(obj, dict):  # subclasses (OrderedDict, defaultdict) after the exact-type fast path
         return {k: _extract(v, arrays) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -166,33 +164,7 @@ def _extract(obj: Any, arrays: list[np.ndarray]) -> Any:
     return obj
 
 
-_Struct, _astuple = msgspec.Struct, msgspec.structs.astuple
-_REQUIRED = object()
-_layouts: dict[type, dict[str, Any] | None] = {}
-
-
-def _layout(cls: type) -> dict[str, Any] | None:
-    """None for an array-like struct (sent as a list); else its fields' defaults, left off the wire."""
-    layout = None
-    if not cls.__struct_config__.array_like:
-        layout = {}
-        for f in msgspec.structs.fields(cls):
-            if f.default is not msgspec.NODEFAULT:
-                layout[f.name] = f.default
-            elif f.default_factory is not msgspec.NODEFAULT:
-                layout[f.name] = f.default_factory()
-    _layouts[cls] = layout
-    return layout
-
-
-def _sent(value: Any, default: Any) -> bool:
-    """Whether a field goes on the wire: always when required, else when it is not its default
-    (compared only with a value of the default's own type: arrays are never defaults)."""
-    if default is _REQUIRED:
-        return True
-    if default is None:
-        return value is not None
-    return type(value) is not type(default) or value != default
+_Struct = msgspec.Struct
 
 
 def _wire_buffer(arr: np.ndarray) -> tuple[np.ndarray, str]:
@@ -475,7 +447,7 @@ except ImportError:  # built without a C compiler: everything runs above
 if _built is not None:
     assert VERSION == 1, "codec_c.c reads and writes version 1"
     _built.configure(REQUEST, REPLY, Message, np.frombuffer, _LOADED_DTYPES, np.ndarray, msgpack.ExtType, _extract,
-                     _wire_buffer)
+                     _wire_buffer, _Struct, struct_layout, REQUIRED)
 _fast = _built  # what encode and decode try first: the module, or None when not built or turned off
 
 

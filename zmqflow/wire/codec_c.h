@@ -1,0 +1,32 @@
+/* What the compiled codec's files share: the kinds, classes and hooks configure() set, and the
+   two entry points. See codec_c.c. */
+
+#ifndef ZMQFLOW_CODEC_C_H
+#define ZMQFLOW_CODEC_C_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__GNUC__)
+#define ZFC_HIDDEN __attribute__((visibility("hidden")))
+#else
+#define ZFC_HIDDEN
+#endif
+
+#define MAX_DEPTH 32     /* deeper nests go to the Python codec (which enforces Limits.max_depth) */
+#define MAX_REFS 64      /* tensor references per message handled here */
+#define MAX_NDIM 32
+#define MAX_NAME 128
+
+/* set once by configure(): see codec_c.c */
+extern ZFC_HIDDEN PyObject *K_REQ, *K_REP, *MESSAGE, *FROMBUFFER, *DTYPES, *NDARRAY, *EXTTYPE, *EXTRACT, *WIRE_BUFFER;
+extern ZFC_HIDDEN PyObject *STRUCT, *LAYOUT, *REQUIRED, *LAYOUTS;
+extern ZFC_HIDDEN PyObject *EMPTY, *S_ITEMSIZE, *S_RESHAPE, *S_SHAPE;
+
+ZFC_HIDDEN PyObject *codec_encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs);  /* codec_write.c */
+ZFC_HIDDEN PyObject *codec_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs);  /* codec_read.c */
+
+#endif

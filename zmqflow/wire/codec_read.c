@@ -1,0 +1,408 @@
+/* The compiled codec's reader: a request or reply read and checked as the Python codec checks it,
+   or None for anything it does not take. See codec_c.c. */
+
+#include "codec_c.h"
+
+static PyObject *LIMITS;  /* the Limits last read, and its values */
+static Py_ssize_t L_HEADER, L_FRAMES, L_CONTAINER, L_DEPTH;
+static long long L_FRAME_BYTES, L_MESSAGE_BYTES;
+
+typedef struct {
+    PyObject *box;  /* the list or dict that holds the reference (NULL: the body itself) */
+    PyObject *key;  /* its key in a dict (borrowed: the dict holds it) */
+    Py_ssize_t at;  /* its index in a list */
+    uint32_t index; /* the tensor it names */
+} Ref;
+
+typedef struct {
+    const unsigned char *p, *end;
+    Py_ssize_t cap;
+    int max_depth;
+    int nrefs;
+    Ref refs[MAX_REFS];
+} R;
+
+#define NEED(r, n) ((r)->end - (r)->p >= (Py_ssize_t)(n))
+
+static uint64_t be(const unsigned char *p, int n) {
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+static PyObject *r_obj(R *r, int depth, Ref *ref);
+
+/* a length of ``n`` bytes (n = 0: ``fix``), or -1 */
+static Py_ssize_t r_len(R *r, int n, Py_ssize_t fix) {
+    if (n == 0)
+        return fix;
+    if (!NEED(r, n))
+        return -1;
+    Py_ssize_t len = (Py_ssize_t)be(r->p, n);
+    r->p += n;
+    return len;
+}
+
+static PyObject *r_bytes(R *r, Py_ssize_t n, int str) {
+    if (n < 0 || !NEED(r, n))
+        return NULL;
+    const char *s = (const char *)r->p;
+    r->p += n;
+    return str ? PyUnicode_DecodeUTF8(s, n, "strict") : PyBytes_FromStringAndSize(s, n);
+}
+
+static PyObject *r_list(R *r, Py_ssize_t n, int depth) {
+    if (n < 0 || n > r->cap || depth > r->max_depth || !NEED(r, n))  /* each item takes a byte at least */
+        return NULL;
+    PyObject *list = PyList_New(n);
+    if (list == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Ref ref = {.box = NULL};
+        PyObject *v = r_obj(r, depth + 1, &ref);
+        if (v == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, v);
+        if (ref.box == Py_None) {  /* a tensor reference: patched once the table is read */
+            ref.box = list;
+            ref.at = i;
+            r->refs[r->nrefs - 1] = ref;
+        }
+    }
+    return list;
+}
+
+static PyObject *r_map(R *r, Py_ssize_t n, int depth) {
+    if (n < 0 || n > r->cap || depth > r->max_depth || !NEED(r, 2 * n))
+        return NULL;
+    PyObject *d = PyDict_New();
+    if (d == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Ref ref = {.box = NULL};
+        PyObject *k = r_obj(r, depth + 1, NULL);
+        if (k == NULL || (!PyUnicode_CheckExact(k) && !PyBytes_CheckExact(k))) {  /* strict_map_key */
+            Py_XDECREF(k);
+            Py_DECREF(d);
+            return NULL;
+        }
+        PyObject *v = r_obj(r, depth + 1, &ref);
+        int bad = v == NULL || PyDict_SetItem(d, k, v) || PyDict_GET_SIZE(d) != i + 1;  /* a repeated key */
+        Py_DECREF(k);
+        Py_XDECREF(v);
+        if (bad) {
+            Py_DECREF(d);
+            return NULL;
+        }
+        if (ref.box == Py_None) {
+            ref.box = d;
+            ref.key = k;  /* the dict holds it */
+            r->refs[r->nrefs - 1] = ref;
+        }
+    }
+    return d;
+}
+
+/* one value; a tensor reference (where ``ref`` is given) reads as None with ref->box = Py_None */
+static PyObject *r_obj(R *r, int depth, Ref *ref) {
+    if (!NEED(r, 1))
+        return NULL;
+    unsigned char c = *r->p++;
+    if (c <= 0x7f)
+        return PyLong_FromLong(c);
+    if (c >= 0xe0)
+        return PyLong_FromLong((signed char)c);
+    if ((c & 0xe0) == 0xa0)
+        return r_bytes(r, c & 0x1f, 1);
+    if ((c & 0xf0) == 0x90)
+        return r_list(r, c & 0x0f, depth);
+    if ((c & 0xf0) == 0x80)
+        return r_map(r, c & 0x0f, depth);
+    static const int width[4] = {1, 2, 4, 8};
+    switch (c) {
+    case 0xc0:
+        Py_RETURN_NONE;
+    case 0xc2:
+        Py_RETURN_FALSE;
+    case 0xc3:
+        Py_RETURN_TRUE;
+    case 0xc4: case 0xc5: case 0xc6:
+        return r_bytes(r, r_len(r, width[c - 0xc4], 0), 0);
+    case 0xd9: case 0xda: case 0xdb:
+        return r_bytes(r, r_len(r, width[c - 0xd9], 0), 1);
+    case 0xdc: case 0xdd:
+        return r_list(r, r_len(r, c == 0xdc ? 2 : 4, 0), depth);
+    case 0xde: case 0xdf:
+        return r_map(r, r_len(r, c == 0xde ? 2 : 4, 0), depth);
+    case 0xca: case 0xcb: {
+        int n = c == 0xca ? 4 : 8;
+        if (!NEED(r, n))
+            return NULL;
+        uint64_t bits = be(r->p, n);
+        r->p += n;
+        if (n == 4) {
+            uint32_t b32 = (uint32_t)bits;
+            float f;
+            memcpy(&f, &b32, 4);
+            return PyFloat_FromDouble((double)f);
+        }
+        double d;
+        memcpy(&d, &bits, 8);
+        return PyFloat_FromDouble(d);
+    }
+    case 0xcc: case 0xcd: case 0xce: case 0xcf: {
+        int n = width[c - 0xcc];
+        if (!NEED(r, n))
+            return NULL;
+        uint64_t v = be(r->p, n);
+        r->p += n;
+        return PyLong_FromUnsignedLongLong(v);
+    }
+    case 0xd0: case 0xd1: case 0xd2: case 0xd3: {
+        int n = width[c - 0xd0];
+        if (!NEED(r, n))
+            return NULL;
+        uint64_t v = be(r->p, n);
+        r->p += n;
+        int shift = 64 - 8 * n;  /* sign-extend from n bytes */
+        return PyLong_FromLongLong((long long)(v << shift) >> shift);
+    }
+    case 0xd6:  /* fixext 4: type 1 is a tensor reference, allowed only in the body */
+        if (ref == NULL || !NEED(r, 5) || r->p[0] != 1 || r->nrefs == MAX_REFS)
+            return NULL;
+        ref->box = Py_None;
+        ref->index = (uint32_t)be(r->p + 1, 4);
+        r->refs[r->nrefs++] = *ref;
+        r->p += 5;
+        Py_RETURN_NONE;
+    default:
+        return NULL;  /* other extensions, and 0xc1 */
+    }
+}
+
+static int limits_of(PyObject *limits) {
+    if (limits == LIMITS)
+        return 0;
+    static const char *names[6] = {"max_header_bytes", "max_frames", "max_container_len", "max_depth",
+                                   "max_frame_bytes", "max_message_bytes"};
+    long long v[6];
+    for (int i = 0; i < 6; i++) {
+        PyObject *x = PyObject_GetAttrString(limits, names[i]);
+        v[i] = x == NULL ? -1 : PyLong_AsLongLong(x);
+        Py_XDECREF(x);
+        if (v[i] == -1 && PyErr_Occurred())
+            return -1;
+    }
+    Py_INCREF(limits);
+    Py_XSETREF(LIMITS, limits);
+    L_HEADER = (Py_ssize_t)v[0];
+    L_FRAMES = (Py_ssize_t)v[1];
+    L_CONTAINER = (Py_ssize_t)v[2];
+    L_DEPTH = (Py_ssize_t)v[3];
+    L_FRAME_BYTES = v[4];
+    L_MESSAGE_BYTES = v[5];
+    return 0;
+}
+
+enum { F_V, F_K, F_ID, F_SVC, F_OP, F_DL, F_SRC, F_A, F_T, NFIELDS };
+static const char *FIELDS[NFIELDS] = {"v", "k", "id", "svc", "op", "dl", "src", "a", "t"};
+
+/* the header's known fields into ``got`` (new references), or -1 (unknown or repeated, malformed) */
+static int r_head(R *r, PyObject **got) {
+    if (!NEED(r, 1))
+        return -1;
+    unsigned char c = *r->p++;
+    Py_ssize_t n = (c & 0xf0) == 0x80 ? (c & 0x0f) : c == 0xde ? r_len(r, 2, 0) : c == 0xdf ? r_len(r, 4, 0) : -1;
+    if (n < 0 || n > NFIELDS || n > r->cap)
+        return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!NEED(r, 1) || (r->p[0] & 0xe0) != 0xa0)
+            return -1;
+        size_t len = r->p[0] & 0x1f;
+        if (!NEED(r, 1 + len))
+            return -1;
+        int f = 0;
+        while (f < NFIELDS && !(strlen(FIELDS[f]) == len && memcmp(FIELDS[f], r->p + 1, len) == 0))
+            f++;
+        if (f == NFIELDS || got[f] != NULL)
+            return -1;
+        r->p += 1 + len;
+        Ref ref = {.box = NULL};
+        got[f] = r_obj(r, 2, f == F_A ? &ref : NULL);
+        if (got[f] == NULL)
+            return -1;
+        if (ref.box == Py_None)  /* the body is a tensor itself */
+            r->refs[r->nrefs - 1].box = NULL;
+    }
+    return r->p == r->end ? 0 : -1;
+}
+
+static int short_str(PyObject *s, Py_ssize_t min) {
+    return s != NULL && PyUnicode_CheckExact(s) && PyUnicode_GET_LENGTH(s) >= min && PyUnicode_GET_LENGTH(s) <= MAX_NAME;
+}
+
+/* the arrays the table describes, checked as the Python codec checks them, or NULL */
+static PyObject *r_tensors(PyObject *table, PyObject *frames, Py_ssize_t nframes) {
+    if (table == NULL)
+        return nframes == 1 ? PyList_New(0) : NULL;
+    if (!PyList_CheckExact(table) || PyList_GET_SIZE(table) != nframes - 1)
+        return NULL;
+    PyObject *arrays = PyList_New(nframes - 1);
+    char seen[MAX_REFS + 1] = {0};
+    long long total = 0;
+    if (arrays == NULL || nframes - 1 > MAX_REFS) {
+        Py_XDECREF(arrays);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < nframes - 1; i++) {
+        PyObject *e = PyList_GET_ITEM(table, i);
+        if (!PyList_CheckExact(e) || PyList_GET_SIZE(e) != 3)
+            goto fail;
+        PyObject *name = PyList_GET_ITEM(e, 0), *shape = PyList_GET_ITEM(e, 1), *at = PyList_GET_ITEM(e, 2);
+        PyObject *dtype = PyUnicode_CheckExact(name) ? PyDict_GetItemWithError(DTYPES, name) : NULL;
+        if (dtype == NULL || !PyList_CheckExact(shape) || PyList_GET_SIZE(shape) > MAX_NDIM || !PyLong_CheckExact(at))
+            goto fail;
+        long index = PyLong_AsLong(at);
+        if (index < 1 || index >= nframes || seen[index])
+            goto fail;
+        seen[index] = 1;
+        PyObject *itemsize = PyObject_GetAttr(dtype, S_ITEMSIZE);
+        long long expected = itemsize == NULL ? -1 : PyLong_AsLongLong(itemsize);
+        Py_XDECREF(itemsize);
+        if (expected < 0)
+            goto fail;
+        for (Py_ssize_t d = 0; d < PyList_GET_SIZE(shape); d++) {
+            PyObject *dim = PyList_GET_ITEM(shape, d);
+            long long v = PyLong_CheckExact(dim) ? PyLong_AsLongLong(dim) : -1;
+            if (v < 0 || __builtin_mul_overflow(expected, v, &expected))
+                goto fail;
+        }
+        PyObject *frame = PyList_GET_ITEM(frames, index);
+        Py_buffer view;
+        if (PyObject_GetBuffer(frame, &view, PyBUF_SIMPLE))
+            goto fail;
+        long long nbytes = view.len;
+        PyBuffer_Release(&view);
+        total += nbytes;
+        if (nbytes > L_FRAME_BYTES || total > L_MESSAGE_BYTES || nbytes != expected)
+            goto fail;
+        PyObject *mv = PyMemoryView_FromObject(frame);
+        PyObject *arr = mv == NULL ? NULL : PyObject_CallFunctionObjArgs(FROMBUFFER, mv, dtype, NULL);
+        Py_XDECREF(mv);
+        if (arr != NULL && PyList_GET_SIZE(shape) != 1)
+            Py_SETREF(arr, PyObject_CallMethodOneArg(arr, S_RESHAPE, shape));
+        if (arr == NULL)
+            goto fail;
+        PyList_SET_ITEM(arrays, i, arr);
+    }
+    return arrays;
+fail:
+    Py_DECREF(arrays);
+    return NULL;
+}
+
+/* every reference replaced by its array; each array referenced at least once */
+static int resolve(R *r, PyObject *arrays, PyObject **body) {
+    Py_ssize_t n = PyList_GET_SIZE(arrays);
+    char used[MAX_REFS] = {0};
+    for (int i = 0; i < r->nrefs; i++) {
+        Ref *ref = &r->refs[i];
+        if (ref->index >= n)
+            return -1;
+        used[ref->index] = 1;
+        PyObject *arr = PyList_GET_ITEM(arrays, ref->index);
+        if (ref->box == NULL) {
+            Py_INCREF(arr);
+            Py_SETREF(*body, arr);
+        } else if (PyList_CheckExact(ref->box)) {
+            Py_INCREF(arr);
+            PyList_SetItem(ref->box, ref->at, arr);
+        } else if (PyDict_SetItem(ref->box, ref->key, arr)) {
+            return -1;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!used[i])
+            return -1;
+    return 0;
+}
+
+PyObject *codec_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "decode takes 2 arguments");
+        return NULL;
+    }
+    if (!PyList_CheckExact(args[0]))
+        Py_RETURN_NONE;
+    PyObject *frames = args[0];
+    Py_ssize_t nframes = PyList_GET_SIZE(frames);
+    if (limits_of(args[1]))
+        return NULL;
+    if (nframes < 1 || nframes > L_FRAMES)
+        Py_RETURN_NONE;
+    Py_buffer hv;
+    if (PyObject_GetBuffer(PyList_GET_ITEM(frames, 0), &hv, PyBUF_SIMPLE)) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *got[NFIELDS] = {NULL};
+    PyObject *arrays = NULL, *out = NULL;
+    R r = {.p = hv.buf, .end = (const unsigned char *)hv.buf + hv.len, .cap = L_CONTAINER, .nrefs = 0};
+    r.max_depth = L_DEPTH < MAX_DEPTH ? (int)L_DEPTH : MAX_DEPTH;
+    if (hv.len > L_HEADER || r_head(&r, got))
+        goto done;
+    PyObject *v = got[F_V], *k = got[F_K], *id = got[F_ID], *dl = got[F_DL], *src = got[F_SRC];
+    if (v == NULL || !PyLong_CheckExact(v) || PyLong_AsLong(v) != 1 || k == NULL || !PyUnicode_CheckExact(k) ||
+        id == NULL || !PyLong_CheckExact(id) || (PyLong_AsUnsignedLongLong(id) == (unsigned long long)-1 && PyErr_Occurred()))
+        goto done;
+    int request = PyUnicode_Compare(k, K_REQ) == 0;
+    if (!request && PyUnicode_Compare(k, K_REP) != 0)
+        goto done;  /* an error, or not a kind at all */
+    if (src != NULL && !short_str(src, 0))
+        goto done;
+    if (request) {
+        if (!short_str(got[F_SVC], 1) || !short_str(got[F_OP], 1))
+            goto done;
+        if (dl != NULL && dl != Py_None) {
+            double d = PyFloat_CheckExact(dl) ? PyFloat_AS_DOUBLE(dl) : PyLong_CheckExact(dl) ? PyLong_AsDouble(dl) : -1.0;
+            if (d == -1.0 && PyErr_Occurred())
+                goto done;
+            if (!(d > 0.0 && d < INFINITY))
+                goto done;
+            Py_SETREF(got[F_DL], PyFloat_FromDouble(d));
+            if (got[F_DL] == NULL)
+                goto done;
+        }
+    } else if (got[F_SVC] != NULL || got[F_OP] != NULL || dl != NULL) {
+        goto done;
+    }
+    arrays = r_tensors(got[F_T], frames, nframes);
+    if (arrays == NULL)
+        goto done;
+    PyObject *body = got[F_A] != NULL ? got[F_A] : Py_None;
+    Py_INCREF(body);
+    if (resolve(&r, arrays, &body)) {
+        Py_DECREF(body);
+        goto done;
+    }
+    PyObject *none = Py_None;
+    PyObject *dlv = request && got[F_DL] != NULL ? got[F_DL] : none;
+    out = PyObject_CallFunctionObjArgs(MESSAGE, request ? K_REQ : K_REP, id, request ? got[F_SVC] : EMPTY,
+                                       request ? got[F_OP] : EMPTY, body, dlv, src != NULL ? src : EMPTY, NULL);
+    Py_DECREF(body);
+done:
+    PyBuffer_Release(&hv);
+    for (int i = 0; i < NFIELDS; i++)
+        Py_XDECREF(got[i]);
+    Py_XDECREF(arrays);
+    if (out == NULL) {
+        if (PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_MemoryError))
+            return NULL;
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    return out;
+}
