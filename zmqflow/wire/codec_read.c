@@ -33,15 +33,21 @@ static uint64_t be(const unsigned char *p, int n) {
 
 static PyObject *r_obj(R *r, int depth, Ref *ref);
 
-/* a length of ``n`` bytes (n = 0: ``fix``), or -1 */
-static Py_ssize_t r_len(R *r, int n, Py_ssize_t fix) {
-    if (n == 0)
-        return fix;
+/* the next ``n`` bytes as a big-endian number; -1 when fewer are left */
+static int r_be(R *r, int n, uint64_t *v) {
     if (!NEED(r, n))
         return -1;
-    Py_ssize_t len = (Py_ssize_t)be(r->p, n);
+    *v = be(r->p, n);
     r->p += n;
-    return len;
+    return 0;
+}
+
+/* a length of ``n`` bytes (n = 0: ``fix``), or -1 */
+static Py_ssize_t r_len(R *r, int n, Py_ssize_t fix) {
+    uint64_t len;
+    if (n == 0)
+        return fix;
+    return r_be(r, n, &len) ? -1 : (Py_ssize_t)len;
 }
 
 static PyObject *r_bytes(R *r, Py_ssize_t n, int str) {
@@ -139,10 +145,9 @@ static PyObject *r_obj(R *r, int depth, Ref *ref) {
         return r_map(r, r_len(r, c == 0xde ? 2 : 4, 0), depth);
     case 0xca: case 0xcb: {
         int n = c == 0xca ? 4 : 8;
-        if (!NEED(r, n))
+        uint64_t bits;
+        if (r_be(r, n, &bits))
             return NULL;
-        uint64_t bits = be(r->p, n);
-        r->p += n;
         if (n == 4) {
             uint32_t b32 = (uint32_t)bits;
             float f;
@@ -153,20 +158,14 @@ static PyObject *r_obj(R *r, int depth, Ref *ref) {
         memcpy(&d, &bits, 8);
         return PyFloat_FromDouble(d);
     }
-    case 0xcc: case 0xcd: case 0xce: case 0xcf: {
-        int n = width[c - 0xcc];
-        if (!NEED(r, n))
-            return NULL;
-        uint64_t v = be(r->p, n);
-        r->p += n;
-        return PyLong_FromUnsignedLongLong(v);
-    }
+    case 0xcc: case 0xcd: case 0xce: case 0xcf:
     case 0xd0: case 0xd1: case 0xd2: case 0xd3: {
-        int n = width[c - 0xd0];
-        if (!NEED(r, n))
+        int n = width[(c - 0xcc) & 3];
+        uint64_t v;
+        if (r_be(r, n, &v))
             return NULL;
-        uint64_t v = be(r->p, n);
-        r->p += n;
+        if (c <= 0xcf)
+            return PyLong_FromUnsignedLongLong(v);
         int shift = 64 - 8 * n;  /* sign-extend from n bytes */
         return PyLong_FromLongLong((long long)(v << shift) >> shift);
     }
