@@ -444,8 +444,9 @@ try:  # by name: an import graph cannot see into a compiled module and takes it 
     _built: Any = importlib.import_module(".codec_c", __package__)
 except ImportError:  # built without a C compiler: everything runs above
     _built = None
+if VERSION != 1:  # codec_c.c reads and writes version 1 only
+    _built = None
 if _built is not None:
-    assert VERSION == 1, "codec_c.c reads and writes version 1"
     _built.configure(REQUEST, REPLY, Message, np.frombuffer, _LOADED_DTYPES, np.ndarray, msgpack.ExtType, _extract,
                      _wire_buffer, _Struct, struct_layout, REQUIRED)
 _fast = _built  # what encode and decode try first: the module, or None when not built or turned off

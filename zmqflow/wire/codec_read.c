@@ -3,9 +3,14 @@
 
 #include "codec_c.h"
 
+/* a Limits' values, copied for one decode: another thread may decode with other limits
+   whenever this one runs Python code (an array built, the Message made) */
+typedef struct {
+    long long header, frames, container, depth, frame_bytes, message_bytes;
+} Lim;
+
 static PyObject *LIMITS;  /* the Limits last read, and its values */
-static Py_ssize_t L_HEADER, L_FRAMES, L_CONTAINER, L_DEPTH;
-static long long L_FRAME_BYTES, L_MESSAGE_BYTES;
+static Lim CACHED;
 
 typedef struct {
     PyObject *box;  /* the list or dict that holds the reference (NULL: the body itself) */
@@ -182,9 +187,11 @@ static PyObject *r_obj(R *r, int depth, Ref *ref) {
     }
 }
 
-static int limits_of(PyObject *limits) {
-    if (limits == LIMITS)
+static int limits_of(PyObject *limits, Lim *out) {
+    if (limits == LIMITS) {
+        *out = CACHED;
         return 0;
+    }
     static const char *names[6] = {"max_header_bytes", "max_frames", "max_container_len", "max_depth",
                                    "max_frame_bytes", "max_message_bytes"};
     long long v[6];
@@ -195,14 +202,10 @@ static int limits_of(PyObject *limits) {
         if (v[i] == -1 && PyErr_Occurred())
             return -1;
     }
+    *out = (Lim){v[0], v[1], v[2], v[3], v[4], v[5]};
+    CACHED = *out;  /* the values first: dropping the old Limits may run Python code */
     Py_INCREF(limits);
     Py_XSETREF(LIMITS, limits);
-    L_HEADER = (Py_ssize_t)v[0];
-    L_FRAMES = (Py_ssize_t)v[1];
-    L_CONTAINER = (Py_ssize_t)v[2];
-    L_DEPTH = (Py_ssize_t)v[3];
-    L_FRAME_BYTES = v[4];
-    L_MESSAGE_BYTES = v[5];
     return 0;
 }
 
@@ -244,7 +247,7 @@ static int short_str(PyObject *s, Py_ssize_t min) {
 }
 
 /* the arrays the table describes, checked as the Python codec checks them, or NULL */
-static PyObject *r_tensors(PyObject *table, PyObject *frames, Py_ssize_t nframes) {
+static PyObject *r_tensors(PyObject *table, PyObject *frames, Py_ssize_t nframes, const Lim *lim) {
     if (table == NULL)
         return nframes == 1 ? PyList_New(0) : NULL;
     if (!PyList_CheckExact(table) || PyList_GET_SIZE(table) != nframes - 1)
@@ -286,7 +289,7 @@ static PyObject *r_tensors(PyObject *table, PyObject *frames, Py_ssize_t nframes
         long long nbytes = view.len;
         PyBuffer_Release(&view);
         total += nbytes;
-        if (nbytes > L_FRAME_BYTES || total > L_MESSAGE_BYTES || nbytes != expected)
+        if (nbytes > lim->frame_bytes || total > lim->message_bytes || nbytes != expected)
             goto fail;
         PyObject *mv = PyMemoryView_FromObject(frame);
         PyObject *arr = mv == NULL ? NULL : PyObject_CallFunctionObjArgs(FROMBUFFER, mv, dtype, NULL);
@@ -338,9 +341,10 @@ PyObject *codec_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
         Py_RETURN_NONE;
     PyObject *frames = args[0];
     Py_ssize_t nframes = PyList_GET_SIZE(frames);
-    if (limits_of(args[1]))
+    Lim lim;
+    if (limits_of(args[1], &lim))
         return NULL;
-    if (nframes < 1 || nframes > L_FRAMES)
+    if (nframes < 1 || nframes > lim.frames)
         Py_RETURN_NONE;
     Py_buffer hv;
     if (PyObject_GetBuffer(PyList_GET_ITEM(frames, 0), &hv, PyBUF_SIMPLE)) {
@@ -349,9 +353,10 @@ PyObject *codec_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     }
     PyObject *got[NFIELDS] = {NULL};
     PyObject *arrays = NULL, *out = NULL;
-    R r = {.p = hv.buf, .end = (const unsigned char *)hv.buf + hv.len, .cap = L_CONTAINER, .nrefs = 0};
-    r.max_depth = L_DEPTH < MAX_DEPTH ? (int)L_DEPTH : MAX_DEPTH;
-    if (hv.len > L_HEADER || r_head(&r, got))
+    R r = {.p = hv.buf, .end = (const unsigned char *)hv.buf + hv.len, .nrefs = 0};
+    r.cap = lim.container < PY_SSIZE_T_MAX ? (Py_ssize_t)lim.container : PY_SSIZE_T_MAX;
+    r.max_depth = lim.depth < MAX_DEPTH ? (int)lim.depth : MAX_DEPTH;
+    if (hv.len > lim.header || r_head(&r, got))
         goto done;
     PyObject *v = got[F_V], *k = got[F_K], *id = got[F_ID], *dl = got[F_DL], *src = got[F_SRC];
     if (v == NULL || !PyLong_CheckExact(v) || PyLong_AsLong(v) != 1 || k == NULL || !PyUnicode_CheckExact(k) ||
@@ -378,7 +383,7 @@ PyObject *codec_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     } else if (got[F_SVC] != NULL || got[F_OP] != NULL || dl != NULL) {
         goto done;
     }
-    arrays = r_tensors(got[F_T], frames, nframes);
+    arrays = r_tensors(got[F_T], frames, nframes, &lim);
     if (arrays == NULL)
         goto done;
     PyObject *body = got[F_A] != NULL ? got[F_A] : Py_None;
