@@ -105,7 +105,8 @@ class _EchoThread:
     """A plain ROUTER on its own thread echoing every message but ``noise``: it answers while the
     client's loop is busy elsewhere, which a listener on that same loop cannot."""
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, then: tuple[int, float] = (0, 0.0)):
+        self.then = then  # (copies, seconds): more copies of each echo, each after a pause
         self.sock = context().socket(zmq.ROUTER)
         self.sock.linger = 0
         self.sock.bind(endpoint)
@@ -121,12 +122,44 @@ class _EchoThread:
                     frames = self.sock.recv_multipart()
                     if frames[1] != b"noise":
                         self.sock.send_multipart(frames)
+                        for copy in range(self.then[0]):
+                            time.sleep(self.then[1])
+                            self.sock.send_multipart([frames[0], frames[1] + b"+%d" % copy])
         finally:
             self.sock.close(0)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(10)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("then", [(1, 0.003), (3, 0.0)], ids=["one-later", "burst"])
+def test_messages_after_a_drain_ran_dry_still_arrive(transport, then):
+    """A drain takes one message, then looks at ``EVENTS`` instead of receiving until ``Again``:
+    that look must leave the FD's edge armed for the next message, whether it comes a moment
+    later (the drain found nothing more) or with a burst (the drain goes on to ``Again``)."""
+    copies, _ = then
+    rounds = 20
+    got: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        with tempfile.TemporaryDirectory(prefix="zf-chan-") as tmp:
+            server = _EchoThread(_endpoint(transport, tmp), then)
+            conn = ZmqTransport().connect(server.endpoint, b"client-1", lambda frames: got.put_nowait(frames[0]),
+                                          lambda _s: None, loop=loop, options=DEFAULT_OPTIONS, name="echo")
+            try:
+                await async_wait_until(lambda: conn.state == UP, 10, what="connection up")
+                for i in range(rounds):
+                    assert conn.try_send([str(i).encode()])
+                    want = [str(i).encode()] + [b"%d+%d" % (i, c) for c in range(copies)]
+                    assert [await asyncio.wait_for(got.get(), 5) for _ in want] == want
+            finally:
+                conn.close()
+                server.stop()
+
+    arun(main())
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
