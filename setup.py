@@ -20,6 +20,6 @@ setup(ext_modules=[
               extra_compile_args=_EXACT),
     Extension("zmqflow.state.fold_c", ["zmqflow/state/fold_c.c"], optional=True, depends=_COMMON,
               extra_compile_args=_EXACT),
-    Extension("zmqflow.wire.codec_c", [f"zmqflow/wire/codec_{part}.c" for part in ("c", "write", "read")], optional=True,
+    Extension("zmqflow.wire.codec_c", [f"zmqflow/wire/codec_{part}.c" for part in ("c", "write", "read", "batch")], optional=True,
               depends=["zmqflow/wire/codec_c.h"], extra_compile_args=["-O2"]),
 ])

@@ -1,4 +1,5 @@
-"""The compiled codec (``zmqflow/wire/codec_c.c``) against the Python one it stands in for.
+"""The compiled codec (``zmqflow/wire/codec_c.c``) against the Python one it stands in for, and
+its batch envelope join and split against ``wire/batch.py``'s own loops.
 
 It must write the same bytes for every request and reply, and whenever it reads a message, read
 exactly what the Python codec reads; anything else it hands back (None), and the Python codec
@@ -18,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zmqflow.wire import codec
+from zmqflow.wire.batch import decode_batch, encode_batch
 from zmqflow.wire.codec import DecodeError, Limits, Message, decode, encode
 from zmqflow.wire.message import ERROR, REPLY, REQUEST
 from zmqflow.wire.requests.ps import Assign, Pull, PullItem, RowsItem
@@ -272,3 +274,51 @@ def test_limits_are_never_loosened():
     assert codec._built.decode(big, Limits(max_message_bytes=7)) is None
     assert codec._built.decode(big, Limits(max_frames=1)) is None
     assert codec._built.decode(big, Limits(max_header_bytes=len(big[0]) - 1)) is None
+
+
+# the batch envelope ---------------------------------------------------------------------------
+
+frame_st = st.one_of(st.binary(max_size=40), st.binary(max_size=40).map(lambda b: np.frombuffer(b, np.uint8)),
+                     st.binary(max_size=40).map(memoryview))
+
+
+@FAST
+@given(st.lists(st.lists(frame_st, min_size=1, max_size=4), min_size=1, max_size=6), st.integers(0, (1 << 64) - 1))
+def test_both_paths_join_and_split_envelopes_alike(entries, bid):
+    frames = encode_batch(bid, entries)
+    codec.use_compiled(False)
+    try:
+        assert as_bytes(frames) == as_bytes(encode_batch(bid, entries))
+        slow = decode_batch(as_bytes(frames))
+    finally:
+        codec.use_compiled(True)
+    fast = decode_batch(as_bytes(frames))
+    assert [[bytes(f) for f in e] for e in fast.entries] == [[bytes(f) for f in e] for e in slow.entries] == [
+        [bytes(memoryview(f)) for f in e] for e in entries]
+
+
+SPLIT_HANDED_BACK = {
+    "empty entry": [[]],
+    "length not an int": [[1.0]],
+    "negative length": [[-1]],
+    "too many frames": [[1] * 5],
+    "past the end": [[9]],
+    "bytes left over": [[1]],
+    "not a list": [(1,)],
+}
+
+
+@pytest.mark.parametrize("table", list(SPLIT_HANDED_BACK.values()), ids=list(SPLIT_HANDED_BACK))
+def test_a_table_the_compiled_split_does_not_take_is_refused_by_name(table):
+    data = memoryview(b"12345678\x00\x00")[: 8 if table != [[1]] else 10]
+    assert codec._built.split(table, data, 4) is None
+    header = msgpack.packb({"v": 1, "k": "bat", "id": 3, "n": table}, use_bin_type=True)
+    with pytest.raises(DecodeError, match="batch envelope 3 refused"):
+        decode_batch([header, bytes(data)], Limits(max_frames=4))
+
+
+def test_frames_that_are_not_buffers_are_joined_by_the_python_path():
+    with pytest.raises(TypeError):
+        codec._built.join([[b"ok", 5]])
+    with pytest.raises(TypeError):  # the Python path's own error, as before
+        encode_batch(1, [[b"ok", 5]])

@@ -17,8 +17,7 @@ from typing import Any
 
 import msgpack
 
-from .codec import VERSION, DecodeError, Limits, LimitExceeded
-from .codec import DEFAULT_LIMITS
+from .codec import DEFAULT_LIMITS, VERSION, DecodeError, Limits, LimitExceeded, compiled_module
 from .peek import read_start
 
 __all__ = ["BATCH", "BatchLimits", "Batch", "DEFAULT_BATCH_LIMITS", "encode_batch", "decode_batch", "batch_id"]
@@ -49,6 +48,14 @@ class Batch:
 
 def encode_batch(bid: int, entries: Sequence[Sequence[Any]]) -> list[bytes]:
     """The two frames of an envelope holding ``entries`` (each the frames of one encoded message)."""
+    head = {"v": VERSION, "k": BATCH, "id": bid, "n": None}
+    fast = compiled_module()
+    if fast is not None:
+        try:
+            head["n"], data = fast.join(entries)
+            return [msgpack.packb(head, use_bin_type=True), data]
+        except (TypeError, ValueError, BufferError):  # not a list of buffers: the loop below says what
+            pass
     lengths: list[list[int]] = []
     parts: list[Any] = []
     pos = 0
@@ -63,8 +70,8 @@ def encode_batch(bid: int, entries: Sequence[Sequence[Any]]) -> list[bytes]:
             sizes.append(n)
             pos += pad + n
         lengths.append(sizes)
-    head = msgpack.packb({"v": VERSION, "k": BATCH, "id": bid, "n": lengths}, use_bin_type=True)
-    return [head, b"".join(parts)]
+    head["n"] = lengths
+    return [msgpack.packb(head, use_bin_type=True), b"".join(parts)]
 
 
 def batch_id(header: Any) -> int | None:
@@ -113,6 +120,10 @@ def decode_batch(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS,
     data = memoryview(frames[1])
     if data.nbytes > batch_limits.max_bytes:
         raise bad(f"{data.nbytes} bytes of entries exceed the limit of {batch_limits.max_bytes}", LimitExceeded)
+    fast = compiled_module()
+    split = fast.split(table, data, limits.max_frames) if fast is not None else None
+    if split is not None:  # else malformed (or not compiled): the loop below names the fault
+        return Batch(bid, split)
     entries: list[list[memoryview]] = []
     pos = 0
     end = data.nbytes

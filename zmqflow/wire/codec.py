@@ -44,6 +44,7 @@ __all__ = [
     "encode",
     "decode",
     "compiled",
+    "compiled_module",
     "use_compiled",
 ]
 
@@ -455,6 +456,12 @@ _fast = _built  # what encode and decode try first: the module, or None when not
 def compiled() -> bool:
     """Whether requests and replies take the compiled path."""
     return _fast is not None
+
+
+def compiled_module() -> Any:
+    """The compiled module while the compiled path is on, else None: the batch envelope
+    (:mod:`.batch`) takes its ``join`` and ``split`` from it."""
+    return _fast
 
 
 def use_compiled(on: bool) -> bool:

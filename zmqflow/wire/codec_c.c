@@ -17,6 +17,9 @@
    not yet loaded) goes back to it. The bytes written are the ones msgpack's Packer writes
    (use_bin_type, doubles, smallest integer forms); tests compare both codecs on random bodies.
 
+   join(entries) -> (lengths, data), split(lengths, data, max_frames) -> entries | None
+       the batch envelope's data frame (codec_batch.c; see zmqflow/wire/batch.py).
+
    codec_write.c writes, codec_read.c reads; codec_c.h is what they share. */
 
 #include "codec_c.h"
@@ -47,6 +50,8 @@ static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, "Set the kinds, classes and hooks the fast path uses."},
     {"encode", (PyCFunction)(void (*)(void))codec_encode, METH_FASTCALL, "Frames of a request or reply, or None."},
     {"decode", (PyCFunction)(void (*)(void))codec_decode, METH_FASTCALL, "A request or reply Message, or None."},
+    {"join", codec_join, METH_O, "A batch envelope's lengths and data frame."},
+    {"split", (PyCFunction)(void (*)(void))codec_split, METH_FASTCALL, "A batch envelope's entries, or None."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -28,5 +28,7 @@ extern ZFC_HIDDEN PyObject *EMPTY, *S_ITEMSIZE, *S_RESHAPE, *S_SHAPE;
 
 ZFC_HIDDEN PyObject *codec_encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs);  /* codec_write.c */
 ZFC_HIDDEN PyObject *codec_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs);  /* codec_read.c */
+ZFC_HIDDEN PyObject *codec_join(PyObject *self, PyObject *entries);                         /* codec_batch.c */
+ZFC_HIDDEN PyObject *codec_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 #endif
