@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 import socket
+import threading
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
@@ -21,7 +22,7 @@ from zmqflow.errors import AddressInUse, ConfigError, DeadlineExceeded
 from zmqflow.observe import metrics
 from zmqflow.observe.endpoint import port_from_env, serve_metrics
 from zmqflow.rpc import RpcClient
-from zmqflow.testing import free_port, local_cluster
+from zmqflow.testing import free_port, local_cluster, wait_until
 from zmqflow.wire.requests.ps import Empty
 
 from .conftest import ZMQFLOW, arun
@@ -226,6 +227,42 @@ def test_a_ring_allreduce_records_its_bytes_time_and_busbw():
                 assert value(s, "zmqflow_ring_busbw_bytes_per_second", task=t) > 0
 
     arun(main())
+
+
+def test_a_blocking_allreduce_through_shared_memory_is_counted_too():
+    """The blocking ring's fast path runs on the caller's thread, not the loop: it hands its count
+    to the loop, and the metrics show it beside the loop's own (the first call sets the shared
+    memory up on the loop; the second takes the fast path)."""
+    hub = metrics.MetricsHub()
+    spec = {"worker": [f"127.0.0.1:{free_port()}" for _ in range(2)]}
+    servers = [zf.Server(spec, f"worker:{i}", metrics_hub=hub) for i in range(2)]
+    data = [np.full(1 << 10, i + 1, np.float32) for i in range(2)]
+    got: list[list] = [[], []]
+
+    def rank(i: int) -> None:
+        ring = zf.Ring(servers[i], timeout=20)
+        got[i] = [ring.allreduce(data[i]), ring.async_ring.shm_channel is not None, ring.allreduce(data[i])]
+        ring.barrier()
+
+    try:
+        threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [g[1] for g in got] == [True, True], "the shared-memory path was not set up"
+        assert all(np.all(g[0] == 3) and np.all(g[2] == 3) for g in got)
+
+        def counted() -> bool:
+            s = parse(generate_latest(hub.registry).decode())
+            return all(value(s, "zmqflow_ring_allreduce_seconds_count", task=f"worker:{i}") == 2 for i in range(2))
+
+        wait_until(counted, 10, what="both allreduces counted on both tasks")
+        s = parse(generate_latest(hub.registry).decode())
+        assert value(s, "zmqflow_ring_bytes_total", task="worker:0") == 2 * data[0].nbytes
+    finally:
+        for server in servers:
+            server.stop()
 
 
 def test_straggler_and_eval_recordings_are_exported_with_capped_labels(monkeypatch):

@@ -144,10 +144,15 @@ class AsyncRing:
             fused = await self._reduce_bucket(arrays_in, op, call_meta("allreduce", op, arrays_in), deadline)
             for i, part in zip(bucket, unfuse(fused, arrays_in)):
                 results[i] = write_back(items[i][1], part)
+        self.note_allreduce(sum(a.nbytes for a, _ in items), time.perf_counter() - started)
+        return results[0] if single else results
+
+    def note_allreduce(self, nbytes: int, seconds: float) -> None:
+        """Count a finished allreduce in the task's metrics (bytes, time, bus bandwidth); on the
+        loop thread, which owns them (the blocking ring's fast path hands its count over)."""
         metrics = self.server.metrics
         if metrics is not None and self.size > 1:
-            metrics.ring_allreduce(sum(a.nbytes for a, _ in items), time.perf_counter() - started, self.size)
-        return results[0] if single else results
+            metrics.ring_allreduce(nbytes, seconds, self.size)
 
     async def _reduce_bucket(self, arrays_in: list[Any], op: str, meta: list[Any], deadline: float) -> Any:
         """One bucket's reduced values, flat: through shared memory on one host, in one exchange

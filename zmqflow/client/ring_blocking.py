@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -92,11 +93,21 @@ class Ring:
         shm = self._host(arrays, gpu=True)
         if shm is not None and op in OPS and arrays.nbytes <= self._async.bucket_bytes:  # no hand-off to the loop
             meta = call_meta("allreduce", op, [arrays])
+            started = time.perf_counter()
             if is_cupy(arrays):  # one copy down to pinned memory, reduced there in place, one copy up
                 staged = self._async.run_on_host(shm, to_host([arrays]), op, meta, timeout, in_place=True)
-                return to_device(staged).reshape(arrays.shape)
-            return self._async.run_on_host(shm, arrays.reshape(-1), op, meta, timeout).reshape(arrays.shape)
+                out = to_device(staged).reshape(arrays.shape)
+            else:
+                out = self._async.run_on_host(shm, arrays.reshape(-1), op, meta, timeout).reshape(arrays.shape)
+            self._noted(arrays.nbytes, started)
+            return out
         return self._call(self._async.allreduce(arrays, op, timeout=timeout), timeout)
+
+    def _noted(self, nbytes: int, started: float) -> None:
+        """Count an allreduce of the fast path in the task's metrics, as the loop counts its own:
+        the count goes to the loop thread, which owns the metrics (no waiting for it here)."""
+        self._server.loop_thread.loop.call_soon_threadsafe(self._async.note_allreduce, nbytes,
+                                                           time.perf_counter() - started)
 
     def _allreduce_list(self, arrays: Sequence[Any], op: str, timeout: float | None) -> list[Any]:
         """A list of numpy arrays of one dtype that fits one bucket goes through shared memory from
@@ -105,7 +116,9 @@ class Ring:
         if (shm is None or op not in OPS or any(type(a) is not np.ndarray or a.dtype != arrays[0].dtype for a in arrays)
                 or sum(a.nbytes for a in arrays) > self._async.bucket_bytes):
             return self._call(self._async.allreduce(list(arrays), op, timeout=timeout), timeout)
+        started = time.perf_counter()
         fused = self._async.run_on_host(shm, Joined(arrays), op, call_meta("allreduce", op, list(arrays)), timeout)
+        self._noted(sum(a.nbytes for a in arrays), started)
         return unfuse(fused, arrays)
 
     def allgather(self, array: Any, *, timeout: float | None = None) -> Any:
