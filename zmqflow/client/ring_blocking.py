@@ -113,12 +113,13 @@ class Ring:
         """A list of numpy arrays of one dtype that fits one bucket goes through shared memory from
         this thread, its pieces copied straight out of the arrays; any other list is bucketed on the loop."""
         shm = self._host(arrays[0]) if arrays else None
+        nbytes = sum(a.nbytes for a in arrays)
         if (shm is None or op not in OPS or any(type(a) is not np.ndarray or a.dtype != arrays[0].dtype for a in arrays)
-                or sum(a.nbytes for a in arrays) > self._async.bucket_bytes):
+                or nbytes > self._async.bucket_bytes):
             return self._call(self._async.allreduce(list(arrays), op, timeout=timeout), timeout)
         started = time.perf_counter()
         fused = self._async.run_on_host(shm, Joined(arrays), op, call_meta("allreduce", op, list(arrays)), timeout)
-        self._noted(sum(a.nbytes for a in arrays), started)
+        self._noted(nbytes, started)
         return unfuse(fused, arrays)
 
     def allgather(self, array: Any, *, timeout: float | None = None) -> Any:

@@ -5,9 +5,10 @@ has commands for the socket (usually: a message arrived). Receiving is ``recv(NO
 away: a receive that finds nothing processes libzmq's pending commands itself, so no ``EVENTS``
 query (a ``poll`` syscall each) is asked per message. A wake-up takes one message and leaves one
 deferred ``EVENTS`` look for later in the same loop pass; only when that look finds more input do
-we drain: one message, a look, and past that until ``Again``. The ZeroMQ FD is edge-triggered and a send may swallow its edge, so that
-same deferred look also covers every send made outside a drain (one look per loop pass, however
-many messages were sent); sends made inside a drain are covered by the drain's own next receive.
+we drain: one message, a look, and past that until ``Again``. The ZeroMQ FD is edge-triggered and
+a send may swallow its edge, so that same deferred look also covers every send made outside a
+drain (one look per loop pass, however many messages were sent); sends made inside a drain are
+covered by the drain's own next look or receive.
 """
 
 from __future__ import annotations

@@ -18,7 +18,10 @@ _defaults: dict[type, dict[str, Any] | None] = {}
 
 
 def _defaults_of(cls: type) -> dict[str, Any] | None:
-    """None for an array-like struct (sent as a list); else its fields' defaults, left off the wire."""
+    """None for an array-like struct (sent as a list); else its fields' defaults, left off the
+    wire. Worked out once per struct type."""
+    if cls in _defaults:
+        return _defaults[cls]
     found = None
     if not cls.__struct_config__.array_like:
         found = {}
@@ -45,7 +48,7 @@ def sent_fields(obj: msgspec.Struct) -> list[Any] | dict[str, Any]:
     """``obj``'s fields as they go on the wire (values not yet encoded): a list for an item, else
     a map of the fields that differ from their defaults."""
     cls = type(obj)
-    found = _defaults[cls] if cls in _defaults else _defaults_of(cls)
+    found = _defaults_of(cls)
     values = _astuple(obj)
     if found is None:
         return list(values)
@@ -57,7 +60,7 @@ def sent_fields(obj: msgspec.Struct) -> list[Any] | dict[str, Any]:
 def layout(cls: type) -> tuple[bool, tuple[str, ...], tuple[Any, ...]]:
     """What the compiled writer needs to apply the same rules: whether the struct goes as a list,
     its fields, and each one's default (``REQUIRED`` where it has none)."""
-    found = _defaults[cls] if cls in _defaults else _defaults_of(cls)
+    found = _defaults_of(cls)
     names = tuple(cls.__struct_fields__)
     if found is None:
         return True, names, (REQUIRED,) * len(names)
