@@ -14,6 +14,7 @@ covered by the drain's own next look or receive.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from . import sockops
 from .base import SendFailed
 
 __all__ = ["Channel", "AuthChannel"]
@@ -35,6 +37,7 @@ _SNDMORE_NB = int(zmq.SNDMORE) | _NOBLOCK
 # arithmetic, per-part checks); this is the same call without it.
 _send = getattr(zmq.backend.Socket, "send", zmq.Socket.send)
 _Frame = zmq.Frame
+_Msg = sockops.MSG or zmq.Frame  # a received frame's type through the C calls (sockops)
 _ndarray = np.ndarray
 
 
@@ -42,8 +45,9 @@ _RETRY_FIRST_S = 0.0005
 _RETRY_MAX_S = 0.02
 
 
-def received_frame(buf: Any) -> zmq.Frame | None:
-    """The received ``zmq.Frame`` that ``buf`` (an array or memoryview) covers exactly, else None.
+def received_frame(buf: Any) -> Any:
+    """The received frame (``zmq.Frame``, or ``sockops.MSG`` from the C calls) that ``buf`` (an
+    array or memoryview) covers exactly, else None.
 
     Sending that Frame shares libzmq's message (a reference count) where sending the array would
     pin it through pyzmq's zero-copy machinery, whose release wakes pyzmq's garbage-collector
@@ -59,7 +63,7 @@ def received_frame(buf: Any) -> zmq.Frame | None:
         if not base.c_contiguous:
             return None
         base = base.obj
-    if base.__class__ is not _Frame:
+    if base.__class__ is not _Frame and base.__class__ is not _Msg:
         return None
     return base if buf.nbytes == len(base) else None
 
@@ -75,7 +79,11 @@ class Channel:
         *,
         name: str = "",
         copied: int = 1,
+        local: bool = True,
     ):
+        """``copied``: the leading parts of each message received as bytes (routing id, header).
+        ``local``: the socket's peers may be in this process (inproc), so their zero-copy buffers
+        may be freed in our calls (see ``zsock_c.c``); False only where every peer is elsewhere."""
         self.sock = sock
         self._threshold = sock.copy_threshold
         self._copied = copied
@@ -83,6 +91,19 @@ class Channel:
         self._on_frames = on_frames
         self._loop = loop
         self._fd = sock.getsockopt(zmq.FD)
+        # libzmq called from C on this socket's handle where it can be (sockops), else pyzmq's calls
+        ops = sockops.ops()
+        if ops is not None:
+            handle = sock.underlying
+            self._events: Callable[[], int] = functools.partial(ops.events, handle, local)
+            self._csend: Callable[[Sequence[Any]], int] | None = functools.partial(ops.send, handle, self._threshold, local)
+            self._take: Callable[[], list[Any] | None] = (
+                functools.partial(ops.recv, handle, copied, local) if type(self)._recv is Channel._recv
+                else self._recv_or_none)
+        else:
+            self._events = functools.partial(sock.getsockopt, _EVENTS)
+            self._csend = None
+            self._take = self._recv_or_none
         self._closed = False
         self._drain_pending = False
         self._check_pending = False
@@ -120,9 +141,7 @@ class Channel:
         if self._closed:
             return
         try:
-            frames = self._recv(self.sock)
-        except zmq.Again:  # commands only (room to send again, a peer's pipe): nothing to read
-            frames = None
+            frames = self._take()  # None: commands only (room to send again, a peer's pipe), nothing to read
         except zmq.ZMQError as exc:
             if not self._closed:
                 log.warning("%s: receive failed: %s", self.name, exc)
@@ -136,8 +155,10 @@ class Channel:
         if self._closed:
             return False
         try:
-            events = self.sock.getsockopt(_EVENTS)
+            events = self._events()
         except zmq.ZMQError:
+            return False
+        if events < 0:  # the C call's -errno
             return False
         if events & _POLLOUT:
             self._writable.set()
@@ -155,27 +176,33 @@ class Channel:
         socket raises costs more than the look (pyzmq builds an exception). A burst is then
         received until ``Again`` (cheap while messages are queued: no syscall)."""
         self._drain_pending = False
-        sock = self.sock
-        recv = self._recv
+        take = self._take
         for n in range(_MAX_BATCH):
             if self._closed:
                 return
             if n == 1 and not self._look():  # nothing more: the look processed libzmq's commands (the
                 return  # FD's edge is armed again, our sends' edges covered) and noted room to send
             try:
-                frames = recv(sock)
-            except zmq.Again:  # that receive processed libzmq's commands: the FD's edge is armed again
-                break
+                frames = take()
             except zmq.ZMQError as exc:
                 if not self._closed:
                     log.warning("%s: receive failed: %s", self.name, exc)
                 return
+            if frames is None:  # that receive processed libzmq's commands: the FD's edge is armed again
+                break
             self._deliver(frames)
         else:
             self._schedule_drain()  # more may be waiting: let other callbacks run first
             return
         if not self._writable.is_set():  # a sender waits: the commands just processed may have made room
             self._schedule_check()
+
+    def _recv_or_none(self) -> list[Any] | None:
+        """pyzmq's receive of one message (:meth:`_recv`), None when none is waiting."""
+        try:
+            return self._recv(self.sock)
+        except zmq.Again:
+            return None
 
     def _recv(self, sock: zmq.Socket) -> list[Any]:
         """One multipart message: the leading ``copied`` frames (identity, header) as bytes, the
@@ -203,23 +230,15 @@ class Channel:
         when it never can be (EHOSTUNREACH from a ROUTER_MANDATORY router, a closed channel)."""
         if self._closed:
             raise SendFailed(f"{self.name}: channel is closed")
-        sock = self.sock
-        last = len(frames) - 1
-        threshold = self._threshold
+        csend = self._csend
         try:  # only the first part can be refused (HWM, unroutable): a message is queued whole or not at all
-            # copy small frames (cheaper than pinning them; bytes have no nbytes), send big buffers zero-copy
-            f = frames[0]
-            _send(sock, f, _SNDMORE_NB if last else _NOBLOCK, getattr(f, "nbytes", 0) < threshold)
-            for i in range(1, last + 1):
-                f = frames[i]
-                if getattr(f, "nbytes", 0) < threshold:
-                    _send(sock, f, _SNDMORE_NB if i < last else _NOBLOCK, True)
-                else:
-                    _send(sock, received_frame(f) or f, _SNDMORE_NB if i < last else _NOBLOCK, False)
+            done = 0 if csend is None else csend(frames)
+            if done < 0:  # the C call's EAGAIN on the first part: nothing went
+                return self._refused()
+            if done < len(frames):  # what the C call left (or everything): pyzmq's calls
+                self._send_from(frames, done)
         except zmq.Again:
-            self._writable.clear()
-            self._poll_events()
-            return False
+            return self._refused()
         except zmq.ZMQError as exc:  # costs nothing unless raised
             raise SendFailed(f"{self.name}: {exc}") from exc
         # A send may swallow the FD's edge for input that arrived meanwhile: look at EVENTS once
@@ -228,6 +247,25 @@ class Channel:
         if not self._draining:
             self._schedule_check()
         return True
+
+    def _refused(self) -> bool:
+        self._writable.clear()
+        self._poll_events()
+        return False
+
+    def _send_from(self, frames: Sequence[Any], first: int) -> None:
+        """Send ``frames[first:]`` with pyzmq: small frames copied (cheaper than pinning them; bytes
+        have no nbytes), big buffers zero-copy (a received Frame shared, see :func:`received_frame`)."""
+        sock = self.sock
+        last = len(frames) - 1
+        threshold = self._threshold
+        for i in range(first, last + 1):
+            f = frames[i]
+            flags = _SNDMORE_NB if i < last else _NOBLOCK
+            if getattr(f, "nbytes", 0) < threshold:
+                _send(sock, f, flags, True)
+            else:
+                _send(sock, received_frame(f) or f, flags, False)
 
     async def send(self, frames: Sequence[Any], deadline: float) -> bool:
         """Send, waiting (without blocking the loop) until ``deadline`` (loop time) at most."""
@@ -261,9 +299,9 @@ class AuthChannel(Channel):
     the sender cannot forge). Only keyed routers pay for the extra Frame."""
 
     def __init__(self, sock: zmq.Socket, on_auth: Callable[[list[Any], str], None], loop: asyncio.AbstractEventLoop,
-                 *, name: str = "", copied: int = 2):
+                 *, name: str = "", copied: int = 2, local: bool = True):
         self._user = ""
-        super().__init__(sock, lambda frames: on_auth(frames, self._user), loop, name=name, copied=copied)
+        super().__init__(sock, lambda frames: on_auth(frames, self._user), loop, name=name, copied=copied, local=local)
 
     def _recv(self, sock: zmq.Socket) -> list[Any]:
         first = sock.recv(_NOBLOCK, copy=False)

@@ -140,12 +140,12 @@ class ZmqConnection:
             sock.curve_serverkey = self._security.server
             sock.curve_publickey = self._security.public
             sock.curve_secretkey = self._security.secret
-        self._channel = Channel(sock, self._on_frames, self._loop, name=f"dealer->{self._name}")
+        self._channel = Channel(sock, self._on_frames, self._loop, name=f"dealer->{self._name}", local=self._inproc)
         self.try_send = self._channel.try_send
         self.send = self._channel.send
         self._monitor: Channel | None = None
         if not self._inproc:
-            self._monitor = Channel(_monitor(sock), self._on_monitor, self._loop, name=f"monitor->{self._name}")
+            self._monitor = Channel(_monitor(sock), self._on_monitor, self._loop, name=f"monitor->{self._name}", local=False)
         sock.connect(self.endpoint)
         _live.add(self)
         self._watch_name()
@@ -299,10 +299,11 @@ class ZmqTransport:
                     raise AddressInUse(f"address {endpoint} for {name} is in use", task=name) from None
                 raise Unavailable(f"cannot bind {endpoint} for {name}: {exc}", task=name) from None
         bound = sock.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
+        local = endpoint.startswith("inproc://")
         if domain is not None:
-            channel: Channel = AuthChannel(sock, on_frames, loop, name=f"router {name}", copied=2)  # type: ignore[arg-type]
+            channel: Channel = AuthChannel(sock, on_frames, loop, name=f"router {name}", copied=2, local=local)  # type: ignore[arg-type]
         else:
-            channel = Channel(sock, on_frames, loop, name=f"router {name}", copied=2)
+            channel = Channel(sock, on_frames, loop, name=f"router {name}", copied=2, local=local)
         return ZmqListener(channel, bound, endpoint, domain)
 
     def connect(

@@ -1,0 +1,410 @@
+/* A channel's socket calls in C: libzmq called straight, on the handle pyzmq exposes
+   (Socket.underlying), skipping pyzmq's per-call Python work (option enums, a Frame object and an
+   exception per empty receive). The libzmq is the one pyzmq's own backend module is linked to,
+   found through that module's handle, so both act on the same sockets.
+
+   load(backend_path, zmq_error, ndarray) -> (major, minor, patch)
+       once, from zmqflow/transport/sockops.py: resolves libzmq through pyzmq's backend module.
+   events(handle, release)                  -> ZMQ_EVENTS, or -errno
+   recv(handle, copied, release)            -> [frames] | None (nothing waiting): the first
+                                               ``copied`` parts as bytes, the rest as zero-copy
+                                               Msg objects
+   send(handle, threshold, release, frames) -> frames sent: all of them, or -1 (the first was refused with
+                                      EAGAIN: nothing sent), or k: frame k is for pyzmq (a large
+                                      buffer that is no received Msg), and the caller sends it and
+                                      the rest. Frames under ``threshold`` bytes are copied; a
+                                      received Msg (or an array over exactly its bytes) goes out
+                                      zero-copy, sharing libzmq's message.
+
+   ``release``: let the GIL go around each libzmq call (see close_received: needed where a peer in
+   this process may send zero-copy, that is over inproc). Any other failure raises
+   zmq.ZMQError(errno). The caller keeps the socket open while it calls
+   here; nothing here holds the handle. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <dlfcn.h>
+#include <errno.h>
+
+typedef struct {
+    _Alignas(8) unsigned char _[64]; /* zmq_msg_t since libzmq 4.1 */
+} zmsg;
+
+#define Z_DONTWAIT 1
+#define Z_SNDMORE 2
+#define Z_EVENTS 15
+
+static int (*z_getsockopt)(void *, int, void *, size_t *);
+static int (*z_msg_init)(zmsg *);
+static int (*z_msg_recv)(zmsg *, void *, int);
+static int (*z_msg_send)(zmsg *, void *, int);
+static int (*z_msg_close)(zmsg *);
+static int (*z_msg_copy)(zmsg *, zmsg *);
+static int (*z_msg_move)(zmsg *, zmsg *);
+static void *(*z_msg_data)(zmsg *);
+static size_t (*z_msg_size)(const zmsg *);
+static int (*z_msg_more)(const zmsg *);
+static int (*z_send)(void *, const void *, size_t, int);
+static int (*z_errno)(void);
+static void (*z_version)(int *, int *, int *);
+
+static PyObject *ZMQ_ERROR, *NDARRAY, *S_BASE;
+static int LOADED;
+
+/* ---- Msg: one received part, its bytes exported without a copy ---------------------------- */
+
+typedef struct {
+    PyObject_HEAD zmsg msg;
+    int release; /* its close lets the GIL go: it may hold a buffer pyzmq sent zero-copy */
+} Msg;
+
+/* Closing a received message may run its sender's free function: over inproc, one that pyzmq sent
+   zero-copy, whose free function hands the buffer to pyzmq's collector thread and waits for room on
+   its socket, which that thread only makes once it holds the GIL. A send, receive or EVENTS look
+   may close such messages too (processing a command that ends a pipe with messages still queued).
+   So on a socket whose peers may be in this process (inproc) every libzmq call here lets the GIL
+   go, as pyzmq's own calls do; elsewhere each message is the decoder's own memory, and a call
+   keeps the GIL (a release costs a few hundred nanoseconds, and another thread may take it). */
+#define ZCALL(release, stmt)                                                                                           \
+    do {                                                                                                               \
+        if (release) {                                                                                                 \
+            Py_BEGIN_ALLOW_THREADS stmt;                                                                               \
+            Py_END_ALLOW_THREADS                                                                                       \
+        } else {                                                                                                       \
+            stmt;                                                                                                      \
+        }                                                                                                              \
+    } while (0)
+
+static void msg_dealloc(Msg *self) {
+    ZCALL(self->release, z_msg_close(&self->msg));
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int msg_getbuffer(Msg *self, Py_buffer *view, int flags) {
+    return PyBuffer_FillInfo(view, (PyObject *)self, z_msg_data(&self->msg), (Py_ssize_t)z_msg_size(&self->msg), 0, flags);
+}
+
+static Py_ssize_t msg_len(Msg *self) { return (Py_ssize_t)z_msg_size(&self->msg); }
+
+static PyObject *msg_bytes(Msg *self, void *closure) {
+    return PyBytes_FromStringAndSize(z_msg_data(&self->msg), (Py_ssize_t)z_msg_size(&self->msg));
+}
+
+static PyBufferProcs msg_as_buffer = {(getbufferproc)msg_getbuffer, NULL};
+static PySequenceMethods msg_as_sequence = {.sq_length = (lenfunc)msg_len};
+static PyGetSetDef msg_getset[] = {
+    {"bytes", (getter)msg_bytes, NULL, "A copy of the part's bytes.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject MsgType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "zmqflow.transport.zsock_c.Msg",
+    .tp_basicsize = sizeof(Msg),
+    .tp_dealloc = (destructor)msg_dealloc,
+    .tp_as_sequence = &msg_as_sequence,
+    .tp_as_buffer = &msg_as_buffer,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A received message part: a writable buffer over libzmq's own memory (no copy).",
+    .tp_getset = msg_getset,
+};
+
+/* ---- helpers --------------------------------------------------------------------------------- */
+
+static PyObject *raise_zmq(int err) {
+    PyObject *exc = PyObject_CallFunction(ZMQ_ERROR, "i", err);
+    if (exc != NULL) {
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+    }
+    return NULL;
+}
+
+static int not_loaded(void) {
+    if (!LOADED)
+        PyErr_SetString(PyExc_RuntimeError, "zsock_c.load() has not run");
+    return !LOADED;
+}
+
+static int handle_of(PyObject *obj, void **out) {
+    *out = PyLong_AsVoidPtr(obj);
+    if (*out == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "socket handle is NULL");
+        return -1;
+    }
+    return 0;
+}
+
+/* receive the next part into ``part`` (initialised here); -1 with errno set as libzmq's */
+static int recv_part(zmsg *part, void *sock, int release) {
+    z_msg_init(part);
+    for (;;) {
+        int rc;
+        ZCALL(release, rc = z_msg_recv(part, sock, Z_DONTWAIT));
+        if (rc >= 0)
+            return 0;
+        if (z_errno() != EINTR) {
+            int err = z_errno();
+            z_msg_close(part);
+            errno = err;
+            return -1;
+        }
+    }
+}
+
+/* the Msg whose memory is exactly [buf, buf + len), reached from ``obj`` through array bases and
+   memoryviews (new reference), else NULL without an error set */
+static Msg *owning_msg(PyObject *obj, void *buf, Py_ssize_t len) {
+    PyObject *o = obj;
+    Py_INCREF(o);
+    for (int depth = 0; depth < 8; depth++) {
+        PyObject *next = NULL;
+        if (Py_TYPE(o) == &MsgType) {
+            Msg *m = (Msg *)o;
+            if (z_msg_data(&m->msg) == buf && (Py_ssize_t)z_msg_size(&m->msg) == len)
+                return m;
+            break;
+        }
+        if (PyMemoryView_Check(o)) {
+            next = PyMemoryView_GET_BUFFER(o)->obj;
+            Py_XINCREF(next);
+        } else if (PyObject_TypeCheck(o, (PyTypeObject *)NDARRAY)) {
+            next = PyObject_GetAttr(o, S_BASE);
+            if (next == NULL)
+                PyErr_Clear();
+        }
+        Py_DECREF(o);
+        if (next == NULL || next == Py_None) {
+            Py_XDECREF(next);
+            return NULL;
+        }
+        o = next;
+    }
+    Py_DECREF(o);
+    return NULL;
+}
+
+/* ---- the calls ------------------------------------------------------------------------------ */
+
+static PyObject *zs_events(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    void *sock;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "events(handle, release)");
+        return NULL;
+    }
+    if (not_loaded() || handle_of(args[0], &sock))
+        return NULL;
+    int release = PyObject_IsTrue(args[1]);
+    if (release < 0)
+        return NULL;
+    int events = 0, rc;
+    size_t size = sizeof events;
+    ZCALL(release, rc = z_getsockopt(sock, Z_EVENTS, &events, &size));
+    if (rc < 0)
+        return PyLong_FromLong(-(long)z_errno());
+    return PyLong_FromLong(events);
+}
+
+static PyObject *zs_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    void *sock;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "recv(handle, copied, release)");
+        return NULL;
+    }
+    if (not_loaded() || handle_of(args[0], &sock))
+        return NULL;
+    Py_ssize_t copied = PyLong_AsSsize_t(args[1]);
+    if (copied == -1 && PyErr_Occurred())
+        return NULL;
+    int release = PyObject_IsTrue(args[2]);
+    if (release < 0)
+        return NULL;
+    zmsg part;
+    if (recv_part(&part, sock, release) < 0) {
+        if (errno == EAGAIN)
+            Py_RETURN_NONE;
+        return raise_zmq(errno);
+    }
+    PyObject *frames = PyList_New(0);
+    for (Py_ssize_t i = 0;; i++) {
+        int more = z_msg_more(&part), moved = 0;
+        if (frames != NULL) {
+            PyObject *item;
+            if (i < copied) {
+                item = PyBytes_FromStringAndSize(z_msg_data(&part), (Py_ssize_t)z_msg_size(&part));
+            } else {
+                Msg *m = PyObject_New(Msg, &MsgType);
+                if (m != NULL) {
+                    z_msg_init(&m->msg);
+                    z_msg_move(&m->msg, &part);
+                    m->release = release;
+                    moved = 1;
+                }
+                item = (PyObject *)m;
+            }
+            if (item == NULL || PyList_Append(frames, item) < 0)
+                Py_CLEAR(frames); /* keep reading: the rest of the message must leave the socket */
+            Py_XDECREF(item);
+        }
+        if (moved)
+            z_msg_close(&part); /* empty after the move: closing it runs nothing */
+        else
+            ZCALL(release, z_msg_close(&part));
+        if (!more)
+            return frames;
+        if (recv_part(&part, sock, release) < 0) { /* the parts of a message arrive together: never expected */
+            int err = errno;
+            Py_XDECREF(frames);
+            return raise_zmq(err);
+        }
+    }
+}
+
+static int send_msg(Msg *m, void *sock, int flags, int release) {
+    zmsg out;
+    z_msg_init(&out);
+    if (z_msg_copy(&out, &m->msg) < 0)
+        return -1;
+    int rc;
+    do {
+        ZCALL(release, rc = z_msg_send(&out, sock, flags));
+    } while (rc < 0 && z_errno() == EINTR);
+    if (rc < 0) {
+        int err = z_errno();
+        z_msg_close(&out);
+        errno = err;
+    }
+    return rc;
+}
+
+static int send_copy(const void *buf, Py_ssize_t len, void *sock, int flags, int release) {
+    int rc;
+    do {
+        ZCALL(release, rc = z_send(sock, buf, (size_t)len, flags));
+    } while (rc < 0 && z_errno() == EINTR);
+    if (rc < 0)
+        errno = z_errno();
+    return rc;
+}
+
+static PyObject *zs_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    void *sock;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "send(handle, threshold, release, frames)");
+        return NULL;
+    }
+    if (not_loaded() || handle_of(args[0], &sock))
+        return NULL;
+    Py_ssize_t threshold = PyLong_AsSsize_t(args[1]);
+    if (threshold == -1 && PyErr_Occurred())
+        return NULL;
+    int release = PyObject_IsTrue(args[2]);
+    if (release < 0)
+        return NULL;
+    PyObject *seq = args[3];
+    if (!PyList_Check(seq) && !PyTuple_Check(seq))
+        return PyLong_FromLong(0);
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int flags = Z_DONTWAIT | (i + 1 < count ? Z_SNDMORE : 0);
+        PyObject *f = items[i];
+        int rc;
+        if (PyBytes_CheckExact(f)) {
+            rc = send_copy(PyBytes_AS_STRING(f), PyBytes_GET_SIZE(f), sock, flags, release);
+        } else if (Py_TYPE(f) == &MsgType) {
+            rc = send_msg((Msg *)f, sock, flags, release);
+        } else {
+            Py_buffer view;
+            if (PyObject_GetBuffer(f, &view, PyBUF_SIMPLE) < 0) {
+                PyErr_Clear();
+                return PyLong_FromSsize_t(i); /* not a plain buffer: pyzmq's to send or refuse */
+            }
+            if (view.len < threshold) {
+                rc = send_copy(view.buf, view.len, sock, flags, release);
+            } else {
+                Msg *m = owning_msg(f, view.buf, view.len);
+                if (m == NULL) {
+                    PyBuffer_Release(&view);
+                    return PyLong_FromSsize_t(i); /* pyzmq pins it and sends it zero-copy */
+                }
+                rc = send_msg(m, sock, flags, release);
+                Py_DECREF(m);
+            }
+            PyBuffer_Release(&view);
+        }
+        if (rc < 0) {
+            if (errno == EAGAIN && i == 0)
+                return PyLong_FromLong(-1);
+            return raise_zmq(errno);
+        }
+    }
+    return PyLong_FromSsize_t(count);
+}
+
+static PyObject *zs_load(PyObject *self, PyObject *args) {
+    const char *path;
+    PyObject *zmq_error, *ndarray;
+    if (!PyArg_ParseTuple(args, "sOO!", &path, &zmq_error, &PyType_Type, &ndarray))
+        return NULL;
+    void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    if (lib == NULL)
+        return PyErr_Format(PyExc_ImportError, "pyzmq's backend %s is not loaded", path);
+    struct {
+        void **slot;
+        const char *name;
+    } syms[] = {
+        {(void **)&z_getsockopt, "zmq_getsockopt"}, {(void **)&z_msg_init, "zmq_msg_init"},
+        {(void **)&z_msg_recv, "zmq_msg_recv"},     {(void **)&z_msg_send, "zmq_msg_send"},
+        {(void **)&z_msg_close, "zmq_msg_close"},   {(void **)&z_msg_copy, "zmq_msg_copy"},
+        {(void **)&z_msg_move, "zmq_msg_move"},     {(void **)&z_msg_data, "zmq_msg_data"},
+        {(void **)&z_msg_size, "zmq_msg_size"},     {(void **)&z_msg_more, "zmq_msg_more"},
+        {(void **)&z_send, "zmq_send"},             {(void **)&z_errno, "zmq_errno"},
+        {(void **)&z_version, "zmq_version"},
+    };
+    for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
+        *syms[i].slot = dlsym(lib, syms[i].name);
+        if (*syms[i].slot == NULL) {
+            LOADED = 0;
+            return PyErr_Format(PyExc_ImportError, "%s does not export %s", path, syms[i].name);
+        }
+    }
+    int major, minor, patch;
+    z_version(&major, &minor, &patch);
+    if (major < 4 || (major == 4 && minor < 1)) {
+        LOADED = 0;
+        return PyErr_Format(PyExc_ImportError, "libzmq %d.%d.%d predates 4.1's message layout", major, minor, patch);
+    }
+    Py_INCREF(zmq_error);
+    Py_XSETREF(ZMQ_ERROR, zmq_error);
+    Py_INCREF(ndarray);
+    Py_XSETREF(NDARRAY, ndarray);
+    LOADED = 1;
+    return Py_BuildValue("(iii)", major, minor, patch);
+}
+
+static PyMethodDef methods[] = {
+    {"load", zs_load, METH_VARARGS, "Resolve libzmq through pyzmq's backend module; its version."},
+    {"events", (PyCFunction)(void (*)(void))zs_events, METH_FASTCALL, "ZMQ_EVENTS of the socket, or -errno."},
+    {"recv", (PyCFunction)(void (*)(void))zs_recv, METH_FASTCALL, "One whole message, or None when none waits."},
+    {"send", (PyCFunction)(void (*)(void))zs_send, METH_FASTCALL, "Send frames; how many went (-1: refused, EAGAIN)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "zsock_c", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit_zsock_c(void) {
+    S_BASE = PyUnicode_InternFromString("base");
+    if (S_BASE == NULL || PyType_Ready(&MsgType) < 0)
+        return NULL;
+    PyObject *mod = PyModule_Create(&module);
+    if (mod == NULL)
+        return NULL;
+    Py_INCREF(&MsgType);
+    if (PyModule_AddObject(mod, "Msg", (PyObject *)&MsgType) < 0) {
+        Py_DECREF(&MsgType);
+        Py_DECREF(mod);
+        return NULL;
+    }
+    return mod;
+}
