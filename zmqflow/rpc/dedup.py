@@ -17,7 +17,6 @@ forgotten first) and peers idle for ``idle_s`` or whose connection is gone are d
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,15 +29,27 @@ MAX_KEPT_REPLY = 64 * 1024  # replies up to this size are kept for a duplicate
 IDLE_S = 300.0  # a peer silent this long is forgotten (longer than any retry runs)
 SWEEP_S = 30.0
 
-Entry = tuple[int, Any]  # (header hash, IN_FLIGHT | DONE | tuple of reply frames)
+# [header hash, IN_FLIGHT | DONE | tuple of reply frames]: a list, so that the reply is stored
+# in place (one dict access per request on the server's hot path, not two)
+Entry = list
 
 
 class _PeerLog:
-    __slots__ = ("ids", "last")
+    """One peer's ids: a dict for lookups, and a ring of the same ids in arrival order, so the
+    oldest is forgotten in O(1) without an ordered dict's per-key links."""
+
+    __slots__ = ("ids", "ring", "pos", "last")
 
     def __init__(self, now: float) -> None:
-        self.ids: OrderedDict[int, Entry] = OrderedDict()
+        self.ids: dict[int, Entry] = {}
+        self.ring: list[int] = []  # grows to ``per_peer``, then wraps at ``pos``
+        self.pos = 0
         self.last = now
+
+    def clear(self) -> None:
+        self.ids.clear()
+        self.ring.clear()
+        self.pos = 0
 
 
 class Dedup:
@@ -62,17 +73,23 @@ class Dedup:
         if log is None:
             log = self._peers[peer] = _PeerLog(now)
         log.last = now
-        key = hash(header if type(header) is bytes else bytes(header))
+        key = hash(header if header.__class__ is bytes else bytes(header))
         ids = log.ids
         seen = ids.get(rid)
         if seen is not None:
             if seen[0] == key:
                 self.duplicates += 1
                 return seen[1]
-            ids.clear()  # the same id with other content: the client started over under this identity
-        ids[rid] = (key, IN_FLIGHT)
-        if len(ids) > self.per_peer:
-            ids.popitem(last=False)
+            log.clear()  # the same id with other content: the client started over under this identity
+        ids[rid] = [key, IN_FLIGHT]
+        ring = log.ring
+        if len(ring) < self.per_peer:
+            ring.append(rid)
+        else:  # forget the oldest id
+            pos = log.pos
+            ids.pop(ring[pos], None)
+            ring[pos] = rid
+            log.pos = pos + 1 if pos + 1 < len(ring) else 0
         return None
 
     def finish(self, peer: bytes, rid: int, frames: Sequence[Any], nbytes: int) -> None:
@@ -84,11 +101,9 @@ class Dedup:
         if seen is None or seen[1] is not IN_FLIGHT:
             return
         if nbytes > self.max_kept_reply:
-            kept: Any = DONE
+            seen[1] = DONE
         else:  # copies: a reply may view memory the handler goes on changing (a pulled variable)
-            kept = tuple([f if type(f) is bytes else memoryview(f).tobytes() for f in frames])
-        log.ids[rid] = (seen[0], kept)
-
+            seen[1] = tuple([f if f.__class__ is bytes else memoryview(f).tobytes() for f in frames])
     def sweep_due(self, now: float) -> bool:
         return now >= self._next_sweep
 

@@ -289,9 +289,9 @@ class RpcServer:
             self.counters.errors += 1
             frames = [identity, *encode(error_message(msg.id, exc, source=self.name, with_traceback=self.debug))]
         nbytes = frames_nbytes(frames)  # once: for the record and the counters
-        if record:
-            self.dedup.finish(identity, msg.id, frames[1:], nbytes - len(identity))
         self._send(frames, msg.id, deadline, nbytes)
+        if record:  # after the send, off the reply's path: nothing runs between them to change its bytes
+            self.dedup.finish(identity, msg.id, frames[1:], nbytes - len(identity))
 
     def _send(self, frames: list[Any], rid: int, deadline: float | None, nbytes: int | None = None) -> None:
         identity = frames[0]

@@ -95,8 +95,8 @@ class Channel:
         ops = sockops.ops()
         if ops is not None:
             handle = sock.underlying
-            self._events: Callable[[], int] = functools.partial(ops.events, handle, local)
-            self._csend: Callable[[Sequence[Any]], int] | None = functools.partial(ops.send, handle, self._threshold, local)
+            self._events: Callable[[], int] = functools.partial(ops.events, handle)
+            self._csend: Callable[[Sequence[Any]], int] | None = functools.partial(ops.send, handle, self._threshold)
             self._take: Callable[[], list[Any] | None] = (
                 functools.partial(ops.recv, handle, copied, local) if type(self)._recv is Channel._recv
                 else self._recv_or_none)

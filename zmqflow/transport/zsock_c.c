@@ -5,19 +5,18 @@
 
    load(backend_path, zmq_error, ndarray) -> (major, minor, patch)
        once, from zmqflow/transport/sockops.py: resolves libzmq through pyzmq's backend module.
-   events(handle, release)                  -> ZMQ_EVENTS, or -errno
-   recv(handle, copied, release)            -> [frames] | None (nothing waiting): the first
-                                               ``copied`` parts as bytes, the rest as zero-copy
-                                               Msg objects
-   send(handle, threshold, release, frames) -> frames sent: all of them, or -1 (the first was refused with
+   events(handle)                  -> ZMQ_EVENTS, or -errno
+   recv(handle, copied, release)   -> [frames] | None (nothing waiting): the first ``copied`` parts
+                                      as bytes, the rest as zero-copy Msg objects
+   send(handle, threshold, frames) -> frames sent: all of them, or -1 (the first was refused with
                                       EAGAIN: nothing sent), or k: frame k is for pyzmq (a large
                                       buffer that is no received Msg), and the caller sends it and
                                       the rest. Frames under ``threshold`` bytes are copied; a
                                       received Msg (or an array over exactly its bytes) goes out
                                       zero-copy, sharing libzmq's message.
 
-   ``release``: let the GIL go around each libzmq call (see close_received: needed where a peer in
-   this process may send zero-copy, that is over inproc). Any other failure raises
+   ``release``: closing a received part lets the GIL go (see ZCALL: needed where a peer in this
+   process may send zero-copy, that is over inproc). Any other failure raises
    zmq.ZMQError(errno). The caller keeps the socket open while it calls
    here; nothing here holds the handle. */
 
@@ -33,6 +32,7 @@ typedef struct {
 #define Z_DONTWAIT 1
 #define Z_SNDMORE 2
 #define Z_EVENTS 15
+#define Z_SHARED 3
 
 static int (*z_getsockopt)(void *, int, void *, size_t *);
 static int (*z_msg_init)(zmsg *);
@@ -44,6 +44,7 @@ static int (*z_msg_move)(zmsg *, zmsg *);
 static void *(*z_msg_data)(zmsg *);
 static size_t (*z_msg_size)(const zmsg *);
 static int (*z_msg_more)(const zmsg *);
+static int (*z_msg_get)(const zmsg *, int);
 static int (*z_send)(void *, const void *, size_t, int);
 static int (*z_errno)(void);
 static void (*z_version)(int *, int *, int *);
@@ -60,11 +61,15 @@ typedef struct {
 
 /* Closing a received message may run its sender's free function: over inproc, one that pyzmq sent
    zero-copy, whose free function hands the buffer to pyzmq's collector thread and waits for room on
-   its socket, which that thread only makes once it holds the GIL. A send, receive or EVENTS look
-   may close such messages too (processing a command that ends a pipe with messages still queued).
-   So on a socket whose peers may be in this process (inproc) every libzmq call here lets the GIL
-   go, as pyzmq's own calls do; elsewhere each message is the decoder's own memory, and a call
-   keeps the GIL (a release costs a few hundred nanoseconds, and another thread may take it). */
+   its socket, which that thread only makes once it holds the GIL. So on a socket whose peers may
+   be in this process (inproc) a received part whose content is shared (ZMQ_SHARED: what pyzmq
+   sends zero-copy always is, as it sends a copy of its Frame's message) is closed with the GIL let
+   go, as pyzmq's Frame does; a part that libzmq copied has no free function to run, and elsewhere
+   each message is the decoder's own memory. The calls themselves keep the GIL: a
+   release costs little alone, but where another thread wants the GIL (a server on a loop thread of
+   this process) each one is a hand-over, and together they cost 10 us a round trip over inproc.
+   (A call can also close messages: the unread ones of a pipe that ends, at most its high-water
+   mark, which pyzmq's collector queue holds.) */
 #define ZCALL(release, stmt)                                                                                           \
     do {                                                                                                               \
         if (release) {                                                                                                 \
@@ -136,11 +141,11 @@ static int handle_of(PyObject *obj, void **out) {
 }
 
 /* receive the next part into ``part`` (initialised here); -1 with errno set as libzmq's */
-static int recv_part(zmsg *part, void *sock, int release) {
+static int recv_part(zmsg *part, void *sock) {
     z_msg_init(part);
     for (;;) {
         int rc;
-        ZCALL(release, rc = z_msg_recv(part, sock, Z_DONTWAIT));
+        rc = z_msg_recv(part, sock, Z_DONTWAIT);
         if (rc >= 0)
             return 0;
         if (z_errno() != EINTR) {
@@ -186,20 +191,13 @@ static Msg *owning_msg(PyObject *obj, void *buf, Py_ssize_t len) {
 
 /* ---- the calls ------------------------------------------------------------------------------ */
 
-static PyObject *zs_events(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *zs_events(PyObject *self, PyObject *arg) {
     void *sock;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "events(handle, release)");
-        return NULL;
-    }
-    if (not_loaded() || handle_of(args[0], &sock))
-        return NULL;
-    int release = PyObject_IsTrue(args[1]);
-    if (release < 0)
+    if (not_loaded() || handle_of(arg, &sock))
         return NULL;
     int events = 0, rc;
     size_t size = sizeof events;
-    ZCALL(release, rc = z_getsockopt(sock, Z_EVENTS, &events, &size));
+    rc = z_getsockopt(sock, Z_EVENTS, &events, &size);
     if (rc < 0)
         return PyLong_FromLong(-(long)z_errno());
     return PyLong_FromLong(events);
@@ -220,14 +218,14 @@ static PyObject *zs_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (release < 0)
         return NULL;
     zmsg part;
-    if (recv_part(&part, sock, release) < 0) {
+    if (recv_part(&part, sock) < 0) {
         if (errno == EAGAIN)
             Py_RETURN_NONE;
         return raise_zmq(errno);
     }
     PyObject *frames = PyList_New(0);
     for (Py_ssize_t i = 0;; i++) {
-        int more = z_msg_more(&part), moved = 0;
+        int more = z_msg_more(&part), moved = 0, shared = release && z_msg_get(&part, Z_SHARED) == 1;
         if (frames != NULL) {
             PyObject *item;
             if (i < copied) {
@@ -237,7 +235,7 @@ static PyObject *zs_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
                 if (m != NULL) {
                     z_msg_init(&m->msg);
                     z_msg_move(&m->msg, &part);
-                    m->release = release;
+                    m->release = shared;
                     moved = 1;
                 }
                 item = (PyObject *)m;
@@ -249,10 +247,10 @@ static PyObject *zs_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         if (moved)
             z_msg_close(&part); /* empty after the move: closing it runs nothing */
         else
-            ZCALL(release, z_msg_close(&part));
+            ZCALL(shared, z_msg_close(&part));
         if (!more)
             return frames;
-        if (recv_part(&part, sock, release) < 0) { /* the parts of a message arrive together: never expected */
+        if (recv_part(&part, sock) < 0) { /* the parts of a message arrive together: never expected */
             int err = errno;
             Py_XDECREF(frames);
             return raise_zmq(err);
@@ -260,14 +258,14 @@ static PyObject *zs_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     }
 }
 
-static int send_msg(Msg *m, void *sock, int flags, int release) {
+static int send_msg(Msg *m, void *sock, int flags) {
     zmsg out;
     z_msg_init(&out);
     if (z_msg_copy(&out, &m->msg) < 0)
         return -1;
     int rc;
     do {
-        ZCALL(release, rc = z_msg_send(&out, sock, flags));
+        rc = z_msg_send(&out, sock, flags);
     } while (rc < 0 && z_errno() == EINTR);
     if (rc < 0) {
         int err = z_errno();
@@ -277,10 +275,10 @@ static int send_msg(Msg *m, void *sock, int flags, int release) {
     return rc;
 }
 
-static int send_copy(const void *buf, Py_ssize_t len, void *sock, int flags, int release) {
+static int send_copy(const void *buf, Py_ssize_t len, void *sock, int flags) {
     int rc;
     do {
-        ZCALL(release, rc = z_send(sock, buf, (size_t)len, flags));
+        rc = z_send(sock, buf, (size_t)len, flags);
     } while (rc < 0 && z_errno() == EINTR);
     if (rc < 0)
         errno = z_errno();
@@ -289,8 +287,8 @@ static int send_copy(const void *buf, Py_ssize_t len, void *sock, int flags, int
 
 static PyObject *zs_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     void *sock;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "send(handle, threshold, release, frames)");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "send(handle, threshold, frames)");
         return NULL;
     }
     if (not_loaded() || handle_of(args[0], &sock))
@@ -298,10 +296,7 @@ static PyObject *zs_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_ssize_t threshold = PyLong_AsSsize_t(args[1]);
     if (threshold == -1 && PyErr_Occurred())
         return NULL;
-    int release = PyObject_IsTrue(args[2]);
-    if (release < 0)
-        return NULL;
-    PyObject *seq = args[3];
+    PyObject *seq = args[2];
     if (!PyList_Check(seq) && !PyTuple_Check(seq))
         return PyLong_FromLong(0);
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
@@ -311,9 +306,9 @@ static PyObject *zs_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyObject *f = items[i];
         int rc;
         if (PyBytes_CheckExact(f)) {
-            rc = send_copy(PyBytes_AS_STRING(f), PyBytes_GET_SIZE(f), sock, flags, release);
+            rc = send_copy(PyBytes_AS_STRING(f), PyBytes_GET_SIZE(f), sock, flags);
         } else if (Py_TYPE(f) == &MsgType) {
-            rc = send_msg((Msg *)f, sock, flags, release);
+            rc = send_msg((Msg *)f, sock, flags);
         } else {
             Py_buffer view;
             if (PyObject_GetBuffer(f, &view, PyBUF_SIMPLE) < 0) {
@@ -321,14 +316,14 @@ static PyObject *zs_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs
                 return PyLong_FromSsize_t(i); /* not a plain buffer: pyzmq's to send or refuse */
             }
             if (view.len < threshold) {
-                rc = send_copy(view.buf, view.len, sock, flags, release);
+                rc = send_copy(view.buf, view.len, sock, flags);
             } else {
                 Msg *m = owning_msg(f, view.buf, view.len);
                 if (m == NULL) {
                     PyBuffer_Release(&view);
                     return PyLong_FromSsize_t(i); /* pyzmq pins it and sends it zero-copy */
                 }
-                rc = send_msg(m, sock, flags, release);
+                rc = send_msg(m, sock, flags);
                 Py_DECREF(m);
             }
             PyBuffer_Release(&view);
@@ -359,6 +354,7 @@ static PyObject *zs_load(PyObject *self, PyObject *args) {
         {(void **)&z_msg_close, "zmq_msg_close"},   {(void **)&z_msg_copy, "zmq_msg_copy"},
         {(void **)&z_msg_move, "zmq_msg_move"},     {(void **)&z_msg_data, "zmq_msg_data"},
         {(void **)&z_msg_size, "zmq_msg_size"},     {(void **)&z_msg_more, "zmq_msg_more"},
+        {(void **)&z_msg_get, "zmq_msg_get"},
         {(void **)&z_send, "zmq_send"},             {(void **)&z_errno, "zmq_errno"},
         {(void **)&z_version, "zmq_version"},
     };
@@ -385,7 +381,7 @@ static PyObject *zs_load(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"load", zs_load, METH_VARARGS, "Resolve libzmq through pyzmq's backend module; its version."},
-    {"events", (PyCFunction)(void (*)(void))zs_events, METH_FASTCALL, "ZMQ_EVENTS of the socket, or -errno."},
+    {"events", zs_events, METH_O, "ZMQ_EVENTS of the socket, or -errno."},
     {"recv", (PyCFunction)(void (*)(void))zs_recv, METH_FASTCALL, "One whole message, or None when none waits."},
     {"send", (PyCFunction)(void (*)(void))zs_send, METH_FASTCALL, "Send frames; how many went (-1: refused, EAGAIN)."},
     {NULL, NULL, 0, NULL},
