@@ -176,10 +176,9 @@ class AsyncEmbedding:
         masks = [(p, part == p) for p in np.unique(part).tolist()]
         calls = []
         for p, mask in masks:
-            ids = np.require(local[mask], requirements="C")
+            ids = local[mask]  # a boolean index copies, C-ordered
             body: Request = (rq.EmbLookup(name=self.name, part=p, ids=ids, create=create) if rows is None else
-                                rq.EmbPush(name=self.name, part=p, ids=ids, grads=np.require(rows[mask], requirements="C"),
-                                           step=step))
+                                rq.EmbPush(name=self.name, part=p, ids=ids, grads=rows[mask], step=step))
             size = len(ids) * self.info.dim * self.info.dtype.itemsize if rows is None else 0  # a lookup's reply
             calls.append(self._session.call_task(self.info.tasks[p], "ps", op, body, timeout=timeout, size=size))
         results = await asyncio.gather(*calls)
