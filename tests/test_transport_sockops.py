@@ -100,6 +100,30 @@ def test_a_forwarded_buffer_is_shared_not_copied_and_others_go_back_to_pyzmq(ops
     assert ops.send(dealer.underlying, THRESHOLD, [object()]) == 0  # not a buffer at all: pyzmq refuses it
 
 
+def test_a_large_buffer_is_lent_to_libzmq_until_it_is_done_with_it(ops, pair):
+    """A large array that no received message owns goes out zero-copy: its owner is held (the
+    receiver over inproc sees the very memory) until libzmq frees the message, and then let go at
+    the next call, with no collector thread."""
+    router, dealer = pair
+    lent = ops.collect()
+    big = np.arange(THRESHOLD, dtype=np.float32)
+    refs = sys.getrefcount(big)
+    assert ops.send(dealer.underlying, THRESHOLD, [b"h", big]) == 2
+    assert sys.getrefcount(big) == refs + 1 and ops.collect() == lent + 1
+    ident, _h, frame = ops.recv(router.underlying, 2, True)
+    got = np.frombuffer(frame, dtype=np.float32)
+    assert got.ctypes.data == big.ctypes.data and np.array_equal(got, np.arange(THRESHOLD, dtype=np.float32))
+    del got, frame  # the receiver is done: libzmq frees the message here, the buffer waits for a call
+    assert ops.collect() == lent and sys.getrefcount(big) == refs
+    # a message that never leaves (no peer: refused) lends nothing for long
+    lone = context().socket(zmq.DEALER)
+    try:
+        assert ops.send(lone.underlying, THRESHOLD, [big]) == -1
+    finally:
+        lone.close(0)
+    assert ops.collect() == lent and sys.getrefcount(big) == refs
+
+
 def test_a_refused_first_part_sends_nothing_and_an_unroutable_one_raises(ops):
     dealer = context().socket(zmq.DEALER)
     router = context().socket(zmq.ROUTER)

@@ -9,11 +9,13 @@
    recv(handle, copied, release)   -> [frames] | None (nothing waiting): the first ``copied`` parts
                                       as bytes, the rest as zero-copy Msg objects
    send(handle, threshold, frames) -> frames sent: all of them, or -1 (the first was refused with
-                                      EAGAIN: nothing sent), or k: frame k is for pyzmq (a large
-                                      buffer that is no received Msg), and the caller sends it and
-                                      the rest. Frames under ``threshold`` bytes are copied; a
-                                      received Msg (or an array over exactly its bytes) goes out
-                                      zero-copy, sharing libzmq's message.
+                                      EAGAIN: nothing sent), or k: frame k is no contiguous buffer,
+                                      and the caller sends it and the rest with pyzmq. Frames under
+                                      ``threshold`` bytes are copied; a received Msg (or an array
+                                      over exactly its bytes) goes out sharing libzmq's message;
+                                      any other buffer goes out zero-copy, lent (see pins).
+   collect()                       -> let go of lent buffers libzmq is done with (every call
+                                      above does it first); how many are still lent
 
    ``release``: the socket's peers may be in this process (inproc), so a shared part is closed with
    the GIL let go (see below). Any other failure raises zmq.ZMQError(errno). The caller keeps the
@@ -23,6 +25,7 @@
 #include <Python.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <pthread.h>
 #include <time.h>
 
 typedef struct {
@@ -36,6 +39,7 @@ typedef struct {
 
 static int (*z_getsockopt)(void *, int, void *, size_t *);
 static int (*z_msg_init)(zmsg *);
+static int (*z_msg_init_data)(zmsg *, void *, size_t, void (*)(void *, void *), void *);
 static int (*z_msg_recv)(zmsg *, void *, int);
 static int (*z_msg_send)(zmsg *, void *, int);
 static int (*z_msg_close)(zmsg *);
@@ -206,12 +210,92 @@ static Msg *owning_msg(PyObject *obj, void *buf, Py_ssize_t len) {
     return NULL;
 }
 
+/* ---- pins: buffers lent to libzmq ------------------------------------------------------------ */
+
+/* A large buffer goes out zero-copy: libzmq reads it until the message is sent (tcp, ipc) or
+   dropped by its receiver (inproc), and then calls pin_free, from whichever thread that is. The
+   buffer's owner must live until then, and letting it go needs the GIL, which that thread may not
+   take (an I/O thread waiting on Python would stall the process's network). pyzmq hands each
+   freed buffer to a collector thread of its own, which wakes and takes the GIL once per message.
+   Here pin_free only queues the pin, under a plain mutex; the next socket call of the process
+   (every call here begins so) lets the queued buffers go, with the GIL it already holds. So a
+   buffer is held until this process's next send, receive or EVENTS look: a reply or the next
+   request, in a process that moves tensors. */
+typedef struct Pin {
+    struct Pin *next;
+    Py_buffer view; /* holds a reference to the buffer's owner */
+} Pin;
+
+static pthread_mutex_t PIN_LOCK = PTHREAD_MUTEX_INITIALIZER;
+static Pin *FREED;       /* freed by libzmq, not yet let go: under PIN_LOCK */
+static long long PINNED; /* lent and not let go yet (with the GIL) */
+
+static void pin_free(void *data, void *hint) {
+    Pin *pin = (Pin *)hint;
+    pthread_mutex_lock(&PIN_LOCK);
+    pin->next = FREED;
+    FREED = pin;
+    pthread_mutex_unlock(&PIN_LOCK);
+}
+
+/* let go of the buffers libzmq is done with; the GIL is held */
+static void collect(void) {
+    if (__atomic_load_n(&FREED, __ATOMIC_ACQUIRE) == NULL)
+        return;
+    pthread_mutex_lock(&PIN_LOCK);
+    Pin *pin = FREED;
+    FREED = NULL;
+    pthread_mutex_unlock(&PIN_LOCK);
+    while (pin != NULL) {
+        Pin *next = pin->next;
+        PyBuffer_Release(&pin->view);
+        PyMem_RawFree(pin);
+        PINNED--;
+        pin = next;
+    }
+}
+
+/* send ``view`` zero-copy, taking it over (released once libzmq is done, or now on failure) */
+static int send_pinned(Py_buffer *view, void *sock, int flags) {
+    Pin *pin = PyMem_RawMalloc(sizeof *pin);
+    if (pin == NULL) {
+        PyBuffer_Release(view);
+        errno = ENOMEM;
+        return -1;
+    }
+    pin->view = *view;
+    PINNED++;
+    zmsg out;
+    if (z_msg_init_data(&out, view->buf, (size_t)view->len, pin_free, pin) < 0) {
+        int err = z_errno();
+        pin_free(NULL, pin); /* never lent */
+        errno = err;
+        return -1;
+    }
+    int rc;
+    do {
+        rc = z_msg_send(&out, sock, flags);
+    } while (rc < 0 && z_errno() == EINTR);
+    if (rc < 0) {
+        int err = z_errno();
+        z_msg_close(&out); /* runs pin_free: the buffer is let go at the next collect */
+        errno = err;
+    }
+    return rc;
+}
+
+static PyObject *zs_collect(PyObject *self, PyObject *unused) {
+    collect();
+    return PyLong_FromLongLong(PINNED);
+}
+
 /* ---- the calls ------------------------------------------------------------------------------ */
 
 static PyObject *zs_events(PyObject *self, PyObject *arg) {
     void *sock;
     if (not_loaded() || handle_of(arg, &sock))
         return NULL;
+    collect();
     int events = 0, rc;
     size_t size = sizeof events;
     ZCALL(release_due(), rc = z_getsockopt(sock, Z_EVENTS, &events, &size));
@@ -234,6 +318,7 @@ static PyObject *zs_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     int release = PyObject_IsTrue(args[2]);
     if (release < 0)
         return NULL;
+    collect();
     zmsg part;
     if (recv_part(&part, sock) < 0) {
         if (errno == EAGAIN)
@@ -313,6 +398,7 @@ static PyObject *zs_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_ssize_t threshold = PyLong_AsSsize_t(args[1]);
     if (threshold == -1 && PyErr_Occurred())
         return NULL;
+    collect();
     PyObject *seq = args[2];
     if (!PyList_Check(seq) && !PyTuple_Check(seq))
         return PyLong_FromLong(0);
@@ -334,16 +420,17 @@ static PyObject *zs_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             }
             if (view.len < threshold) {
                 rc = send_copy(view.buf, view.len, sock, flags);
+                PyBuffer_Release(&view);
             } else {
                 Msg *m = owning_msg(f, view.buf, view.len);
-                if (m == NULL) {
+                if (m != NULL) { /* a received message's bytes: share it */
+                    rc = send_msg(m, sock, flags);
+                    Py_DECREF(m);
                     PyBuffer_Release(&view);
-                    return PyLong_FromSsize_t(i); /* pyzmq pins it and sends it zero-copy */
+                } else {
+                    rc = send_pinned(&view, sock, flags); /* takes the view over */
                 }
-                rc = send_msg(m, sock, flags);
-                Py_DECREF(m);
             }
-            PyBuffer_Release(&view);
         }
         if (rc < 0) {
             if (errno == EAGAIN && i == 0)
@@ -371,7 +458,7 @@ static PyObject *zs_load(PyObject *self, PyObject *args) {
         {(void **)&z_msg_close, "zmq_msg_close"},   {(void **)&z_msg_copy, "zmq_msg_copy"},
         {(void **)&z_msg_move, "zmq_msg_move"},     {(void **)&z_msg_data, "zmq_msg_data"},
         {(void **)&z_msg_size, "zmq_msg_size"},     {(void **)&z_msg_more, "zmq_msg_more"},
-        {(void **)&z_msg_get, "zmq_msg_get"},
+        {(void **)&z_msg_get, "zmq_msg_get"},       {(void **)&z_msg_init_data, "zmq_msg_init_data"},
         {(void **)&z_send, "zmq_send"},             {(void **)&z_errno, "zmq_errno"},
         {(void **)&z_version, "zmq_version"},
     };
@@ -399,6 +486,7 @@ static PyObject *zs_load(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"load", zs_load, METH_VARARGS, "Resolve libzmq through pyzmq's backend module; its version."},
     {"events", zs_events, METH_O, "ZMQ_EVENTS of the socket, or -errno."},
+    {"collect", zs_collect, METH_NOARGS, "Let go of the buffers libzmq is done with; how many are still lent."},
     {"recv", (PyCFunction)(void (*)(void))zs_recv, METH_FASTCALL, "One whole message, or None when none waits."},
     {"send", (PyCFunction)(void (*)(void))zs_send, METH_FASTCALL, "Send frames; how many went (-1: refused, EAGAIN)."},
     {NULL, NULL, 0, NULL},
