@@ -1,10 +1,13 @@
 """The channel's socket calls in C (``zsock_c``), when they can be used here.
 
 ``zsock_c`` calls libzmq on pyzmq's socket handles (``Socket.underlying``), resolving libzmq
-through pyzmq's own backend module so that both act on the same library. It is optional: where
-it was not built, pyzmq's backend is not a loaded module file, its libzmq exports no symbols
-(a static build) or predates 4.1, the channel uses pyzmq's calls. ``ops()`` is the module to
-use, or None; ``use_compiled(False)`` turns it off for channels made afterwards.
+through pyzmq's own backend module so that both act on the same library: a whole message
+received in one call, ``EVENTS`` read without pyzmq's option enums, a message sent in one call,
+and large buffers lent to libzmq zero-copy and let go at the process's next socket call (pyzmq
+wakes a collector thread, which takes the GIL, once per such message). It is optional: where it
+was not built, pyzmq's backend is not a loaded module file, its libzmq exports no symbols (a
+static build) or predates 4.1, the channel uses pyzmq's calls. ``ops()`` is the module to use,
+or None; ``use_compiled(False)`` turns it off for channels made afterwards.
 """
 
 from __future__ import annotations
