@@ -280,10 +280,9 @@ class RpcServer:
         self._reply(identity, error_message(rid, exc, source=self.name, with_traceback=self.debug), deadline)
 
     def _reply(self, identity: bytes, msg: Message, deadline: float | None, *, record: bool = True) -> None:
-        listener = self._listener
-        if listener is None or listener.closed:
+        if self._listener is None:
             return
-        try:
+        try:  # a listener closed meanwhile sends nothing (_send_now looks)
             frames = [identity, *encode(msg)]
         except Exception as exc:  # a result that cannot be encoded is the handler's error
             self.counters.errors += 1

@@ -109,6 +109,7 @@ class Channel:
         self._check_pending = False
         self._draining = False  # inside a receive loop: its next receive covers our sends' edges
         self._writable = asyncio.Event()
+        self._full = True  # ``_writable`` is clear: set it at the next look that finds room (no call per look)
         loop.add_reader(self._fd, self._on_readable)
         self._schedule_check()  # the FD may already be signalled from before we watched it
 
@@ -160,9 +161,10 @@ class Channel:
             return False
         if events < 0:  # the C call's -errno
             return False
-        if events & _POLLOUT:
+        if events & _POLLOUT and self._full:
+            self._full = False
             self._writable.set()
-        return bool(events & _POLLIN)
+        return events & _POLLIN != 0
 
     def _check(self) -> None:
         """The one ``EVENTS`` look per loop pass: room to send, and input a send's edge may hide."""
@@ -194,7 +196,7 @@ class Channel:
         else:
             self._schedule_drain()  # more may be waiting: let other callbacks run first
             return
-        if not self._writable.is_set():  # a sender waits: the commands just processed may have made room
+        if self._full:  # a sender waits: the commands just processed may have made room
             self._schedule_check()
 
     def _recv_or_none(self) -> list[Any] | None:
@@ -249,6 +251,7 @@ class Channel:
         return True
 
     def _refused(self) -> bool:
+        self._full = True
         self._writable.clear()
         self._poll_events()
         return False
