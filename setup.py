@@ -22,5 +22,6 @@ setup(ext_modules=[
               extra_compile_args=_EXACT),
     Extension("zmqflow.wire.codec_c", [f"zmqflow/wire/codec_{part}.c" for part in ("c", "write", "read", "batch")], optional=True,
               depends=["zmqflow/wire/codec_c.h"], extra_compile_args=["-O2"]),
-    Extension("zmqflow.transport.zsock_c", ["zmqflow/transport/zsock_c.c"], optional=True, extra_compile_args=["-O2"]),
+    Extension("zmqflow.transport.zsock_c", ["zmqflow/transport/zsock_c.c", "zmqflow/transport/zsock_buffers.c"], optional=True,
+              depends=["zmqflow/transport/zsock_c.h"], extra_compile_args=["-O2"]),
 ])

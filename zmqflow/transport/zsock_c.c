@@ -13,75 +13,42 @@
                                       and the caller sends it and the rest with pyzmq. Frames under
                                       ``threshold`` bytes are copied; a received Msg (or an array
                                       over exactly its bytes) goes out sharing libzmq's message;
-                                      any other buffer goes out zero-copy, lent (see pins).
+                                      any other buffer goes out zero-copy, lent (zsock_buffers.c).
    collect()                       -> let go of lent buffers libzmq is done with (every call
                                       above does it first); how many are still lent
 
    ``release``: the socket's peers may be in this process (inproc), so a shared part is closed with
-   the GIL let go (see below). Any other failure raises zmq.ZMQError(errno). The caller keeps the
+   the GIL let go (see zsock_c.h). Any other failure raises zmq.ZMQError(errno). The caller keeps the
    socket open while it calls here; nothing here holds the handle. */
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "zsock_c.h"
+
 #include <dlfcn.h>
-#include <errno.h>
-#include <pthread.h>
 #include <time.h>
 
-typedef struct {
-    _Alignas(8) unsigned char _[64]; /* zmq_msg_t since libzmq 4.1 */
-} zmsg;
+int (*z_getsockopt)(void *, int, void *, size_t *);
+int (*z_msg_init)(zmsg *);
+int (*z_msg_init_data)(zmsg *, void *, size_t, void (*)(void *, void *), void *);
+int (*z_msg_recv)(zmsg *, void *, int);
+int (*z_msg_send)(zmsg *, void *, int);
+int (*z_msg_close)(zmsg *);
+int (*z_msg_copy)(zmsg *, zmsg *);
+int (*z_msg_move)(zmsg *, zmsg *);
+void *(*z_msg_data)(zmsg *);
+size_t (*z_msg_size)(const zmsg *);
+int (*z_msg_more)(const zmsg *);
+int (*z_msg_get)(const zmsg *, int);
+int (*z_send)(void *, const void *, size_t, int);
+int (*z_errno)(void);
+void (*z_version)(int *, int *, int *);
 
-#define Z_DONTWAIT 1
-#define Z_SNDMORE 2
-#define Z_EVENTS 15
-#define Z_SHARED 3
-
-static int (*z_getsockopt)(void *, int, void *, size_t *);
-static int (*z_msg_init)(zmsg *);
-static int (*z_msg_init_data)(zmsg *, void *, size_t, void (*)(void *, void *), void *);
-static int (*z_msg_recv)(zmsg *, void *, int);
-static int (*z_msg_send)(zmsg *, void *, int);
-static int (*z_msg_close)(zmsg *);
-static int (*z_msg_copy)(zmsg *, zmsg *);
-static int (*z_msg_move)(zmsg *, zmsg *);
-static void *(*z_msg_data)(zmsg *);
-static size_t (*z_msg_size)(const zmsg *);
-static int (*z_msg_more)(const zmsg *);
-static int (*z_msg_get)(const zmsg *, int);
-static int (*z_send)(void *, const void *, size_t, int);
-static int (*z_errno)(void);
-static void (*z_version)(int *, int *, int *);
-
-static PyObject *ZMQ_ERROR, *NDARRAY, *S_BASE;
+static PyObject *ZMQ_ERROR;
+PyObject *NDARRAY, *S_BASE;
 static int LOADED;
 
-/* ---- Msg: one received part, its bytes exported without a copy ---------------------------- */
-
-typedef struct {
-    PyObject_HEAD zmsg msg;
-    int release; /* its close lets the GIL go: it may hold a buffer pyzmq sent zero-copy */
-} Msg;
-
-/* Closing a received message may run its sender's free function: over inproc, one that pyzmq sent
-   zero-copy, whose free function hands the buffer to pyzmq's collector thread and waits for room on
-   its socket, which that thread only makes once it holds the GIL. So on a socket whose peers may
-   be in this process (inproc) a received part whose content is shared (ZMQ_SHARED: what pyzmq
-   sends zero-copy always is, as it sends a copy of its Frame's message) is closed with the GIL let
-   go, as pyzmq's Frame does; a part that libzmq copied has no free function to run, and elsewhere
-   each message is the decoder's own memory. (A call can also close messages: the unread ones of a
-   pipe that ends, at most its high-water mark, which pyzmq's collector queue holds.)
-
-   The calls themselves keep the GIL, but for a receive or an EVENTS look when the last release
-   here was RELEASE_EVERY_NS ago. pyzmq lets it go in every call; where another thread wants it (a
-   server on a loop thread of this process) each release is a hand-over, and together they cost
-   ~10 us a round trip over inproc. Never letting it go starves the process's other threads while
-   its loops are busy: a build running off the loop took 30 s instead of 1.5 s under a stream of
-   pings. One release per 200 us keeps both. */
-#define RELEASE_EVERY_NS 200000LL
 static long long LAST_RELEASE;
 
-static int release_due(void) {
+int release_due(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     long long now = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
@@ -90,49 +57,6 @@ static int release_due(void) {
     LAST_RELEASE = now; /* read and written with the GIL held */
     return 1;
 }
-
-#define ZCALL(release, stmt)                                                                                           \
-    do {                                                                                                               \
-        if (release) {                                                                                                 \
-            Py_BEGIN_ALLOW_THREADS stmt;                                                                               \
-            Py_END_ALLOW_THREADS                                                                                       \
-        } else {                                                                                                       \
-            stmt;                                                                                                      \
-        }                                                                                                              \
-    } while (0)
-
-static void msg_dealloc(Msg *self) {
-    ZCALL(self->release, z_msg_close(&self->msg));
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static int msg_getbuffer(Msg *self, Py_buffer *view, int flags) {
-    return PyBuffer_FillInfo(view, (PyObject *)self, z_msg_data(&self->msg), (Py_ssize_t)z_msg_size(&self->msg), 0, flags);
-}
-
-static Py_ssize_t msg_len(Msg *self) { return (Py_ssize_t)z_msg_size(&self->msg); }
-
-static PyObject *msg_bytes(Msg *self, void *closure) {
-    return PyBytes_FromStringAndSize(z_msg_data(&self->msg), (Py_ssize_t)z_msg_size(&self->msg));
-}
-
-static PyBufferProcs msg_as_buffer = {(getbufferproc)msg_getbuffer, NULL};
-static PySequenceMethods msg_as_sequence = {.sq_length = (lenfunc)msg_len};
-static PyGetSetDef msg_getset[] = {
-    {"bytes", (getter)msg_bytes, NULL, "A copy of the part's bytes.", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PyTypeObject MsgType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "zmqflow.transport.zsock_c.Msg",
-    .tp_basicsize = sizeof(Msg),
-    .tp_dealloc = (destructor)msg_dealloc,
-    .tp_as_sequence = &msg_as_sequence,
-    .tp_as_buffer = &msg_as_buffer,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A received message part: a writable buffer over libzmq's own memory (no copy).",
-    .tp_getset = msg_getset,
-};
 
 /* ---- helpers --------------------------------------------------------------------------------- */
 
@@ -178,118 +102,29 @@ static int recv_part(zmsg *part, void *sock) {
     }
 }
 
-/* the Msg whose memory is exactly [buf, buf + len), reached from ``obj`` through array bases and
-   memoryviews (new reference), else NULL without an error set */
-static Msg *owning_msg(PyObject *obj, void *buf, Py_ssize_t len) {
-    PyObject *o = obj;
-    Py_INCREF(o);
-    for (int depth = 0; depth < 8; depth++) {
-        PyObject *next = NULL;
-        if (Py_TYPE(o) == &MsgType) {
-            Msg *m = (Msg *)o;
-            if (z_msg_data(&m->msg) == buf && (Py_ssize_t)z_msg_size(&m->msg) == len)
-                return m;
-            break;
-        }
-        if (PyMemoryView_Check(o)) {
-            next = PyMemoryView_GET_BUFFER(o)->obj;
-            Py_XINCREF(next);
-        } else if (PyObject_TypeCheck(o, (PyTypeObject *)NDARRAY)) {
-            next = PyObject_GetAttr(o, S_BASE);
-            if (next == NULL)
-                PyErr_Clear();
-        }
-        Py_DECREF(o);
-        if (next == NULL || next == Py_None) {
-            Py_XDECREF(next);
-            return NULL;
-        }
-        o = next;
-    }
-    Py_DECREF(o);
-    return NULL;
-}
-
-/* ---- pins: buffers lent to libzmq ------------------------------------------------------------ */
-
-/* A large buffer goes out zero-copy: libzmq reads it until the message is sent (tcp, ipc) or
-   dropped by its receiver (inproc), and then calls pin_free, from whichever thread that is. The
-   buffer's owner must live until then, and letting it go needs the GIL, which that thread may not
-   take (an I/O thread waiting on Python would stall the process's network). pyzmq hands each
-   freed buffer to a collector thread of its own, which wakes and takes the GIL once per message.
-   Here pin_free only queues the pin, under a plain mutex; the next socket call of the process
-   (every call here begins so) lets the queued buffers go, with the GIL it already holds. So a
-   buffer is held until this process's next send, receive or EVENTS look: a reply or the next
-   request, in a process that moves tensors. */
-typedef struct Pin {
-    struct Pin *next;
-    Py_buffer view; /* holds a reference to the buffer's owner */
-} Pin;
-
-static pthread_mutex_t PIN_LOCK = PTHREAD_MUTEX_INITIALIZER;
-static Pin *FREED;       /* freed by libzmq, not yet let go: under PIN_LOCK */
-static long long PINNED; /* lent and not let go yet (with the GIL) */
-
-static void pin_free(void *data, void *hint) {
-    Pin *pin = (Pin *)hint;
-    pthread_mutex_lock(&PIN_LOCK);
-    pin->next = FREED;
-    FREED = pin;
-    pthread_mutex_unlock(&PIN_LOCK);
-}
-
-/* let go of the buffers libzmq is done with; the GIL is held */
-static void collect(void) {
-    if (__atomic_load_n(&FREED, __ATOMIC_ACQUIRE) == NULL)
-        return;
-    pthread_mutex_lock(&PIN_LOCK);
-    Pin *pin = FREED;
-    FREED = NULL;
-    pthread_mutex_unlock(&PIN_LOCK);
-    while (pin != NULL) {
-        Pin *next = pin->next;
-        PyBuffer_Release(&pin->view);
-        PyMem_RawFree(pin);
-        PINNED--;
-        pin = next;
-    }
-}
-
-/* send ``view`` zero-copy, taking it over (released once libzmq is done, or now on failure) */
-static int send_pinned(Py_buffer *view, void *sock, int flags) {
-    Pin *pin = PyMem_RawMalloc(sizeof *pin);
-    if (pin == NULL) {
-        PyBuffer_Release(view);
-        errno = ENOMEM;
-        return -1;
-    }
-    pin->view = *view;
-    PINNED++;
-    zmsg out;
-    if (z_msg_init_data(&out, view->buf, (size_t)view->len, pin_free, pin) < 0) {
-        int err = z_errno();
-        pin_free(NULL, pin); /* never lent */
-        errno = err;
-        return -1;
-    }
-    int rc;
-    do {
-        rc = z_msg_send(&out, sock, flags);
-    } while (rc < 0 && z_errno() == EINTR);
-    if (rc < 0) {
-        int err = z_errno();
-        z_msg_close(&out); /* runs pin_free: the buffer is let go at the next collect */
-        errno = err;
-    }
-    return rc;
-}
-
 static PyObject *zs_collect(PyObject *self, PyObject *unused) {
     collect();
     return PyLong_FromLongLong(PINNED);
 }
 
 /* ---- the calls ------------------------------------------------------------------------------ */
+
+/* the arguments every call with a count starts with, (handle, count, ...): checked, and the lent
+   buffers libzmq is done with let go first */
+static int call_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *usage, void **sock,
+                     Py_ssize_t *count) {
+    if (nargs != want) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
+    if (not_loaded() || handle_of(args[0], sock))
+        return -1;
+    *count = PyLong_AsSsize_t(args[1]);
+    if (*count == -1 && PyErr_Occurred())
+        return -1;
+    collect();
+    return 0;
+}
 
 static PyObject *zs_events(PyObject *self, PyObject *arg) {
     void *sock;
@@ -306,19 +141,12 @@ static PyObject *zs_events(PyObject *self, PyObject *arg) {
 
 static PyObject *zs_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     void *sock;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "recv(handle, copied, release)");
-        return NULL;
-    }
-    if (not_loaded() || handle_of(args[0], &sock))
-        return NULL;
-    Py_ssize_t copied = PyLong_AsSsize_t(args[1]);
-    if (copied == -1 && PyErr_Occurred())
+    Py_ssize_t copied;
+    if (call_args(args, nargs, 3, "recv(handle, copied, release)", &sock, &copied) < 0)
         return NULL;
     int release = PyObject_IsTrue(args[2]);
     if (release < 0)
         return NULL;
-    collect();
     zmsg part;
     if (recv_part(&part, sock) < 0) {
         if (errno == EAGAIN)
@@ -365,16 +193,7 @@ static int send_msg(Msg *m, void *sock, int flags) {
     z_msg_init(&out);
     if (z_msg_copy(&out, &m->msg) < 0)
         return -1;
-    int rc;
-    do {
-        rc = z_msg_send(&out, sock, flags);
-    } while (rc < 0 && z_errno() == EINTR);
-    if (rc < 0) {
-        int err = z_errno();
-        z_msg_close(&out);
-        errno = err;
-    }
-    return rc;
+    return send_out(&out, sock, flags);
 }
 
 static int send_copy(const void *buf, Py_ssize_t len, void *sock, int flags) {
@@ -389,16 +208,9 @@ static int send_copy(const void *buf, Py_ssize_t len, void *sock, int flags) {
 
 static PyObject *zs_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     void *sock;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "send(handle, threshold, frames)");
+    Py_ssize_t threshold;
+    if (call_args(args, nargs, 3, "send(handle, threshold, frames)", &sock, &threshold) < 0)
         return NULL;
-    }
-    if (not_loaded() || handle_of(args[0], &sock))
-        return NULL;
-    Py_ssize_t threshold = PyLong_AsSsize_t(args[1]);
-    if (threshold == -1 && PyErr_Occurred())
-        return NULL;
-    collect();
     PyObject *seq = args[2];
     if (!PyList_Check(seq) && !PyTuple_Check(seq))
         return PyLong_FromLong(0);
