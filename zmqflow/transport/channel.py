@@ -49,10 +49,10 @@ def received_frame(buf: Any) -> Any:
     """The received frame (``zmq.Frame``, or ``sockops.MSG`` from the C calls) that ``buf`` (an
     array or memoryview) covers exactly, else None.
 
-    Sending that Frame shares libzmq's message (a reference count) where sending the array would
-    pin it through pyzmq's zero-copy machinery, whose release wakes pyzmq's garbage-collector
-    thread (and takes the GIL) once per message: echoed and forwarded tensors go out as the frame
-    they came in as. Only a C-ordered view of the whole frame qualifies, so the bytes are the same.
+    pyzmq's send path (the C calls find the message themselves): sending that Frame shares
+    libzmq's message (a reference count) where sending the array would pin it through pyzmq's
+    zero-copy machinery, whose release wakes pyzmq's garbage-collector thread (and takes the GIL)
+    once per message: echoed and forwarded tensors go out as the frame they came in as. Only a C-ordered view of the whole frame qualifies, so the bytes are the same.
     """
     base = buf
     while base.__class__ is _ndarray:
@@ -83,7 +83,7 @@ class Channel:
     ):
         """``copied``: the leading parts of each message received as bytes (routing id, header).
         ``local``: the socket's peers may be in this process (inproc), so their zero-copy buffers
-        may be freed in our calls (see ``zsock_c.c``); False only where every peer is elsewhere."""
+        may be freed in our calls (see ``zsock_c.h``); False only where every peer is elsewhere."""
         self.sock = sock
         self._threshold = sock.copy_threshold
         self._copied = copied

@@ -110,7 +110,7 @@ static void pin_free(void *data, void *hint) {
     Pin *pin = (Pin *)hint;
     pthread_mutex_lock(&PIN_LOCK);
     pin->next = FREED;
-    FREED = pin;
+    __atomic_store_n(&FREED, pin, __ATOMIC_RELEASE); /* collect() peeks without the lock */
     pthread_mutex_unlock(&PIN_LOCK);
 }
 
@@ -120,7 +120,7 @@ void collect(void) {
         return;
     pthread_mutex_lock(&PIN_LOCK);
     Pin *pin = FREED;
-    FREED = NULL;
+    __atomic_store_n(&FREED, NULL, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&PIN_LOCK);
     while (pin != NULL) {
         Pin *next = pin->next;
@@ -131,7 +131,8 @@ void collect(void) {
     }
 }
 
-/* send ``view`` zero-copy, taking it over (released once libzmq is done, or now on failure) */
+/* send ``view`` zero-copy, taking it over: let go at the first collect after libzmq is done with
+   it, or after the send failed */
 int send_pinned(Py_buffer *view, void *sock, int flags) {
     Pin *pin = PyMem_RawMalloc(sizeof *pin);
     if (pin == NULL) {

@@ -214,12 +214,15 @@ static PyObject *zs_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     PyObject *seq = args[2];
     if (!PyList_Check(seq) && !PyTuple_Check(seq))
         return PyLong_FromLong(0);
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < count; i++) {
+    /* a tuple of them: what a buffer export or an array's ``base`` might run cannot change it */
+    PyObject *frames = PyTuple_Check(seq) ? Py_NewRef(seq) : PyList_AsTuple(seq);
+    if (frames == NULL)
+        return NULL;
+    Py_ssize_t count = PyTuple_GET_SIZE(frames), i;
+    int rc = 0;
+    for (i = 0; i < count; i++) {
         int flags = Z_DONTWAIT | (i + 1 < count ? Z_SNDMORE : 0);
-        PyObject *f = items[i];
-        int rc;
+        PyObject *f = PyTuple_GET_ITEM(frames, i);
         if (PyBytes_CheckExact(f)) {
             rc = send_copy(PyBytes_AS_STRING(f), PyBytes_GET_SIZE(f), sock, flags);
         } else if (Py_TYPE(f) == &MsgType) {
@@ -228,7 +231,7 @@ static PyObject *zs_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             Py_buffer view;
             if (PyObject_GetBuffer(f, &view, PyBUF_SIMPLE) < 0) {
                 PyErr_Clear();
-                return PyLong_FromSsize_t(i); /* not a plain buffer: pyzmq's to send or refuse */
+                break; /* not a plain buffer: pyzmq's to send or refuse, from here on */
             }
             if (view.len < threshold) {
                 rc = send_copy(view.buf, view.len, sock, flags);
@@ -244,13 +247,16 @@ static PyObject *zs_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs
                 }
             }
         }
-        if (rc < 0) {
-            if (errno == EAGAIN && i == 0)
-                return PyLong_FromLong(-1);
-            return raise_zmq(errno);
-        }
+        if (rc < 0)
+            break;
     }
-    return PyLong_FromSsize_t(count);
+    Py_DECREF(frames);
+    if (rc < 0) {
+        if (errno == EAGAIN && i == 0)
+            return PyLong_FromLong(-1);
+        return raise_zmq(errno);
+    }
+    return PyLong_FromSsize_t(i);
 }
 
 static PyObject *zs_load(PyObject *self, PyObject *args) {
