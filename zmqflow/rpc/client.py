@@ -245,13 +245,10 @@ class RpcClient:
             return fut
         if peer.batching and state != DOWN:
             coalescer = self._coalescer
-            if coalescer.small(nbytes):
-                now, schedule = coalescer.add(peer, (rid, frames), nbytes + 8 * len(frames))
-                if schedule:  # alone in its tick: out now, the tick ends on the next one
-                    self._loop.call_soon(self._end_tick, peer)
-                    self._send_one(peer, rid, frames, nbytes)
-                elif now is not None:
-                    self._send_group(peer, now)
+            if coalescer.small(nbytes):  # its peer's tick is open (a lone request opened it): held
+                full, _ = coalescer.add(peer, (rid, frames), nbytes + 8 * len(frames))
+                if full is not None:
+                    self._send_group(peer, full)
                 return fut
             held = coalescer.take(peer)
             if held:  # what was made before goes before: a large request never waits for the tick

@@ -104,6 +104,7 @@ class Dedup:
             seen[1] = DONE
         else:  # copies: a reply may view memory the handler goes on changing (a pulled variable)
             seen[1] = tuple([f if f.__class__ is bytes else memoryview(f).tobytes() for f in frames])
+
     def sweep_due(self, now: float) -> bool:
         return now >= self._next_sweep
 

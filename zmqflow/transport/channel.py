@@ -52,7 +52,8 @@ def received_frame(buf: Any) -> Any:
     pyzmq's send path (the C calls find the message themselves): sending that Frame shares
     libzmq's message (a reference count) where sending the array would pin it through pyzmq's
     zero-copy machinery, whose release wakes pyzmq's garbage-collector thread (and takes the GIL)
-    once per message: echoed and forwarded tensors go out as the frame they came in as. Only a C-ordered view of the whole frame qualifies, so the bytes are the same.
+    once per message: echoed and forwarded tensors go out as the frame they came in as. Only a
+    C-ordered view of the whole frame qualifies, so the bytes are the same.
     """
     base = buf
     while base.__class__ is _ndarray:

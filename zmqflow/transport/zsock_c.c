@@ -191,8 +191,10 @@ static PyObject *zs_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 static int send_msg(Msg *m, void *sock, int flags) {
     zmsg out;
     z_msg_init(&out);
-    if (z_msg_copy(&out, &m->msg) < 0)
+    if (z_msg_copy(&out, &m->msg) < 0) {
+        errno = z_errno();
         return -1;
+    }
     return send_out(&out, sock, flags);
 }
 
@@ -250,11 +252,12 @@ static PyObject *zs_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         if (rc < 0)
             break;
     }
+    int err = errno; /* before the tuple goes: its deallocation may touch errno */
     Py_DECREF(frames);
     if (rc < 0) {
-        if (errno == EAGAIN && i == 0)
+        if (err == EAGAIN && i == 0)
             return PyLong_FromLong(-1);
-        return raise_zmq(errno);
+        return raise_zmq(err);
     }
     return PyLong_FromSsize_t(i);
 }
