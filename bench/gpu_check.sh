@@ -3,6 +3,7 @@
 # the tests that skip without a GPU, the GPU allreduce beside gloo on CUDA tensors, and a training
 # step beside DDP.
 # Wheels the machine lacks (pyzmq, msgspec, python-hostlist) may wait in .whl/.
+# CPU_TOO=1 adds the transport and PS benchmarks (quick) on that machine's cores.
 # Usage: bash bench/gpu_check.sh [OUTDIR]   (results and logs go to OUTDIR, default $OUT or /tmp/gpu-check)
 set -uo pipefail
 out=${1:-${OUT:-/tmp/gpu-check}}
@@ -17,6 +18,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
 python3 setup.py -q build_ext --inplace >"$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
 python3 -c "import cupy, torch, numpy, zmq; print('cupy', cupy.__version__, 'torch', torch.__version__, 'numpy', numpy.__version__,
 'pyzmq', zmq.__version__, 'gpus', cupy.cuda.runtime.getDeviceCount(), 'cpus', __import__('os').cpu_count())"
+python3 -c "from zmqflow.transport import sockops; print('C socket calls:', sockops.compiled() or sockops.why_not())"
 echo "== tests"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -rs --timeout 60 tests/test_ring_devices.py tests/test_torch_collectives.py \
     tests/test_torch_optimizer.py 2>&1 | tee "$out/tests.log" | tail -15
@@ -35,3 +37,8 @@ timeout 100 python3 -m zmqflow bench allreduce --vs gloo --ranks 2 --ranks 3 --s
     --json "$out/allreduce_cpu.jsonl" 2>&1 | tail -11
 echo "== a training step on the GPU: DistributedOptimizer (ring) beside DDP over gloo"
 timeout 120 python3 -m zmqflow bench torch --only ddp --device cuda --json "$out/torch_ddp_cuda.jsonl" 2>&1 | tail -5
+if [ -n "${CPU_TOO:-}" ]; then
+    echo "== transport and PS on this machine's CPU cores (quick)"
+    timeout 90 python3 -m zmqflow.bench.transport --quick --sizes 64,1M,16M,64M --json "$out/transport.jsonl" 2>&1 | tail -22
+    timeout 120 python3 -m zmqflow bench ps --quick --json "$out/ps.jsonl" 2>&1 | tail -12
+fi

@@ -164,6 +164,27 @@ def test_copy_into_copies_whatever_it_is_handed(case: str) -> None:
     assert dst.tobytes() == want.tobytes()
 
 
+@pytest.mark.parametrize("case", ["scalar f32", "rows f64", "float16", "int64", "read-only", "strided"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_add_into_has_numpys_bits_or_leaves_the_work_to_numpy(case: str, sign: float) -> None:
+    """A shard's ``assign_add``/``assign_sub``: one C call where it fits, numpy's bits; False
+    with nothing changed where it does not (the caller then runs numpy's in-place add)."""
+    rng = np.random.default_rng(7)
+    dtype = {"rows f64": "float64", "float16": "float16", "int64": "int64"}.get(case, "float32")
+    shape = () if case == "scalar f32" else (6, 5)
+    y = np.asarray(rng.standard_normal(shape) * 100, dtype)  # 0-d arrays, not numpy scalars
+    x = np.asarray(rng.standard_normal(shape) * 100, dtype)
+    if case == "read-only":
+        y.flags.writeable = False
+    if case == "strided":
+        y, x = np.zeros((12, 5), dtype)[::2], x
+    want = y + x if sign > 0 else y - x
+    before = y.copy()
+    fits = kernels is not None and case in ("scalar f32", "rows f64")
+    assert wrappers.add_into(y, x, sign) is fits
+    assert y.tobytes() == (want if fits else before).tobytes()
+
+
 @contextlib.contextmanager
 def _numpy_only() -> Iterator[None]:
     before = wrappers.use_compiled(False)

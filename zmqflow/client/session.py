@@ -85,6 +85,7 @@ class AsyncSession:
         self._closed = False
         self._infos: dict[str, VarInfo] = {}
         self._incarnations: dict[TaskId, str] = {}  # each shard this session used, as it was then
+        self._routes: dict[TaskId, tuple[str, str]] = {}  # task -> (endpoint, name): the spec is fixed once known
 
     @property
     def client(self) -> RpcClient:
@@ -100,10 +101,12 @@ class AsyncSession:
         by default); ``size``: the bytes its reply will carry, when large (``RpcClient.start_call``).
         A shard's NotFound for state it held, from a shard that restarted since this session
         learned of it, is raised as :class:`ShardStateLost` naming the shard."""
-        spec = self._spec or await self.cluster()
+        route = self._routes.get(task)
+        if route is None:
+            spec = self._spec if self._spec is not None else await self.cluster()
+            route = self._routes[task] = (spec.address(task).endpoint, str(task))
         try:
-            return await self.client.call(spec.address(task).endpoint, service, op, body, timeout=timeout, name=str(task),
-                                          size=size)
+            return await self.client.call(route[0], service, op, body, timeout=timeout, name=route[1], size=size)
         except NotFound as exc:
             if service != "ps" or op not in _STATE_OPS:
                 raise

@@ -21,7 +21,7 @@ _kernels = _built  # what the functions call: the modules, or None when not buil
 _folds = _built_fold
 
 __all__ = ["compiled", "use_compiled", "scaled", "sub_scaled", "momentum_step", "adagrad_step", "adam_step",
-           "copy_into", "fold_sum", "STREAM_FROM", "FOLD_STREAM_FROM", "MAX_FOLD"]
+           "copy_into", "fold_sum", "add_into", "STREAM_FROM", "FOLD_STREAM_FROM", "MAX_FOLD"]
 
 _FUSED = (np.dtype(np.float32), np.dtype(np.float64))
 # Copies from this size on stream past the cache: below it the destination may well be read
@@ -85,6 +85,20 @@ def sub_scaled(param: np.ndarray, x: np.ndarray, scale: float) -> None:
         _kernels.axpy(param, x, -scale)
     else:
         param -= scaled(x, scale, param.dtype)
+
+
+def add_into(y: np.ndarray, x: np.ndarray, sign: float) -> bool:
+    """``y += x`` (``sign`` 1.0) or ``y -= x`` (-1.0) in one C call where it fits: float32 or
+    float64, both contiguous, apart (the C call checks, and refuses otherwise); False (nothing
+    done) where not. The caller has checked that ``x`` has ``y``'s shape and dtype. Multiplying by
+    one is exact, so the bits are numpy's; a scalar update skips the ufunc machinery (~1 us)."""
+    if _kernels is None or y.dtype not in _FUSED:
+        return False
+    try:
+        _kernels.axpy(y, x, sign)
+    except (TypeError, ValueError, BufferError):
+        return False
+    return True
 
 
 def momentum_step(param: np.ndarray, grad: np.ndarray, m: np.ndarray, lr: float, mu: float, nesterov: bool) -> bool:

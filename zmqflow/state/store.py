@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -20,12 +20,14 @@ from . import optim as _optim
 from ..errors import InvalidArgument, NotFound, ResourceExhausted, VariableConflict
 from ..wire.dtypes import dtype_from_name
 from .limits import DEFAULT_STATE_LIMITS, StateLimits, check_count, check_variable
+from .kernels import add_into
 from .sparse import unique_sum
 from .sync import SyncState
 
 __all__ = ["Part", "Plan", "ShardStore", "PartKey", "Rows", "Sparse", "build"]
 
 PartKey = tuple[str, int]
+_ASSIGN_MODES = frozenset(("set", "add", "sub"))
 
 
 def part_label(key: PartKey) -> str:
@@ -135,10 +137,10 @@ def build(plan: Plan) -> Part:
     return p
 
 
-@dataclass(frozen=True, slots=True)
-class Rows:
+class Rows(NamedTuple):
     """Rows ``[start, stop)`` of a part and a value of exactly their shape and the part's dtype.
-    Made by :meth:`ShardStore.rows` (checked there, once) or from values already checked."""
+    Made by :meth:`ShardStore.rows` (checked there, once) or from values already checked. A named
+    tuple: made on every write, and a frozen dataclass's ``__init__`` costs several times more."""
 
     part: Part
     start: int
@@ -146,8 +148,7 @@ class Rows:
     value: np.ndarray
 
 
-@dataclass(frozen=True, slots=True)
-class Sparse:
+class Sparse(NamedTuple):
     """Part-local row indices (int64, in range) and one row each, of the part's dtype; made by
     :meth:`ShardStore.sparse` (checked there, once) or from values already checked."""
 
@@ -237,7 +238,7 @@ class ShardStore:
             opt = opt.optimizer
         p = Part(name, int(part), full, (r0, r1), dt, np.empty(0, dt), opt, sync=sync, num_parts=int(num_parts))
         if value is not None:
-            value = _check_array(value, p.part_shape, dt, f"initial value of {p.label}")
+            value = _check_array(value, p.part_shape, dt, "initial value", p)
         init = None if value is not None else _init.from_spec(initializer) if initializer is not None else _init.zeros()
         nbytes = math.prod(p.part_shape) * dt.itemsize * (1 + (len(opt.slot_names) if opt is not None else 0))
         if opt is not None and opt.uses_step:
@@ -310,7 +311,7 @@ class ShardStore:
         p = self.get(name, part)
         a, b = _local_range(p, start, stop)
         shape = p.value.shape if not p.full_shape else (b - a, *p.full_shape[1:])
-        return Rows(p, a, b, _check_array(value, shape, p.dtype, f"{what} of {p.label}"))
+        return Rows(p, a, b, _check_array(value, shape, p.dtype, what, p))
 
     def sparse(self, name: str, part: int, indices: object, rows: object, what: str) -> Sparse:
         """``indices`` (part-local) and ``rows`` checked against the part."""
@@ -325,23 +326,24 @@ class ShardStore:
             bad = int(idx[(idx < 0) | (idx >= p.nrows)][0])
             where = "" if p.num_parts == 1 else f" (rows {p.rows[0]}..{p.rows[1]} of the variable)"
             raise InvalidArgument(f"{label}: index {bad} out of range [0, {p.nrows}){where}")
-        x = _check_array(rows, (len(idx), *p.full_shape[1:]), p.dtype, label)
+        x = _check_array(rows, (len(idx), *p.full_shape[1:]), p.dtype, what, p)
         return Sparse(p, idx.astype(np.int64, copy=False), x)
 
     # writing checked input ----------------------------------------------------------------
     def write(self, r: Rows, mode: str = "set") -> None:
         """Set, add or subtract checked rows."""
-        if mode not in ("set", "add", "sub"):
+        if mode not in _ASSIGN_MODES:
             raise InvalidArgument(f"unknown assign mode {mode!r}")
         p = r.part
         p.own()
         target = p.value if not p.full_shape else p.value[r.start:r.stop]
         if mode == "set":
             target[...] = r.value
-        elif mode == "add":
-            target += r.value
-        else:
-            target -= r.value
+        elif not add_into(target, r.value, 1.0 if mode == "add" else -1.0):
+            if mode == "add":
+                target += r.value
+            else:
+                target -= r.value
 
     def write_sparse(self, s: Sparse, mode: str = "add") -> None:
         """Rows by index: ``add`` sums duplicates; ``update`` keeps the last."""
@@ -445,13 +447,16 @@ def _local_range(p: Part, start: int | None, stop: int | None) -> tuple[int, int
     return a, b
 
 
-def _check_array(x: object, shape: tuple[int, ...], dtype: np.dtype, what: str) -> np.ndarray:
+def _check_array(x: object, shape: tuple[int, ...], dtype: np.dtype, what: str, p: Part) -> np.ndarray:
+    """``x`` as ``what`` of part ``p`` (named in the error, formatted only then)."""
+    if x.__class__ is np.ndarray and x.dtype == dtype and x.shape == shape:  # type: ignore[attr-defined]
+        return x  # type: ignore[return-value]
     if not isinstance(x, np.ndarray):
-        raise InvalidArgument(f"{what}: expected an array of shape {list(shape)} {dtype}, got {type(x).__name__}")
+        raise InvalidArgument(f"{what} of {p.label}: expected an array of shape {list(shape)} {dtype}, got {type(x).__name__}")
     if x.dtype != dtype:
-        raise InvalidArgument(f"{what}: expected dtype {dtype}, got {x.dtype}")
+        raise InvalidArgument(f"{what} of {p.label}: expected dtype {dtype}, got {x.dtype}")
     if tuple(x.shape) != tuple(shape):
         if math.prod(x.shape) == math.prod(shape) and x.size == 0:
             return x.reshape(shape)
-        raise InvalidArgument(f"{what}: expected shape {list(shape)}, got {list(x.shape)}")
+        raise InvalidArgument(f"{what} of {p.label}: expected shape {list(shape)}, got {list(x.shape)}")
     return x

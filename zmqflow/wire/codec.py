@@ -4,8 +4,8 @@ Sans-IO: frames in, frames out. Arrays anywhere in a message body are replaced i
 by an extension reference (ext type 1, a 4-byte index) into the header's tensor table ``t``,
 whose entries ``[dtype, shape, frame]`` describe the raw frames that follow. Decoding checks
 the version first, then every type, count and size, before it builds a single array; arrays are
-rebuilt with ``np.frombuffer`` on the received frame, so they share its memory. Nothing here is
-ever pickled. ``protocol/SPEC.md`` is the normative description.
+rebuilt over the received frame (``np.ndarray(shape, dtype, frame)``), so they share its memory.
+Nothing here is ever pickled. ``protocol/SPEC.md`` is the normative description.
 
 Requests and replies of plain data take a compiled path where it is built (``codec_c.c``): one
 call each way, byte for byte the same frames and the same checks; whatever it does not take (an
@@ -370,8 +370,7 @@ def _tensors(table: object, frames: Sequence[Any], limits: Limits, rid: int, kin
                 f"tensor {i}: {name}{tuple(shape)} needs {expected} bytes but its frame has {nbytes}", request_id=rid, kind=kind
             )
         try:
-            arr = np.frombuffer(view, dtype=dtype)
-            arrays.append(arr if len(shape) == 1 else arr.reshape(shape))  # 1-d: frombuffer's shape already
+            arrays.append(np.ndarray(shape, dtype, view))  # over the frame's memory, read-only where it is
         except ValueError:  # an empty shape whose other dimensions overflow numpy's index type
             raise DecodeError(f"tensor {i}: shape {shape!r} is too large", request_id=rid, kind=kind) from None
     return arrays
@@ -448,7 +447,7 @@ except ImportError:  # built without a C compiler: everything runs above
 if VERSION != 1:  # codec_c.c reads and writes version 1 only
     _built = None
 if _built is not None:
-    _built.configure(REQUEST, REPLY, Message, np.frombuffer, _LOADED_DTYPES, np.ndarray, msgpack.ExtType, _extract,
+    _built.configure(REQUEST, REPLY, Message, _LOADED_DTYPES, np.ndarray, msgpack.ExtType, _extract,
                      _wire_buffer, _Struct, struct_layout, REQUIRED)
 _fast = _built  # what encode and decode try first: the module, or None when not built or turned off
 

@@ -1,9 +1,9 @@
 /* The codec's common case in C: a request or reply packed, or read and checked, in one call.
 
-   configure(request, reply, message, frombuffer, dtypes, ndarray, ext_type, extract, wire_buffer,
+   configure(request, reply, message, dtypes, ndarray, ext_type, extract, wire_buffer,
              struct, struct_layout, required)
-       once, from zmqflow/wire/codec.py: the kinds, the Message class, np.frombuffer, the wire
-       dtypes by name (a live dict), np.ndarray, msgpack.ExtType, the codec's own _extract and
+       once, from zmqflow/wire/codec.py: the kinds, the Message class, the wire dtypes by name (a
+       live dict), np.ndarray (which also builds each received array over its frame), msgpack.ExtType, the codec's own _extract and
        _wire_buffer for what is not plain data, msgspec.Struct and the codec's description of a
        struct's fields (a declared request goes out as the map of its fields that are not their
        defaults, an item as the list of its fields).
@@ -24,22 +24,22 @@
 
 #include "codec_c.h"
 
-PyObject *K_REQ, *K_REP, *MESSAGE, *FROMBUFFER, *DTYPES, *NDARRAY, *EXTTYPE, *EXTRACT, *WIRE_BUFFER;
+PyObject *K_REQ, *K_REP, *MESSAGE, *DTYPES, *NDARRAY, *EXTTYPE, *EXTRACT, *WIRE_BUFFER;
 PyObject *STRUCT, *LAYOUT, *REQUIRED, *LAYOUTS;  /* msgspec.Struct, the codec's _struct_layout, its cache */
-PyObject *EMPTY, *S_ITEMSIZE, *S_RESHAPE, *S_SHAPE;
+PyObject *EMPTY, *S_ITEMSIZE, *S_SHAPE;
 
 static PyObject *configure(PyObject *self, PyObject *args) {
-    PyObject *o[12];
-    if (!PyArg_ParseTuple(args, "UUOOO!OOOOOOO", &o[0], &o[1], &o[2], &o[3], &PyDict_Type, &o[4], &o[5], &o[6], &o[7],
-                          &o[8], &o[9], &o[10], &o[11]))
+    PyObject *o[11];
+    if (!PyArg_ParseTuple(args, "UUOO!OOOOOOO", &o[0], &o[1], &o[2], &PyDict_Type, &o[3], &o[4], &o[5], &o[6], &o[7],
+                          &o[8], &o[9], &o[10]))
         return NULL;
-    PyObject **slots[12] = {&K_REQ, &K_REP, &MESSAGE, &FROMBUFFER, &DTYPES, &NDARRAY, &EXTTYPE, &EXTRACT, &WIRE_BUFFER,
+    PyObject **slots[11] = {&K_REQ, &K_REP, &MESSAGE, &DTYPES, &NDARRAY, &EXTTYPE, &EXTRACT, &WIRE_BUFFER,
                             &STRUCT, &LAYOUT, &REQUIRED};
     PyObject *cache = PyDict_New();
     if (cache == NULL)
         return NULL;
     Py_XSETREF(LAYOUTS, cache);
-    for (int i = 0; i < 12; i++) {
+    for (int i = 0; i < 11; i++) {
         Py_INCREF(o[i]);
         Py_XSETREF(*slots[i], o[i]);
     }
@@ -60,9 +60,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "codec_c", NULL, -1, 
 PyMODINIT_FUNC PyInit_codec_c(void) {
     EMPTY = PyUnicode_FromString("");
     S_ITEMSIZE = PyUnicode_InternFromString("itemsize");
-    S_RESHAPE = PyUnicode_InternFromString("reshape");
     S_SHAPE = PyUnicode_InternFromString("shape");
-    if (EMPTY == NULL || S_ITEMSIZE == NULL || S_RESHAPE == NULL || S_SHAPE == NULL)
+    if (EMPTY == NULL || S_ITEMSIZE == NULL || S_SHAPE == NULL)
         return NULL;
     return PyModule_Create(&module);
 }

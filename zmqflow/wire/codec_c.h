@@ -22,9 +22,9 @@
 #define MAX_NAME 128
 
 /* set once by configure(): see codec_c.c */
-extern ZFC_HIDDEN PyObject *K_REQ, *K_REP, *MESSAGE, *FROMBUFFER, *DTYPES, *NDARRAY, *EXTTYPE, *EXTRACT, *WIRE_BUFFER;
+extern ZFC_HIDDEN PyObject *K_REQ, *K_REP, *MESSAGE, *DTYPES, *NDARRAY, *EXTTYPE, *EXTRACT, *WIRE_BUFFER;
 extern ZFC_HIDDEN PyObject *STRUCT, *LAYOUT, *REQUIRED, *LAYOUTS;
-extern ZFC_HIDDEN PyObject *EMPTY, *S_ITEMSIZE, *S_RESHAPE, *S_SHAPE;
+extern ZFC_HIDDEN PyObject *EMPTY, *S_ITEMSIZE, *S_SHAPE;
 
 ZFC_HIDDEN PyObject *codec_encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs);  /* codec_write.c */
 ZFC_HIDDEN PyObject *codec_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs);  /* codec_read.c */

@@ -291,11 +291,9 @@ static PyObject *r_tensors(PyObject *table, PyObject *frames, Py_ssize_t nframes
         total += nbytes;
         if (nbytes > lim->frame_bytes || total > lim->message_bytes || nbytes != expected)
             goto fail;
-        PyObject *mv = PyMemoryView_FromObject(frame);
-        PyObject *arr = mv == NULL ? NULL : PyObject_CallFunctionObjArgs(FROMBUFFER, mv, dtype, NULL);
-        Py_XDECREF(mv);
-        if (arr != NULL && PyList_GET_SIZE(shape) != 1)
-            Py_SETREF(arr, PyObject_CallMethodOneArg(arr, S_RESHAPE, shape));
+        /* ndarray(shape, dtype, frame): one call where frombuffer and a reshape took three, the
+           frame itself its base (read-only when the frame is) */
+        PyObject *arr = PyObject_CallFunctionObjArgs(NDARRAY, shape, dtype, frame, NULL);
         if (arr == NULL)
             goto fail;
         PyList_SET_ITEM(arrays, i, arr);
