@@ -205,6 +205,12 @@ def test_bad_input_changes_nothing():
                     await sess.call("ps", "scatter", {"name": "v", "part": 1, "indices": np.array([7]),
                                                       "rows": np.ones((1, 2), np.float32)}, task="ps:1")
                 np.testing.assert_array_equal(await v.read(), before)
+                small = await sess.variable("small", 5, dtype="int8")
+                for bad in (300, 2**80, "x"):  # a python value the dtype cannot hold: named, nothing sent
+                    with pytest.raises(errors.InvalidArgument, match="value of 'small': cannot be held as int8"):
+                        await small.assign_add(bad)
+                await small.assign_sub(2)  # the scalar fast path
+                assert (await small.read()) == 3 and (await small.read()).dtype == np.int8
 
     arun(main())
 

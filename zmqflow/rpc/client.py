@@ -189,10 +189,15 @@ class RpcClient:
         name: str | None = None,
         size: int = 0,
     ) -> "asyncio.Future[Any]":
-        """Call ``service.op`` on the task at ``endpoint``: await the result. The request goes out
-        now (a future, not a coroutine: one frame less on every call), and an argument it refuses
-        raises here."""
-        return self.start_call(endpoint, service, op, body, timeout=timeout, name=name, size=size)
+        """Call ``service.op`` on the task at ``endpoint``: await the result. A future, not a
+        coroutine (one frame less on every call): the request goes out now, and what refuses it
+        (a bad argument, a closed client) is raised where it is awaited, as from a coroutine."""
+        try:
+            return self.start_call(endpoint, service, op, body, timeout=timeout, name=name, size=size)
+        except Exception as exc:
+            failed = self._loop.create_future()
+            failed.set_exception(exc)
+            return failed
 
     def start_call(
         self,
