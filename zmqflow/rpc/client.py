@@ -40,7 +40,7 @@ from ..transport import registry
 from ..transport.base import AUTH_FAILED, CONNECTING, DOWN, UP, SendFailed, Transport
 from ..transport.curve import Keys
 from ..transport.options import DEFAULT_OPTIONS, SocketOptions
-from ..wire import ERROR, REPLY, REQUEST, DecodeError, Limits, Message, decode, encode, raise_error
+from ..wire import ERROR, REPLY, REQUEST, DecodeError, Limits, Message, decode, encode_request, raise_error
 from ..wire.batch import batch_id, decode_batch, encode_batch
 from ..wire.codec import DEFAULT_LIMITS
 from .calls import Peer, Pending, protocol_error, unauthenticated, unreachable
@@ -89,7 +89,7 @@ class RpcClient:
         self.source = keys.name if keys is not None and keys.pinned else source
         self.limits = limits
         self.options = options
-        self.default_timeout = default_timeout
+        self.default_timeout = float(default_timeout)  # a float, as the compiled encoder takes a deadline
         self.counters = counters if counters is not None else Counters()
         self._loop = loop or asyncio.get_running_loop()
         # chosen now, so a client made inside ``registry.use`` keeps that transport for good
@@ -116,7 +116,7 @@ class RpcClient:
     # connections ------------------------------------------------------------------------
     def peer(self, endpoint: str, name: str | None = None, stream: int = 0) -> Peer:
         """The pooled connection to ``endpoint`` (its ``stream``-th: see :mod:`.streams`), opened on first use."""
-        key = Streams.key(endpoint, stream)
+        key = endpoint if stream == 0 else Streams.key(endpoint, stream)  # the first stream's key: no call
         found = self._peers.get(key)
         if found is not None:
             return found
@@ -218,7 +218,7 @@ class RpcClient:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
         peer = self.peer(endpoint, name)
         rid = next(self._ids)
-        frames = encode(Message(REQUEST, rid, service, op, body, timeout, self.source))
+        frames = encode_request(rid, service, op, body, timeout, self.source)
         nbytes = frames_nbytes(frames)
         if self._streams.count > 1 and (k := self._streams.pick(endpoint, max(size, nbytes))):
             peer = self.peer(endpoint, name, k)

@@ -12,7 +12,13 @@ def frames_nbytes(frames: Any) -> int:
     """Bytes in outgoing frames: bytes headers and array (or memoryview) payloads."""
     n = 0
     for f in frames:  # a loop: twice as fast as sum() over a list for the usual two or three frames
-        n += len(f) if f.__class__ is bytes else f.nbytes if hasattr(f, "nbytes") else len(f)
+        if f.__class__ is bytes:
+            n += len(f)
+        else:
+            try:
+                n += f.nbytes  # arrays and memoryviews
+            except AttributeError:  # received frames and messages: their length is their bytes
+                n += len(f)
     return n
 
 

@@ -34,7 +34,7 @@ from ..transport import registry
 from ..transport.base import Listener, SendFailed, Transport
 from ..transport.curve import Keys
 from ..transport.options import DEFAULT_OPTIONS, SocketOptions
-from ..wire import REPLY, REQUEST, DecodeError, Limits, Message, decode, encode, error_message
+from ..wire import REPLY, REQUEST, DecodeError, Limits, Message, decode, encode, encode_reply, error_message
 from ..wire.batch import BATCH, DEFAULT_BATCH_LIMITS, BatchLimits, batch_id, decode_batch, encode_batch
 from ..wire.codec import DEFAULT_LIMITS
 from .coalesce import Coalescer
@@ -216,7 +216,7 @@ class RpcServer:
             self._in_flight[identity] = in_flight + 1
             task.add_done_callback(lambda t: self._done(t, identity))
         else:
-            self._reply(identity, Message(REPLY, msg.id, "", "", result), reply_by)
+            self._reply(identity, msg.id, result, reply_by)
             if metrics is not None:
                 metrics.request(msg.service, msg.op, self._loop.time() - now)
 
@@ -256,7 +256,7 @@ class RpcServer:
         except Exception as exc:
             self._reply_error(identity, rid, exc, reply_by)
             return
-        self._reply(identity, Message(REPLY, rid, body=result), reply_by)
+        self._reply(identity, rid, result, reply_by)
 
     def _replay(self, identity: bytes, msg: Message, seen: object) -> None:
         """Answer a duplicate from the record: nothing while its handler runs, else the kept reply."""
@@ -267,7 +267,8 @@ class RpcServer:
             exc = ResourceExhausted(
                 f"{msg.service}.{msg.op} request {msg.id} already ran on {self.name}; its reply was too large to keep "
                 "for a retry, so this duplicate is not answered with it")
-            self._reply(identity, error_message(msg.id, exc, source=self.name), reply_by, record=False)
+            error = error_message(msg.id, exc, source=self.name)
+            self._reply(identity, msg.id, None, reply_by, error=error, record=False)
         else:
             self._send([identity, *seen], msg.id, reply_by)  # type: ignore[misc]
 
@@ -277,20 +278,23 @@ class RpcServer:
         if not isinstance(exc, ZmqflowError):  # a bug, not a refusal: its traceback stays here unless debugging
             log.warning("%s: request %d failed: %s: %s", self.name, rid, type(exc).__name__, exc, exc_info=exc)
             note_error(f"{self.name}: a request failed: {type(exc).__name__}: {exc}")
-        self._reply(identity, error_message(rid, exc, source=self.name, with_traceback=self.debug), deadline)
+        error = error_message(rid, exc, source=self.name, with_traceback=self.debug)
+        self._reply(identity, rid, None, deadline, error=error)
 
-    def _reply(self, identity: bytes, msg: Message, deadline: float | None, *, record: bool = True) -> None:
+    def _reply(self, identity: bytes, rid: int, result: Any, deadline: float | None, *, error: Message | None = None,
+               record: bool = True) -> None:
+        """Answer request ``rid`` with ``result``, or with ``error`` (an error message) when given."""
         if self._listener is None:
             return
         try:  # a listener closed meanwhile sends nothing (_send_now looks)
-            frames = [identity, *encode(msg)]
+            frames = [identity, *(encode_reply(rid, result) if error is None else encode(error))]
         except Exception as exc:  # a result that cannot be encoded is the handler's error
             self.counters.errors += 1
-            frames = [identity, *encode(error_message(msg.id, exc, source=self.name, with_traceback=self.debug))]
+            frames = [identity, *encode(error_message(rid, exc, source=self.name, with_traceback=self.debug))]
         nbytes = frames_nbytes(frames)  # once: for the record and the counters
-        self._send(frames, msg.id, deadline, nbytes)
+        self._send(frames, rid, deadline, nbytes)
         if record:  # after the send, off the reply's path: nothing runs between them to change its bytes
-            self.dedup.finish(identity, msg.id, frames[1:], nbytes - len(identity))
+            self.dedup.finish(identity, rid, frames[1:], nbytes - len(identity))
 
     def _send(self, frames: list[Any], rid: int, deadline: float | None, nbytes: int | None = None) -> None:
         identity = frames[0]

@@ -107,8 +107,7 @@ class Op:
         fn = self.fn
         validate = self.validate
         if validate is not None:
-            req = validate(body)
-            return lambda: fn(ctx, req)
+            return functools.partial(fn, ctx, validate(body))  # a partial: no Python frame of its own
         if body is None:
             body = {}
         if not isinstance(body, dict):

@@ -440,6 +440,8 @@ def _rows(rows: object, full: tuple[int, ...], var: str) -> tuple[int, int]:
 
 
 def _local_range(p: Part, start: int | None, stop: int | None) -> tuple[int, int]:
+    if start is None and stop is None:  # the whole part (a scalar's one item)
+        return 0, p.rows[1] - p.rows[0]
     a = 0 if start is None else start
     b = p.nrows if stop is None else stop
     if not (isinstance(a, int) and isinstance(b, int) and 0 <= a <= b <= max(p.nrows, 0)):

@@ -150,7 +150,9 @@ class Channel:
             return
         if frames is not None:
             self._deliver(frames)
-        self._schedule_check()
+        if not self._check_pending and not self._closed:  # _schedule_check, inline: once per message
+            self._check_pending = True
+            self._loop.call_soon(self._check)
 
     def _look(self) -> bool:
         """Read ``EVENTS``: note room to send; True when input is waiting."""
@@ -247,8 +249,9 @@ class Channel:
         # A send may swallow the FD's edge for input that arrived meanwhile: look at EVENTS once
         # before the loop sleeps again, not after every send (a pipelined burst sends hundreds).
         # A drain under way looks by itself: its next receive processes whatever the send hid.
-        if not self._draining:
-            self._schedule_check()
+        if not self._draining and not self._check_pending:  # _schedule_check, inline: once per message
+            self._check_pending = True
+            self._loop.call_soon(self._check)
         return True
 
     def _refused(self) -> bool:

@@ -10,6 +10,8 @@ from .codec import (
     Message,
     decode,
     encode,
+    encode_reply,
+    encode_request,
 )
 from .error_data import error_message, raise_error
 
@@ -23,6 +25,8 @@ __all__ = [
     "Message",
     "decode",
     "encode",
+    "encode_reply",
+    "encode_request",
     "error_message",
     "raise_error",
 ]

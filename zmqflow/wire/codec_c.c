@@ -3,10 +3,11 @@
    configure(request, reply, message, dtypes, ndarray, ext_type, extract, wire_buffer,
              struct, struct_layout, required)
        once, from zmqflow/wire/codec.py: the kinds, the Message class, the wire dtypes by name (a
-       live dict), np.ndarray (which also builds each received array over its frame), msgpack.ExtType, the codec's own _extract and
-       _wire_buffer for what is not plain data, msgspec.Struct and the codec's description of a
-       struct's fields (a declared request goes out as the map of its fields that are not their
-       defaults, an item as the list of its fields).
+       live dict), np.ndarray (which also builds each received array over its frame),
+       msgpack.ExtType, the codec's own _extract and _wire_buffer for what is not plain data,
+       msgspec.Struct and the codec's description of a struct's fields (a declared request goes
+       out as the map of its fields that are not their defaults, an item as the list of its
+       fields).
    encode(request, id, service, op, deadline, source, body)   -> [header, buffers...] | None
    decode(frames, limits)                                      -> Message | None
 
