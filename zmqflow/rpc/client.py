@@ -225,8 +225,9 @@ class RpcClient:
         state = peer.state
         # the common case goes out first and is recorded after: nothing can answer it before this
         # returns to the loop, and the reply's trip starts a few microseconds sooner
-        lone = ((state is UP or state is CONNECTING) and peer.batching and self._coalescer.small(nbytes)
-                and self._coalescer.hold(peer))
+        coalescer = self._coalescer
+        lone = ((state is UP or state is CONNECTING) and peer.batching and nbytes <= coalescer.small_bytes
+                and coalescer.hold(peer))
         if lone:  # alone in its tick (which it opens): out now
             self._loop.call_soon(self._end_tick, peer)  # the tick this request opened ends on the next one
             sent = peer.conn.try_send(frames)
@@ -243,7 +244,9 @@ class RpcClient:
         if lone:
             if sent:
                 pending.sent = True
-                self._count_out(frames, nbytes)
+                counters = self.counters  # _count_out, inline: every lone call passes here
+                counters.msgs_out += 1
+                counters.bytes_out += nbytes
             else:  # no room now: wait for it
                 self._send_one(peer, rid, frames, nbytes)
             return fut

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from ..wire.codec import compiled_module
 
 __all__ = ["Counters", "frames_nbytes"]
 
 
-def frames_nbytes(frames: Any) -> int:
+def _frames_nbytes(frames: Any) -> int:
     """Bytes in outgoing frames: bytes headers and array (or memoryview) payloads."""
     n = 0
     for f in frames:  # a loop: twice as fast as sum() over a list for the usual two or three frames
@@ -20,6 +23,11 @@ def frames_nbytes(frames: Any) -> int:
             except AttributeError:  # received frames and messages: their length is their bytes
                 n += len(f)
     return n
+
+
+_built = compiled_module()
+# one C call where the codec was compiled (the same count: codec_c.c's nbytes), else the loop above
+frames_nbytes: Callable[[Any], int] = _built.nbytes if _built is not None else _frames_nbytes
 
 
 @dataclass(slots=True)

@@ -469,7 +469,7 @@ except ImportError:  # built without a C compiler: everything runs above
 if VERSION != 1:  # codec_c.c reads and writes version 1 only
     _built = None
 if _built is not None:
-    _built.configure(REQUEST, REPLY, Message, _LOADED_DTYPES, np.ndarray, msgpack.ExtType, _extract,
+    _built.configure(REQUEST, REPLY, Message, _LOADED_DTYPES, AS_IS, np.ndarray, msgpack.ExtType, _extract,
                      _wire_buffer, _Struct, struct_layout, REQUIRED)
 _fast = _built  # what encode and decode try first: the module, or None when not built or turned off
 

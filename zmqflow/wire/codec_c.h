@@ -22,9 +22,13 @@
 #define MAX_NAME 128
 
 /* set once by configure(): see codec_c.c */
-extern ZFC_HIDDEN PyObject *K_REQ, *K_REP, *MESSAGE, *DTYPES, *NDARRAY, *EXTTYPE, *EXTRACT, *WIRE_BUFFER;
+extern ZFC_HIDDEN PyObject *K_REQ, *K_REP, *MESSAGE, *DTYPES, *AS_IS, *NDARRAY, *EXTTYPE, *EXTRACT, *WIRE_BUFFER;
 extern ZFC_HIDDEN PyObject *STRUCT, *LAYOUT, *REQUIRED, *LAYOUTS;
-extern ZFC_HIDDEN PyObject *EMPTY, *S_ITEMSIZE, *S_SHAPE;
+extern ZFC_HIDDEN PyObject *EMPTY, *S_ITEMSIZE, *S_SHAPE, *S_DTYPE;
+/* the Message class's slot descriptors, in its fields' order (kind, id, service, op, body,
+   deadline, source, error); MSG_FIELDS[0] NULL when the class has no such slots */
+#define MSG_NFIELDS 8
+extern ZFC_HIDDEN PyObject *MSG_FIELDS[MSG_NFIELDS];
 
 ZFC_HIDDEN PyObject *codec_encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs);  /* codec_write.c */
 ZFC_HIDDEN PyObject *codec_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs);  /* codec_read.c */

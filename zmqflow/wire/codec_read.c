@@ -304,6 +304,25 @@ fail:
     return NULL;
 }
 
+/* a Message of ``values`` (its fields in order): its slots set on a new instance, without its
+   Python __init__; the class called where its slots were not found */
+static PyObject *new_message(PyObject **values) {
+    if (MSG_FIELDS[0] == NULL)
+        return PyObject_CallFunctionObjArgs(MESSAGE, values[0], values[1], values[2], values[3], values[4], values[5],
+                                            values[6], NULL);
+    PyTypeObject *t = (PyTypeObject *)MESSAGE;
+    PyObject *m = t->tp_alloc(t, 0);
+    if (m == NULL)
+        return NULL;
+    for (int i = 0; i < MSG_NFIELDS; i++) {
+        if (Py_TYPE(MSG_FIELDS[i])->tp_descr_set(MSG_FIELDS[i], m, values[i]) < 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
+    }
+    return m;
+}
+
 /* every reference replaced by its array; each array referenced at least once */
 static int resolve(R *r, PyObject *arrays, PyObject **body) {
     Py_ssize_t n = PyList_GET_SIZE(arrays);
@@ -392,8 +411,9 @@ PyObject *codec_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     }
     PyObject *none = Py_None;
     PyObject *dlv = request && got[F_DL] != NULL ? got[F_DL] : none;
-    out = PyObject_CallFunctionObjArgs(MESSAGE, request ? K_REQ : K_REP, id, request ? got[F_SVC] : EMPTY,
-                                       request ? got[F_OP] : EMPTY, body, dlv, src != NULL ? src : EMPTY, NULL);
+    PyObject *values[MSG_NFIELDS] = {request ? K_REQ : K_REP, id, request ? got[F_SVC] : EMPTY,
+                                     request ? got[F_OP] : EMPTY, body, dlv, src != NULL ? src : EMPTY, none};
+    out = new_message(values);
     Py_DECREF(body);
 done:
     PyBuffer_Release(&hv);

@@ -278,6 +278,25 @@ static int w_key(W *w, const char *key) {
     return w_tag(w, (unsigned char)(0xa0 | n), 0, 0) || w_put(w, key, (Py_ssize_t)n);
 }
 
+/* (arr, wire name) for an ndarray sent as it is (C-ordered, of a dtype in AS_IS): what the codec's
+   _wire_buffer answers for it, without the call; NULL without an error for anything else */
+static PyObject *as_is(PyObject *arr) {
+    if (Py_TYPE(arr) != (PyTypeObject *)NDARRAY)
+        return NULL;
+    PyObject *dt = PyObject_GetAttr(arr, S_DTYPE);
+    PyObject *name = dt == NULL ? NULL : PyDict_GetItemWithError(AS_IS, dt);  /* borrowed */
+    Py_XDECREF(dt);
+    if (name == NULL)
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(arr, &view, PyBUF_C_CONTIGUOUS) < 0) {  /* not C-ordered: _wire_buffer copies */
+        PyErr_Clear();
+        return NULL;
+    }
+    PyBuffer_Release(&view);
+    return PyTuple_Pack(2, arr, name);
+}
+
 /* the tensor table [[dtype, shape, frame], ...], and each array's buffer appended to ``frames`` */
 static int w_table(W *w, PyObject *arrays, PyObject *frames) {
     Py_ssize_t n = PyList_GET_SIZE(arrays);
@@ -285,7 +304,9 @@ static int w_table(W *w, PyObject *arrays, PyObject *frames) {
         return -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *arr = PyList_GET_ITEM(arrays, i);
-        PyObject *pair = PyObject_CallOneArg(WIRE_BUFFER, arr);
+        PyObject *pair = as_is(arr);
+        if (pair == NULL && !PyErr_Occurred())
+            pair = PyObject_CallOneArg(WIRE_BUFFER, arr);
         if (pair == NULL)
             return -1;
         PyObject *shape = PyObject_GetAttr(arr, S_SHAPE);
