@@ -216,7 +216,9 @@ class RpcClient:
         timeout = self.default_timeout if timeout is None else float(timeout)
         if not timeout > 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
-        peer = self.peer(endpoint, name)
+        peer = self._peers.get(endpoint)  # the first stream's key is the endpoint
+        if peer is None:
+            peer = self.peer(endpoint, name)
         rid = next(self._ids)
         frames = encode_request(rid, service, op, body, timeout, self.source)
         nbytes = frames_nbytes(frames)
@@ -404,7 +406,10 @@ class RpcClient:
             else:
                 self._undecodable(peer, exc)
             return
-        self._on_message(peer, msg)
+        if msg.kind == REPLY and msg.id in self._pending:  # _on_message's common case, without the call
+            self._finish(msg.id, result=msg.body)
+        else:
+            self._on_message(peer, msg)
 
     def _on_batch(self, peer: Peer, frames: list[Any]) -> None:
         """Replies that came in one envelope: each is read and matched on its own."""
