@@ -161,6 +161,33 @@ def test_a_deep_request_is_answered_not_dropped():
     arun(main())
 
 
+def test_a_message_of_very_many_parts_is_refused_and_the_server_serves_on():
+    """libzmq caps a part's size, not a message's part count: 20,000 empty parts are read, the
+    parts past the codec's frame limit dropped without an object each, and the request is refused
+    naming the limit (the count it gives is where the channel cut: the frames the codec saw)."""
+    async def main():
+        async with local_cluster({"worker": 1}, timeout=10, transport="tcp") as servers:
+            server = servers["worker:0"]
+            assert server.options.max_msg_parts == wire.codec.DEFAULT_LIMITS.max_frames + 2
+            sock = context().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, 5000)
+            sock.connect(server.target)
+            loop = asyncio.get_running_loop()
+            try:
+                header = wire.encode(wire.Message(wire.REQUEST, 31, "worker", "ping", {}))[0]
+                sock.send_multipart([header, *([b""] * 20_000)])
+                reply = wire.decode(await loop.run_in_executor(None, sock.recv_multipart))
+                assert reply.kind == wire.ERROR and reply.id == 31 and reply.error["code"] == "RESOURCE_EXHAUSTED"
+                assert "4097 frames exceed the limit of 4096" in reply.error["message"]
+                sock.send_multipart(wire.encode(wire.Message(wire.REQUEST, 32, "worker", "ping", {})))
+                assert wire.decode(await loop.run_in_executor(None, sock.recv_multipart)).kind == wire.REPLY
+            finally:
+                sock.close(0)
+
+    arun(main())
+
+
 def test_the_router_caps_frames_a_bit_over_the_codec_limit():
     async def main():
         lim = ServerLimits(max_frame_bytes=1 << 20)

@@ -209,6 +209,24 @@ def test_a_send_that_swallows_the_fd_edge_does_not_lose_the_reply(transport):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_message_of_very_many_parts_is_cut_at_max_parts_and_the_next_arrives_whole(transport):
+    """The parts past the channel's cap are read and dropped (on both receive paths); what comes
+    in after is untouched."""
+    got: asyncio.Queue[list[Any]] = asyncio.Queue()
+
+    async def main():
+        async with _pair(transport, lambda _l, frames: got.put_nowait(frames), lambda _f: None) as (_listener, conn):
+            assert conn.try_send([b"many", *([b""] * 10_000), b"last"])
+            assert conn.try_send([b"next", b"x"])
+            first = await asyncio.wait_for(got.get(), 10)
+            assert len(first) == DEFAULT_OPTIONS.max_msg_parts and first[:2] == [b"client-1", b"many"]
+            second = await asyncio.wait_for(got.get(), 10)
+            assert second[:2] == [b"client-1", b"next"] and bytes(second[2]) == b"x"
+
+    arun(main())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_an_echoed_tensor_goes_back_as_the_frame_it_came_in_as(transport):
     """A 1 MiB tensor echoed as a view of its received frame comes back intact; over inproc the
     reply shares the very memory the client sent (no copy anywhere on the path)."""

@@ -138,11 +138,28 @@ def test_a_refused_first_part_sends_nothing_and_an_unroutable_one_raises(ops):
         router.close(0)
 
 
+def test_parts_past_max_parts_are_read_and_dropped(ops, pair):
+    """A message of very many parts: the first max_parts come back, the rest leave the socket
+    without an object each, and the next message arrives whole."""
+    router, dealer = pair
+    dealer.send_multipart([b"many", *([b""] * 5000), b"last"])
+    dealer.send_multipart([b"next", b"x"])
+    frames = ops.recv(router.underlying, 2, True, 4)
+    assert frames[:2] == [b"dealer-1", b"many"] and len(frames) == 4
+    nxt = ops.recv(router.underlying, 2, True, 4)
+    assert nxt[:2] == [b"dealer-1", b"next"] and len(nxt) == 3 and nxt[2].bytes == b"x"
+    assert ops.recv(router.underlying, 2, True, 4) is None
+
+
 def test_bad_arguments_raise_instead_of_touching_memory(ops):
     with pytest.raises(ValueError, match="NULL"):
         ops.recv(0, 1, True)
     with pytest.raises(TypeError):
         ops.recv(1, 1)
+    with pytest.raises(TypeError):
+        ops.recv(1, 1, True, 4, 5)
+    with pytest.raises(ValueError, match="max_parts"):
+        ops.recv(1, 1, True, 0)
     with pytest.raises(TypeError):
         ops.send(1, [b"x"])
     with pytest.raises(ValueError, match="NULL"):

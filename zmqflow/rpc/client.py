@@ -28,6 +28,7 @@ the fault injector's rules read each message's op, so over it requests always go
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import logging
@@ -88,6 +89,8 @@ class RpcClient:
         # with a key that names this process, the server takes that name and refuses any other
         self.source = keys.name if keys is not None and keys.pinned else source
         self.limits = limits
+        if options.max_msg_parts < limits.max_frames + 1:  # a reply the codec takes is never cut
+            options = dataclasses.replace(options, max_msg_parts=limits.max_frames + 1)
         self.options = options
         self.default_timeout = float(default_timeout)  # a float, as the compiled encoder takes a deadline
         self.counters = counters if counters is not None else Counters()

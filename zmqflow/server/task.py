@@ -99,6 +99,8 @@ class AsyncServer:
         self.debug = debug  # error replies carry tracebacks only then
         if options.router_max_msg_bytes == DEFAULT_OPTIONS.router_max_msg_bytes:  # not set by hand: follow the codec
             options = dataclasses.replace(options, router_max_msg_bytes=limits.router_max_msg_bytes)
+        if options.max_msg_parts == DEFAULT_OPTIONS.max_msg_parts:  # likewise: one part over the codec's frames
+            options = dataclasses.replace(options, max_msg_parts=limits.max_frames + 2)  # and the routing id
         self.options = options
         self.default_timeout = default_timeout
         self.counters = Counters()

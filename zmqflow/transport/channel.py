@@ -24,6 +24,7 @@ import zmq
 
 from . import sockops
 from .base import SendFailed
+from .options import DEFAULT_OPTIONS
 
 __all__ = ["Channel", "AuthChannel"]
 
@@ -81,11 +82,16 @@ class Channel:
         name: str = "",
         copied: int = 1,
         local: bool = True,
+        max_parts: int = DEFAULT_OPTIONS.max_msg_parts,
     ):
         """``copied``: the leading parts of each message received as bytes (routing id, header).
         ``local``: the socket's peers may be in this process (inproc), so their zero-copy buffers
-        may be freed in our calls (see ``zsock_c.h``); False only where every peer is elsewhere."""
+        may be freed in our calls (see ``zsock_c.h``); False only where every peer is elsewhere.
+        ``max_parts``: the parts of a message kept; the rest are read and dropped."""
+        if max_parts < max(1, copied):
+            raise ValueError(f"max_parts must be at least {max(1, copied)}, got {max_parts}")
         self.sock = sock
+        self._max_parts = max_parts
         self._threshold = sock.copy_threshold
         self._copied = copied
         self.name = name
@@ -99,7 +105,7 @@ class Channel:
             self._events: Callable[[], int] = functools.partial(ops.events, handle)
             self._csend: Callable[[Sequence[Any]], int] | None = functools.partial(ops.send, handle, self._threshold)
             self._take: Callable[[], list[Any] | None] = (
-                functools.partial(ops.recv, handle, copied, local) if type(self)._recv is Channel._recv
+                functools.partial(ops.recv, handle, copied, local, max_parts) if type(self)._recv is Channel._recv
                 else self._recv_or_none)
         else:
             self._events = functools.partial(sock.getsockopt, _EVENTS)
@@ -220,9 +226,11 @@ class Channel:
             frames.append(frame.bytes)
             if not frame.more:
                 return frames
+        keep = self._max_parts
         while True:
             frame = recv(_NOBLOCK, copy=False)
-            frames.append(frame)
+            if len(frames) < keep:  # past it, each part is read and let go at once
+                frames.append(frame)
             if not frame.more:
                 return frames
 
@@ -306,9 +314,11 @@ class AuthChannel(Channel):
     the sender cannot forge). Only keyed routers pay for the extra Frame."""
 
     def __init__(self, sock: zmq.Socket, on_auth: Callable[[list[Any], str], None], loop: asyncio.AbstractEventLoop,
-                 *, name: str = "", copied: int = 2, local: bool = True):
+                 *, name: str = "", copied: int = 2, local: bool = True,
+                 max_parts: int = DEFAULT_OPTIONS.max_msg_parts):
         self._user = ""
-        super().__init__(sock, lambda frames: on_auth(frames, self._user), loop, name=name, copied=copied, local=local)
+        super().__init__(sock, lambda frames: on_auth(frames, self._user), loop, name=name, copied=copied, local=local,
+                         max_parts=max_parts)
 
     def _recv(self, sock: zmq.Socket) -> list[Any]:
         first = sock.recv(_NOBLOCK, copy=False)
@@ -324,8 +334,10 @@ class AuthChannel(Channel):
             frame = sock.recv(_NOBLOCK, copy=False)
             frames.append(frame.bytes)
             more = frame.more
+        keep = self._max_parts
         while more:
             frame = sock.recv(_NOBLOCK, copy=False)
-            frames.append(frame)
+            if len(frames) < keep:  # past it, each part is read and let go at once
+                frames.append(frame)
             more = frame.more
         return frames

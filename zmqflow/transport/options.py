@@ -36,6 +36,11 @@ class SocketOptions:
     # error reply and a larger one is cut by libzmq before it is buffered. The cap is per frame
     # (libzmq checks each frame's size prefix); the codec bounds the message as a whole.
     router_max_msg_bytes: int = (2 << 30) + (64 << 20)
+    # libzmq caps each part's size, not a message's part count: a peer could send millions of
+    # empty parts. A channel keeps at most this many parts of a message (the rest are read and
+    # dropped, with no object each); it is above the codec's frame limit (4096) plus a router's
+    # routing id, so a message cut here is one the codec refuses anyway, naming its limit.
+    max_msg_parts: int = 4098
     # Frames below this size are copied by pyzmq (faster than pinning a buffer); above it they
     # travel zero-copy. 64 KiB is libzmq's and pyzmq's measured crossover.
     copy_threshold: int = zmq.COPY_THRESHOLD

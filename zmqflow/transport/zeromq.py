@@ -140,7 +140,8 @@ class ZmqConnection:
             sock.curve_serverkey = self._security.server
             sock.curve_publickey = self._security.public
             sock.curve_secretkey = self._security.secret
-        self._channel = Channel(sock, self._on_frames, self._loop, name=f"dealer->{self._name}", local=self._inproc)
+        self._channel = Channel(sock, self._on_frames, self._loop, name=f"dealer->{self._name}", local=self._inproc,
+                                max_parts=self._options.max_msg_parts)
         self.try_send = self._channel.try_send
         self.send = self._channel.send
         self._monitor: Channel | None = None
@@ -301,9 +302,11 @@ class ZmqTransport:
         bound = sock.getsockopt_string(zmq.LAST_ENDPOINT) or endpoint
         local = endpoint.startswith("inproc://")
         if domain is not None:
-            channel: Channel = AuthChannel(sock, on_frames, loop, name=f"router {name}", copied=2, local=local)  # type: ignore[arg-type]
+            channel: Channel = AuthChannel(sock, on_frames, loop, name=f"router {name}",  # type: ignore[arg-type]
+                                           copied=2, local=local, max_parts=options.max_msg_parts)
         else:
-            channel = Channel(sock, on_frames, loop, name=f"router {name}", copied=2, local=local)
+            channel = Channel(sock, on_frames, loop, name=f"router {name}", copied=2, local=local,
+                              max_parts=options.max_msg_parts)
         return ZmqListener(channel, bound, endpoint, domain)
 
     def connect(

@@ -6,8 +6,11 @@
    load(backend_path, zmq_error, ndarray) -> (major, minor, patch)
        once, from zmqflow/transport/sockops.py: resolves libzmq through pyzmq's backend module.
    events(handle)                  -> ZMQ_EVENTS, or -errno
-   recv(handle, copied, release)   -> [frames] | None (nothing waiting): the first ``copied`` parts
-                                      as bytes, the rest as zero-copy Msg objects
+   recv(handle, copied, release[, max_parts])
+                                   -> [frames] | None (nothing waiting): the first ``copied`` parts
+                                      as bytes, the rest as zero-copy Msg objects; parts past
+                                      ``max_parts`` are read and dropped (a peer's message of very
+                                      many tiny parts costs no object each)
    send(handle, threshold, frames) -> frames sent: all of them, or -1 (the first was refused with
                                       EAGAIN: nothing sent), or k: frame k is no contiguous buffer,
                                       and the caller sends it and the rest with pyzmq. Frames under
@@ -141,9 +144,19 @@ static PyObject *zs_events(PyObject *self, PyObject *arg) {
 
 static PyObject *zs_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     void *sock;
-    Py_ssize_t copied;
-    if (call_args(args, nargs, 3, "recv(handle, copied, release)", &sock, &copied) < 0)
+    Py_ssize_t copied, max_parts = PY_SSIZE_T_MAX;
+    const char *usage = "recv(handle, copied, release[, max_parts])";
+    if (call_args(args, nargs == 4 ? 3 : nargs, 3, usage, &sock, &copied) < 0)
         return NULL;
+    if (nargs == 4) {
+        max_parts = PyLong_AsSsize_t(args[3]);
+        if (max_parts == -1 && PyErr_Occurred())
+            return NULL;
+        if (max_parts < 1) {
+            PyErr_SetString(PyExc_ValueError, "recv: max_parts must be at least 1");
+            return NULL;
+        }
+    }
     int release = PyObject_IsTrue(args[2]);
     if (release < 0)
         return NULL;
@@ -156,7 +169,7 @@ static PyObject *zs_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     PyObject *frames = PyList_New(0);
     for (Py_ssize_t i = 0;; i++) {
         int more = z_msg_more(&part), moved = 0, shared = release && z_msg_get(&part, Z_SHARED) == 1;
-        if (frames != NULL) {
+        if (frames != NULL && i < max_parts) {  /* past max_parts: read and dropped, no object each */
             PyObject *item;
             if (i < copied) {
                 item = PyBytes_FromStringAndSize(z_msg_data(&part), (Py_ssize_t)z_msg_size(&part));
@@ -308,7 +321,8 @@ static PyMethodDef methods[] = {
     {"load", zs_load, METH_VARARGS, "Resolve libzmq through pyzmq's backend module; its version."},
     {"events", zs_events, METH_O, "ZMQ_EVENTS of the socket, or -errno."},
     {"collect", zs_collect, METH_NOARGS, "Let go of the buffers libzmq is done with; how many are still lent."},
-    {"recv", (PyCFunction)(void (*)(void))zs_recv, METH_FASTCALL, "One whole message, or None when none waits."},
+    {"recv", (PyCFunction)(void (*)(void))zs_recv, METH_FASTCALL,
+     "One whole message (its first max_parts parts; the rest read and dropped), or None when none waits."},
     {"send", (PyCFunction)(void (*)(void))zs_send, METH_FASTCALL, "Send frames; how many went (-1: refused, EAGAIN)."},
     {NULL, NULL, 0, NULL},
 };
