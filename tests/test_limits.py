@@ -4,8 +4,10 @@ fault, and changing nothing; the defaults let big-but-legal cases through."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import typing
+from collections.abc import Awaitable, Callable, Iterator
 
 import msgpack
 import msgspec
@@ -36,6 +38,24 @@ HUGE = [1 << 20, 1 << 20]  # 2**40 elements: 4 TiB of float32, refused before an
 
 def cluster(ps: int = 1, **kw):
     return local_cluster({"ps": ps, "worker": 1}, timeout=10, transport="inproc", **kw)
+
+
+@contextlib.contextmanager
+def _raw_dealer(target: str) -> Iterator[tuple[zmq.Socket, Callable[[], Awaitable[wire.Message]]]]:
+    """A bare DEALER to ``target`` (what any peer could send) and a coroutine reading its next reply."""
+    sock = context().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(target)
+    loop = asyncio.get_running_loop()
+
+    async def reply() -> wire.Message:
+        return wire.decode(await loop.run_in_executor(None, sock.recv_multipart))
+
+    try:
+        yield sock, reply
+    finally:
+        sock.close(0)
 
 
 def _raw_header(rid: int, depth: int) -> bytes:
@@ -141,22 +161,14 @@ def test_oversized_messages_are_refused_with_the_request_id():
 def test_a_deep_request_is_answered_not_dropped():
     async def main():
         async with local_cluster({"worker": 1}, timeout=10, transport="tcp") as servers:
-            server = servers["worker:0"]
-            sock = context().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVTIMEO, 5000)
-            sock.connect(server.target)
-            loop = asyncio.get_running_loop()
-            try:
+            with _raw_dealer(servers["worker:0"].target) as (sock, reply):
                 for rid, depth in ((21, 300), (22, 2000)):
                     sock.send(_raw_header(rid, depth))
-                    reply = wire.decode(await loop.run_in_executor(None, sock.recv_multipart))
-                    assert reply.kind == wire.ERROR and reply.id == rid and reply.error["code"] == "RESOURCE_EXHAUSTED"
-                    assert reply.error["traceback"] == ""
+                    got = await reply()
+                    assert got.kind == wire.ERROR and got.id == rid and got.error["code"] == "RESOURCE_EXHAUSTED"
+                    assert got.error["traceback"] == ""
                 sock.send_multipart(wire.encode(wire.Message(wire.REQUEST, 23, "worker", "ping", {})))
-                assert wire.decode(await loop.run_in_executor(None, sock.recv_multipart)).kind == wire.REPLY
-            finally:
-                sock.close(0)
+                assert (await reply()).kind == wire.REPLY
 
     arun(main())
 
@@ -169,21 +181,14 @@ def test_a_message_of_very_many_parts_is_refused_and_the_server_serves_on():
         async with local_cluster({"worker": 1}, timeout=10, transport="tcp") as servers:
             server = servers["worker:0"]
             assert server.options.max_msg_parts == wire.codec.DEFAULT_LIMITS.max_frames + 2
-            sock = context().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVTIMEO, 5000)
-            sock.connect(server.target)
-            loop = asyncio.get_running_loop()
-            try:
+            with _raw_dealer(server.target) as (sock, reply):
                 header = wire.encode(wire.Message(wire.REQUEST, 31, "worker", "ping", {}))[0]
                 sock.send_multipart([header, *([b""] * 20_000)])
-                reply = wire.decode(await loop.run_in_executor(None, sock.recv_multipart))
-                assert reply.kind == wire.ERROR and reply.id == 31 and reply.error["code"] == "RESOURCE_EXHAUSTED"
-                assert "4097 frames exceed the limit of 4096" in reply.error["message"]
+                got = await reply()
+                assert got.kind == wire.ERROR and got.id == 31 and got.error["code"] == "RESOURCE_EXHAUSTED"
+                assert "4097 frames exceed the limit of 4096" in got.error["message"]
                 sock.send_multipart(wire.encode(wire.Message(wire.REQUEST, 32, "worker", "ping", {})))
-                assert wire.decode(await loop.run_in_executor(None, sock.recv_multipart)).kind == wire.REPLY
-            finally:
-                sock.close(0)
+                assert (await reply()).kind == wire.REPLY
 
     arun(main())
 
@@ -226,25 +231,18 @@ def test_a_wait_without_a_deadline_ends_at_the_servers_maximum():
     async def main():
         async with cluster(limits=ServerLimits(max_deadline=0.5), services=lambda t: {"diag": DiagService()}) as servers:
             ps = servers["ps:0"]
-            sock = context().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVTIMEO, 5000)
-            sock.connect(ps.target)
-            loop = asyncio.get_running_loop()
-            try:
+            with _raw_dealer(ps.target) as (sock, reply):
                 start = time.monotonic()
                 sock.send(msgpack.packb({"v": 1, "k": "req", "id": 31, "svc": "catalog", "op": "lookup",
                                          "a": {"name": "never"}, "t": []}))  # no "dl"
-                reply = wire.decode(await loop.run_in_executor(None, sock.recv_multipart))
-                assert reply.id == 31 and reply.error["code"] == "NOT_FOUND" and 0.3 < time.monotonic() - start < 4
+                got = await reply()
+                assert got.id == 31 and got.error["code"] == "NOT_FOUND" and 0.3 < time.monotonic() - start < 4
                 # a longer deadline is capped too: the handler is cancelled at the server's maximum
                 diag_start = time.monotonic()
                 with pytest.raises(errors.DeadlineExceeded, match="the server's limit of 0.5s"):
                     await servers["worker:0"].call("worker:0", "diag", "hang", timeout=30)
                 assert time.monotonic() - diag_start < 4
                 assert not ps.service("catalog")._ready  # no event left behind by the wait
-            finally:
-                sock.close(0)
 
     arun(main())
 

@@ -181,17 +181,8 @@ class RpcClient:
                 self._finish(rid, exc=Unavailable(f"{why} during {pending.what}", task=peer.name))
 
     # calls ------------------------------------------------------------------------------
-    def call(
-        self,
-        endpoint: str,
-        service: str,
-        op: str,
-        body: Any = None,
-        *,
-        timeout: float | None = None,
-        name: str | None = None,
-        size: int = 0,
-    ) -> "asyncio.Future[Any]":
+    def call(self, endpoint: str, service: str, op: str, body: Any = None, *, timeout: float | None = None,
+             name: str | None = None, size: int = 0) -> "asyncio.Future[Any]":
         """Call ``service.op`` on the task at ``endpoint``: await the result. A future, not a
         coroutine (one frame less on every call): the request goes out now, and what refuses it
         (a bad argument, a closed client) is raised where it is awaited, as from a coroutine."""
@@ -202,17 +193,8 @@ class RpcClient:
             failed.set_exception(exc)
             return failed
 
-    def start_call(
-        self,
-        endpoint: str,
-        service: str,
-        op: str,
-        body: Any = None,
-        *,
-        timeout: float | None = None,
-        name: str | None = None,
-        size: int = 0,
-    ) -> asyncio.Future:
+    def start_call(self, endpoint: str, service: str, op: str, body: Any = None, *, timeout: float | None = None,
+                   name: str | None = None, size: int = 0) -> asyncio.Future:
         """Send now and return a future for the reply: pipelines many calls without a task each.
         ``size``: bytes the call moves that its request does not carry (a read's reply), so that
         a large read may take another stream (:mod:`.streams`) as a large write would."""
