@@ -105,9 +105,8 @@ class AsyncSession:
         if route is None:
             spec = self._spec if self._spec is not None else await self.cluster()
             route = self._routes[task] = (spec.address(task).endpoint, str(task))
-        client = self._client if self._client is not None and not self._closed else self.client
         try:
-            return await client.call(route[0], service, op, body, timeout=timeout, name=route[1], size=size)
+            return await self.client.call(route[0], service, op, body, timeout=timeout, name=route[1], size=size)
         except NotFound as exc:
             if service != "ps" or op not in _STATE_OPS:
                 raise

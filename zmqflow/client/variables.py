@@ -154,8 +154,6 @@ async def _every(calls: list[Any]) -> None:
 def _as_array(x: Any, info: VarInfo, what: str) -> np.ndarray:
     """``x`` as an array of the variable's full shape and dtype; python values are converted."""
     try:
-        if (x.__class__ is float or x.__class__ is int) and not info.shape:  # a scalar update: a new 0-d array
-            return np.array(x, info.dtype)
         if isinstance(x, np.ndarray):
             if x.dtype != info.dtype:
                 raise InvalidArgument(f"{what} of {info.name!r}: expected dtype {info.dtype}, got {x.dtype}")

@@ -119,7 +119,7 @@ class RpcClient:
     # connections ------------------------------------------------------------------------
     def peer(self, endpoint: str, name: str | None = None, stream: int = 0) -> Peer:
         """The pooled connection to ``endpoint`` (its ``stream``-th: see :mod:`.streams`), opened on first use."""
-        key = endpoint if stream == 0 else Streams.key(endpoint, stream)  # the first stream's key: no call
+        key = Streams.key(endpoint, stream)
         found = self._peers.get(key)
         if found is not None:
             return found
@@ -201,9 +201,7 @@ class RpcClient:
         timeout = self.default_timeout if timeout is None else float(timeout)
         if not timeout > 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
-        peer = self._peers.get(endpoint)  # the first stream's key is the endpoint
-        if peer is None:
-            peer = self.peer(endpoint, name)
+        peer = self.peer(endpoint, name)
         rid = next(self._ids)
         frames = encode_request(rid, service, op, body, timeout, self.source)
         nbytes = frames_nbytes(frames)
@@ -231,9 +229,7 @@ class RpcClient:
         if lone:
             if sent:
                 pending.sent = True
-                counters = self.counters  # _count_out, inline: every lone call passes here
-                counters.msgs_out += 1
-                counters.bytes_out += nbytes
+                self._count_out(frames, nbytes)
             else:  # no room now: wait for it
                 self._send_one(peer, rid, frames, nbytes)
             return fut
@@ -241,7 +237,6 @@ class RpcClient:
             self._finish(rid, exc=refused)
             return fut
         if peer.batching and state != DOWN:
-            coalescer = self._coalescer
             if coalescer.small(nbytes):  # its peer's tick is open (a lone request opened it): held
                 full, _ = coalescer.add(peer, (rid, frames), nbytes + 8 * len(frames))
                 if full is not None:
@@ -391,10 +386,7 @@ class RpcClient:
             else:
                 self._undecodable(peer, exc)
             return
-        if msg.kind == REPLY and msg.id in self._pending:  # _on_message's common case, without the call
-            self._finish(msg.id, result=msg.body)
-        else:
-            self._on_message(peer, msg)
+        self._on_message(peer, msg)
 
     def _on_batch(self, peer: Peer, frames: list[Any]) -> None:
         """Replies that came in one envelope: each is read and matched on its own."""

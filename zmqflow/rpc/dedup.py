@@ -102,8 +102,6 @@ class Dedup:
             return
         if nbytes > self.max_kept_reply:
             seen[1] = DONE
-        elif len(frames) == 1 and frames[0].__class__ is bytes:  # a header alone: kept as it is
-            seen[1] = (frames[0],)
         else:  # copies: a reply may view memory the handler goes on changing (a pulled variable)
             seen[1] = tuple([f if f.__class__ is bytes else memoryview(f).tobytes() for f in frames])
 

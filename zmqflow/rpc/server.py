@@ -292,10 +292,7 @@ class RpcServer:
             self.counters.errors += 1
             frames = [identity, *encode(error_message(rid, exc, source=self.name, with_traceback=self.debug))]
         nbytes = frames_nbytes(frames)  # once: for the record and the counters
-        if identity in self._batch_peers:  # it may go in an envelope
-            self._send(frames, rid, deadline, nbytes)
-        else:
-            self._send_now(frames, rid, deadline, nbytes)
+        self._send(frames, rid, deadline, nbytes)
         if record:  # after the send, off the reply's path: nothing runs between them to change its bytes
             self.dedup.finish(identity, rid, frames[1:], nbytes - len(identity))
 

@@ -450,14 +450,12 @@ def _local_range(p: Part, start: int | None, stop: int | None) -> tuple[int, int
 
 
 def _check_array(x: object, shape: tuple[int, ...], dtype: np.dtype, what: str, p: Part) -> np.ndarray:
-    """``x`` as ``what`` of part ``p`` (named in the error, formatted only then)."""
-    if x.__class__ is np.ndarray and x.dtype == dtype and x.shape == shape:  # type: ignore[attr-defined]
-        return x  # type: ignore[return-value]
+    """``x`` as ``what`` of part ``p`` (named in the error, formatted only then); ``shape`` is a tuple."""
     if not isinstance(x, np.ndarray):
         raise InvalidArgument(f"{what} of {p.label}: expected an array of shape {list(shape)} {dtype}, got {type(x).__name__}")
     if x.dtype != dtype:
         raise InvalidArgument(f"{what} of {p.label}: expected dtype {dtype}, got {x.dtype}")
-    if tuple(x.shape) != tuple(shape):
+    if x.shape != shape:
         if math.prod(x.shape) == math.prod(shape) and x.size == 0:
             return x.reshape(shape)
         raise InvalidArgument(f"{what} of {p.label}: expected shape {list(shape)}, got {list(x.shape)}")

@@ -156,9 +156,7 @@ class Channel:
             return
         if frames is not None:
             self._deliver(frames)
-        if not self._check_pending and not self._closed:  # _schedule_check, inline: once per message
-            self._check_pending = True
-            self._loop.call_soon(self._check)
+        self._schedule_check()
 
     def _look(self) -> bool:
         """Read ``EVENTS``: note room to send; True when input is waiting."""
@@ -226,10 +224,16 @@ class Channel:
             frames.append(frame.bytes)
             if not frame.more:
                 return frames
+        return self._recv_rest(sock, frames)
+
+    def _recv_rest(self, sock: zmq.Socket, frames: list[Any]) -> list[Any]:
+        """The rest of a message whose leading parts are in ``frames``, as zero-copy Frames: at
+        most ``max_parts`` parts in all, each part past that read and let go at once."""
+        recv = sock.recv
         keep = self._max_parts
         while True:
             frame = recv(_NOBLOCK, copy=False)
-            if len(frames) < keep:  # past it, each part is read and let go at once
+            if len(frames) < keep:
                 frames.append(frame)
             if not frame.more:
                 return frames
@@ -257,9 +261,8 @@ class Channel:
         # A send may swallow the FD's edge for input that arrived meanwhile: look at EVENTS once
         # before the loop sleeps again, not after every send (a pipelined burst sends hundreds).
         # A drain under way looks by itself: its next receive processes whatever the send hid.
-        if not self._draining and not self._check_pending:  # _schedule_check, inline: once per message
-            self._check_pending = True
-            self._loop.call_soon(self._check)
+        if not self._draining:
+            self._schedule_check()
         return True
 
     def _refused(self) -> bool:
@@ -334,10 +337,4 @@ class AuthChannel(Channel):
             frame = sock.recv(_NOBLOCK, copy=False)
             frames.append(frame.bytes)
             more = frame.more
-        keep = self._max_parts
-        while more:
-            frame = sock.recv(_NOBLOCK, copy=False)
-            if len(frames) < keep:  # past it, each part is read and let go at once
-                frames.append(frame)
-            more = frame.more
-        return frames
+        return self._recv_rest(sock, frames) if more else frames

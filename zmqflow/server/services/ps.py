@@ -190,10 +190,6 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
     def assign(self, ctx: CallContext, req: rq.Assign) -> int:
         """Every item checked before any is written."""
         rows = self.store.rows
-        if len(req.items) == 1:  # a scalar update's one item: no list to build
-            it = req.items[0]
-            self.store.write(rows(it.name, it.part, it.start, it.stop, it.value, req.mode), req.mode)
-            return 1
         checked = [rows(it.name, it.part, it.start, it.stop, it.value, req.mode) for it in req.items]
         for r in checked:
             self.store.write(r, req.mode)
