@@ -9,7 +9,9 @@ once, to a ROUTER that answers each with a ready buffer (or an ack); the two alt
 repetition by repetition. zmqflow's pull is timed twice: into the same ``out=`` arrays each time,
 and without ``out=`` (the received frames themselves, which is what raw keeps). Then scalar
 ``assign_add`` round trips per second against a raw pyzmq request/reply of a few bytes, in
-alternating halves. Reported as ratios;
+alternating quarters. Reported as ratios, with the CPU seconds each side spent per GB (every
+thread of the client process and of the servers: :class:`Phases`), which is what bounds a ratio
+where every core is busy;
 targets: pull >= 0.9x and push >= 0.8x raw GB/s, scalar updates >= 0.7x raw round trips
 (reported, never asserted).
 
@@ -18,9 +20,11 @@ Run ``zmqflow bench ps [--quick] [--shards N ...] [--json FILE]``.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,13 +36,17 @@ from ..client.variables import SLICE_BYTES
 from ..cluster import ClusterSpec
 from ..ports import free_port
 from ..transport.memory import keep_big_blocks
+from .machine import cpu_seconds
 from .procs import Procs, zf_task_process
-from .report import align, script_main, write_jsonl
+from .report import align, cell, script_main, write_jsonl
 from .stats import seconds, seconds_async
 
 __all__ = ["RawWire", "format_table", "run", "zf_model", "zf_round_trips"]
 
 MB = 1e6
+SCALAR_ROUNDS = 4  # the scalar round trips alternate raw and zmqflow this many times each
+# (what, zmqflow's phase, raw's phase): the ratios of GB/s and of CPU seconds per GB
+_RATIOS = (("pull", "zf_pull", "raw_pull"), ("pull_fresh", "zf_fresh", "raw_pull"), ("push", "zf_push", "raw_push"))
 PULL_TARGET, PUSH_TARGET, SCALAR_TARGET = 0.9, 0.8, 0.7  # zmqflow / raw: reported, never asserted
 
 
@@ -67,26 +75,64 @@ def _raw_ps_process(port: int, nbytes: int, conn: Any) -> None:
     ctx.term()
 
 
-def _pull_push(socks: list[zmq.Socket], plan: list[list[tuple[int, int]]], payload: np.ndarray) -> tuple[float, float]:
-    """Seconds to pull every shard's slices, then to push them, each time all in flight at once."""
-    view = payload.view(np.uint8)
-    start = time.perf_counter()
+def _pull(socks: list[zmq.Socket], plan: list[list[tuple[int, int]]]) -> None:
+    """Pull every shard's slices, all in flight at once."""
     for sock, ranges in zip(socks, plan):
         for a, b in ranges:
             sock.send(b"pull %d,%d" % (a, b))
-    got = 0
     for sock, ranges in zip(socks, plan):
         for _ in ranges:
-            got += len(sock.recv_multipart(copy=False)[1])
-    pull_s = time.perf_counter() - start
-    start = time.perf_counter()
+            sock.recv_multipart(copy=False)
+
+
+def _push(socks: list[zmq.Socket], plan: list[list[tuple[int, int]]], payload: np.ndarray) -> None:
+    """Push every shard's slices, all in flight at once."""
+    view = payload.view(np.uint8)
     for sock, ranges in zip(socks, plan):
         for a, b in ranges:
             sock.send_multipart([b"push", view[a:b]], copy=False)
     for sock, ranges in zip(socks, plan):
         for _ in ranges:
             sock.recv_multipart()
-    return pull_s, time.perf_counter() - start
+
+
+class Phases:
+    """Wall and CPU seconds of timed phases, by name. CPU counts every thread of this process (the
+    client, its sockets' I/O threads) and of the server processes ``pids``: on a machine whose
+    cores are all busy, the side that spends more CPU per byte cannot move its bytes as fast,
+    which is what bounds a ratio there. CPU is None where ``/proc`` cannot be read."""
+
+    def __init__(self, pids: Sequence[int] = ()):
+        self.pids = [os.getpid(), *pids]
+        self.wall: dict[str, list[float]] = defaultdict(list)
+        self.cpu: dict[str, list[float]] = defaultdict(list)
+
+    def _done(self, name: str, t0: float, c0: float | None) -> float:
+        took = time.perf_counter() - t0
+        c1 = cpu_seconds(self.pids)
+        self.wall[name].append(took)
+        if c0 is not None and c1 is not None:
+            self.cpu[name].append(c1 - c0)
+        return took
+
+    def timed(self, name: str, call: Callable[[], Any]) -> float:
+        """Wall seconds of ``call()``, noted under ``name`` with its CPU seconds."""
+        c0, t0 = cpu_seconds(self.pids), time.perf_counter()
+        call()
+        return self._done(name, t0, c0)
+
+    async def timed_async(self, name: str, call: Callable[[], Awaitable[Any]]) -> float:
+        c0, t0 = cpu_seconds(self.pids), time.perf_counter()
+        await call()
+        return self._done(name, t0, c0)
+
+    def median_wall(self, name: str) -> float:
+        return statistics.median(self.wall[name])
+
+    def median_cpu(self, name: str) -> float | None:
+        """Median CPU seconds of ``name``; None unless every repetition was read."""
+        cpu = self.cpu.get(name, [])
+        return statistics.median(cpu) if cpu and len(cpu) == len(self.wall[name]) else None
 
 
 def _round_trips(sock: zmq.Socket, n: int) -> float:
@@ -117,6 +163,7 @@ class RawWire:
         ports = [free_port() for _ in range(shards)]
         for port in ports:
             procs.start(_raw_ps_process, port, max_bytes // shards)
+        self.pids = procs.pids[-shards:]  # its server processes
         for port in ports:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
@@ -128,9 +175,13 @@ class RawWire:
         """The bytes one move of a ``model_bytes`` model carries each way (split evenly)."""
         return model_bytes // self.shards * self.shards
 
-    def move(self, model_bytes: int) -> tuple[float, float]:
-        """Seconds to pull every shard's slices of the model, then to push them."""
-        return _pull_push(self.socks, _slices(model_bytes, self.shards), self._payload)
+    def move(self, model_bytes: int, phases: Phases | None = None) -> tuple[float, float]:
+        """Seconds to pull every shard's slices of the model, then to push them (noted in
+        ``phases`` as raw_pull and raw_push where given)."""
+        phases = phases or Phases()
+        plan = _slices(model_bytes, self.shards)
+        return (phases.timed("raw_pull", lambda: _pull(self.socks, plan)),
+                phases.timed("raw_push", lambda: _push(self.socks, plan, self._payload)))
 
     def round_trips(self, n: int) -> float:
         """Request/reply round trips per second of a few bytes, one in flight, to the first shard."""
@@ -143,21 +194,23 @@ class RawWire:
 
 
 async def zf_model(sess: AsyncSession, names: list[str], grads: dict[str, np.ndarray], reps: int,
-                   fresh: list[float] | None = None, beside: Callable[[], Any] | None = None) -> tuple[list[float], list[float]]:
+                   phases: Phases | None = None, beside: Callable[[], Any] | None = None) -> tuple[list[float], list[float]]:
     """Seconds of each pull of every variable (into the same arrays each time, as a training
     loop reading its model every step would) and of each push of a gradient for every variable.
-    ``fresh``, when given, gets the seconds of a pull without ``out=`` in each repetition too:
-    the received frames themselves, as raw pyzmq keeps them. ``beside`` (the baseline) runs
-    before each odd repetition's and after each even one's, so drift falls on both alike."""
+    ``phases``, when given, notes both (zf_pull, zf_push) and a pull without ``out=`` in each
+    repetition too (zf_fresh): the received frames themselves, as raw pyzmq keeps them.
+    ``beside`` (the baseline) runs before each odd repetition's and after each even one's, so
+    drift falls on both alike."""
     pulls, pushes = [], []
     out = {n: np.empty_like(g) for n, g in grads.items()}
+    timed = (phases or Phases()).timed_async
     for rep in range(reps):
         if beside is not None and rep % 2:
             beside()
-        pulls.append(await seconds_async(lambda: sess.pull(names, out=out)))
-        if fresh is not None:
-            fresh.append(await seconds_async(lambda: sess.pull(names)))
-        pushes.append(await seconds_async(lambda: sess.push(grads)))
+        pulls.append(await timed("zf_pull", lambda: sess.pull(names, out=out)))
+        if phases is not None:
+            await timed("zf_fresh", lambda: sess.pull(names))
+        pushes.append(await timed("zf_push", lambda: sess.push(grads)))
         if beside is not None and not rep % 2:
             beside()
     return pulls, pushes
@@ -183,45 +236,40 @@ def _measure(shards: int, model_bytes: int, nvars: int, reps: int, trips: int) -
         for t in spec.tasks:
             procs.start(zf_task_process, spec.to_json(), str(t))
         wire = RawWire(procs, shards, model_bytes)
+        phases = Phases(procs.pids)  # both sides' servers, idle or not, on both sides' clock
         per_var = model_bytes // nvars // 4
         names = [f"v{i}" for i in range(nvars)]
         grads = {n: np.ones(per_var, np.float32) for n in names}
-        raw: list[tuple[float, float]] = []
         raw_rates: list[float] = []
-        fresh: list[float] = []
+        zf_rates: list[float] = []
 
-        async def zf_all(wire: RawWire) -> tuple[list[float], list[float], float]:
+        async def zf_all(wire: RawWire) -> None:
             async with AsyncSession(cluster=spec, task="ps:0", timeout=120) as sess:
                 await sess.wait_for_cluster(30)
                 for n in names:
                     await sess.variable(n, shape=(per_var,))
                 await zf_model(sess, names, grads, 1)  # warm up connections and pages
-                pulls, pushes = await zf_model(sess, names, grads, reps, fresh, lambda: raw.append(wire.move(model_bytes)))
-                zf_rates = []
-                for _ in range(2):  # alternating halves, as above
-                    raw_rates.append(wire.round_trips(trips // 2))
-                    zf_rates.append(await zf_round_trips(sess, trips // 2))
-                return pulls, pushes, statistics.mean(zf_rates)
+                await zf_model(sess, names, grads, reps, phases, lambda: wire.move(model_bytes, phases))
+                for _ in range(SCALAR_ROUNDS):  # alternating, as above
+                    raw_rates.append(wire.round_trips(trips // SCALAR_ROUNDS))
+                    zf_rates.append(await zf_round_trips(sess, trips // SCALAR_ROUNDS))
 
         wire.move(model_bytes)  # warm up
-        zf_pulls, zf_pushes, zf_trips = zf_loop.run(zf_all(wire))
-        raw_trips = statistics.mean(raw_rates)
+        zf_loop.run(zf_all(wire))
         gb, raw_gb = per_var * 4 * nvars / 1e9, wire.nbytes(model_bytes) / 1e9
-        row = {
-            "shards": shards,
-            "model_mb": round(per_var * 4 * nvars / MB, 1),
-            "zf_pull_gbps": gb / statistics.median(zf_pulls),
-            "raw_pull_gbps": raw_gb / statistics.median(r[0] for r in raw),
-            "zf_pull_fresh_gbps": gb / statistics.median(fresh),
-            "zf_push_gbps": gb / statistics.median(zf_pushes),
-            "raw_push_gbps": raw_gb / statistics.median(r[1] for r in raw),
-            "zf_assign_add_per_s": zf_trips,
-            "raw_rtt_per_s": raw_trips,
-        }
-        row["pull_ratio"] = row["zf_pull_gbps"] / row["raw_pull_gbps"]
-        row["pull_fresh_ratio"] = row["zf_pull_fresh_gbps"] / row["raw_pull_gbps"]
-        row["push_ratio"] = row["zf_push_gbps"] / row["raw_push_gbps"]
-        row["scalar_ratio"] = zf_trips / raw_trips
+        row: dict[str, Any] = {"shards": shards, "model_mb": round(per_var * 4 * nvars / MB, 1)}
+        for name in ("zf_pull", "zf_fresh", "zf_push", "raw_pull", "raw_push"):
+            moved = raw_gb if name.startswith("raw") else gb
+            row[f"{name}_gbps"] = moved / phases.median_wall(name)
+            cpu = phases.median_cpu(name)
+            row[f"{name}_cpu_s_per_gb"] = None if cpu is None else cpu / moved
+        row["zf_assign_add_per_s"] = statistics.mean(zf_rates)
+        row["raw_rtt_per_s"] = statistics.mean(raw_rates)
+        for what, zf, raw in _RATIOS:
+            row[f"{what}_ratio"] = row[f"{zf}_gbps"] / row[f"{raw}_gbps"]
+            zf_cpu, raw_cpu = row[f"{zf}_cpu_s_per_gb"], row[f"{raw}_cpu_s_per_gb"]
+            row[f"{what}_cpu_ratio"] = None if zf_cpu is None or raw_cpu is None else zf_cpu / raw_cpu
+        row["scalar_ratio"] = row["zf_assign_add_per_s"] / row["raw_rtt_per_s"]
         return row
     finally:
         if wire is not None:
@@ -229,12 +277,15 @@ def _measure(shards: int, model_bytes: int, nvars: int, reps: int, trips: int) -
         procs.close()
 
 
-def run(quick: bool = False, shards: Sequence[int] = (1, 2, 4), model_mb: int | None = None, nvars: int = 10,
-        json_out: str | None = None, echo: Any = print) -> list[dict[str, Any]]:
-    """One row per shard count (each appended to ``json_out`` as it is measured)."""
+def run(quick: bool = False, shards: Sequence[int] = (1, 2, 4), model_mb: float | None = None, nvars: int = 10,
+        json_out: str | None = None, echo: Any = print, reps: int | None = None,
+        trips: int | None = None) -> list[dict[str, Any]]:
+    """One row per shard count (each appended to ``json_out`` as it is measured); ``reps`` model
+    moves and ``trips`` scalar updates a side (by default 5 and 2000 with ``quick``, else 9 and 8000)."""
     keep_big_blocks()  # for both clients, raw and zmqflow, in this process
     model_bytes = int((model_mb or (20 if quick else 100)) * MB)
-    reps, trips = (3, 500) if quick else (5, 3000)
+    reps = reps or (5 if quick else 9)
+    trips = max(SCALAR_ROUNDS, trips or (2000 if quick else 8000))
     rows = []
     for n in shards:
         row = _measure(n, model_bytes, nvars, reps, trips)
@@ -252,12 +303,14 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         lines.append([
             str(r["shards"]), f"{r['model_mb']:.0f} MB",
             f"{r['zf_pull_gbps']:.2f}", f"{r['raw_pull_gbps']:.2f}", f"{r['pull_ratio']:.2f}x",
-            f"{r['zf_pull_fresh_gbps']:.2f}", f"{r['pull_fresh_ratio']:.2f}x",
+            f"{r['zf_fresh_gbps']:.2f}", f"{r['pull_fresh_ratio']:.2f}x",
             f"{r['zf_push_gbps']:.2f}", f"{r['raw_push_gbps']:.2f}", f"{r['push_ratio']:.2f}x",
             f"{r['zf_assign_add_per_s']:.0f}", f"{r['raw_rtt_per_s']:.0f}", f"{r['scalar_ratio']:.2f}x",
         ])
     out = align(lines)
     out.append("pull: into the same out= arrays each time; no out=: the received frames themselves")
+    out.append("")
+    out += _cpu_table(rows)
     out.append(f"targets: pull >= {PULL_TARGET:.2f}x and push >= {PUSH_TARGET:.2f}x raw GB/s; "
                f"scalar assign_add >= {SCALAR_TARGET:.2f}x raw round trips/s")
     for r in rows:
@@ -267,6 +320,23 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
                    ("scalar", "scalar_ratio", SCALAR_TARGET)) if r[key] < target]
         out.append(f"  {r['shards']} shard(s): " + (f"missed {', '.join(missed)}" if missed else "all met"))
     return "\n".join(out)
+
+
+def _cpu_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """CPU seconds per GB moved on each side, and zmqflow's over raw's: where every core is busy
+    (2 cores carry a client, its I/O thread and every shard's), a side spending more CPU per byte
+    moves fewer bytes a second, so a GB/s ratio under 1 with a CPU ratio over 1 is bound by the
+    work zmqflow does that raw pyzmq does not (copying into out=, adding a pushed gradient)."""
+    lines = [["shards", "CPU s/GB: pull", "raw", "x raw", "no out=", "x raw", "push", "raw", "x raw"]]
+    for r in rows:
+        lines.append([str(r["shards"]),
+                      cell(r["zf_pull_cpu_s_per_gb"], ".3f"), cell(r["raw_pull_cpu_s_per_gb"], ".3f"),
+                      cell(r["pull_cpu_ratio"], ".2f"),
+                      cell(r["zf_fresh_cpu_s_per_gb"], ".3f"), cell(r["pull_fresh_cpu_ratio"], ".2f"),
+                      cell(r["zf_push_cpu_s_per_gb"], ".3f"), cell(r["raw_push_cpu_s_per_gb"], ".3f"),
+                      cell(r["push_cpu_ratio"], ".2f")])
+    return align(lines) + ["CPU: every thread of the client process and of all the server processes, per GB "
+                           "moved; x raw over 1: zmqflow spends more"]
 
 
 if __name__ == "__main__":
