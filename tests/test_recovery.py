@@ -80,7 +80,8 @@ def test_a_client_that_used_the_shard_before_a_recovery_is_refused_once_after_it
 
 
 def test_a_push_admitted_before_a_fence_does_not_land_after_it():
-    """The server admits a request, then runs it as a task; a fence handled in between wins."""
+    """A sync push is offered where it is admitted, then waits for its step; a fence handled
+    while it waits fails it and drops its gradient."""
     async def main():
         async with local_cluster({"ps": 1, "worker": 1}, timeout=10) as servers:
             ps = servers["ps:0"].service("ps")

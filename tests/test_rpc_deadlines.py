@@ -4,6 +4,7 @@ and a client's calls still time out one by one with a single loop timer."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 from hypothesis import given, settings
@@ -97,3 +98,49 @@ def test_calls_with_different_timeouts_each_expire_at_their_own() -> None:
             await server.close()
 
     asyncio.run(main())
+
+
+class _Deferred(Service):
+    """``later`` answers with a coroutine and, before the server's task for it can start, has
+    every such task cancelled (as a server that stops meanwhile does)."""
+
+    name = "deferred"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ran = False
+
+    @op
+    def later(self, ctx) -> object:
+        asyncio.get_running_loop().call_soon(self._cancel_handlers)  # runs before the new task's first step
+        return self._body()
+
+    async def _body(self) -> bool:
+        self.ran = True
+        return True
+
+    @staticmethod
+    def _cancel_handlers() -> None:
+        for task in asyncio.all_tasks():
+            if task.get_coro().__qualname__ == "RpcServer._run_async":
+                task.cancel()
+
+
+def test_a_handler_cancelled_before_it_starts_is_closed_not_left_unawaited(recwarn) -> None:
+    async def main() -> None:
+        service = _Deferred()
+        server = RpcServer("inproc://deferred-1", {"deferred": service}, name="t")
+        await server.start()
+        client = RpcClient(identity="c")
+        try:
+            call = client.start_call(server.endpoint, "deferred", "later", {}, timeout=0.5)
+            with pytest.raises(DeadlineExceeded):  # cancelled: no answer goes out
+                await call
+        finally:
+            client.close()
+            await server.close()
+        assert not service.ran
+
+    asyncio.run(main())
+    gc.collect()
+    assert not [w for w in recwarn if "never awaited" in str(w.message)]

@@ -9,6 +9,7 @@ import pytest
 
 import zmqflow as zf
 from zmqflow import errors
+from zmqflow.rpc import CallContext
 from zmqflow.testing import local_cluster, make_spec
 
 from .conftest import arun
@@ -174,6 +175,32 @@ def test_optimizers_through_sessions_dense_and_sparse():
                 np.testing.assert_array_equal(after[[1, 2, 3, 4]], before[[1, 2, 3, 4]])
                 np.testing.assert_array_equal(after[0], before[0] - 0.5)
                 np.testing.assert_array_equal(after[5], before[5] - 1.0)  # duplicates summed
+
+    arun(main())
+
+
+def test_a_push_is_applied_where_it_is_admitted_and_only_a_sync_wait_is_deferred():
+    """An async push is applied in the call that admits it and answered at once (no task: a
+    request behind it on the connection sees its effect); a sync push is offered at once and
+    answered by a coroutine that waits for its step, while other requests are served."""
+    async def main():
+        async with local_cluster({"ps": 1, "worker": 1}, timeout=10, transport="inproc") as servers:
+            ps = servers["ps:0"].service("ps")
+            ctx = CallContext("ps", "push", b"peer", "worker:0", None)
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                w = await sess.variable("w", np.zeros(4))
+                s = await sess.variable("s", np.zeros(2), optimizer=zf.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=2))
+                answer = ps.push(ctx, dense=[["w", 0, None, None, np.ones(4)]])
+                assert answer == {"step": None, "stale": False, "replicas": None}
+                np.testing.assert_array_equal(ps.store.get("w", 0).value, np.ones(4))
+                waiting = ps.push(ctx, dense=[["s", 0, None, None, np.ones(2)]], step=0)
+                assert asyncio.iscoroutine(waiting) and ps.store.get("s", 0).sync.contributors == ["worker:0"]
+                pending = asyncio.ensure_future(waiting)
+                np.testing.assert_array_equal(await w.read(), np.ones(4))  # served while the step waits
+                other = CallContext("ps", "push", b"other", "worker:1", None)
+                assert ps.push(other, dense=[["s", 0, None, None, np.ones(2)]], step=0)["replicas"] == ["worker:0", "worker:1"]
+                assert (await asyncio.wait_for(pending, 5))["step"] == 1
+                np.testing.assert_array_equal(await s.read(), -np.ones(2))
 
     arun(main())
 

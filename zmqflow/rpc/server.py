@@ -214,13 +214,16 @@ class RpcServer:
             task = self._loop.create_task(self._run_async(identity, msg.id, result, ctx, capped, reply_by, now))
             self._tasks.add(task)
             self._in_flight[identity] = in_flight + 1
-            task.add_done_callback(lambda t: self._done(t, identity))
+            task.add_done_callback(lambda t: self._done(t, identity, result))
         else:
             self._reply(identity, msg.id, result, reply_by)
             if metrics is not None:
                 metrics.request(msg.service, msg.op, self._loop.time() - now)
 
-    def _done(self, task: asyncio.Task, identity: bytes) -> None:
+    def _done(self, task: asyncio.Task, identity: bytes, coro: Any) -> None:
+        # a no-op once it ran; a handler whose task was cancelled before it started (the server
+        # stopping) is closed here, not left for the collector to warn that it was never awaited
+        coro.close()
         self._tasks.discard(task)
         left = self._in_flight.get(identity, 1) - 1
         if left > 0:

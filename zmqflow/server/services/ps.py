@@ -201,12 +201,14 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
         return int(len(req.indices))
 
     @op(rq.Push)
-    async def push(self, ctx: CallContext, req: rq.Push) -> dict[str, Any]:
+    def push(self, ctx: CallContext, req: rq.Push) -> "dict[str, Any] | Coroutine[Any, Any, dict[str, Any]]":
         """Apply gradients, every item checked first. Async parts apply at once; sync parts wait
         for their step, and the answer names the replicas whose gradients that step averaged
-        (every pusher of the step hears the same)."""
-        # admitted before a fence that ran while this waited to start: it must not land after it
-        self.check_fence("push", ctx.peer)
+        (every pusher of the step hears the same). Runs where it is admitted (``admit`` checked
+        the fence just before, with nothing between) and answers at once when nothing waits (async
+        parts, or the push that completes its step): a task, its deadline scope and its
+        bookkeeping cost more than applying a small gradient. Else the answer is a coroutine that
+        waits for the step; a fence meanwhile fails it (``_wait_step``)."""
         by_part: dict[PartKey, dict[str, Any]] = defaultdict(lambda: {"dense": {}, "sparse": None})
         for it in req.dense:
             r = self.store.rows(it.name, it.part, it.start, it.stop, it.value, "gradient")
@@ -244,9 +246,18 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
                 pass  # every replica still missing is one already known gone: no need to wait for it
             else:
                 waits.append((key, mine))
+        if waits:  # the epoch of the offers: a fence from now on abandons their step
+            return self._push_waits(ctx, waits, list(by_part), stale, self.epoch)
+        return self._push_answer(list(by_part), stale)
+
+    async def _push_waits(self, ctx: CallContext, waits: list[tuple[PartKey, int]], keys: list[PartKey],
+                          stale: bool, epoch: int) -> dict[str, Any]:
         for key, mine in waits:
-            await self._wait_step(ctx, key, mine)
-        syncs = [s for k in by_part if (s := self.store.get(*k).sync) is not None]
+            await self._wait_step(ctx, key, mine, epoch)
+        return self._push_answer(keys, stale)
+
+    def _push_answer(self, keys: list[PartKey], stale: bool) -> dict[str, Any]:
+        syncs = [s for k in keys if (s := self.store.get(*k).sync) is not None]
         return {"step": max(s.step for s in syncs) if syncs else None, "stale": stale,
                 "replicas": sorted({r for s in syncs for r in s.last_contributors}) if syncs else None}
 
@@ -258,14 +269,17 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps):
         if sparse is not None:
             self.store.apply(Sparse(p, *sparse))
 
-    async def _wait_step(self, ctx: CallContext, key: PartKey, mine: int) -> None:
-        p = self.store.get(*key)
+    async def _wait_step(self, ctx: CallContext, key: PartKey, mine: int, epoch: int) -> None:
+        """Until step ``mine`` of ``key`` completes; Recovering once a fence has followed the
+        offer made in recovery ``epoch``."""
         loop = asyncio.get_running_loop()
-        epoch = self.epoch
-        while p.sync is not None and p.sync.step <= mine:
+        while True:
             if self.epoch != epoch:  # a recovery began: this step will never complete as it was
                 raise Recovering(f"step {mine} of {part_label(key)} was abandoned: the shard is being restored "
                                  f"from a checkpoint (recovery epoch {self.epoch})", epoch=self.epoch)
+            p = self.store.get(*key)  # after the check: a recovery may have dropped the part
+            if p.sync is None or p.sync.step > mine:
+                return
             event = self._advanced[key]
             remaining = None if ctx.deadline is None else ctx.deadline - loop.time() - _SYNC_MARGIN
             if remaining is not None and remaining <= 0:
