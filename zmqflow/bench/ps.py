@@ -163,7 +163,6 @@ class RawWire:
         ports = [free_port() for _ in range(shards)]
         for port in ports:
             procs.start(_raw_ps_process, port, max_bytes // shards)
-        self.pids = procs.pids[-shards:]  # its server processes
         for port in ports:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
