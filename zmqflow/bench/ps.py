@@ -100,7 +100,7 @@ class Phases:
     """Wall and CPU seconds of timed phases, by name. CPU counts every thread of this process (the
     client, its sockets' I/O threads) and of the server processes ``pids``: on a machine whose
     cores are all busy, the side that spends more CPU per byte cannot move its bytes as fast,
-    which is what bounds a ratio there. CPU is None where ``/proc`` cannot be read."""
+    which is what bounds a ratio there. CPU is None where it cannot be read (``cpu_seconds``)."""
 
     def __init__(self, pids: Sequence[int] = ()):
         self.pids = [os.getpid(), *pids]
@@ -267,7 +267,7 @@ def _measure(shards: int, model_bytes: int, nvars: int, reps: int, trips: int) -
         for what, zf, raw in _RATIOS:
             row[f"{what}_ratio"] = row[f"{zf}_gbps"] / row[f"{raw}_gbps"]
             zf_cpu, raw_cpu = row[f"{zf}_cpu_s_per_gb"], row[f"{raw}_cpu_s_per_gb"]
-            row[f"{what}_cpu_ratio"] = None if zf_cpu is None or raw_cpu is None else zf_cpu / raw_cpu
+            row[f"{what}_cpu_ratio"] = None if zf_cpu is None or not raw_cpu else zf_cpu / raw_cpu
         row["scalar_ratio"] = row["zf_assign_add_per_s"] / row["raw_rtt_per_s"]
         return row
     finally:
