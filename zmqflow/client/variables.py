@@ -153,14 +153,14 @@ async def _every(calls: list[Any]) -> None:
 
 def _as_array(x: Any, info: VarInfo, what: str) -> np.ndarray:
     """``x`` as an array of the variable's full shape and dtype; python values are converted."""
-    try:
-        if isinstance(x, np.ndarray):
-            if x.dtype != info.dtype:
-                raise InvalidArgument(f"{what} of {info.name!r}: expected dtype {info.dtype}, got {x.dtype}")
-        else:
+    if isinstance(x, np.ndarray):
+        if x.dtype != info.dtype:
+            raise InvalidArgument(f"{what} of {info.name!r}: expected dtype {info.dtype}, got {x.dtype}")
+    else:
+        try:
             x = np.asarray(x, dtype=info.dtype)
-    except (OverflowError, ValueError, TypeError) as exc:  # a value numpy cannot hold as the dtype
-        raise InvalidArgument(f"{what} of {info.name!r}: cannot be held as {info.dtype}: {exc}") from None
+        except (OverflowError, ValueError, TypeError) as exc:  # a value numpy cannot hold as the dtype
+            raise InvalidArgument(f"{what} of {info.name!r}: cannot be held as {info.dtype}: {exc}") from None
     if x.shape != info.shape:
         if x.ndim == 0 and info.shape and what != "value":
             raise InvalidArgument(f"{what} of {info.name!r}: expected shape {list(info.shape)}, got a scalar")
