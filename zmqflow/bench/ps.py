@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -107,8 +106,7 @@ class Phases:
         self.wall: dict[str, list[float]] = defaultdict(list)
         self.cpu: dict[str, list[float]] = defaultdict(list)
 
-    def _done(self, name: str, t0: float, c0: float | None) -> float:
-        took = time.perf_counter() - t0
+    def _note(self, name: str, took: float, c0: float | None) -> float:
         c1 = cpu_seconds(self.pids)
         self.wall[name].append(took)
         if c0 is not None and c1 is not None:
@@ -117,14 +115,12 @@ class Phases:
 
     def timed(self, name: str, call: Callable[[], Any]) -> float:
         """Wall seconds of ``call()``, noted under ``name`` with its CPU seconds."""
-        c0, t0 = cpu_seconds(self.pids), time.perf_counter()
-        call()
-        return self._done(name, t0, c0)
+        c0 = cpu_seconds(self.pids)
+        return self._note(name, seconds(call), c0)
 
     async def timed_async(self, name: str, call: Callable[[], Awaitable[Any]]) -> float:
-        c0, t0 = cpu_seconds(self.pids), time.perf_counter()
-        await call()
-        return self._done(name, t0, c0)
+        c0 = cpu_seconds(self.pids)
+        return self._note(name, await seconds_async(call), c0)
 
     def median_wall(self, name: str) -> float:
         return statistics.median(self.wall[name])
