@@ -103,6 +103,19 @@ def test_a_save_outside_the_roots_is_refused_and_creates_nothing(confined, tmp_p
     assert tree(outside) == []
 
 
+def test_a_file_name_too_long_for_its_temporary_is_refused_and_creates_nothing(confined, tmp_path):
+    """The request allows 255 characters; with the temporary's suffix the name would be over the
+    255 bytes a file system takes: a typed error up front, not an OSError halfway."""
+    sess, root = confined
+    before = tree(tmp_path)
+    for name in ("x" * 255, "x" * 230, "é" * 120):
+        with pytest.raises(errors.InvalidArgument, match="over the 255 a name may have"):
+            sess.call("ps", "save", {"directory": str(root / "raw"), "file": name}, task="ps:0")
+    assert tree(tmp_path) == before
+    reply = sess.call("ps", "save", {"directory": str(root / "raw"), "file": "x" * 150}, task="ps:0")
+    assert reply["file"] == "x" * 150 and (root / "raw" / ("x" * 150)).is_file()
+
+
 def test_an_in_process_server_without_roots_refuses_and_says_how(tmp_path):
     spec = make_spec({"ps": 1, "worker": 1}, "tcp")
     with zf.Server(spec, "ps:0"), zf.Server(spec, "worker:0") as worker, zf.Session(worker.target) as sess:

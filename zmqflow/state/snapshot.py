@@ -31,7 +31,7 @@ from .tables import HashTable
 from .tensorfile import TensorFile, write_tensors
 from .store import Part
 
-__all__ = ["part_arrays", "table_arrays", "write_atomic", "read_arrays", "fsync_dir", "crash_point", "TEMP_SUFFIX",
+__all__ = ["part_arrays", "table_arrays", "write_atomic", "temp_path", "check_file_name", "NAME_MAX", "read_arrays", "fsync_dir", "crash_point", "TEMP_SUFFIX",
            "abandoned_temporary", "part_prefix", "table_prefix", "tensor_name", "NpzFile", "open_shard_file", "FILE_FORMAT", "entry_tensor"]
 
 FILE_FORMAT = "zmqflow-checkpoint/2"
@@ -40,6 +40,7 @@ FILE_FORMAT = "zmqflow-checkpoint/2"
 # writer still at work (another thread or process saving beside it) from one that died.
 TEMP_SUFFIX = r"\.tmp-(?P<host>[A-Za-z0-9_.-]+?)-(?P<pid>\d+)-(?P<tid>\d+)"
 _TEMP = re.compile(TEMP_SUFFIX + "$")
+NAME_MAX = 255  # bytes of one file name on the file systems checkpoints go to (ext4, xfs, NFS)
 # A temporary written on another host is taken for abandoned only once it is this old.
 FOREIGN_TEMP_GRACE_S = 600.0
 
@@ -117,12 +118,27 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def temp_path(path: str) -> str:
+    """Where :func:`write_atomic` writes ``path`` first, from this thread: two writers (threads
+    too) never share one."""
+    return f"{path}.tmp-{_HOST}-{os.getpid()}-{threading.get_ident()}"
+
+
+def check_file_name(file: str) -> None:
+    """InvalidArgument for a file name whose temporary (:func:`temp_path`) would be over the
+    255 bytes a name may have: refused before anything is written, not an OSError halfway."""
+    longest = len(os.fsencode(temp_path(file)))
+    if longest > NAME_MAX:
+        raise InvalidArgument(f"file name {file[:40]!r}... is {len(os.fsencode(file))} bytes: with its temporary's suffix "
+                              f"it would be {longest}, over the {NAME_MAX} a name may have", file=file)
+
+
 def write_atomic(path: str, arrays: dict[str, np.ndarray] | None = None, text: str | None = None,
                  metadata: dict[str, str] | None = None) -> None:
     """Write ``arrays`` (as safetensors, with ``metadata``) or ``text`` to ``path`` so that a
     crash leaves the old or the new file."""
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp-{_HOST}-{os.getpid()}-{threading.get_ident()}"  # two writers (threads too) never share one
+    tmp = temp_path(path)
     # never through a link planted at the temporary's name: the file is ours, created here
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o666)
     with os.fdopen(fd, "wb") as fh:

@@ -14,7 +14,8 @@ from ...errors import InvalidArgument
 from ...observe.metrics import Histogram
 from ..checkpoint_roots import CheckpointRoots
 from ...state.tables import HashTable
-from ...state.snapshot import FILE_FORMAT, part_arrays, part_prefix, table_arrays, table_prefix, write_atomic
+from ...state.snapshot import (FILE_FORMAT, check_file_name, part_arrays, part_prefix, table_arrays, table_prefix,
+                               write_atomic)
 from ...state.store import PartKey, ShardStore
 from ...rpc import CallContext, op
 from ...wire.requests import ps as rq
@@ -59,6 +60,7 @@ class SnapshotOps:
         inside the checkpoint roots (else ``PermissionDenied``, nothing created)."""
         if os.sep in file or (os.altsep and os.altsep in file) or "\0" in file or file.startswith("."):
             raise InvalidArgument(f"checkpoint file name {file!r} must be a plain name")
+        check_file_name(file)
         real = self.checkpoint_roots.confine(directory)
         os.makedirs(real, exist_ok=True)
         return file, real
