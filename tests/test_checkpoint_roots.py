@@ -105,12 +105,15 @@ def test_a_save_outside_the_roots_is_refused_and_creates_nothing(confined, tmp_p
 
 def test_a_file_name_too_long_for_its_temporary_is_refused_and_creates_nothing(confined, tmp_path):
     """The request allows 255 characters; with the temporary's suffix the name would be over the
-    255 bytes a file system takes: a typed error up front, not an OSError halfway."""
+    255 bytes a file system takes: a typed error up front, not an OSError halfway. A directory
+    that cannot be made is the caller's error too."""
     sess, root = confined
     before = tree(tmp_path)
     for name in ("x" * 255, "x" * 230, "é" * 120):
         with pytest.raises(errors.InvalidArgument, match="over the 255 a name may have"):
             sess.call("ps", "save", {"directory": str(root / "raw"), "file": name}, task="ps:0")
+    with pytest.raises(errors.InvalidArgument, match="cannot make checkpoint directory .*File name too long"):
+        sess.call("ps", "save", {"directory": str(root / ("d" * 300)), "file": "x"}, task="ps:0")
     assert tree(tmp_path) == before
     reply = sess.call("ps", "save", {"directory": str(root / "raw"), "file": "x" * 150}, task="ps:0")
     assert reply["file"] == "x" * 150 and (root / "raw" / ("x" * 150)).is_file()

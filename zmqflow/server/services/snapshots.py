@@ -62,7 +62,11 @@ class SnapshotOps:
             raise InvalidArgument(f"checkpoint file name {file!r} must be a plain name")
         check_file_name(file)
         real = self.checkpoint_roots.confine(directory)
-        os.makedirs(real, exist_ok=True)
+        try:
+            os.makedirs(real, exist_ok=True)
+        except OSError as exc:  # a name too long, a file in the way, a read-only disk: the caller's to fix
+            raise InvalidArgument(f"cannot make checkpoint directory {directory[:80]!r}: {exc.strerror or exc}",
+                                  directory=directory[:4096]) from None
         return file, real
 
     @op(rq.EmbExportDelta)
