@@ -108,12 +108,16 @@ def test_a_file_name_too_long_for_its_temporary_is_refused_and_creates_nothing(c
     255 bytes a file system takes: a typed error up front, not an OSError halfway. A directory
     that cannot be made is the caller's error too."""
     sess, root = confined
+    root.mkdir()
+    (root / "afile").write_text("")
     before = tree(tmp_path)
     for name in ("x" * 255, "x" * 230, "é" * 120):
         with pytest.raises(errors.InvalidArgument, match="over the 255 a name may have"):
             sess.call("ps", "save", {"directory": str(root / "raw"), "file": name}, task="ps:0")
-    with pytest.raises(errors.InvalidArgument, match="cannot make checkpoint directory .*File name too long"):
-        sess.call("ps", "save", {"directory": str(root / ("d" * 300)), "file": "x"}, task="ps:0")
+    with pytest.raises(errors.InvalidArgument, match="a name in it is over the 255 bytes"):
+        sess.call("ps", "save", {"directory": str(root / "a" / ("d" * 300)), "file": "x"}, task="ps:0")
+    with pytest.raises(errors.InvalidArgument, match="cannot make checkpoint directory .*Not a directory"):
+        sess.call("ps", "save", {"directory": str(root / "afile" / "sub"), "file": "x"}, task="ps:0")
     assert tree(tmp_path) == before
     reply = sess.call("ps", "save", {"directory": str(root / "raw"), "file": "x" * 150}, task="ps:0")
     assert reply["file"] == "x" * 150 and (root / "raw" / ("x" * 150)).is_file()

@@ -14,7 +14,7 @@ from ...errors import InvalidArgument
 from ...observe.metrics import Histogram
 from ..checkpoint_roots import CheckpointRoots
 from ...state.tables import HashTable
-from ...state.snapshot import (FILE_FORMAT, check_file_name, part_arrays, part_prefix, table_arrays, table_prefix,
+from ...state.snapshot import (FILE_FORMAT, NAME_MAX, check_file_name, part_arrays, part_prefix, table_arrays, table_prefix,
                                write_atomic)
 from ...state.store import PartKey, ShardStore
 from ...rpc import CallContext, op
@@ -62,6 +62,9 @@ class SnapshotOps:
             raise InvalidArgument(f"checkpoint file name {file!r} must be a plain name")
         check_file_name(file)
         real = self.checkpoint_roots.confine(directory)
+        if any(len(os.fsencode(part)) > NAME_MAX for part in real.split(os.sep)):  # before any is made
+            raise InvalidArgument(f"checkpoint directory {directory[:80]!r}...: a name in it is over the {NAME_MAX} "
+                                  "bytes a name may have", directory=directory[:4096])
         try:
             os.makedirs(real, exist_ok=True)
         except OSError as exc:  # a name too long, a file in the way, a read-only disk: the caller's to fix
