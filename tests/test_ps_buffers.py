@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -11,8 +13,12 @@ from zmqflow.client.variables import SLICE_BYTES
 from zmqflow.testing import make_spec
 
 
-@pytest.fixture()
-def sess():
+@pytest.fixture(params=["bulk", "zeromq"])
+def sess(request, monkeypatch):
+    """A session on two shards over tcp: large pulls through bulk streams, or (ZMQFLOW_BULK=0)
+    over ZeroMQ alone."""
+    if request.param == "zeromq":
+        monkeypatch.setenv("ZMQFLOW_BULK", "0")
     spec = make_spec({"ps": 2, "worker": 1}, "tcp")
     with zf.Server(spec, "ps:0"), zf.Server(spec, "ps:1"), zf.Server(spec, "worker:0") as w:
         with zf.Session(w.target) as s:
@@ -74,7 +80,10 @@ def test_a_one_piece_read_is_the_received_frame_and_yours_to_write(sess):
     big.assign(want)
     whole = sess.pull([big])["big_whole"]
     assert whole.shape == (rows, 64) and whole.flags.writeable and (whole == want).all()
-    assert not whole.flags.owndata  # a view of the received frame, not an array it was copied into
+    if os.environ.get("ZMQFLOW_BULK") == "0":
+        assert not whole.flags.owndata  # a view of the received frame, not an array it was copied into
+    else:
+        assert whole.flags.owndata  # the array the stream's bytes landed in, copied by no one
 
 
 def test_a_many_piece_read_without_out_is_assembled_whole(sess):

@@ -68,6 +68,7 @@ def test_one_stream_is_the_default_and_a_bad_setting_names_the_variable() -> Non
 
 def test_a_session_with_streams_pulls_and_pushes_a_sliced_model_exactly(monkeypatch) -> None:
     monkeypatch.setenv(STREAMS_ENV, "2")
+    monkeypatch.setenv("ZMQFLOW_BULK", "0")  # the pulls' large replies over ZeroMQ's streams, not a bulk stream
     spec = make_spec({"ps": 1, "worker": 1}, "tcp")
     rows = 3 * SLICE_BYTES // (64 * 4) + 5  # several slices of 4 MiB, dealt over both streams
     want = np.arange(rows * 64, dtype=np.float32).reshape(rows, 64)

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from ..cluster import ClusterSpec, TaskId
+from .bulk import BulkStream
 
 __all__ = ["SessionPort", "LoopPort"]
 
@@ -27,6 +28,10 @@ class SessionPort(Protocol):
                         timeout: float | None = None, size: int = 0) -> Any:
         """``service.op`` on one task of the session's cluster, within ``timeout`` (the session's by
         default). ``size``: the bytes its reply will carry, when it is a large read."""
+        ...
+
+    async def bulk_stream(self, task: TaskId) -> "BulkStream | None":
+        """The bulk stream large pulls from ``task`` land through, or None where there is none."""
         ...
 
     async def call_catalog(self, op: str, body: Any, timeout: float | None = None) -> Any:

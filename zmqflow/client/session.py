@@ -25,7 +25,9 @@ from ..errors import ConfigError, InvalidArgument, NotFound, SessionClosed, Shar
 from ..rpc import DEFAULT_TIMEOUT, RpcClient
 from ..transport.base import Transport
 from ..transport.curve import Keys, keys_from
+from ..transport.registry import plain_zeromq
 from ..wire.requests import cluster as crq
+from .bulk import BulkStream, BulkStreams
 from .embedding import AsyncEmbedding, TableInfo, declare_embedding
 from .variables import AsyncVariable, VarInfo, declare
 from .variables import pull as _pull
@@ -86,6 +88,7 @@ class AsyncSession:
         self._infos: dict[str, VarInfo] = {}
         self._incarnations: dict[TaskId, str] = {}  # each shard this session used, as it was then
         self._routes: dict[TaskId, tuple[str, str]] = {}  # task -> (endpoint, name): the spec is fixed once known
+        self._bulk: BulkStreams | None = None
 
     @property
     def client(self) -> RpcClient:
@@ -114,6 +117,22 @@ class AsyncSession:
             if lost is None:
                 raise
             raise lost from exc
+
+    async def bulk_stream(self, task: TaskId) -> BulkStream | None:
+        """The bulk stream to ``task``'s shard that large pulls land through (:mod:`.bulk`),
+        opened on first use; None where there is none (the task offers none, or this session
+        runs on a transport other than ZeroMQ's own, whose faults a stream would bypass)."""
+        if not plain_zeromq(self.endpoint, self.transport):
+            return None
+        if self._bulk is None:
+            self._bulk = BulkStreams(self._bulk_call, self._address_of)
+        return await self._bulk.get(task)
+
+    async def _bulk_call(self, task: TaskId, op: str) -> Any:
+        return await self.call_task(task, "ps", op, timeout=min(self.timeout, 10.0))
+
+    async def _address_of(self, task: TaskId) -> Address:
+        return (self._spec if self._spec is not None else await self.cluster()).address(task)
 
     async def _learn(self, tasks: Iterable[TaskId]) -> None:
         """Remember who each shard of ``tasks`` is now (its incarnation), once per task: how this
@@ -297,6 +316,9 @@ class AsyncSession:
     async def close(self) -> None:
         """Close the session's connections; using it afterwards raises SessionClosed."""
         self._closed = True
+        if self._bulk is not None:
+            bulk, self._bulk = self._bulk, None
+            await bulk.close()
         if self._client is not None:
             self._client.close()
             self._client = None

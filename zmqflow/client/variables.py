@@ -23,6 +23,9 @@ from ..state import optim as _optim
 from ..cluster import TaskId
 from ..errors import InvalidArgument
 from ..observe import timeline
+from ..transport.bulk import as_bytes
+from .bulk import BulkStream
+from .bulk_pull import pull_into, streams, transfers
 from .port import SessionPort
 from .placement import current_device, current_policy
 from ..state.kernels import copy_into
@@ -128,6 +131,15 @@ def _bundle(items: Iterable[tuple[TaskId, int, T]]) -> dict[TaskId, list[list[T]
         batches[-1].append(item)
         sizes[task] += nbytes
     return out
+
+
+async def _bulk_streams(sess: SessionPort, infos: list[VarInfo]) -> dict[TaskId, BulkStream]:
+    """The bulk streams of the tasks whose share of a pull is big enough (``bulk_pull.streams``)."""
+    shares: dict[TaskId, int] = defaultdict(int)
+    for info in infos:
+        for task, r0, r1 in info.parts:
+            shares[task] += (r1 - r0) * info.row_bytes if info.shape else info.row_bytes
+    return await streams(sess, shares)
 
 
 async def _all(calls: list[Any]) -> list[Any]:
@@ -250,7 +262,8 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
     reads the same variables every step: no fresh pages to fault in); each reply is copied in as
     it lands, while the others are still in flight. A one-part variable not in ``out`` (up to
     WHOLE_PULL_BYTES) comes whole and is the received frame itself (writeable, nothing copied);
-    others get new arrays."""
+    others get new arrays. A task whose share is at least ``bulk_pull.BULK_FROM`` bytes sends
+    its parts on its bulk stream where it offers one: they land in their arrays, copied by no one."""
     given = out or {}
     extra = set(given) - {info.name for info in infos}
     if extra:
@@ -263,10 +276,19 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
             outs[info.name] = None  # the reply's array, once it lands
         else:
             outs[info.name] = np.empty(info.shape, dtype=info.dtype)
+    bulk_to = await _bulk_streams(sess, infos)
+    bulk: dict[TaskId, list[tuple[int, rq.PullItem, memoryview]]] = defaultdict(list)
     where: dict[int, tuple[VarInfo, int, tuple[int | None, int | None]]] = {}
     items = []
     for info in infos:
         for p, (task, r0, r1) in enumerate(info.parts):
+            if task in bulk_to:  # the whole part, straight into its rows
+                target = outs[info.name]
+                if target is None:
+                    target = outs[info.name] = np.empty(info.shape, dtype=info.dtype)
+                dest = as_bytes(_rows_of(info, p, (0, r1 - r0), target))
+                bulk[task].append((dest.nbytes, rq.PullItem(info.name, p, None, None), dest))
+                continue
             # a variable received whole comes in one frame: slices would have to be copied together
             chunks = info.chunks(p) if outs[info.name] is not None or not info.shape else [(0, r1 - r0)]
             for chunk in chunks:
@@ -296,6 +318,9 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
             call = sess.call_task(task, "ps", "pull", rq.Pull(items=[it for _, _, it in batch]), timeout=timeout,
                                   size=sum(n for _, n, _ in batch))  # the reply's bytes pick its stream
             calls.append(fetch(keys, call))
+    for task, parts in bulk.items():
+        for batch in transfers(parts):
+            calls.append(pull_into(sess, task, bulk_to[task], [it for _, it, _ in batch], [d for _, _, d in batch], timeout))
     await _every(calls)
     return outs  # type: ignore[return-value]  # every None was replaced by its reply
 

@@ -34,6 +34,7 @@ from ..observe import metrics as observe_metrics
 from ..observe.metrics import MetricsHub, TaskMetrics
 from ..rpc import DEFAULT_TIMEOUT, Counters, RpcClient, RpcServer, Service
 from ..rpc.health import wait_for_tasks
+from .bulk_listener import bulk_host
 from .checkpoint_roots import CheckpointRoots
 from .idle_trim import IdleTrim
 from .services import MasterService, PsService, WorkerService
@@ -42,6 +43,7 @@ from .services.ring import RingService
 from .limits import ServerLimits
 from .observed import probe
 from ..transport.base import Transport
+from ..transport.registry import plain_zeromq
 from ..transport.curve import Keys, is_loopback, keys_from
 from ..transport.options import DEFAULT_OPTIONS, SocketOptions
 from ..wire import Limits
@@ -247,9 +249,21 @@ class AsyncServer:
         )
         for svc in self._services.values():
             await svc.start()
+        await self._start_bulk(bind)
         if self._idle_trim is not None:
             self._idle_trim.start()
         return self
+
+    async def _start_bulk(self, bind: str) -> None:
+        """The ps shard's bulk listener, where this task offers streams (:func:`bulk_host`)."""
+        host = bulk_host(bind, self.keys, plain_zeromq(bind, self.transport))
+        ps = self._services.get("ps")
+        if host is None or not isinstance(ps, PsService):
+            return
+        try:
+            await ps.open_bulk(host)
+        except OSError as exc:  # no port to be had: pulls go over ZeroMQ
+            log.warning("%s: no bulk listener on %s: %s", self.task, host, exc)
 
     @property
     def running(self) -> bool:
@@ -277,6 +291,9 @@ class AsyncServer:
         rpc, self._rpc = self._rpc, None
         if self._idle_trim is not None:
             self._idle_trim.stop()
+        ps = self._services.get("ps")
+        if isinstance(ps, PsService):
+            await ps.close_bulk()
         for svc in reversed(list(self._services.values())):
             await svc.stop()
         await rpc.close()

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from .base import Transport
 from .zeromq import ZmqTransport
 
-__all__ = ["register", "lookup", "scheme_of", "use", "current_override"]
+__all__ = ["register", "lookup", "scheme_of", "use", "current_override", "plain_zeromq"]
 
 _ZMQ = ZmqTransport()
 _backends: dict[str, Transport] = {"tcp": _ZMQ, "ipc": _ZMQ, "inproc": _ZMQ}
@@ -48,6 +48,13 @@ def lookup(endpoint: str) -> Transport:
     except KeyError:
         known = ", ".join(sorted(_backends))
         raise ValueError(f"no transport for {endpoint!r}: scheme {scheme_of(endpoint)!r} is not one of {known}") from None
+
+
+def plain_zeromq(endpoint: str, given: Transport | None = None) -> bool:
+    """Whether ``endpoint`` is served by ZeroMQ's own transport: none ``given``, no override, and
+    ZeroMQ registered for its scheme. Only then may a side channel beside it (a bulk stream) be
+    used: it would bypass a test's fault injector."""
+    return given is None and isinstance(lookup(endpoint), ZmqTransport)
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ from ...state.sync import READY, STALE
 from ...rpc import CallContext, Service, op
 from ...wire.requests import ps as rq
 from ..checkpoint_roots import CheckpointRoots
+from .bulk_ops import BulkOps
 from .fence import FenceOps
 from .snapshots import SnapshotOps
 from .tables import TableOps
@@ -46,7 +47,7 @@ _SYNC_MARGIN = 0.25
 OFF_LOOP_BYTES = 16 << 20
 
 
-class PsService(Service, TableOps, SnapshotOps, FenceOps):
+class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
     name = "ps"
 
     def __init__(self, replicas: list[str] | None = None, reachable: Callable[[bytes], bool] | None = None,

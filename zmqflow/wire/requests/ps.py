@@ -16,7 +16,7 @@ from .base import (MAX_ITEMS, MAX_PARTS, PATH_MAX, ArraySpec, Count, Dtype, Int,
                    RowRange, Shape, Spec)
 
 __all__ = [
-    "Empty", "Create", "PullItem", "Pull", "RowsItem", "Assign", "Scatter", "SparseItem", "Push", "Save",
+    "Empty", "Create", "PullItem", "Pull", "PullBulk", "RowsItem", "Assign", "Scatter", "SparseItem", "Push", "Save",
     "RestorePart", "Unfence", "Pair", "Sweep", "EmbCreate", "EmbIds", "EmbLookup", "EmbPush", "EmbEvict",
     "EmbExport", "EmbRestore", "EmbExportDelta", "OPS",
 ]
@@ -55,6 +55,15 @@ class Pull(Request):
     """Read rows of parts, in order; answered with one array per item."""
 
     items: Annotated[list[PullItem], msgspec.Meta(max_length=MAX_ITEMS, description="a list of [name, part, start, stop]")]
+
+
+class PullBulk(Request):
+    """Send rows of parts, in order, on the caller's bulk stream ``stream`` as transfer ``tag``
+    (:mod:`zmqflow.transport.bulk`); answered with the byte count once they are sent."""
+
+    items: Annotated[list[PullItem], msgspec.Meta(max_length=MAX_ITEMS, description="a list of [name, part, start, stop]")]
+    stream: Count
+    tag: Count
 
 
 class RowsItem(Item):
@@ -222,7 +231,7 @@ class EmbExportDelta(Request):
 
 OPS: dict[str, type[Request]] = {
     "ping": Empty, "status": Empty, "global_step": Empty, "variables": Empty,
-    "create": Create, "pull": Pull, "assign": Assign, "scatter": Scatter, "push": Push,
+    "create": Create, "pull": Pull, "bulk_offer": Empty, "pull_bulk": PullBulk, "assign": Assign, "scatter": Scatter, "push": Push,
     "save": Save, "restore_part": RestorePart, "emb_restore": EmbRestore,
     "fence": Empty, "unfence": Unfence, "sweep": Sweep,
     "emb_create": EmbCreate, "emb_lookup": EmbLookup, "emb_push": EmbPush, "emb_stats": EmbIds,

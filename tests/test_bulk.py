@@ -1,0 +1,262 @@
+"""Bulk streams: large pulls landing in their arrays over a plain TCP stream beside the router,
+opened only with a token the task issued, closed on anything out of step, never waited on forever."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import numpy as np
+import pytest
+
+import zmqflow as zf
+from zmqflow import errors
+from zmqflow.client.bulk import BulkStream
+from zmqflow.client.bulk_pull import BULK_FROM
+from zmqflow.client.session import AsyncSession
+from zmqflow.server.bulk_listener import BulkListener, bulk_host
+from zmqflow.testing import FaultInjector, async_wait_until, local_cluster
+from zmqflow.transport import registry
+from zmqflow.transport.bulk import HEADER, HELLO, MAGIC, OPENED, as_bytes
+
+from .conftest import arun
+
+ROWS = BULK_FROM // (64 * 4) * 3  # each of two parts well past BULK_FROM
+
+
+async def _hello(port: int, token: bytes) -> bytes:
+    """Connect as a client would, present ``token``, and return what the task answers (b"" = closed)."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        await loop.sock_sendall(sock, HELLO.pack(MAGIC, token))
+        return await asyncio.wait_for(loop.sock_recv(sock, 1), 5)
+    finally:
+        sock.close()
+
+
+def test_a_large_pull_lands_through_the_streams_into_out_and_new_arrays_equal_to_zeromqs():
+    async def main():
+        async with local_cluster({"ps": 2}, timeout=20, transport="tcp") as servers:
+            async with AsyncSession(servers["ps:0"].target, timeout=10) as sess:
+                x = np.random.default_rng(0).standard_normal((ROWS, 64)).astype(np.float32)
+                await sess.variable("big", x, partitioner=zf.fixed_size_partitioner(2))
+                await sess.variable("small", np.arange(10, dtype=np.float32))  # rides with its task's big share
+                out = {"big": np.zeros_like(x), "small": np.zeros(10, np.float32)}
+                got = await sess.pull(["big", "small"], out=out)
+                assert got["big"] is out["big"] and np.array_equal(out["big"], x)
+                assert np.array_equal(out["small"], np.arange(10, dtype=np.float32))
+                fresh = await sess.pull(["big"])
+                assert np.array_equal(fresh["big"], x) and fresh["big"].flags.writeable
+                streams = [await sess.bulk_stream(zf.TaskId.parse(t)) for t in ("ps:0", "ps:1")]
+                assert all(s is not None for s in streams)
+                assert sum(s.received for s in streams) == 2 * x.nbytes + 40  # both pulls of big, small once
+                assert [servers[t].service("ps").bulk.opened for t in ("ps:0", "ps:1")] == [1, 1]
+                assert (await sess.pull(["small"]))["small"][3] == 3  # alone, under BULK_FROM: over ZeroMQ
+                assert sum(s.received for s in streams) == 2 * x.nbytes + 40
+            async with AsyncSession(servers["ps:0"].target, timeout=10) as zs:  # the same pull over ZeroMQ alone
+                zs.bulk_stream = _none
+                assert np.array_equal((await zs.pull(["big"]))["big"], x)
+
+    arun(main(), 60)
+
+
+async def _none(task):
+    return None
+
+
+def test_a_bfloat16_variable_comes_whole_through_its_stream():
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes (bfloat16) is not installed")
+
+    async def main():
+        async with local_cluster({"ps": 1}, timeout=20, transport="tcp") as servers:
+            async with AsyncSession(servers["ps:0"].target, timeout=10) as sess:
+                x = np.linspace(-4, 4, BULK_FROM).astype(ml_dtypes.bfloat16)
+                await sess.variable("b", x)
+                got = (await sess.pull(["b"]))["b"]
+                assert got.dtype == x.dtype and np.array_equal(got.view(np.uint16), x.view(np.uint16))
+                assert (await sess.bulk_stream(zf.TaskId.parse("ps:0"))).received == x.nbytes
+
+    arun(main(), 60)
+
+
+def test_a_stream_opens_only_with_a_fresh_token_once_and_names_only_its_owner():
+    async def main():
+        lis = await BulkListener("127.0.0.1", hello_timeout=0.5).start()
+        try:
+            handle, token = lis.offer("worker:0")
+            assert await _hello(lis.port, bytes(16)) == b""  # a token never issued: closed
+            assert await _hello(lis.port, token) == OPENED
+            assert await _hello(lis.port, token) == b""  # used once already
+            assert lis.opened == 1 and lis.refused == 2
+            with pytest.raises(errors.NotFound, match=f"bulk stream {handle} is not open for 'ps:1'"):
+                lis.conn(handle, "ps:1")
+            assert lis.conn(handle, "worker:0").handle == handle
+            loop = asyncio.get_running_loop()
+            silent = socket.create_connection(("127.0.0.1", lis.port))  # says nothing: cut after hello_timeout
+            silent.setblocking(False)
+            try:
+                assert await asyncio.wait_for(loop.sock_recv(silent, 1), 5) == b""
+            finally:
+                silent.close()
+            assert lis.refused == 3
+        finally:
+            await lis.close()
+
+    arun(main(), 30)
+
+
+def test_pending_tokens_are_capped_and_expire():
+    async def main():
+        lis = await BulkListener("127.0.0.1", max_pending=2, token_ttl=0.2).start()
+        try:
+            lis.offer("a")
+            _, token = lis.offer("a")
+            with pytest.raises(errors.ResourceExhausted, match="at the cap of 64 open and 2 pending"):
+                lis.offer("a")
+            await asyncio.sleep(0.3)  # the token's own lifetime, not a wait for something to happen
+            assert await _hello(lis.port, token) == b""  # expired
+            lis.offer("a")  # the expired ones were dropped
+        finally:
+            await lis.close()
+
+    arun(main(), 30)
+
+
+def test_a_closed_stream_frees_its_slot_at_the_next_offer():
+    async def main():
+        lis = await BulkListener("127.0.0.1", max_streams=1).start()
+        try:
+            handle, token = lis.offer("a")
+            assert await _hello(lis.port, token) == OPENED  # and closed again at once by the helper
+            await async_wait_until(lambda: lis.conn(handle, "a").gone(), 5, what="the peer's close seen")
+            lis.offer("a")  # the slot came back
+        finally:
+            await lis.close()
+
+    arun(main(), 30)
+
+
+def test_a_bad_pull_is_refused_before_a_byte_and_the_stream_stays_usable():
+    async def main():
+        async with local_cluster({"ps": 1}, timeout=20, transport="tcp") as servers:
+            async with AsyncSession(servers["ps:0"].target, timeout=10) as sess:
+                x = np.ones((ROWS, 64), np.float32)
+                await sess.variable("v", x)
+                task = zf.TaskId.parse("ps:0")
+                stream = await sess.bulk_stream(task)
+                with pytest.raises(errors.NotFound, match="nope"):
+                    await sess.call_task(task, "ps", "pull_bulk", {"items": [["nope", 0, None, None]],
+                                                                    "stream": stream.handle, "tag": 99})
+                with pytest.raises(errors.NotFound, match=f"bulk stream {stream.handle + 1} is not open"):
+                    await sess.call_task(task, "ps", "pull_bulk", {"items": [["v", 0, None, None]],
+                                                                    "stream": stream.handle + 1, "tag": 99})
+                assert np.array_equal((await sess.pull(["v"]))["v"], x)
+                assert await sess.bulk_stream(task) is stream and stream.received == x.nbytes
+
+    arun(main(), 60)
+
+
+def test_a_stopped_task_fails_the_next_pull_instead_of_hanging():
+    async def main():
+        async with local_cluster({"ps": 1}, timeout=20, transport="tcp") as servers:
+            async with AsyncSession(servers["ps:0"].target, timeout=2) as sess:
+                await sess.variable("v", np.ones((ROWS, 64), np.float32))
+                await sess.pull(["v"])
+                stream = await sess.bulk_stream(zf.TaskId.parse("ps:0"))
+                await servers["ps:0"].stop()
+                await asyncio.wait_for(asyncio.shield(stream.stopped), 5)  # the task's close ended the reader
+                assert stream.closed
+                with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
+                    await sess.pull(["v"])
+
+    arun(main(), 60)
+
+
+def _pair() -> tuple[socket.socket, socket.socket]:
+    a, b = socket.socketpair()
+    b.setblocking(True)
+    return a, b
+
+
+def test_the_reader_lands_transfers_by_tag_and_drops_the_bytes_of_one_given_up_before_it_began():
+    async def main():
+        mine, task = _pair()
+        stream = BulkStream("ps:0", 1, mine)
+        try:
+            a, b = np.zeros(1000, np.uint8), np.zeros(500, np.uint8)
+            ta, tb = stream.expect([as_bytes(a)]), stream.expect([as_bytes(b)])
+            await stream.abandon(ta, sent=True)  # not begun: its bytes will be read and dropped
+            task.sendall(HEADER.pack(ta.tag, 1000) + bytes([7]) * 1000 + HEADER.pack(tb.tag, 500) + bytes([9]) * 500)
+            assert await asyncio.wait_for(tb.done, 5) == 500
+            assert (a == 0).all() and (b == 9).all() and not stream.closed
+        finally:
+            task.close()
+            await stream.close()
+
+    arun(main(), 30)
+
+
+@pytest.mark.parametrize("header", ["unknown tag", "wrong count"])
+def test_a_header_out_of_step_closes_the_stream_and_fails_its_waiters(header):
+    async def main():
+        mine, task = _pair()
+        stream = BulkStream("ps:0", 1, mine)
+        try:
+            dest = np.zeros(100, np.uint8)
+            t = stream.expect([as_bytes(dest)])
+            task.sendall(HEADER.pack(t.tag + 1, 100) if header == "unknown tag" else HEADER.pack(t.tag, 101))
+            with pytest.raises(errors.ProtocolError, match="unknown transfer" if header == "unknown tag" else "101 bytes where 100"):
+                await asyncio.wait_for(t.done, 5)
+            assert stream.closed and (dest == 0).all()
+            with pytest.raises(errors.Unavailable, match="closed"):
+                stream.expect([as_bytes(dest)])
+        finally:
+            task.close()
+            await stream.close()
+
+    arun(main(), 30)
+
+
+def test_giving_up_mid_transfer_closes_the_stream_before_returning_and_nothing_lands_after():
+    async def main():
+        mine, task = _pair()
+        stream = BulkStream("ps:0", 1, mine)
+        try:
+            dest = np.zeros(1 << 16, np.uint8)
+            t = stream.expect([as_bytes(dest)])
+            task.sendall(HEADER.pack(t.tag, dest.nbytes) + bytes([5]) * 100)  # begun, then the task stalls
+            await async_wait_until(lambda: t.started, 5, what="the transfer begun")
+            await stream.abandon(t, sent=True)
+            assert stream.closed and stream.stopped.done()
+            before = dest.copy()
+            try:
+                task.sendall(bytes([6]) * 1000)
+            except OSError:
+                pass  # the stream is shut: the bytes go nowhere
+            assert np.array_equal(dest, before) and not (dest == 6).any()
+        finally:
+            task.close()
+            await stream.close()
+
+    arun(main(), 30)
+
+
+def test_where_a_task_offers_streams(monkeypatch):
+    assert bulk_host("tcp://127.0.0.1:5000", None, True) == "127.0.0.1"
+    assert bulk_host("tcp://*:5000", None, True) == "0.0.0.0"  # insecure, by the operator's word
+    assert bulk_host("tcp://127.0.0.1:5000", object(), True) == "127.0.0.1"  # keys, loopback: no wire to read
+    assert bulk_host("tcp://10.1.2.3:5000", object(), True) is None  # keys beyond loopback: never in the clear
+    assert bulk_host("ipc:///tmp/x", None, True) is None and bulk_host("inproc://x", None, True) is None
+    assert bulk_host("tcp://127.0.0.1:5000", None, False) is None  # another transport: its faults stay in force
+    monkeypatch.setenv("ZMQFLOW_BULK", "0")
+    assert bulk_host("tcp://127.0.0.1:5000", None, True) is None
+
+
+def test_a_session_on_a_fault_injector_uses_no_stream():
+    assert registry.plain_zeromq("tcp://127.0.0.1:5000")
+    with registry.use(FaultInjector()):
+        assert not registry.plain_zeromq("tcp://127.0.0.1:5000")
+    assert not registry.plain_zeromq("tcp://127.0.0.1:5000", FaultInjector())

@@ -1,0 +1,234 @@
+"""A session's bulk streams (:mod:`zmqflow.transport.bulk`), one per task, opened on first use.
+
+A pull that uses one registers where each transfer's bytes go (:meth:`BulkStream.expect`), asks
+the shard over ZeroMQ to send them (naming the stream and the transfer's tag), and waits for both
+the reply and the bytes. One reader per stream lands each transfer in its destinations as it
+comes. A waiter that gave up (its deadline, a cancel) leaves its destinations alone from then
+on: the rest of its bytes are read and dropped. A header the reader does not expect, or a count
+other than the one expected, means the two ends are out of step: the stream is closed, every
+waiter on it fails with Unavailable, and the next pull opens a new one.
+
+A task that offers none (``ZMQFLOW_BULK=0`` there, keys beyond loopback, an older task) is
+remembered, and its pulls go over ZeroMQ as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..cluster import Address, TaskId
+from ..errors import InvalidArgument, NotFound, ProtocolError, Unavailable
+from ..transport.bulk import BULK_ENV, HEADER, HELLO, MAGIC, OPENED, recv_exact, tune
+
+__all__ = ["BulkStream", "BulkStreams", "Transfer", "MAX_WAITING"]
+
+log = logging.getLogger("zmqflow.client.bulk")
+MAX_WAITING = 4096  # transfers one stream keeps track of, given up on or not
+_CONNECT_TIMEOUT = 5.0
+_SCRATCH = 1 << 20
+
+
+@dataclass(eq=False)
+class Transfer:
+    """Where one transfer's bytes go, and who waits for them."""
+
+    tag: int
+    dests: list[memoryview]
+    nbytes: int
+    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    live: bool = True  # False once its waiter gave up: the bytes are dropped
+    started: bool = False  # the reader is landing it
+    finished: bool = False
+
+
+class BulkStream:
+    """One open stream to one task. Its reader is a thread blocked in ``recv_into`` for a whole
+    destination at a time (few calls, each sleeping in the kernel until its bytes are in); what
+    it hands back to the loop is only each transfer's end."""
+
+    def __init__(self, task: str, handle: int, sock: socket.socket):
+        self.task, self.handle, self._sock = task, handle, sock
+        self._loop = asyncio.get_running_loop()
+        self._tags = itertools.count(1)
+        self._guard = threading.Lock()  # live/started of transfers, between the loop and the reader
+        self._waiting: dict[int, Transfer] = {}
+        self.closed = False
+        self.received = 0  # bytes landed, for tests and metrics
+        self.stopped = self._loop.create_future()  # the reader is out
+        sock.settimeout(None)  # blocking: the reader's alone from here
+        threading.Thread(target=self._read, name=f"zmqflow-bulk-{task}", daemon=True).start()
+
+    def expect(self, dests: list[memoryview]) -> Transfer:
+        """Register a transfer into ``dests`` (filled in order) under a new tag."""
+        if self.closed:
+            raise Unavailable(f"bulk stream to {self.task} is closed")
+        with self._guard:
+            if len(self._waiting) >= MAX_WAITING:
+                for tag in [tag for tag, t in self._waiting.items() if not t.live and not t.started]:
+                    del self._waiting[tag]  # given up, their bytes never came: one coming now closes the stream
+            if len(self._waiting) >= MAX_WAITING:
+                raise Unavailable(f"bulk stream to {self.task} has {len(self._waiting)} transfers outstanding")
+            t = Transfer(next(self._tags), dests, sum(d.nbytes for d in dests))
+            self._waiting[t.tag] = t
+        return t
+
+    async def abandon(self, t: Transfer, sent: bool) -> None:
+        """Its waiter gives up; ``sent``: whether the task may still send it (else it is forgotten).
+        A transfer being landed right now is stopped by closing the stream, and this returns once
+        the reader is out: nothing lands in the caller's arrays after the caller has given up."""
+        with self._guard:
+            t.live = False
+            landing = t.started and not t.finished
+            if not sent and not t.started:
+                self._waiting.pop(t.tag, None)
+        if not t.done.done():
+            t.done.cancel()
+        if landing:
+            await self.close()
+
+    def _read(self) -> None:
+        scratch = memoryview(bytearray(_SCRATCH))
+        why: Exception = Unavailable(f"bulk stream to {self.task} closed")
+        try:
+            while True:
+                head = self._sock.recv(HEADER.size, socket.MSG_WAITALL)
+                if len(head) < HEADER.size:
+                    raise ConnectionError("closed by the task" if not head else "cut short in a header")
+                tag, n = HEADER.unpack(head)
+                with self._guard:
+                    t = self._waiting.get(tag)
+                    if t is not None and n == t.nbytes:
+                        t.started = True
+                if t is None or n != t.nbytes:
+                    what = "an unknown transfer" if t is None else f"{n} bytes where {t.nbytes} were asked for"
+                    why = ProtocolError(f"bulk stream to {self.task}: {what} (tag {tag})")
+                    return
+                for dest in t.dests:
+                    while dest.nbytes:
+                        into = dest if t.live else scratch[:min(dest.nbytes, scratch.nbytes)]
+                        k = self._sock.recv_into(into, into.nbytes, socket.MSG_WAITALL)
+                        if not k:
+                            raise ConnectionError("closed by the task mid-transfer")
+                        dest = dest[k:]
+                with self._guard:
+                    t.finished = True
+                    del self._waiting[tag]
+                self._to_loop(self._landed, t, n)
+        except OSError as exc:  # ConnectionError included; a shut socket too
+            why = Unavailable(f"bulk stream to {self.task} failed: {exc}")
+        finally:
+            self._to_loop(self._shut, why)
+
+    def _to_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            if fn == self._shut:
+                self._sock.close()
+
+    def _landed(self, t: Transfer, n: int) -> None:
+        self.received += n
+        if not t.done.done():
+            t.done.set_result(n)
+
+    def _shut(self, why: Exception) -> None:
+        """On the loop, once the reader is out: every transfer still waited for fails with ``why``."""
+        self.closed = True
+        self._sock.close()
+        with self._guard:
+            waiting, self._waiting = list(self._waiting.values()), {}
+        for t in waiting:
+            if not t.done.done():
+                t.done.set_exception(type(why)(str(why)))
+                t.done.exception()  # retrieved here: its waiter may be gone
+        if not self.stopped.done():
+            self.stopped.set_result(None)
+
+    async def close(self) -> None:
+        """Shut the socket (the reader wakes and ends) and wait until the reader is out."""
+        self.closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        await asyncio.shield(self.stopped)
+
+
+class BulkStreams:
+    """A session's streams by task. ``call(task, op)`` is the session's call to a task's ps service."""
+
+    def __init__(self, call: Callable[[TaskId, str], Awaitable[Any]], address: Callable[[TaskId], Awaitable[Address]]):
+        self._call, self._address = call, address
+        self._streams: dict[TaskId, BulkStream] = {}
+        self._none: set[TaskId] = set()  # tasks that offer no stream
+        self._opening: dict[TaskId, asyncio.Future] = {}
+        self.enabled = os.environ.get(BULK_ENV, "").strip() != "0"
+
+    async def get(self, task: TaskId) -> BulkStream | None:
+        """The open stream to ``task``, opened now if need be; None where it offers none."""
+        if not self.enabled or task in self._none:
+            return None
+        s = self._streams.get(task)
+        if s is not None and not s.closed:
+            return s
+        pending = self._opening.get(task)
+        if pending is None:
+            pending = self._opening[task] = asyncio.ensure_future(self._open(task))
+            pending.add_done_callback(lambda _: self._opening.pop(task, None))
+        return await asyncio.shield(pending)
+
+    async def _open(self, task: TaskId) -> BulkStream | None:
+        addr = await self._address(task)
+        if addr.scheme != "tcp":
+            self._none.add(task)
+            return None
+        try:
+            offer = await self._call(task, "bulk_offer")
+        except (NotFound, InvalidArgument):  # an older task: no such op
+            offer = None
+        if not offer:
+            self._none.add(task)
+            return None
+        loop = asyncio.get_running_loop()
+        family = socket.AF_INET6 if ":" in addr.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            tune(sock)
+            host = (await loop.getaddrinfo(addr.host, offer["port"], family=family, type=socket.SOCK_STREAM))[0][4]
+            await asyncio.wait_for(self._hello(sock, host, offer["token"]), _CONNECT_TIMEOUT)
+        except (OSError, TimeoutError, ConnectionError) as exc:
+            # a port the network does not let through (a pod's policy, a firewall): ZeroMQ it is
+            sock.close()
+            log.warning("bulk stream to %s: cannot open it on port %s (%s); its pulls go over ZeroMQ",
+                        task, offer["port"], exc or type(exc).__name__)
+            self._none.add(task)
+            return None
+        except BaseException:
+            sock.close()
+            raise
+        s = self._streams[task] = BulkStream(str(task), int(offer["handle"]), sock)
+        return s
+
+    @staticmethod
+    async def _hello(sock: socket.socket, host: Any, token: bytes) -> None:
+        """Connect, present the token, and wait for the task's word that the stream is open: a
+        request naming it may not reach the task before its hello does."""
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(sock, host)
+        await loop.sock_sendall(sock, HELLO.pack(MAGIC, token))
+        if await recv_exact(sock, 1) != OPENED:
+            raise ConnectionError("the task did not open the stream")
+
+    async def close(self) -> None:
+        streams, self._streams = list(self._streams.values()), {}
+        for f in list(self._opening.values()):
+            f.cancel()
+        await asyncio.gather(*(s.close() for s in streams), *self._opening.values(), return_exceptions=True)

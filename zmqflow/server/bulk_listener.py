@@ -1,0 +1,249 @@
+"""A task's bulk listener: where sessions open the bulk streams (:mod:`zmqflow.transport.bulk`)
+that their large pulls come back on.
+
+A stream is opened only with a token this task issued, over its ZeroMQ router, to the caller that
+asked (``offer``): single use, expiring, and bound to that caller's name, so a pull naming the
+stream must come from the same caller (with keys, its authenticated key). Everything a peer can
+make it hold is capped: pending tokens, open streams, connections still saying hello (each given
+``hello_timeout`` to do so). A stream's peer sends nothing after its hello: a stream it closed
+(or sent anything on) is dropped when the next stream is offered.
+
+Where a task offers streams is the server's policy (:func:`bulk_host`): tcp only, and with keys
+only on loopback, since the stream's bytes are not encrypted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import secrets
+import socket
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from ..cluster import Address
+from ..errors import NotFound, ResourceExhausted, Unavailable
+from ..transport.bulk import BULK_ENV, HEADER, HELLO, MAGIC, OPENED, TOKEN_BYTES, recv_exact, tune
+from ..transport.curve import is_loopback
+
+__all__ = ["BulkListener", "BulkConn", "bulk_host"]
+
+log = logging.getLogger("zmqflow.server.bulk")
+
+
+def bulk_host(bind_endpoint: str, keys: object, default_transport: bool) -> str | None:
+    """The host a task's bulk listener binds (the router's), or None where it offers none: not
+    tcp, a transport other than ZeroMQ's own (a test's faults would be bypassed), keys beyond
+    loopback (the bytes would cross a network in the clear), or ``ZMQFLOW_BULK=0``."""
+    if os.environ.get(BULK_ENV, "").strip() == "0" or not default_transport or not bind_endpoint.startswith("tcp://"):
+        return None
+    if keys is not None and not is_loopback(bind_endpoint):
+        return None
+    host = Address.parse(bind_endpoint).host
+    return "0.0.0.0" if host == "*" else host
+
+
+class BulkConn:
+    """An open stream: its socket (blocking: a transfer is sent by one thread in a few calls that
+    sleep in the kernel, not by the loop a socket buffer at a time), whose it is, and a lock that
+    keeps transfers whole."""
+
+    def __init__(self, handle: int, owner: str, sock: socket.socket, pool: ThreadPoolExecutor):
+        self.handle, self.owner, self.sock, self._pool = handle, owner, sock, pool
+        self.lock = asyncio.Lock()
+        self.closed = False
+        self._busy = False  # a thread is sending on the socket: it closes it when done
+
+    async def send(self, tag: int, views: list[memoryview], deadline: float | None) -> int:
+        """One transfer, whole. ``deadline`` (loop time) bounds the wait for the lock and each
+        stall of the peer. A transfer cut short leaves the stream out of step with its reader,
+        so the stream is closed then (a cancelled send too); waiting for the lock is not."""
+        loop = asyncio.get_running_loop()
+        left = None if deadline is None else deadline - loop.time()
+        if self.closed:
+            raise Unavailable(f"bulk stream {self.handle} is closed")
+        try:
+            await asyncio.wait_for(self.lock.acquire(), left)
+        except TimeoutError:
+            raise Unavailable(f"bulk stream {self.handle} stayed busy past the deadline") from None
+        try:
+            if self.closed:
+                raise Unavailable(f"bulk stream {self.handle} is closed")
+            left = None if deadline is None else max(0.001, deadline - loop.time())
+            self._busy = True
+            sent = loop.run_in_executor(self._pool, _send_blocking, self.sock, tag, views, left)
+            try:
+                return await asyncio.shield(sent)
+            except asyncio.CancelledError:
+                self.close()  # the thread's send fails at once
+                await asyncio.gather(sent, return_exceptions=True)
+                raise
+        except OSError as exc:  # the peer gone, or stalled past the deadline
+            self.close()
+            raise Unavailable(f"bulk stream {self.handle} failed mid-transfer: {exc or type(exc).__name__}") from None
+        finally:
+            self._busy = False
+            if self.closed:
+                self.sock.close()
+            self.lock.release()
+
+    def gone(self) -> bool:
+        """Whether the peer closed it (it sends nothing after its hello: anything else ends it too)."""
+        if self.closed:
+            return True
+        try:
+            self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            pass
+        self.close()
+        return True
+
+    def close(self) -> None:
+        """Shut at once (a thread sending on it wakes with an error); the socket is closed here,
+        or by the sending side once its thread is out."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if not self._busy:
+            self.sock.close()
+
+
+def _send_blocking(sock: socket.socket, tag: int, views: list[memoryview], left: float | None) -> int:
+    """On a pool thread: a send that makes no progress for ``left`` seconds fails (SO_SNDTIMEO)."""
+    whole = 0 if left is None else int(left)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                    struct.pack("@ll", whole, 0 if left is None else int((left - whole) * 1e6)))
+    sock.sendall(HEADER.pack(tag, sum(v.nbytes for v in views)))
+    for v in views:
+        sock.sendall(v)
+    return sum(v.nbytes for v in views)
+
+
+class BulkListener:
+    """Listens on ``host`` at a port the OS picks; :meth:`offer` issues tokens, :meth:`conn`
+    finds a caller's open stream."""
+
+    def __init__(self, host: str, *, max_streams: int = 64, max_pending: int = 64, token_ttl: float = 30.0,
+                 hello_timeout: float = 5.0):
+        self.host = host
+        self.max_streams, self.max_pending = max_streams, max_pending
+        self.token_ttl, self.hello_timeout = token_ttl, hello_timeout
+        self._sock: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+        self._pending: dict[bytes, tuple[str, int, float]] = {}  # token -> (owner, handle, expiry)
+        self._pool = ThreadPoolExecutor(max_streams, thread_name_prefix="zmqflow-bulk")
+        self._conns: dict[int, BulkConn] = {}
+        self._hellos: set[asyncio.Task] = set()
+        self._handles = itertools.count(1)
+        self.opened = 0  # streams opened, for metrics and tests
+        self.refused = 0  # connections closed for a bad or missing hello, or over a cap
+
+    @property
+    def port(self) -> int:
+        if self._sock is None:
+            raise RuntimeError("bulk listener is not started")
+        return self._sock.getsockname()[1]
+
+    async def start(self) -> "BulkListener":
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.bind((self.host, 0))
+            sock.listen(self.max_streams)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        self._accepting = asyncio.get_running_loop().create_task(self._accept(sock))
+        return self
+
+    def offer(self, owner: str) -> tuple[int, bytes]:
+        """A new stream's handle and the token that opens it, for ``owner`` only."""
+        now = time.monotonic()
+        for token in [t for t, (_, _, expiry) in self._pending.items() if expiry <= now]:
+            del self._pending[token]
+        for handle in [h for h, c in self._conns.items() if c.gone()]:
+            del self._conns[handle]
+        if len(self._pending) >= self.max_pending or len(self._conns) >= self.max_streams:
+            raise ResourceExhausted(f"bulk streams: {len(self._conns)} open and {len(self._pending)} pending, "
+                                    f"at the cap of {self.max_streams} open and {self.max_pending} pending")
+        handle, token = next(self._handles), secrets.token_bytes(TOKEN_BYTES)
+        self._pending[token] = (owner, handle, now + self.token_ttl)
+        return handle, token
+
+    def conn(self, handle: int, owner: str) -> BulkConn:
+        """The open stream ``handle`` of ``owner``: NotFound for one it does not hold."""
+        c = self._conns.get(handle)
+        if c is None or c.closed or c.owner != owner:
+            raise NotFound(f"bulk stream {handle} is not open for {owner!r}")
+        return c
+
+    async def _accept(self, lsock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(lsock)
+            except OSError as exc:  # out of descriptors, say: the next accept may do
+                log.warning("bulk listener: accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            if len(self._hellos) >= self.max_pending or len(self._conns) >= self.max_streams:
+                self.refused += 1
+                sock.close()
+                continue
+            task = loop.create_task(self._hello(sock))
+            self._hellos.add(task)
+            task.add_done_callback(self._hellos.discard)
+
+    async def _hello(self, sock: socket.socket) -> None:
+        try:
+            tune(sock)
+            magic, token = HELLO.unpack(await asyncio.wait_for(recv_exact(sock, HELLO.size), self.hello_timeout))
+        except (OSError, TimeoutError, ConnectionError):
+            magic, token = b"", b""
+        except asyncio.CancelledError:
+            sock.close()
+            raise
+        entry = self._pending.pop(token, None) if magic == MAGIC else None
+        if entry is None or entry[2] <= time.monotonic() or len(self._conns) >= self.max_streams:
+            self.refused += 1
+            sock.close()
+            return
+        owner, handle, _ = entry
+        c = self._conns[handle] = BulkConn(handle, owner, sock, self._pool)  # before its word: a request may follow it
+        try:
+            await asyncio.get_running_loop().sock_sendall(sock, OPENED)
+        except OSError:
+            self._conns.pop(handle, None)
+            c.close()
+            return
+        except asyncio.CancelledError:
+            self._conns.pop(handle, None)
+            c.close()
+            raise
+        sock.settimeout(None)  # blocking from here: its sends run on the pool's threads
+        self.opened += 1
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._accepting, *self._hellos) if t is not None]
+        for c in list(self._conns.values()):
+            c.close()
+        self._conns.clear()
+        self._pending.clear()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._pool.shutdown(wait=False)  # a thread still sending fails at once on its shut socket
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
