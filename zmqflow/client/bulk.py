@@ -1,4 +1,4 @@
-"""A session's bulk streams (:mod:`zmqflow.transport.bulk`), one per task, opened on first use.
+"""A session's pull stream to one task (:mod:`zmqflow.transport.bulk`; opened by :mod:`.bulk_streams`).
 
 A pull that uses one registers where each transfer's bytes go (:meth:`BulkStream.expect`), asks
 the shard over ZeroMQ to send them (naming the stream and the transfer's tag), and waits for both
@@ -7,32 +7,24 @@ comes. A waiter that gave up (its deadline, a cancel) leaves its destinations al
 on: the rest of its bytes are read and dropped. A header the reader does not expect, or a count
 other than the one expected, means the two ends are out of step: the stream is closed, every
 waiter on it fails with Unavailable, and the next pull opens a new one.
-
-A task that offers none (``ZMQFLOW_BULK=0`` there, keys beyond loopback, an older task) is
-remembered, and its pulls go over ZeroMQ as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
-import os
 import socket
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cluster import Address, TaskId
-from ..errors import InvalidArgument, NotFound, ProtocolError, Unavailable
-from ..transport.bulk import BULK_ENV, HEADER, HELLO, MAGIC, OPENED, recv_exact, tune
+from ..errors import ProtocolError, Unavailable
+from ..transport.bulk import HEADER
 
-__all__ = ["BulkStream", "BulkStreams", "Transfer", "MAX_WAITING"]
+__all__ = ["BulkStream", "Transfer", "MAX_WAITING"]
 
-log = logging.getLogger("zmqflow.client.bulk")
 MAX_WAITING = 4096  # transfers one stream keeps track of, given up on or not
-_CONNECT_TIMEOUT = 5.0
 _SCRATCH = 1 << 20
 
 
@@ -160,75 +152,3 @@ class BulkStream:
         except OSError:
             pass
         await asyncio.shield(self.stopped)
-
-
-class BulkStreams:
-    """A session's streams by task. ``call(task, op)`` is the session's call to a task's ps service."""
-
-    def __init__(self, call: Callable[[TaskId, str], Awaitable[Any]], address: Callable[[TaskId], Awaitable[Address]]):
-        self._call, self._address = call, address
-        self._streams: dict[TaskId, BulkStream] = {}
-        self._none: set[TaskId] = set()  # tasks that offer no stream
-        self._opening: dict[TaskId, asyncio.Future] = {}
-        self.enabled = os.environ.get(BULK_ENV, "").strip() != "0"
-
-    async def get(self, task: TaskId) -> BulkStream | None:
-        """The open stream to ``task``, opened now if need be; None where it offers none."""
-        if not self.enabled or task in self._none:
-            return None
-        s = self._streams.get(task)
-        if s is not None and not s.closed:
-            return s
-        pending = self._opening.get(task)
-        if pending is None:
-            pending = self._opening[task] = asyncio.ensure_future(self._open(task))
-            pending.add_done_callback(lambda _: self._opening.pop(task, None))
-        return await asyncio.shield(pending)
-
-    async def _open(self, task: TaskId) -> BulkStream | None:
-        addr = await self._address(task)
-        if addr.scheme != "tcp":
-            self._none.add(task)
-            return None
-        try:
-            offer = await self._call(task, "bulk_offer")
-        except (NotFound, InvalidArgument):  # an older task: no such op
-            offer = None
-        if not offer:
-            self._none.add(task)
-            return None
-        loop = asyncio.get_running_loop()
-        family = socket.AF_INET6 if ":" in addr.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            tune(sock)
-            host = (await loop.getaddrinfo(addr.host, offer["port"], family=family, type=socket.SOCK_STREAM))[0][4]
-            await asyncio.wait_for(self._hello(sock, host, offer["token"]), _CONNECT_TIMEOUT)
-        except (OSError, TimeoutError, ConnectionError) as exc:
-            # a port the network does not let through (a pod's policy, a firewall): ZeroMQ it is
-            sock.close()
-            log.warning("bulk stream to %s: cannot open it on port %s (%s); its pulls go over ZeroMQ",
-                        task, offer["port"], exc or type(exc).__name__)
-            self._none.add(task)
-            return None
-        except BaseException:
-            sock.close()
-            raise
-        s = self._streams[task] = BulkStream(str(task), int(offer["handle"]), sock)
-        return s
-
-    @staticmethod
-    async def _hello(sock: socket.socket, host: Any, token: bytes) -> None:
-        """Connect, present the token, and wait for the task's word that the stream is open: a
-        request naming it may not reach the task before its hello does."""
-        loop = asyncio.get_running_loop()
-        await loop.sock_connect(sock, host)
-        await loop.sock_sendall(sock, HELLO.pack(MAGIC, token))
-        if await recv_exact(sock, 1) != OPENED:
-            raise ConnectionError("the task did not open the stream")
-
-    async def close(self) -> None:
-        streams, self._streams = list(self._streams.values()), {}
-        for f in list(self._opening.values()):
-            f.cancel()
-        await asyncio.gather(*(s.close() for s in streams), *self._opening.values(), return_exceptions=True)

@@ -1,8 +1,8 @@
 """A pull through a task's bulk stream (:mod:`.bulk`): the rows land in their arrays as they come.
 
-``BULK_FROM``: a task's share of a pull from this many bytes on goes this way, where the task
-offers a stream; smaller ones gain nothing over ZeroMQ's one message and would pay the stream's
-extra request. A task's parts go as transfers of up to ``BULK_BATCH`` bytes, all asked for at
+``BULK_FROM``: a task's share of a pull (or of a push's async gradients) from this many bytes on
+goes through its streams, where the task offers them; smaller ones gain nothing over ZeroMQ's
+one message. A task's parts go as transfers of up to ``BULK_BATCH`` bytes, all asked for at
 once, each answered over ZeroMQ once its bytes are sent.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..cluster import TaskId
 from ..errors import DeadlineExceeded, Unavailable
@@ -26,11 +26,12 @@ BULK_BATCH = 64 << 20
 T = TypeVar("T")
 
 
-async def streams(sess: SessionPort, shares: Mapping[TaskId, int]) -> dict[TaskId, BulkStream]:
-    """The bulk streams of the tasks whose ``shares`` (bytes of this pull) reach BULK_FROM."""
+async def streams(sess: SessionPort, shares: Mapping[TaskId, int], kind: str = "pull") -> dict[TaskId, Any]:
+    """The bulk streams of ``kind`` of the tasks whose ``shares`` (bytes of this pull or push)
+    reach BULK_FROM."""
     out = {}
     for task, nbytes in shares.items():
-        if nbytes >= BULK_FROM and (stream := await sess.bulk_stream(task)) is not None:
+        if nbytes >= BULK_FROM and (stream := await sess.bulk_stream(task, kind)) is not None:
             out[task] = stream
     return out
 

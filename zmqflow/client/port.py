@@ -12,7 +12,6 @@ from collections.abc import Awaitable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from ..cluster import ClusterSpec, TaskId
-from .bulk import BulkStream
 
 __all__ = ["SessionPort", "LoopPort"]
 
@@ -30,8 +29,9 @@ class SessionPort(Protocol):
         default). ``size``: the bytes its reply will carry, when it is a large read."""
         ...
 
-    async def bulk_stream(self, task: TaskId) -> "BulkStream | None":
-        """The bulk stream large pulls from ``task`` land through, or None where there is none."""
+    async def bulk_stream(self, task: TaskId, kind: str = "pull") -> Any:
+        """The bulk stream of ``kind`` (``pull``: a :class:`.bulk.BulkStream`; ``push``: a
+        :class:`.bulk_push.PushStream`) to ``task``, or None where there is none."""
         ...
 
     async def call_catalog(self, op: str, body: Any, timeout: float | None = None) -> Any:

@@ -27,7 +27,9 @@ from ..transport.base import Transport
 from ..transport.curve import Keys, keys_from
 from ..transport.registry import plain_zeromq
 from ..wire.requests import cluster as crq
-from .bulk import BulkStream, BulkStreams
+from .bulk import BulkStream
+from .bulk_push import PushStream
+from .bulk_streams import BulkStreams, Kind
 from .embedding import AsyncEmbedding, TableInfo, declare_embedding
 from .variables import AsyncVariable, VarInfo, declare
 from .variables import pull as _pull
@@ -118,18 +120,19 @@ class AsyncSession:
                 raise
             raise lost from exc
 
-    async def bulk_stream(self, task: TaskId) -> BulkStream | None:
-        """The bulk stream to ``task``'s shard that large pulls land through (:mod:`.bulk`),
-        opened on first use; None where there is none (the task offers none, or this session
-        runs on a transport other than ZeroMQ's own, whose faults a stream would bypass)."""
+    async def bulk_stream(self, task: TaskId, kind: Kind = "pull") -> BulkStream | PushStream | None:
+        """The bulk stream of ``kind`` to ``task``'s shard (:mod:`.bulk_streams`): large pulls land
+        through a pull stream, large async pushes go out on a push stream. Opened on first use;
+        None where there is none (the task offers none, or this session runs on a transport other
+        than ZeroMQ's own, whose faults a stream would bypass)."""
         if not plain_zeromq(self.endpoint, self.transport):
             return None
         if self._bulk is None:
             self._bulk = BulkStreams(self._bulk_call, self._address_of)
-        return await self._bulk.get(task)
+        return await self._bulk.get(task, kind)
 
-    async def _bulk_call(self, task: TaskId, op: str) -> Any:
-        return await self.call_task(task, "ps", op, timeout=min(self.timeout, 10.0))
+    async def _bulk_call(self, task: TaskId, op: str, body: Any) -> Any:
+        return await self.call_task(task, "ps", op, body, timeout=min(self.timeout, 10.0))
 
     async def _address_of(self, task: TaskId) -> Address:
         return (self._spec if self._spec is not None else await self.cluster()).address(task)

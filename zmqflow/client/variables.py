@@ -24,8 +24,8 @@ from ..cluster import TaskId
 from ..errors import InvalidArgument
 from ..observe import timeline
 from ..transport.bulk import as_bytes
-from .bulk import BulkStream
 from .bulk_pull import pull_into, streams, transfers
+from .bulk_push import push_from
 from .port import SessionPort
 from .placement import current_device, current_policy
 from ..state.kernels import copy_into
@@ -133,13 +133,13 @@ def _bundle(items: Iterable[tuple[TaskId, int, T]]) -> dict[TaskId, list[list[T]
     return out
 
 
-async def _bulk_streams(sess: SessionPort, infos: list[VarInfo]) -> dict[TaskId, BulkStream]:
-    """The bulk streams of the tasks whose share of a pull is big enough (``bulk_pull.streams``)."""
+async def _bulk_streams(sess: SessionPort, infos: Iterable[VarInfo], kind: str = "pull") -> dict[TaskId, Any]:
+    """The bulk streams of ``kind`` of the tasks whose share of ``infos`` is big enough (``bulk_pull.streams``)."""
     shares: dict[TaskId, int] = defaultdict(int)
     for info in infos:
         for task, r0, r1 in info.parts:
             shares[task] += (r1 - r0) * info.row_bytes if info.shape else info.row_bytes
-    return await streams(sess, shares)
+    return await streams(sess, shares, kind)
 
 
 async def _all(calls: list[Any]) -> list[Any]:
@@ -382,18 +382,27 @@ async def scatter(sess: SessionPort, info: VarInfo, indices: Any, rows: Any, mod
 @timeline.traced("push")
 async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None,
                timeout: float | None = None) -> dict[str, Any]:
-    """Dense gradients (arrays) or sparse ones (``(indices, rows)``) through each variable's optimizer."""
+    """Dense gradients (arrays) or sparse ones (``(indices, rows)``) through each variable's
+    optimizer. A task's async dense share from ``bulk_pull.BULK_FROM`` bytes goes out on its push
+    stream where it offers one (:mod:`.bulk_push`), the rest over ZeroMQ."""
     async_items: list[tuple[TaskId, int, rq.RowsItem]] = []
     sync_dense: dict[TaskId, list[rq.RowsItem]] = defaultdict(list)
     sync_sparse: dict[TaskId, list[rq.SparseItem]] = defaultdict(list)
     async_sparse: dict[TaskId, list[rq.SparseItem]] = defaultdict(list)
+    dense = {info: _as_array(grad, info, "gradient") for info, grad in grads.items() if not isinstance(grad, tuple)}
+    bulk_to = await _bulk_streams(sess, [i for i in dense if not i.sync and i.shape], "push")
+    bulk: dict[TaskId, list[tuple[int, rq.PullItem, memoryview]]] = defaultdict(list)
     for info, grad in grads.items():
         if isinstance(grad, tuple):
             for p, i, r in _split_sparse(info, grad[0], grad[1], "sparse gradient"):
                 (sync_sparse if info.sync else async_sparse)[info.parts[p][0]].append(rq.SparseItem(info.name, p, i, r))
             continue
-        g = _as_array(grad, info, "gradient")
-        for p, (task, _, _) in enumerate(info.parts):
+        g = dense[info]
+        for p, (task, r0, r1) in enumerate(info.parts):
+            if task in bulk_to and not info.sync and info.shape:  # the whole part, from its rows
+                view = as_bytes(_rows_of(info, p, (0, r1 - r0), g))
+                bulk[task].append((view.nbytes, rq.PullItem(info.name, p, None, None), view))
+                continue
             for chunk in info.chunks(p):
                 rows = _rows_of(info, p, chunk, g)
                 item = rq.RowsItem(info.name, p, chunk[0], chunk[1], rows)
@@ -409,6 +418,9 @@ async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None
     for task in set(sync_dense) | set(sync_sparse):
         body = rq.Push(dense=sync_dense.get(task, []), sparse=sync_sparse.get(task, []), step=step)
         calls.append(sess.call_task(task, "ps", "push", body, timeout=timeout))
+    for task, parts in bulk.items():
+        for batch in transfers(parts):
+            calls.append(push_from(sess, task, bulk_to[task], [it for _, it, _ in batch], [v for _, _, v in batch], timeout))
     results = await _all(calls)
     steps = [r["step"] for r in results if r.get("step") is not None]
     replicas = [r["replicas"] for r in results if isinstance(r.get("replicas"), list)]

@@ -2,10 +2,12 @@
 that their large pulls come back on.
 
 A stream is opened only with a token this task issued, over its ZeroMQ router, to the caller that
-asked (``offer``): single use, expiring, and bound to that caller's name, so a pull naming the
-stream must come from the same caller (with keys, its authenticated key). Everything a peer can
+asked (``offer``): single use, expiring, and bound to that caller's name, so a request naming the
+stream must come from the same caller (with keys, its authenticated key). A stream goes one way:
+a pull stream carries transfers to its client (:mod:`.bulk_send`), a push stream from it
+(:mod:`.bulk_receive`). Everything a peer can
 make it hold is capped: pending tokens, open streams, connections still saying hello (each given
-``hello_timeout`` to do so). A stream's peer sends nothing after its hello: a stream it closed
+``hello_timeout`` to do so). A pull stream's peer sends nothing after its hello: one it closed
 (or sent anything on) is dropped when the next stream is offered.
 
 Where a task offers streams is the server's policy (:func:`bulk_host`): tcp only, and with keys
@@ -20,18 +22,21 @@ import logging
 import os
 import secrets
 import socket
-import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 from ..cluster import Address
-from ..errors import NotFound, ResourceExhausted, Unavailable
-from ..transport.bulk import BULK_ENV, HEADER, HELLO, MAGIC, OPENED, TOKEN_BYTES, recv_exact, tune
+from ..errors import NotFound, ResourceExhausted
+from ..transport.bulk import BULK_ENV, HELLO, MAGIC, OPENED, TOKEN_BYTES, recv_exact, tune
+from .bulk_receive import PushConn
+from .bulk_send import BulkConn
 from ..transport.curve import is_loopback
 
-__all__ = ["BulkListener", "BulkConn", "bulk_host"]
+__all__ = ["BulkListener", "bulk_host", "Kind"]
 
 log = logging.getLogger("zmqflow.server.bulk")
+Kind = Literal["pull", "push"]  # which way a stream's transfers go: task to client, or client to task
 
 
 def bulk_host(bind_endpoint: str, keys: object, default_transport: bool) -> str | None:
@@ -46,88 +51,6 @@ def bulk_host(bind_endpoint: str, keys: object, default_transport: bool) -> str 
     return "0.0.0.0" if host == "*" else host
 
 
-class BulkConn:
-    """An open stream: its socket (blocking: a transfer is sent by one thread in a few calls that
-    sleep in the kernel, not by the loop a socket buffer at a time), whose it is, and a lock that
-    keeps transfers whole."""
-
-    def __init__(self, handle: int, owner: str, sock: socket.socket, pool: ThreadPoolExecutor):
-        self.handle, self.owner, self.sock, self._pool = handle, owner, sock, pool
-        self.lock = asyncio.Lock()
-        self.closed = False
-        self._busy = False  # a thread is sending on the socket: it closes it when done
-
-    async def send(self, tag: int, views: list[memoryview], deadline: float | None) -> int:
-        """One transfer, whole. ``deadline`` (loop time) bounds the wait for the lock and each
-        stall of the peer. A transfer cut short leaves the stream out of step with its reader,
-        so the stream is closed then (a cancelled send too); waiting for the lock is not."""
-        loop = asyncio.get_running_loop()
-        left = None if deadline is None else deadline - loop.time()
-        if self.closed:
-            raise Unavailable(f"bulk stream {self.handle} is closed")
-        try:
-            await asyncio.wait_for(self.lock.acquire(), left)
-        except TimeoutError:
-            raise Unavailable(f"bulk stream {self.handle} stayed busy past the deadline") from None
-        try:
-            if self.closed:
-                raise Unavailable(f"bulk stream {self.handle} is closed")
-            left = None if deadline is None else max(0.001, deadline - loop.time())
-            self._busy = True
-            sent = loop.run_in_executor(self._pool, _send_blocking, self.sock, tag, views, left)
-            try:
-                return await asyncio.shield(sent)
-            except asyncio.CancelledError:
-                self.close()  # the thread's send fails at once
-                await asyncio.gather(sent, return_exceptions=True)
-                raise
-        except OSError as exc:  # the peer gone, or stalled past the deadline
-            self.close()
-            raise Unavailable(f"bulk stream {self.handle} failed mid-transfer: {exc or type(exc).__name__}") from None
-        finally:
-            self._busy = False
-            if self.closed:
-                self.sock.close()
-            self.lock.release()
-
-    def gone(self) -> bool:
-        """Whether the peer closed it (it sends nothing after its hello: anything else ends it too)."""
-        if self.closed:
-            return True
-        try:
-            self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return False
-        except OSError:
-            pass
-        self.close()
-        return True
-
-    def close(self) -> None:
-        """Shut at once (a thread sending on it wakes with an error); the socket is closed here,
-        or by the sending side once its thread is out."""
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        if not self._busy:
-            self.sock.close()
-
-
-def _send_blocking(sock: socket.socket, tag: int, views: list[memoryview], left: float | None) -> int:
-    """On a pool thread: a send that makes no progress for ``left`` seconds fails (SO_SNDTIMEO)."""
-    whole = 0 if left is None else int(left)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                    struct.pack("@ll", whole, 0 if left is None else int((left - whole) * 1e6)))
-    sock.sendall(HEADER.pack(tag, sum(v.nbytes for v in views)))
-    for v in views:
-        sock.sendall(v)
-    return sum(v.nbytes for v in views)
-
-
 class BulkListener:
     """Listens on ``host`` at a port the OS picks; :meth:`offer` issues tokens, :meth:`conn`
     finds a caller's open stream."""
@@ -139,9 +62,9 @@ class BulkListener:
         self.token_ttl, self.hello_timeout = token_ttl, hello_timeout
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
-        self._pending: dict[bytes, tuple[str, int, float]] = {}  # token -> (owner, handle, expiry)
+        self._pending: dict[bytes, tuple[str, int, float, Kind]] = {}  # token -> (owner, handle, expiry, kind)
         self._pool = ThreadPoolExecutor(max_streams, thread_name_prefix="zmqflow-bulk")
-        self._conns: dict[int, BulkConn] = {}
+        self._conns: dict[int, BulkConn | PushConn] = {}
         self._hellos: set[asyncio.Task] = set()
         self._handles = itertools.count(1)
         self.opened = 0  # streams opened, for metrics and tests
@@ -167,10 +90,10 @@ class BulkListener:
         self._accepting = asyncio.get_running_loop().create_task(self._accept(sock))
         return self
 
-    def offer(self, owner: str) -> tuple[int, bytes]:
+    def offer(self, owner: str, kind: Kind = "pull") -> tuple[int, bytes]:
         """A new stream's handle and the token that opens it, for ``owner`` only."""
         now = time.monotonic()
-        for token in [t for t, (_, _, expiry) in self._pending.items() if expiry <= now]:
+        for token in [t for t, entry in self._pending.items() if entry[2] <= now]:
             del self._pending[token]
         for handle in [h for h, c in self._conns.items() if c.gone()]:
             del self._conns[handle]
@@ -178,14 +101,21 @@ class BulkListener:
             raise ResourceExhausted(f"bulk streams: {len(self._conns)} open and {len(self._pending)} pending, "
                                     f"at the cap of {self.max_streams} open and {self.max_pending} pending")
         handle, token = next(self._handles), secrets.token_bytes(TOKEN_BYTES)
-        self._pending[token] = (owner, handle, now + self.token_ttl)
+        self._pending[token] = (owner, handle, now + self.token_ttl, kind)
         return handle, token
 
     def conn(self, handle: int, owner: str) -> BulkConn:
-        """The open stream ``handle`` of ``owner``: NotFound for one it does not hold."""
+        """The open pull stream ``handle`` of ``owner``: NotFound for one it does not hold."""
         c = self._conns.get(handle)
-        if c is None or c.closed or c.owner != owner:
-            raise NotFound(f"bulk stream {handle} is not open for {owner!r}")
+        if not isinstance(c, BulkConn) or c.closed or c.owner != owner:
+            raise NotFound(f"bulk stream {handle} is not open for {owner!r} to pull on")
+        return c
+
+    def push_conn(self, handle: int, owner: str) -> PushConn:
+        """The open push stream ``handle`` of ``owner``: NotFound for one it does not hold."""
+        c = self._conns.get(handle)
+        if not isinstance(c, PushConn) or c.closed or c.owner != owner:
+            raise NotFound(f"bulk stream {handle} is not open for {owner!r} to push on")
         return c
 
     async def _accept(self, lsock: socket.socket) -> None:
@@ -219,19 +149,25 @@ class BulkListener:
             self.refused += 1
             sock.close()
             return
-        owner, handle, _ = entry
-        c = self._conns[handle] = BulkConn(handle, owner, sock, self._pool)  # before its word: a request may follow it
+        owner, handle, _, kind = entry
+        # registered before its word, which a request naming it may follow at once
+        c: BulkConn | PushConn
+        if kind == "push":  # read on the loop, a chunk at a time, once the loop's transport has it
+            c = self._conns[handle] = PushConn(handle, owner, sock)
+        else:  # blocking once open: its sends run on the pool's threads
+            c = self._conns[handle] = BulkConn(handle, owner, sock, self._pool)
         try:
             await asyncio.get_running_loop().sock_sendall(sock, OPENED)
-        except OSError:
+            if isinstance(c, PushConn):
+                await c.open()
+        except (OSError, asyncio.CancelledError) as exc:
             self._conns.pop(handle, None)
             c.close()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             return
-        except asyncio.CancelledError:
-            self._conns.pop(handle, None)
-            c.close()
-            raise
-        sock.settimeout(None)  # blocking from here: its sends run on the pool's threads
+        if kind == "pull":
+            sock.settimeout(None)
         self.opened += 1
 
     async def close(self) -> None:

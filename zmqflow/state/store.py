@@ -306,6 +306,11 @@ class ShardStore:
         return v
 
     # checking ---------------------------------------------------------------------------
+    def row_range(self, name: str, part: int, start: int | None, stop: int | None) -> tuple[Part, int, int]:
+        """The part and its checked local rows ``[start, stop)`` (None: from the start, to the end)."""
+        p = self.get(name, part)
+        return (p, *_local_range(p, start, stop))
+
     def rows(self, name: str, part: int, start: int | None, stop: int | None, value: object, what: str) -> Rows:
         """``value`` checked as rows ``[start, stop)`` of the part (None: the whole part)."""
         p = self.get(name, part)

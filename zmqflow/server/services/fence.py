@@ -29,7 +29,7 @@ from ...wire.requests import ps as rq
 __all__ = ["FenceOps", "FENCED_OPS"]
 
 # Ops that read or change training state: refused while the shard is fenced.
-FENCED_OPS = frozenset({"pull", "pull_bulk", "assign", "scatter", "push", "global_step", "save",
+FENCED_OPS = frozenset({"pull", "pull_bulk", "push_bulk", "assign", "scatter", "push", "global_step", "save",
                         "emb_lookup", "emb_push", "emb_evict", "emb_export",
                         "emb_export_delta"})
 

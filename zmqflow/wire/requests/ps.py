@@ -16,7 +16,8 @@ from .base import (MAX_ITEMS, MAX_PARTS, PATH_MAX, ArraySpec, Count, Dtype, Int,
                    RowRange, Shape, Spec)
 
 __all__ = [
-    "Empty", "Create", "PullItem", "Pull", "PullBulk", "RowsItem", "Assign", "Scatter", "SparseItem", "Push", "Save",
+    "Empty", "Create", "PullItem", "Pull", "BulkOffer", "PullBulk", "PushBulk", "RowsItem", "Assign", "Scatter",
+    "SparseItem", "Push", "Save",
     "RestorePart", "Unfence", "Pair", "Sweep", "EmbCreate", "EmbIds", "EmbLookup", "EmbPush", "EmbEvict",
     "EmbExport", "EmbRestore", "EmbExportDelta", "OPS",
 ]
@@ -51,17 +52,35 @@ class PullItem(Item):
     stop: Row | None
 
 
+PullItems = Annotated[list[PullItem], msgspec.Meta(max_length=MAX_ITEMS, description="a list of [name, part, start, stop]")]
+
+
 class Pull(Request):
     """Read rows of parts, in order; answered with one array per item."""
 
-    items: Annotated[list[PullItem], msgspec.Meta(max_length=MAX_ITEMS, description="a list of [name, part, start, stop]")]
+    items: PullItems
+
+
+class BulkOffer(Request):
+    """A bulk stream for the caller: ``pull`` carries transfers to it, ``push`` from it."""
+
+    kind: Literal["pull", "push"] = "pull"
 
 
 class PullBulk(Request):
     """Send rows of parts, in order, on the caller's bulk stream ``stream`` as transfer ``tag``
     (:mod:`zmqflow.transport.bulk`); answered with the byte count once they are sent."""
 
-    items: Annotated[list[PullItem], msgspec.Meta(max_length=MAX_ITEMS, description="a list of [name, part, start, stop]")]
+    items: PullItems
+    stream: Count
+    tag: Count
+
+
+class PushBulk(Request):
+    """Gradients for rows of async parts, whose bytes come on the caller's bulk stream ``stream``
+    as transfer ``tag``, in order, each C-ordered in its part's dtype; answered as ``push``."""
+
+    items: PullItems
     stream: Count
     tag: Count
 
@@ -231,7 +250,8 @@ class EmbExportDelta(Request):
 
 OPS: dict[str, type[Request]] = {
     "ping": Empty, "status": Empty, "global_step": Empty, "variables": Empty,
-    "create": Create, "pull": Pull, "bulk_offer": Empty, "pull_bulk": PullBulk, "assign": Assign, "scatter": Scatter, "push": Push,
+    "create": Create, "pull": Pull, "bulk_offer": BulkOffer, "pull_bulk": PullBulk,
+    "push_bulk": PushBulk, "assign": Assign, "scatter": Scatter, "push": Push,
     "save": Save, "restore_part": RestorePart, "emb_restore": EmbRestore,
     "fence": Empty, "unfence": Unfence, "sweep": Sweep,
     "emb_create": EmbCreate, "emb_lookup": EmbLookup, "emb_push": EmbPush, "emb_stats": EmbIds,

@@ -1,0 +1,111 @@
+"""A session's bulk streams (:mod:`zmqflow.transport.bulk`), one of each kind per task, opened on
+first use: a pull stream that transfers land on (:mod:`.bulk`), a push stream that gradients go
+out on (:mod:`.bulk_push`).
+
+A task that offers none (``ZMQFLOW_BULK=0`` there, keys beyond loopback, an older task), or whose
+offered port cannot be reached (a network policy, a firewall), is remembered, and its transfers
+go over ZeroMQ as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+from ..cluster import Address, TaskId
+from ..errors import InvalidArgument, NotFound
+from ..transport.bulk import BULK_ENV, HELLO, MAGIC, OPENED, recv_exact, tune
+from .bulk import BulkStream
+from .bulk_push import PushStream
+
+__all__ = ["BulkStreams", "Kind"]
+
+log = logging.getLogger("zmqflow.client.bulk")
+Kind = Literal["pull", "push"]
+_CONNECT_TIMEOUT = 5.0
+
+
+class BulkStreams:
+    """A session's streams by task and kind. ``call(task, op, body)`` is the session's call to a
+    task's ps service; ``address(task)`` where the task is."""
+
+    def __init__(self, call: Callable[[TaskId, str, Any], Awaitable[Any]],
+                 address: Callable[[TaskId], Awaitable[Address]]):
+        self._call, self._address = call, address
+        self._streams: dict[tuple[TaskId, Kind], BulkStream | PushStream] = {}
+        self._none: set[TaskId] = set()  # tasks that offer no stream
+        self._opening: dict[tuple[TaskId, Kind], asyncio.Future] = {}
+        self.enabled = os.environ.get(BULK_ENV, "").strip() != "0"
+
+    async def get(self, task: TaskId, kind: Kind = "pull") -> BulkStream | PushStream | None:
+        """The open stream of ``kind`` to ``task``, opened now if need be; None where it offers none."""
+        if not self.enabled or task in self._none:
+            return None
+        key = (task, kind)
+        s = self._streams.get(key)
+        if s is not None and not s.closed:
+            return s
+        pending = self._opening.get(key)
+        if pending is None:
+            pending = self._opening[key] = asyncio.ensure_future(self._open(task, kind))
+            pending.add_done_callback(lambda _: self._opening.pop(key, None))
+        return await asyncio.shield(pending)
+
+    async def _open(self, task: TaskId, kind: Kind) -> BulkStream | PushStream | None:
+        addr = await self._address(task)
+        if addr.scheme != "tcp":
+            self._none.add(task)
+            return None
+        try:
+            offer = await self._call(task, "bulk_offer", {"kind": kind})
+        except (NotFound, InvalidArgument):  # an older task: no such op, or no such kind
+            offer = None
+        if not offer:
+            self._none.add(task)
+            return None
+        loop = asyncio.get_running_loop()
+        family = socket.AF_INET6 if ":" in addr.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            tune(sock)
+            host = (await loop.getaddrinfo(addr.host, offer["port"], family=family, type=socket.SOCK_STREAM))[0][4]
+            await asyncio.wait_for(self._hello(sock, host, offer["token"]), _CONNECT_TIMEOUT)
+        except (OSError, TimeoutError, ConnectionError) as exc:
+            # a port the network does not let through (a pod's policy, a firewall): ZeroMQ it is
+            sock.close()
+            log.warning("bulk stream to %s: cannot open it on port %s (%s); its transfers go over ZeroMQ",
+                        task, offer["port"], exc or type(exc).__name__)
+            self._none.add(task)
+            return None
+        except BaseException:
+            sock.close()
+            raise
+        cls = PushStream if kind == "push" else BulkStream
+        s = self._streams[(task, kind)] = cls(str(task), int(offer["handle"]), sock)
+        return s
+
+    @staticmethod
+    async def _hello(sock: socket.socket, host: Any, token: bytes) -> None:
+        """Connect, present the token, and wait for the task's word that the stream is open: a
+        request naming it may not reach the task before its hello does."""
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(sock, host)
+        await loop.sock_sendall(sock, HELLO.pack(MAGIC, token))
+        if await recv_exact(sock, 1) != OPENED:
+            raise ConnectionError("the task did not open the stream")
+
+    async def close(self) -> None:
+        streams, self._streams = list(self._streams.values()), {}
+        for f in list(self._opening.values()):
+            f.cancel()
+        readers = []
+        for s in streams:
+            if isinstance(s, PushStream):
+                s.close()
+            else:
+                readers.append(s.close())
+        await asyncio.gather(*readers, *self._opening.values(), return_exceptions=True)

@@ -1,0 +1,97 @@
+"""The sending end of a bulk stream (:mod:`.bulk`), shared by a task's pull streams and a
+session's push streams."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from concurrent.futures import ThreadPoolExecutor
+
+from ..errors import Unavailable
+from .bulk import HEADER
+
+__all__ = ["Sender", "send_blocking"]
+
+
+class Sender:
+    """The sending end of a stream: its socket (blocking: a transfer is sent by one pool thread in
+    a few calls that sleep in the kernel, not by the loop a socket buffer at a time), and a lock
+    that keeps transfers whole. ``name`` is what errors call it."""
+
+    def __init__(self, name: str, sock: socket.socket, pool: ThreadPoolExecutor):
+        self.name, self.sock, self._pool = name, sock, pool
+        self.lock = asyncio.Lock()
+        self.closed = False
+        self._busy = False  # a thread is sending on the socket: it closes it when done
+
+    async def send(self, tag: int, views: list[memoryview], deadline: float | None) -> int:
+        """One transfer, whole. ``deadline`` (loop time) bounds the wait for the lock and each
+        stall of the peer. A transfer cut short leaves the stream out of step with its reader,
+        so the stream is closed then (a cancelled send too); waiting for the lock is not."""
+        loop = asyncio.get_running_loop()
+        left = None if deadline is None else deadline - loop.time()
+        if self.closed:
+            raise Unavailable(f"{self.name} is closed")
+        try:
+            await asyncio.wait_for(self.lock.acquire(), left)
+        except TimeoutError:
+            raise Unavailable(f"{self.name} stayed busy past the deadline") from None
+        try:
+            if self.closed:
+                raise Unavailable(f"{self.name} is closed")
+            left = None if deadline is None else max(0.001, deadline - loop.time())
+            self._busy = True
+            sent = loop.run_in_executor(self._pool, send_blocking, self.sock, tag, views, left)
+            try:
+                return await asyncio.shield(sent)
+            except asyncio.CancelledError:
+                self.close()  # the thread's send fails at once
+                await asyncio.gather(sent, return_exceptions=True)
+                raise
+        except OSError as exc:  # the peer gone, or stalled past the deadline
+            self.close()
+            raise Unavailable(f"{self.name} failed mid-transfer: {exc or type(exc).__name__}") from None
+        finally:
+            self._busy = False
+            if self.closed:
+                self.sock.close()
+            self.lock.release()
+
+    def gone(self) -> bool:
+        """Whether the peer closed it (it sends nothing on a stream it only reads: anything else
+        ends it too)."""
+        if self.closed:
+            return True
+        try:
+            self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            pass
+        self.close()
+        return True
+
+    def close(self) -> None:
+        """Shut at once (a thread sending on it wakes with an error); the socket is closed here,
+        or by the sending side once its thread is out."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if not self._busy:
+            self.sock.close()
+
+
+def send_blocking(sock: socket.socket, tag: int, views: list[memoryview], left: float | None) -> int:
+    """On a pool thread: a send that makes no progress for ``left`` seconds fails (SO_SNDTIMEO)."""
+    whole = 0 if left is None else int(left)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                    struct.pack("@ll", whole, 0 if left is None else int((left - whole) * 1e6)))
+    sock.sendall(HEADER.pack(tag, sum(v.nbytes for v in views)))
+    for v in views:
+        sock.sendall(v)
+    return sum(v.nbytes for v in views)
