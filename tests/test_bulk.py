@@ -114,7 +114,7 @@ def test_pending_tokens_are_capped_and_expire():
         try:
             lis.offer("a")
             _, token = lis.offer("a")
-            with pytest.raises(errors.ResourceExhausted, match="at the cap of 64 open and 2 pending"):
+            with pytest.raises(errors.ResourceExhausted, match="at the cap of 256 open and 2 pending"):
                 lis.offer("a")
             await asyncio.sleep(0.3)  # the token's own lifetime, not a wait for something to happen
             assert await _hello(lis.port, token) == b""  # expired
@@ -147,12 +147,26 @@ def test_a_bad_pull_is_refused_before_a_byte_and_the_stream_stays_usable():
                 await sess.variable("v", x)
                 task = zf.TaskId.parse("ps:0")
                 stream = await sess.bulk_stream(task)
+
+                def ask(name, dtype="float32", size=x.nbytes, handle=stream.handle, items=None):
+                    return sess.call_task(task, "ps", "pull_bulk", {
+                        "items": items or [[name, 0, None, None]], "dtypes": [dtype], "sizes": [size],
+                        "stream": handle, "tag": 99})
+
                 with pytest.raises(errors.NotFound, match="nope"):
-                    await sess.call_task(task, "ps", "pull_bulk", {"items": [["nope", 0, None, None]],
-                                                                    "stream": stream.handle, "tag": 99})
+                    await ask("nope")
                 with pytest.raises(errors.NotFound, match=f"bulk stream {stream.handle + 1} is not open"):
-                    await sess.call_task(task, "ps", "pull_bulk", {"items": [["v", 0, None, None]],
-                                                                    "stream": stream.handle + 1, "tag": 99})
+                    await ask("v", handle=stream.handle + 1)
+                # what raw bytes cannot say: a part whose dtype or size differs from the caller's idea of it
+                with pytest.raises(errors.InvalidArgument, match=r"v rows \[0, \d+\) are \d+ bytes of float32 here, "
+                                                                 r"the caller expects \d+ bytes of int32"):
+                    await ask("v", dtype="int32")
+                with pytest.raises(errors.InvalidArgument, match=f"the caller expects {x.nbytes - 4} bytes"):
+                    await ask("v", size=x.nbytes - 4)
+                with pytest.raises(errors.InvalidArgument, match="2 items, 1 dtypes and 1 sizes"):
+                    await ask("v", items=[["v", 0, None, None]] * 2)
+                with pytest.raises(errors.InvalidArgument, match="over the 1073741824 a transfer may carry"):
+                    await ask("v", size=(1 << 30) + 1)
                 assert np.array_equal((await sess.pull(["v"]))["v"], x)
                 assert await sess.bulk_stream(task) is stream and stream.received == x.nbytes
 
@@ -208,7 +222,8 @@ def test_a_header_out_of_step_closes_the_stream_and_fails_its_waiters(header):
             dest = np.zeros(100, np.uint8)
             t = stream.expect([as_bytes(dest)])
             task.sendall(HEADER.pack(t.tag + 1, 100) if header == "unknown tag" else HEADER.pack(t.tag, 101))
-            with pytest.raises(errors.ProtocolError, match="unknown transfer" if header == "unknown tag" else "101 bytes where 100"):
+            match = "unknown transfer" if header == "unknown tag" else "101 bytes where 100"
+            with pytest.raises(errors.ProtocolError, match=match):
                 await asyncio.wait_for(t.done, 5)
             assert stream.closed and (dest == 0).all()
             with pytest.raises(errors.Unavailable, match="closed"):
@@ -260,3 +275,45 @@ def test_a_session_on_a_fault_injector_uses_no_stream():
     with registry.use(FaultInjector()):
         assert not registry.plain_zeromq("tcp://127.0.0.1:5000")
     assert not registry.plain_zeromq("tcp://127.0.0.1:5000", FaultInjector())
+
+
+def test_each_caller_has_its_own_cap_of_streams():
+    async def main():
+        lis = await BulkListener("127.0.0.1", per_owner=2).start()
+        try:
+            lis.offer("a")
+            lis.offer("a", "push")
+            with pytest.raises(errors.ResourceExhausted, match="'a' holds 2 open or pending, the cap of 2"):
+                lis.offer("a")
+            handle, _ = lis.offer("b")  # another caller is not held back
+            assert handle.bit_length() > 8  # unguessable, as the token
+        finally:
+            await lis.close()
+
+    arun(main(), 30)
+
+
+def test_a_task_that_gives_no_stream_leaves_the_session_to_zeromq():
+    async def main():
+        async with local_cluster({"ps": 1}, timeout=20, transport="tcp") as servers:
+            servers["ps:0"].service("ps").bulk.per_owner = 0  # at its cap: every offer refused
+            async with AsyncSession(servers["ps:0"].target, timeout=10) as sess:
+                x = np.arange(ROWS * 64, dtype=np.float32).reshape(ROWS, 64)
+                await sess.variable("v", x)
+                assert np.array_equal((await sess.pull(["v"]))["v"], x)
+                await sess.push({"v": np.ones_like(x)})
+                assert np.array_equal((await sess.pull(["v"]))["v"], x + 1)
+                task = zf.TaskId.parse("ps:0")
+                assert await sess.bulk_stream(task) is None and await sess.bulk_stream(task, "push") is None
+
+    arun(main(), 60)
+
+
+@pytest.mark.parametrize("offer", [None, [], {"port": 0, "token": bytes(16), "handle": 1},
+                                   {"port": 5000, "token": b"short", "handle": 1},
+                                   {"port": 5000, "token": bytes(16), "handle": -1}, {"port": "5000"}])
+def test_a_malformed_offer_is_no_offer(offer):
+    from zmqflow.client.bulk_streams import _well_formed
+
+    assert not _well_formed(offer)
+    assert _well_formed({"port": 5000, "token": bytes(16), "handle": 1})

@@ -68,15 +68,18 @@ def test_a_synchronous_variable_and_a_refused_push_go_as_before():
                 await sess.variable("s", np.zeros((ROWS, 64), np.float32), optimizer=sync)
                 await sess.variable("a", np.zeros((ROWS, 64), np.float32))
                 stream = await sess.bulk_stream(task, "push")
+
+                def announce(name, handle=stream.handle):
+                    return sess.call_task(task, "ps", "push_bulk", {
+                        "items": [[name, 0, None, None]], "dtypes": ["float32"], "sizes": [ROWS * 64 * 4],
+                        "stream": handle, "tag": stream.next_tag()})
+
                 with pytest.raises(errors.InvalidArgument, match="is synchronous: its gradients go over ZeroMQ"):
-                    await sess.call_task(task, "ps", "push_bulk", {"items": [["s", 0, None, None]],
-                                                                    "stream": stream.handle, "tag": stream.next_tag()})
+                    await announce("s")
                 with pytest.raises(errors.NotFound, match="nope"):
-                    await sess.call_task(task, "ps", "push_bulk", {"items": [["nope", 0, None, None]],
-                                                                    "stream": stream.handle, "tag": stream.next_tag()})
+                    await announce("nope")
                 with pytest.raises(errors.NotFound, match=f"is not open for {sess.name!r} to push on"):
-                    await sess.call_task(task, "ps", "push_bulk", {"items": [["a", 0, None, None]],
-                                                                    "stream": stream.handle + 99, "tag": 1})
+                    await announce("a", handle=stream.handle + 99)
                 received = servers["ps:0"].service("ps").bulk.push_conn(stream.handle, sess.name).received
                 await sess.push({"s": np.ones((ROWS, 64), np.float32)}, step=0)  # the sync part: over ZeroMQ
                 assert servers["ps:0"].service("ps").bulk.push_conn(stream.handle, sess.name).received == received
@@ -95,7 +98,8 @@ def test_a_fence_before_the_bytes_land_fails_the_push_with_recovering_and_change
                 conn = servers["ps:0"].service("ps").bulk.push_conn(stream.handle, sess.name)
                 tag = stream.next_tag()
                 call = asyncio.ensure_future(sess.call_task(task, "ps", "push_bulk", {
-                    "items": [["v", 0, None, None]], "stream": stream.handle, "tag": tag}))
+                    "items": [["v", 0, None, None]], "dtypes": ["float32"], "sizes": [ROWS * 64 * 4],
+                    "stream": stream.handle, "tag": tag}))
                 await async_wait_until(lambda: conn.expected == 1, 5, what="the request in, its bytes not")
                 epoch = await sess.call_task(task, "ps", "fence")
                 grad = np.ones((ROWS, 64), np.float32)
@@ -194,5 +198,29 @@ def test_chunks_are_whole_rows_of_at_most_push_chunk_bytes():
                 assert np.array_equal((await sess.pull(["w"]))["w"], g)
                 stream = await sess.bulk_stream(zf.TaskId.parse("ps:0"), "push")
                 assert servers["ps:0"].service("ps").bulk.push_conn(stream.handle, sess.name).received == g.nbytes
+
+    arun(main(), 60)
+
+
+def test_a_push_refused_by_a_fenced_shard_fails_with_its_error_while_its_bytes_wait():
+    """The task stops reading a transfer whose request it refused: the session hears the refusal
+    (Recovering, which tells it to read again) and closes the stream, instead of sending into a
+    full socket until its deadline and calling that Unavailable."""
+    async def main():
+        async with local_cluster({"ps": 1}, timeout=20, transport="tcp") as servers:
+            async with AsyncSession(servers["ps:0"].target, timeout=8) as sess:
+                task = zf.TaskId.parse("ps:0")
+                big = np.zeros(((32 << 20) // (64 * 4), 64), np.float32)  # 32 MiB: more than the sockets hold
+                await sess.variable("big", big)
+                await sess.push({"big": np.ones_like(big)})
+                first = await sess.bulk_stream(task, "push")
+                epoch = await sess.call_task(task, "ps", "fence")
+                with pytest.raises(errors.Recovering, match="refused"):
+                    await sess.push({"big": np.ones_like(big)})
+                assert first.closed
+                assert await sess.call_task(task, "ps", "unfence", {"epoch": epoch})
+                await sess.push({"big": np.ones_like(big)})  # on a new stream
+                assert (await sess.bulk_stream(task, "push")) is not first
+                assert ((await sess.pull(["big"]))["big"] == 2).all()
 
     arun(main(), 60)

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..errors import ProtocolError, Unavailable
 from ..transport.bulk import HEADER
+from ..transport.bulk_sender import thread_out
 
 __all__ = ["BulkStream", "Transfer", "MAX_WAITING"]
 
@@ -145,10 +146,11 @@ class BulkStream:
             self.stopped.set_result(None)
 
     async def close(self) -> None:
-        """Shut the socket (the reader wakes and ends) and wait until the reader is out."""
+        """Shut the socket (the reader wakes and ends) and wait until the reader is out, however
+        often this is cancelled meanwhile: nothing lands in a caller's arrays after it returns."""
         self.closed = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        await asyncio.shield(self.stopped)
+        await thread_out(self.stopped)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from ..cluster import TaskId
 from ..errors import DeadlineExceeded, Unavailable
@@ -19,7 +19,7 @@ from ..wire.requests.base import MAX_ITEMS
 from .bulk import BulkStream
 from .port import SessionPort
 
-__all__ = ["BULK_FROM", "BULK_BATCH", "streams", "transfers", "pull_into"]
+__all__ = ["BULK_FROM", "BULK_BATCH", "Piece", "row_ranges", "streams", "transfers", "request", "pull_into"]
 
 BULK_FROM = 1 << 20
 BULK_BATCH = 64 << 20
@@ -36,30 +36,51 @@ async def streams(sess: SessionPort, shares: Mapping[TaskId, int], kind: str = "
     return out
 
 
-def transfers(entries: list[tuple[int, T, memoryview]], limit: int = BULK_BATCH) -> list[list[tuple[int, T, memoryview]]]:
-    """``(nbytes, item, dest)`` in order, cut into transfers of about ``limit`` bytes and at most
-    the request's MAX_ITEMS items."""
-    out: list[list[tuple[int, T, memoryview]]] = [[]]
+class Piece(NamedTuple):
+    """One item of a transfer: its rows (as a request names them), where its bytes are, its dtype."""
+
+    item: rq.PullItem
+    view: memoryview
+    dtype: str
+
+
+def row_ranges(nrows: int, row_bytes: int, limit: int = BULK_BATCH) -> list[tuple[int, int]]:
+    """A part's rows cut into ranges of at most ``limit`` bytes (one row at least): a transfer's
+    items, so no transfer carries much more than ``limit``."""
+    per = max(1, limit // max(1, row_bytes))
+    return [(a, min(nrows, a + per)) for a in range(0, nrows, per)] or [(0, 0)]
+
+
+def transfers(pieces: list[Piece], limit: int = BULK_BATCH) -> list[list[Piece]]:
+    """``pieces`` in order, cut into transfers of about ``limit`` bytes and at most the request's
+    MAX_ITEMS items."""
+    out: list[list[Piece]] = [[]]
     size = 0
-    for entry in entries:
-        if out[-1] and (size + entry[0] > limit or len(out[-1]) >= MAX_ITEMS):
+    for piece in pieces:
+        if out[-1] and (size + piece.view.nbytes > limit or len(out[-1]) >= MAX_ITEMS):
             out.append([])
             size = 0
-        out[-1].append(entry)
-        size += entry[0]
+        out[-1].append(piece)
+        size += piece.view.nbytes
     return out
 
 
-async def pull_into(sess: SessionPort, task: TaskId, stream: BulkStream, items: list[rq.PullItem],
-                    dests: list[memoryview], timeout: float | None) -> None:
-    """``items`` of ``task`` into ``dests`` (one per item, each exactly its rows' bytes), by ``timeout``
-    (the session's by default). On any failure the destinations are left alone from then on."""
+def request(cls: type[T], stream: Any, tag: int, pieces: list[Piece]) -> T:
+    """A ``PullBulk`` or ``PushBulk`` for ``pieces``: their items, and the dtype and byte count
+    the caller expects of each (the task refuses a part that differs before a byte moves)."""
+    return cls(items=[p.item for p in pieces], dtypes=[p.dtype for p in pieces],  # type: ignore[call-arg]
+               sizes=[p.view.nbytes for p in pieces], stream=stream.handle, tag=tag)
+
+
+async def pull_into(sess: SessionPort, task: TaskId, stream: BulkStream, pieces: list[Piece],
+                    timeout: float | None) -> None:
+    """The rows of ``pieces`` of ``task`` into their views (each exactly its rows' bytes), by
+    ``timeout`` (the session's by default). On any failure the views are left alone from then on."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (sess.timeout if timeout is None else timeout)
-    t = stream.expect(dests)
+    t = stream.expect([p.view for p in pieces])
     try:
-        await sess.call_task(task, "ps", "pull_bulk", rq.PullBulk(items=items, stream=stream.handle, tag=t.tag),
-                             timeout=timeout)
+        await sess.call_task(task, "ps", "pull_bulk", request(rq.PullBulk, stream, t.tag, pieces), timeout=timeout)
     except (DeadlineExceeded, Unavailable, asyncio.CancelledError):
         await stream.abandon(t, sent=True)  # the task may send it yet: its bytes are read and dropped
         raise

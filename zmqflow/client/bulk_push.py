@@ -17,8 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..cluster import TaskId
-from ..transport.bulk_sender import Sender
+from ..transport.bulk_sender import Sender, thread_out
 from ..wire.requests import ps as rq
+from .bulk_pull import Piece, request
 from .port import SessionPort
 
 __all__ = ["PushStream", "push_from"]
@@ -29,7 +30,8 @@ class PushStream(Sender):
 
     def __init__(self, task: str, handle: int, sock: socket.socket):
         sock.settimeout(None)  # blocking: sent from the stream's own thread
-        super().__init__(f"bulk stream to {task}", sock, ThreadPoolExecutor(1, thread_name_prefix=f"zmqflow-push-{task}"))
+        pool = ThreadPoolExecutor(1, thread_name_prefix=f"zmqflow-push-{task}")
+        super().__init__(f"bulk stream to {task}", sock, pool)
         self.task, self.handle = task, handle
         self._tags = itertools.count(1)
 
@@ -42,21 +44,29 @@ class PushStream(Sender):
         self._pool.shutdown(wait=False)
 
 
-async def push_from(sess: SessionPort, task: TaskId, stream: PushStream, items: list[rq.PullItem],
-                    views: list[memoryview], timeout: float | None) -> dict[str, Any]:
-    """Gradients of ``items`` (async parts of ``task``) from ``views`` (one per item, each exactly
-    its rows' bytes), by ``timeout`` (the session's by default); answered as a push over ZeroMQ."""
+async def push_from(sess: SessionPort, task: TaskId, stream: PushStream, pieces: list[Piece],
+                    timeout: float | None) -> dict[str, Any]:
+    """Gradients for the rows of ``pieces`` (async parts of ``task``) from their views, by
+    ``timeout`` (the session's by default); answered as a push over ZeroMQ. The request goes
+    first; a task that refuses it stops reading, so its answer is awaited beside the send, and a
+    refusal ends the send at once (the stream is closed) with the task's own error."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (sess.timeout if timeout is None else timeout)
     tag = stream.next_tag()
-    call = asyncio.ensure_future(sess.call_task(task, "ps", "push_bulk",
-                                                rq.PushBulk(items=items, stream=stream.handle, tag=tag), timeout=timeout))
+    call = asyncio.ensure_future(sess.call_task(task, "ps", "push_bulk", request(rq.PushBulk, stream, tag, pieces),
+                                                timeout=timeout))
+    send = asyncio.ensure_future(stream.send(tag, [p.view for p in pieces], deadline))
     try:
-        await stream.send(tag, views, deadline)
+        await asyncio.wait((call, send), return_when=asyncio.FIRST_EXCEPTION)
+        if call.done() and call.exception() is not None:
+            raise call.exception()  # type: ignore[misc]  # the task's own word, not the send's
+        await send
         return await call
     except BaseException:
         stream.close()  # the task may be reading these bytes, or waiting for them: start afresh
-        if not call.done():
-            call.cancel()
+        for f in (call, send):
+            if not f.done():
+                f.cancel()
+        await thread_out(send)  # the send's thread is off the caller's arrays before this returns
         await asyncio.gather(call, return_exceptions=True)
         raise

@@ -2,9 +2,9 @@
 first use: a pull stream that transfers land on (:mod:`.bulk`), a push stream that gradients go
 out on (:mod:`.bulk_push`).
 
-A task that offers none (``ZMQFLOW_BULK=0`` there, keys beyond loopback, an older task), or whose
-offered port cannot be reached (a network policy, a firewall), is remembered, and its transfers
-go over ZeroMQ as before.
+A task that offers none (``ZMQFLOW_BULK=0`` there, keys beyond loopback, an older task, one at
+its cap of streams), or whose offered port cannot be reached (a network policy, a firewall), is
+left to ZeroMQ for ``RETRY_AFTER`` seconds, then asked again.
 """
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from ..cluster import Address, TaskId
-from ..errors import InvalidArgument, NotFound
-from ..transport.bulk import BULK_ENV, HELLO, MAGIC, OPENED, recv_exact, tune
+from ..errors import ZmqflowError
+from ..transport.bulk import BULK_ENV, HELLO, MAGIC, OPENED, TOKEN_BYTES, recv_exact, tune
 from .bulk import BulkStream
 from .bulk_push import PushStream
 
@@ -27,6 +28,14 @@ __all__ = ["BulkStreams", "Kind"]
 log = logging.getLogger("zmqflow.client.bulk")
 Kind = Literal["pull", "push"]
 _CONNECT_TIMEOUT = 5.0
+RETRY_AFTER = 30.0  # seconds a task that gave no stream is left to ZeroMQ before it is asked again
+
+
+def _well_formed(offer: Any) -> bool:
+    """An offer as ``ps.bulk_offer`` answers it: a port, a 16-byte token and a handle."""
+    return (isinstance(offer, dict) and isinstance(offer.get("port"), int) and 0 < offer["port"] < 65536
+            and isinstance(offer.get("token"), bytes) and len(offer["token"]) == TOKEN_BYTES
+            and isinstance(offer.get("handle"), int) and offer["handle"] >= 0)
 
 
 class BulkStreams:
@@ -37,13 +46,13 @@ class BulkStreams:
                  address: Callable[[TaskId], Awaitable[Address]]):
         self._call, self._address = call, address
         self._streams: dict[tuple[TaskId, Kind], BulkStream | PushStream] = {}
-        self._none: set[TaskId] = set()  # tasks that offer no stream
+        self._none: dict[TaskId, float] = {}  # tasks that offered none, and until when to believe it
         self._opening: dict[tuple[TaskId, Kind], asyncio.Future] = {}
         self.enabled = os.environ.get(BULK_ENV, "").strip() != "0"
 
     async def get(self, task: TaskId, kind: Kind = "pull") -> BulkStream | PushStream | None:
         """The open stream of ``kind`` to ``task``, opened now if need be; None where it offers none."""
-        if not self.enabled or task in self._none:
+        if not self.enabled or self._none.get(task, 0.0) > time.monotonic():
             return None
         key = (task, kind)
         s = self._streams.get(key)
@@ -55,17 +64,25 @@ class BulkStreams:
             pending.add_done_callback(lambda _: self._opening.pop(key, None))
         return await asyncio.shield(pending)
 
+    def _without(self, task: TaskId, why: str) -> None:
+        """Transfers with ``task`` go over ZeroMQ for a while (``RETRY_AFTER``), then a stream is
+        asked for again: a task that was starting, or at its cap, may offer one later."""
+        if task not in self._none:
+            log.info("bulk streams to %s: none (%s); its transfers go over ZeroMQ", task, why)
+        self._none[task] = time.monotonic() + RETRY_AFTER
+
     async def _open(self, task: TaskId, kind: Kind) -> BulkStream | PushStream | None:
         addr = await self._address(task)
         if addr.scheme != "tcp":
-            self._none.add(task)
+            self._none[task] = float("inf")
             return None
         try:
             offer = await self._call(task, "bulk_offer", {"kind": kind})
-        except (NotFound, InvalidArgument):  # an older task: no such op, or no such kind
-            offer = None
-        if not offer:
-            self._none.add(task)
+        except ZmqflowError as exc:  # an older task (no such op), one at its cap, one busy: ZeroMQ does it
+            self._without(task, f"{type(exc).__name__}: {exc}")
+            return None
+        if not _well_formed(offer):
+            self._without(task, "it offers none" if offer is None else f"a malformed offer {offer!r:.80}")
             return None
         loop = asyncio.get_running_loop()
         family = socket.AF_INET6 if ":" in addr.host else socket.AF_INET
@@ -79,7 +96,7 @@ class BulkStreams:
             sock.close()
             log.warning("bulk stream to %s: cannot open it on port %s (%s); its transfers go over ZeroMQ",
                         task, offer["port"], exc or type(exc).__name__)
-            self._none.add(task)
+            self._none[task] = time.monotonic() + RETRY_AFTER
             return None
         except BaseException:
             sock.close()

@@ -132,7 +132,7 @@ class AsyncSession:
         return await self._bulk.get(task, kind)
 
     async def _bulk_call(self, task: TaskId, op: str, body: Any) -> Any:
-        return await self.call_task(task, "ps", op, body, timeout=min(self.timeout, 10.0))
+        return await self.call_task(task, "ps", op, body, timeout=min(self.timeout, 5.0))
 
     async def _address_of(self, task: TaskId) -> Address:
         return (self._spec if self._spec is not None else await self.cluster()).address(task)

@@ -24,7 +24,7 @@ from ..cluster import TaskId
 from ..errors import InvalidArgument
 from ..observe import timeline
 from ..transport.bulk import as_bytes
-from .bulk_pull import pull_into, streams, transfers
+from .bulk_pull import Piece, pull_into, row_ranges, streams, transfers
 from .bulk_push import push_from
 from .port import SessionPort
 from .placement import current_device, current_policy
@@ -133,6 +133,16 @@ def _bundle(items: Iterable[tuple[TaskId, int, T]]) -> dict[TaskId, list[list[T]
     return out
 
 
+def _pieces(info: VarInfo, part: int, x: np.ndarray) -> list[Piece]:
+    """Part ``part`` of a full-shape array ``x`` as bulk pieces of at most ``BULK_BATCH`` bytes."""
+    name, dtype = info.name, dtype_name(info.dtype)
+    if not info.shape:
+        return [Piece(rq.PullItem(name, part, None, None), as_bytes(x), dtype)]
+    _, r0, r1 = info.parts[part]
+    return [Piece(rq.PullItem(name, part, a, b), as_bytes(_rows_of(info, part, (a, b), x)), dtype)
+            for a, b in row_ranges(r1 - r0, info.row_bytes)]
+
+
 async def _bulk_streams(sess: SessionPort, infos: Iterable[VarInfo], kind: str = "pull") -> dict[TaskId, Any]:
     """The bulk streams of ``kind`` of the tasks whose share of ``infos`` is big enough (``bulk_pull.streams``)."""
     shares: dict[TaskId, int] = defaultdict(int)
@@ -143,24 +153,22 @@ async def _bulk_streams(sess: SessionPort, infos: Iterable[VarInfo], kind: str =
 
 
 async def _all(calls: list[Any]) -> list[Any]:
-    """``asyncio.gather`` without its task per call when there is only one (scalar updates)."""
+    """Each coroutine's result, run together (no task when there is only one: scalar updates).
+    On the first failure the rest are cancelled and awaited before it is raised, so none reads
+    from or writes into a caller's arrays after the call has returned."""
     if len(calls) == 1:
         return [await calls[0]]
-    return await asyncio.gather(*calls)
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(c) for c in calls]
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return [t.result() for t in tasks]
 
 
 async def _every(calls: list[Any]) -> None:
-    """Run the coroutines together; on the first failure the rest are cancelled and awaited
-    before it is raised, so none writes into a caller's buffer after the call has returned."""
-    if len(calls) == 1:
-        await calls[0]
-        return
-    try:
-        async with asyncio.TaskGroup() as group:
-            for c in calls:
-                group.create_task(c)
-    except BaseExceptionGroup as failed:
-        raise failed.exceptions[0] from None
+    """As ``_all``, for calls whose results are not wanted."""
+    await _all(calls)
 
 
 def _as_array(x: Any, info: VarInfo, what: str) -> np.ndarray:
@@ -277,17 +285,16 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
         else:
             outs[info.name] = np.empty(info.shape, dtype=info.dtype)
     bulk_to = await _bulk_streams(sess, infos)
-    bulk: dict[TaskId, list[tuple[int, rq.PullItem, memoryview]]] = defaultdict(list)
+    bulk: dict[TaskId, list[Piece]] = defaultdict(list)
     where: dict[int, tuple[VarInfo, int, tuple[int | None, int | None]]] = {}
     items = []
     for info in infos:
         for p, (task, r0, r1) in enumerate(info.parts):
-            if task in bulk_to:  # the whole part, straight into its rows
+            if task in bulk_to:  # straight into its rows
                 target = outs[info.name]
                 if target is None:
                     target = outs[info.name] = np.empty(info.shape, dtype=info.dtype)
-                dest = as_bytes(_rows_of(info, p, (0, r1 - r0), target))
-                bulk[task].append((dest.nbytes, rq.PullItem(info.name, p, None, None), dest))
+                bulk[task] += _pieces(info, p, target)
                 continue
             # a variable received whole comes in one frame: slices would have to be copied together
             chunks = info.chunks(p) if outs[info.name] is not None or not info.shape else [(0, r1 - r0)]
@@ -318,9 +325,8 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
             call = sess.call_task(task, "ps", "pull", rq.Pull(items=[it for _, _, it in batch]), timeout=timeout,
                                   size=sum(n for _, n, _ in batch))  # the reply's bytes pick its stream
             calls.append(fetch(keys, call))
-    for task, parts in bulk.items():
-        for batch in transfers(parts):
-            calls.append(pull_into(sess, task, bulk_to[task], [it for _, it, _ in batch], [d for _, _, d in batch], timeout))
+    for task, pieces in bulk.items():
+        calls += [pull_into(sess, task, bulk_to[task], batch, timeout) for batch in transfers(pieces)]
     await _every(calls)
     return outs  # type: ignore[return-value]  # every None was replaced by its reply
 
@@ -391,7 +397,7 @@ async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None
     async_sparse: dict[TaskId, list[rq.SparseItem]] = defaultdict(list)
     dense = {info: _as_array(grad, info, "gradient") for info, grad in grads.items() if not isinstance(grad, tuple)}
     bulk_to = await _bulk_streams(sess, [i for i in dense if not i.sync and i.shape], "push")
-    bulk: dict[TaskId, list[tuple[int, rq.PullItem, memoryview]]] = defaultdict(list)
+    bulk: dict[TaskId, list[Piece]] = defaultdict(list)
     for info, grad in grads.items():
         if isinstance(grad, tuple):
             for p, i, r in _split_sparse(info, grad[0], grad[1], "sparse gradient"):
@@ -399,9 +405,8 @@ async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None
             continue
         g = dense[info]
         for p, (task, r0, r1) in enumerate(info.parts):
-            if task in bulk_to and not info.sync and info.shape:  # the whole part, from its rows
-                view = as_bytes(_rows_of(info, p, (0, r1 - r0), g))
-                bulk[task].append((view.nbytes, rq.PullItem(info.name, p, None, None), view))
+            if task in bulk_to and not info.sync and info.shape:  # from its rows
+                bulk[task] += _pieces(info, p, g)
                 continue
             for chunk in info.chunks(p):
                 rows = _rows_of(info, p, chunk, g)
@@ -418,9 +423,8 @@ async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None
     for task in set(sync_dense) | set(sync_sparse):
         body = rq.Push(dense=sync_dense.get(task, []), sparse=sync_sparse.get(task, []), step=step)
         calls.append(sess.call_task(task, "ps", "push", body, timeout=timeout))
-    for task, parts in bulk.items():
-        for batch in transfers(parts):
-            calls.append(push_from(sess, task, bulk_to[task], [it for _, it, _ in batch], [v for _, _, v in batch], timeout))
+    for task, pieces in bulk.items():
+        calls += [push_from(sess, task, bulk_to[task], batch, timeout) for batch in transfers(pieces)]
     results = await _all(calls)
     steps = [r["step"] for r in results if r.get("step") is not None]
     replicas = [r["replicas"] for r in results if isinstance(r.get("replicas"), list)]

@@ -6,8 +6,8 @@ asked (``offer``): single use, expiring, and bound to that caller's name, so a r
 stream must come from the same caller (with keys, its authenticated key). A stream goes one way:
 a pull stream carries transfers to its client (:mod:`.bulk_send`), a push stream from it
 (:mod:`.bulk_receive`). Everything a peer can
-make it hold is capped: pending tokens, open streams, connections still saying hello (each given
-``hello_timeout`` to do so). A pull stream's peer sends nothing after its hello: one it closed
+make it hold is capped: pending tokens, open streams (in all, and per caller), connections still
+saying hello (each given ``hello_timeout`` to do so). A pull stream's peer sends nothing after its hello: one it closed
 (or sent anything on) is dropped when the next stream is offered.
 
 Where a task offers streams is the server's policy (:func:`bulk_host`): tcp only, and with keys
@@ -17,7 +17,6 @@ only on loopback, since the stream's bytes are not encrypted.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import secrets
@@ -55,10 +54,10 @@ class BulkListener:
     """Listens on ``host`` at a port the OS picks; :meth:`offer` issues tokens, :meth:`conn`
     finds a caller's open stream."""
 
-    def __init__(self, host: str, *, max_streams: int = 64, max_pending: int = 64, token_ttl: float = 30.0,
-                 hello_timeout: float = 5.0):
+    def __init__(self, host: str, *, max_streams: int = 256, max_pending: int = 64, per_owner: int = 8,
+                 token_ttl: float = 30.0, hello_timeout: float = 5.0):
         self.host = host
-        self.max_streams, self.max_pending = max_streams, max_pending
+        self.max_streams, self.max_pending, self.per_owner = max_streams, max_pending, per_owner
         self.token_ttl, self.hello_timeout = token_ttl, hello_timeout
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
@@ -66,7 +65,6 @@ class BulkListener:
         self._pool = ThreadPoolExecutor(max_streams, thread_name_prefix="zmqflow-bulk")
         self._conns: dict[int, BulkConn | PushConn] = {}
         self._hellos: set[asyncio.Task] = set()
-        self._handles = itertools.count(1)
         self.opened = 0  # streams opened, for metrics and tests
         self.refused = 0  # connections closed for a bad or missing hello, or over a cap
 
@@ -100,9 +98,20 @@ class BulkListener:
         if len(self._pending) >= self.max_pending or len(self._conns) >= self.max_streams:
             raise ResourceExhausted(f"bulk streams: {len(self._conns)} open and {len(self._pending)} pending, "
                                     f"at the cap of {self.max_streams} open and {self.max_pending} pending")
-        handle, token = next(self._handles), secrets.token_bytes(TOKEN_BYTES)
+        mine = sum(c.owner == owner for c in self._conns.values()) + sum(e[0] == owner for e in self._pending.values())
+        if mine >= self.per_owner:
+            raise ResourceExhausted(f"bulk streams: {owner!r} holds {mine} open or pending, "
+                                    f"the cap of {self.per_owner}")
+        handle, token = self._new_handle(), secrets.token_bytes(TOKEN_BYTES)
         self._pending[token] = (owner, handle, now + self.token_ttl, kind)
         return handle, token
+
+    def _new_handle(self) -> int:
+        """Unguessable, as the token: a request naming a stream names one its caller was given."""
+        while True:
+            handle = secrets.randbits(62)
+            if handle not in self._conns and all(e[1] != handle for e in self._pending.values()):
+                return handle
 
     def conn(self, handle: int, owner: str) -> BulkConn:
         """The open pull stream ``handle`` of ``owner``: NotFound for one it does not hold."""

@@ -6,9 +6,9 @@ registered under its tag: a shard adds
 each chunk into its rows while the chunk is still in this core's cache, instead of reading a
 whole gradient back from memory after ZeroMQ's thread wrote it there on another core.
 
-The bytes and their request travel apart (the request over ZeroMQ), so the reader may meet a
-transfer before its request: it waits for the request ``request_wait`` seconds, then closes the
-stream. A request refused before its bytes were read registers no sink; its client closes the
+The bytes and their request travel apart (the request over ZeroMQ, sent first), so the reader
+may meet a transfer before its request: it waits for the request ``request_wait`` seconds (5),
+then closes the stream. A request refused before its bytes were read registers no sink; its client closes the
 stream on the error, which ends the reader too. A sink that fails midway (its part restored, a
 fence) has the rest of its bytes read and dropped, so the stream stays in step.
 """
@@ -25,7 +25,7 @@ from ..transport.bulk import HEADER
 
 __all__ = ["Sink", "PushConn", "MAX_SINKS"]
 
-MAX_SINKS = 1024  # transfers one stream's requests may register ahead of their bytes
+MAX_SINKS = 64  # transfers one stream's requests may register ahead of their bytes (a client sends a few)
 
 
 @dataclass(eq=False)
@@ -55,7 +55,7 @@ class PushConn(asyncio.BufferedProtocol):
     reads straight into the chunk being filled (``get_buffer``), one callback per read and no
     task or future per chunk; the stream is paused while a transfer waits for its request."""
 
-    def __init__(self, handle: int, owner: str, sock: socket.socket, request_wait: float = 30.0):
+    def __init__(self, handle: int, owner: str, sock: socket.socket, request_wait: float = 5.0):
         self.handle, self.owner, self.request_wait = handle, owner, request_wait
         self._sock: socket.socket | None = sock  # until the transport takes it (``open``)
         self.closed = False

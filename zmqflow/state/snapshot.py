@@ -31,7 +31,8 @@ from .tables import HashTable
 from .tensorfile import TensorFile, write_tensors
 from .store import Part
 
-__all__ = ["part_arrays", "table_arrays", "write_atomic", "temp_path", "check_file_name", "NAME_MAX", "read_arrays", "fsync_dir", "crash_point", "TEMP_SUFFIX",
+__all__ = ["part_arrays", "table_arrays", "write_atomic", "temp_path", "check_file_name", "NAME_MAX", "read_arrays",
+           "fsync_dir", "crash_point", "TEMP_SUFFIX",
            "abandoned_temporary", "part_prefix", "table_prefix", "tensor_name", "NpzFile", "open_shard_file", "FILE_FORMAT", "entry_tensor"]
 
 FILE_FORMAT = "zmqflow-checkpoint/2"
@@ -129,8 +130,8 @@ def check_file_name(file: str) -> None:
     255 bytes a name may have: refused before anything is written, not an OSError halfway."""
     longest = len(os.fsencode(temp_path(file)))
     if longest > NAME_MAX:
-        raise InvalidArgument(f"file name {file[:40]!r}... is {len(os.fsencode(file))} bytes: with its temporary's suffix "
-                              f"it would be {longest}, over the {NAME_MAX} a name may have", file=file)
+        raise InvalidArgument(f"file name {file[:40]!r}... is {len(os.fsencode(file))} bytes: with its temporary's "
+                              f"suffix it would be {longest}, over the {NAME_MAX} a name may have", file=file)
 
 
 def write_atomic(path: str, arrays: dict[str, np.ndarray] | None = None, text: str | None = None,

@@ -25,7 +25,8 @@ import struct
 
 import numpy as np
 
-__all__ = ["MAGIC", "TOKEN_BYTES", "HELLO", "HEADER", "OPENED", "as_bytes", "recv_exact", "recv_into", "tune", "BULK_ENV"]
+__all__ = ["MAGIC", "TOKEN_BYTES", "HELLO", "HEADER", "OPENED", "as_bytes", "recv_exact", "recv_into", "tune",
+           "BULK_ENV"]
 
 MAGIC = b"ZFB1"
 TOKEN_BYTES = 16
@@ -48,6 +49,12 @@ def tune(sock: socket.socket) -> None:
     sock.setblocking(False)
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # a peer whose host vanished (no FIN) is found within about a minute and a half, so its
+        # stream is closed and its slot freed, as ZeroMQ's heartbeats find it on the router
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for opt, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+            if hasattr(socket, opt):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
 
 
 async def recv_into(sock: socket.socket, view: memoryview) -> None:

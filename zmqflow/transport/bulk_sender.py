@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ..errors import Unavailable
 from .bulk import HEADER
 
-__all__ = ["Sender", "send_blocking"]
+__all__ = ["Sender", "send_blocking", "thread_out"]
 
 
 class Sender:
@@ -47,7 +47,7 @@ class Sender:
                 return await asyncio.shield(sent)
             except asyncio.CancelledError:
                 self.close()  # the thread's send fails at once
-                await asyncio.gather(sent, return_exceptions=True)
+                await thread_out(sent)  # off the views and the socket before this returns
                 raise
         except OSError as exc:  # the peer gone, or stalled past the deadline
             self.close()
@@ -84,6 +84,21 @@ class Sender:
             pass
         if not self._busy:
             self.sock.close()
+
+
+async def thread_out(fut: asyncio.Future) -> None:
+    """Wait until a thread's future is done, however often the waiter is cancelled meanwhile (a
+    thread cannot be stopped: what it holds, it holds until it returns); the cancel then stands."""
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.wait((fut,))
+        except asyncio.CancelledError:
+            cancelled = True
+    if not fut.cancelled():
+        fut.exception()  # retrieved: the caller raises its own error
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def send_blocking(sock: socket.socket, tag: int, views: list[memoryview], left: float | None) -> int:

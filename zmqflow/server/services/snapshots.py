@@ -14,8 +14,8 @@ from ...errors import InvalidArgument
 from ...observe.metrics import Histogram
 from ..checkpoint_roots import CheckpointRoots
 from ...state.tables import HashTable
-from ...state.snapshot import (FILE_FORMAT, NAME_MAX, check_file_name, part_arrays, part_prefix, table_arrays, table_prefix,
-                               write_atomic)
+from ...state.snapshot import (FILE_FORMAT, NAME_MAX, check_file_name, part_arrays, part_prefix, table_arrays,
+                               table_prefix, write_atomic)
 from ...state.store import PartKey, ShardStore
 from ...rpc import CallContext, op
 from ...wire.requests import ps as rq

@@ -52,7 +52,8 @@ class PullItem(Item):
     stop: Row | None
 
 
-PullItems = Annotated[list[PullItem], msgspec.Meta(max_length=MAX_ITEMS, description="a list of [name, part, start, stop]")]
+PullItems = Annotated[list[PullItem], msgspec.Meta(max_length=MAX_ITEMS,
+                                                   description="a list of [name, part, start, stop]")]
 
 
 class Pull(Request):
@@ -67,20 +68,33 @@ class BulkOffer(Request):
     kind: Literal["pull", "push"] = "pull"
 
 
+Dtypes = Annotated[list[Dtype], msgspec.Meta(max_length=MAX_ITEMS,
+                                             description="each item's dtype, as the caller knows it")]
+Sizes = Annotated[list[Count], msgspec.Meta(max_length=MAX_ITEMS,
+                                            description="each item's byte count, as the caller knows it")]
+
+
 class PullBulk(Request):
     """Send rows of parts, in order, on the caller's bulk stream ``stream`` as transfer ``tag``
-    (:mod:`zmqflow.transport.bulk`); answered with the byte count once they are sent."""
+    (:mod:`zmqflow.transport.bulk`); answered with the byte count once they are sent. ``dtypes``
+    and ``sizes`` say what the caller expects of each item: raw bytes carry neither, so a part
+    that differs (re-created since the caller learned of it) is refused before a byte is sent."""
 
     items: PullItems
+    dtypes: Dtypes
+    sizes: Sizes
     stream: Count
     tag: Count
 
 
 class PushBulk(Request):
     """Gradients for rows of async parts, whose bytes come on the caller's bulk stream ``stream``
-    as transfer ``tag``, in order, each C-ordered in its part's dtype; answered as ``push``."""
+    as transfer ``tag``, in order, each C-ordered in its part's dtype (``dtypes`` and ``sizes``
+    as in ``PullBulk``); answered as ``push``."""
 
     items: PullItems
+    dtypes: Dtypes
+    sizes: Sizes
     stream: Count
     tag: Count
 
