@@ -4,7 +4,9 @@ opened only with a token the task issued, closed on anything out of step, never 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -22,6 +24,16 @@ from zmqflow.transport.bulk import HEADER, HELLO, MAGIC, OPENED, as_bytes
 from .conftest import arun
 
 ROWS = BULK_FROM // (64 * 4) * 3  # each of two parts well past BULK_FROM
+
+
+@contextlib.asynccontextmanager
+async def _listener(**limits: float) -> AsyncIterator[BulkListener]:
+    """A started listener on loopback with ``limits``, closed on the way out."""
+    lis = await BulkListener("127.0.0.1", **limits).start()
+    try:
+        yield lis
+    finally:
+        await lis.close()
 
 
 async def _hello(port: int, token: bytes) -> bytes:
@@ -84,8 +96,7 @@ def test_a_bfloat16_variable_comes_whole_through_its_stream():
 
 def test_a_stream_opens_only_with_a_fresh_token_once_and_names_only_its_owner():
     async def main():
-        lis = await BulkListener("127.0.0.1", hello_timeout=0.5).start()
-        try:
+        async with _listener(hello_timeout=0.5) as lis:
             handle, token = lis.offer("worker:0")
             assert await _hello(lis.port, bytes(16)) == b""  # a token never issued: closed
             assert await _hello(lis.port, token) == OPENED
@@ -102,16 +113,13 @@ def test_a_stream_opens_only_with_a_fresh_token_once_and_names_only_its_owner():
             finally:
                 silent.close()
             assert lis.refused == 3
-        finally:
-            await lis.close()
 
     arun(main(), 30)
 
 
 def test_pending_tokens_are_capped_and_expire():
     async def main():
-        lis = await BulkListener("127.0.0.1", max_pending=2, token_ttl=0.2).start()
-        try:
+        async with _listener(max_pending=2, token_ttl=0.2) as lis:
             lis.offer("a")
             _, token = lis.offer("a")
             with pytest.raises(errors.ResourceExhausted, match="at the cap of 256 open and 2 pending"):
@@ -119,22 +127,17 @@ def test_pending_tokens_are_capped_and_expire():
             await asyncio.sleep(0.3)  # the token's own lifetime, not a wait for something to happen
             assert await _hello(lis.port, token) == b""  # expired
             lis.offer("a")  # the expired ones were dropped
-        finally:
-            await lis.close()
 
     arun(main(), 30)
 
 
 def test_a_closed_stream_frees_its_slot_at_the_next_offer():
     async def main():
-        lis = await BulkListener("127.0.0.1", max_streams=1).start()
-        try:
+        async with _listener(max_streams=1) as lis:
             handle, token = lis.offer("a")
             assert await _hello(lis.port, token) == OPENED  # and closed again at once by the helper
             await async_wait_until(lambda: lis.conn(handle, "a").gone(), 5, what="the peer's close seen")
             lis.offer("a")  # the slot came back
-        finally:
-            await lis.close()
 
     arun(main(), 30)
 
@@ -279,16 +282,13 @@ def test_a_session_on_a_fault_injector_uses_no_stream():
 
 def test_each_caller_has_its_own_cap_of_streams():
     async def main():
-        lis = await BulkListener("127.0.0.1", per_owner=2).start()
-        try:
+        async with _listener(per_owner=2) as lis:
             lis.offer("a")
             lis.offer("a", "push")
             with pytest.raises(errors.ResourceExhausted, match="'a' holds 2 open or pending, the cap of 2"):
                 lis.offer("a")
             handle, _ = lis.offer("b")  # another caller is not held back
             assert handle.bit_length() > 8  # unguessable, as the token
-        finally:
-            await lis.close()
 
     arun(main(), 30)
 

@@ -136,7 +136,7 @@ def test_a_transfer_before_its_request_waits_for_it_and_one_after_a_failed_sink_
             peer.sendall(HEADER.pack(7, 10) + bytes(range(10)))  # before its request
             got = bytearray()
             sink = _sink([4, 0, 6], got)
-            await asyncio.sleep(0)  # the loop reads the header and pauses for the request
+            await async_wait_until(lambda: conn.paused_for == 7, 5, what="the header read, the stream paused")
             conn.expect(7, sink)
             assert await asyncio.wait_for(sink.done, 5) == 10 and got == bytes(range(10))
             failed, after = bytearray(), bytearray()

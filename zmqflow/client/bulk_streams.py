@@ -15,18 +15,17 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from typing import Any
 
 from ..cluster import Address, TaskId
 from ..errors import ZmqflowError
-from ..transport.bulk import BULK_ENV, HELLO, MAGIC, OPENED, TOKEN_BYTES, recv_exact, tune
+from ..transport.bulk import BULK_ENV, HELLO, MAGIC, OPENED, TOKEN_BYTES, Kind, family, recv_exact, tune
 from .bulk import BulkStream
 from .bulk_push import PushStream
 
-__all__ = ["BulkStreams", "Kind"]
+__all__ = ["BulkStreams"]
 
 log = logging.getLogger("zmqflow.client.bulk")
-Kind = Literal["pull", "push"]
 _CONNECT_TIMEOUT = 5.0
 RETRY_AFTER = 30.0  # seconds a task that gave no stream is left to ZeroMQ before it is asked again
 
@@ -85,11 +84,11 @@ class BulkStreams:
             self._without(task, "it offers none" if offer is None else f"a malformed offer {offer!r:.80}")
             return None
         loop = asyncio.get_running_loop()
-        family = socket.AF_INET6 if ":" in addr.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        fam = family(addr.host)
+        sock = socket.socket(fam, socket.SOCK_STREAM)
         try:
             tune(sock)
-            host = (await loop.getaddrinfo(addr.host, offer["port"], family=family, type=socket.SOCK_STREAM))[0][4]
+            host = (await loop.getaddrinfo(addr.host, offer["port"], family=fam, type=socket.SOCK_STREAM))[0][4]
             await asyncio.wait_for(self._hello(sock, host, offer["token"]), _CONNECT_TIMEOUT)
         except (OSError, TimeoutError, ConnectionError) as exc:
             # a port the network does not let through (a pod's policy, a firewall): ZeroMQ it is

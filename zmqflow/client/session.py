@@ -25,11 +25,12 @@ from ..errors import ConfigError, InvalidArgument, NotFound, SessionClosed, Shar
 from ..rpc import DEFAULT_TIMEOUT, RpcClient
 from ..transport.base import Transport
 from ..transport.curve import Keys, keys_from
+from ..transport.bulk import Kind
 from ..transport.registry import plain_zeromq
 from ..wire.requests import cluster as crq
 from .bulk import BulkStream
 from .bulk_push import PushStream
-from .bulk_streams import BulkStreams, Kind
+from .bulk_streams import BulkStreams
 from .embedding import AsyncEmbedding, TableInfo, declare_embedding
 from .variables import AsyncVariable, VarInfo, declare
 from .variables import pull as _pull

@@ -1,14 +1,14 @@
 """A task's bulk listener: where sessions open the bulk streams (:mod:`zmqflow.transport.bulk`)
-that their large pulls come back on.
+that their large pulls come back on and their large pushes go out on.
 
 A stream is opened only with a token this task issued, over its ZeroMQ router, to the caller that
 asked (``offer``): single use, expiring, and bound to that caller's name, so a request naming the
 stream must come from the same caller (with keys, its authenticated key). A stream goes one way:
 a pull stream carries transfers to its client (:mod:`.bulk_send`), a push stream from it
-(:mod:`.bulk_receive`). Everything a peer can
-make it hold is capped: pending tokens, open streams (in all, and per caller), connections still
-saying hello (each given ``hello_timeout`` to do so). A pull stream's peer sends nothing after its hello: one it closed
-(or sent anything on) is dropped when the next stream is offered.
+(:mod:`.bulk_receive`). Everything a peer can make it hold is capped: pending tokens, open
+streams (in all, and per caller), connections still saying hello (each given ``hello_timeout``
+to do so). A pull stream's peer sends nothing after its hello: one it closed (or sent anything
+on) is dropped when the next stream is offered.
 
 Where a task offers streams is the server's policy (:func:`bulk_host`): tcp only, and with keys
 only on loopback, since the stream's bytes are not encrypted.
@@ -23,19 +23,27 @@ import secrets
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
+from typing import NamedTuple
 
 from ..cluster import Address
 from ..errors import NotFound, ResourceExhausted
-from ..transport.bulk import BULK_ENV, HELLO, MAGIC, OPENED, TOKEN_BYTES, recv_exact, tune
+from ..transport.bulk import BULK_ENV, HELLO, MAGIC, OPENED, TOKEN_BYTES, Kind, family, recv_exact, tune
 from .bulk_receive import PushConn
 from .bulk_send import BulkConn
 from ..transport.curve import is_loopback
 
-__all__ = ["BulkListener", "bulk_host", "Kind"]
+__all__ = ["BulkListener", "bulk_host"]
 
 log = logging.getLogger("zmqflow.server.bulk")
-Kind = Literal["pull", "push"]  # which way a stream's transfers go: task to client, or client to task
+
+
+class _Offer(NamedTuple):
+    """A token issued and not yet presented."""
+
+    owner: str
+    handle: int
+    expiry: float  # monotonic
+    kind: Kind
 
 
 def bulk_host(bind_endpoint: str, keys: object, default_transport: bool) -> str | None:
@@ -61,7 +69,7 @@ class BulkListener:
         self.token_ttl, self.hello_timeout = token_ttl, hello_timeout
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
-        self._pending: dict[bytes, tuple[str, int, float, Kind]] = {}  # token -> (owner, handle, expiry, kind)
+        self._pending: dict[bytes, _Offer] = {}  # by token
         self._pool = ThreadPoolExecutor(max_streams, thread_name_prefix="zmqflow-bulk")
         self._conns: dict[int, BulkConn | PushConn] = {}
         self._hellos: set[asyncio.Task] = set()
@@ -75,8 +83,7 @@ class BulkListener:
         return self._sock.getsockname()[1]
 
     async def start(self) -> "BulkListener":
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock = socket.socket(family(self.host), socket.SOCK_STREAM)
         try:
             sock.bind((self.host, 0))
             sock.listen(self.max_streams)
@@ -91,26 +98,26 @@ class BulkListener:
     def offer(self, owner: str, kind: Kind = "pull") -> tuple[int, bytes]:
         """A new stream's handle and the token that opens it, for ``owner`` only."""
         now = time.monotonic()
-        for token in [t for t, entry in self._pending.items() if entry[2] <= now]:
+        for token in [t for t, o in self._pending.items() if o.expiry <= now]:
             del self._pending[token]
         for handle in [h for h, c in self._conns.items() if c.gone()]:
             del self._conns[handle]
         if len(self._pending) >= self.max_pending or len(self._conns) >= self.max_streams:
             raise ResourceExhausted(f"bulk streams: {len(self._conns)} open and {len(self._pending)} pending, "
                                     f"at the cap of {self.max_streams} open and {self.max_pending} pending")
-        mine = sum(c.owner == owner for c in self._conns.values()) + sum(e[0] == owner for e in self._pending.values())
+        mine = sum(c.owner == owner for c in [*self._conns.values(), *self._pending.values()])
         if mine >= self.per_owner:
             raise ResourceExhausted(f"bulk streams: {owner!r} holds {mine} open or pending, "
                                     f"the cap of {self.per_owner}")
         handle, token = self._new_handle(), secrets.token_bytes(TOKEN_BYTES)
-        self._pending[token] = (owner, handle, now + self.token_ttl, kind)
+        self._pending[token] = _Offer(owner, handle, now + self.token_ttl, kind)
         return handle, token
 
     def _new_handle(self) -> int:
         """Unguessable, as the token: a request naming a stream names one its caller was given."""
         while True:
             handle = secrets.randbits(62)
-            if handle not in self._conns and all(e[1] != handle for e in self._pending.values()):
+            if handle not in self._conns and all(o.handle != handle for o in self._pending.values()):
                 return handle
 
     def conn(self, handle: int, owner: str) -> BulkConn:
@@ -153,12 +160,12 @@ class BulkListener:
         except asyncio.CancelledError:
             sock.close()
             raise
-        entry = self._pending.pop(token, None) if magic == MAGIC else None
-        if entry is None or entry[2] <= time.monotonic() or len(self._conns) >= self.max_streams:
+        offer = self._pending.pop(token, None) if magic == MAGIC else None
+        if offer is None or offer.expiry <= time.monotonic() or len(self._conns) >= self.max_streams:
             self.refused += 1
             sock.close()
             return
-        owner, handle, _, kind = entry
+        owner, handle, kind = offer.owner, offer.handle, offer.kind
         # registered before its word, which a request naming it may follow at once
         c: BulkConn | PushConn
         if kind == "push":  # read on the loop, a chunk at a time, once the loop's transport has it

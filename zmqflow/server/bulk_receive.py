@@ -2,14 +2,14 @@
 
 A pushed transfer's bytes are read on the loop a chunk at a time into one reused buffer (by the
 transport, straight into it) and handed, chunk by chunk, to the :class:`Sink` its request
-registered under its tag: a shard adds
-each chunk into its rows while the chunk is still in this core's cache, instead of reading a
-whole gradient back from memory after ZeroMQ's thread wrote it there on another core.
+registered under its tag: a shard adds each chunk into its rows while the chunk is still in this
+core's cache, instead of reading a whole gradient back from memory after ZeroMQ's thread wrote
+it there on another core.
 
 The bytes and their request travel apart (the request over ZeroMQ, sent first), so the reader
 may meet a transfer before its request: it waits for the request ``request_wait`` seconds (5),
-then closes the stream. A request refused before its bytes were read registers no sink; its client closes the
-stream on the error, which ends the reader too. A sink that fails midway (its part restored, a
+then closes the stream. A request refused before its bytes were read registers no sink; its
+client closes the stream on the error, which ends the reader too. A sink that fails midway (its part restored, a
 fence) has the rest of its bytes read and dropped, so the stream stays in step.
 """
 
@@ -201,6 +201,11 @@ class PushConn(asyncio.BufferedProtocol):
         self._sinks.clear()
         if not self.ended.done():
             self.ended.set_result(None)
+
+    @property
+    def paused_for(self) -> int | None:
+        """The tag of a transfer whose bytes came before its request, while the stream waits for it."""
+        return self._tag if self._waiting is not None else None
 
     @property
     def expected(self) -> int:

@@ -60,6 +60,11 @@ class Part:
     def part_shape(self) -> tuple[int, ...]:
         return (self.nrows, *self.full_shape[1:]) if self.full_shape else ()
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (of the one item, for a scalar)."""
+        return self.dtype.itemsize * math.prod(self.full_shape[1:])
+
     def grid(self, arr: np.ndarray) -> np.ndarray:
         """``arr`` (this part's shape, or rows of it) seen as 2-D: rows x everything else (a view)."""
         cols = math.prod(self.full_shape[1:]) if self.full_shape else 1

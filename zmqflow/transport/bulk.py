@@ -22,11 +22,12 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+from typing import Literal
 
 import numpy as np
 
 __all__ = ["MAGIC", "TOKEN_BYTES", "HELLO", "HEADER", "OPENED", "as_bytes", "recv_exact", "recv_into", "tune",
-           "BULK_ENV"]
+           "BULK_ENV", "Kind", "family"]
 
 MAGIC = b"ZFB1"
 TOKEN_BYTES = 16
@@ -34,6 +35,12 @@ HELLO = struct.Struct(f"<4s{TOKEN_BYTES}s")
 HEADER = struct.Struct("<QQ")  # tag, byte count
 OPENED = b"\x01"  # the task's answer to a good hello: the stream is open
 BULK_ENV = "ZMQFLOW_BULK"  # "0" turns bulk streams off on a task (it offers none) and in a session
+Kind = Literal["pull", "push"]  # which way a stream's transfers go: task to client, or client to task
+
+
+def family(host: str) -> socket.AddressFamily:
+    """The address family of a host as a cluster spec or a bind names it (IPv6 has colons)."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 def as_bytes(a: np.ndarray) -> memoryview:

@@ -3,7 +3,6 @@ from one (:mod:`zmqflow.server.bulk_listener`, :mod:`zmqflow.transport.bulk`).""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Coroutine
 from typing import Any
 
@@ -68,7 +67,7 @@ class BulkOps:
         out = []
         for it, dtype, size in zip(req.items, req.dtypes, req.sizes):
             p, a, b = self.store.row_range(it.name, it.part, it.start, it.stop)
-            held = (b - a) * p.dtype.itemsize * math.prod(p.full_shape[1:]) if p.full_shape else p.dtype.itemsize
+            held = (b - a) * p.row_bytes if p.full_shape else p.row_bytes
             if dtype != dtype_name(p.dtype) or size != held:
                 raise InvalidArgument(f"ps.{op}: {p.label} rows [{a}, {b}) are {held} bytes of {dtype_name(p.dtype)} "
                                       f"here, the caller expects {size} bytes of {dtype}: re-created since it looked?")
@@ -106,7 +105,7 @@ class BulkOps:
             if p.sync is not None or not p.full_shape:
                 what = "synchronous" if p.sync is not None else "a scalar"
                 raise InvalidArgument(f"variable {p.label} is {what}: its gradients go over ZeroMQ (ps.push)")
-            row = p.dtype.itemsize * math.prod(p.full_shape[1:])
+            row = p.row_bytes
             parts.add(p)
             if not row:  # rows of nothing: no bytes come, nothing to apply
                 continue
