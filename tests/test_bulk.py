@@ -75,7 +75,7 @@ def test_a_large_pull_lands_through_the_streams_into_out_and_new_arrays_equal_to
     arun(main(), 60)
 
 
-async def _none(task, kind="pull"):
+async def _none(task, kind="pull", lane=0):
     return None
 
 

@@ -44,44 +44,51 @@ class BulkStreams:
     def __init__(self, call: Callable[[TaskId, str, Any], Awaitable[Any]],
                  address: Callable[[TaskId], Awaitable[Address]]):
         self._call, self._address = call, address
-        self._streams: dict[tuple[TaskId, Kind], BulkStream | PushStream] = {}
-        self._none: dict[TaskId, float] = {}  # tasks that offered none, and until when to believe it
-        self._opening: dict[tuple[TaskId, Kind], asyncio.Future] = {}
+        self._streams: dict[tuple[TaskId, Kind, int], BulkStream | PushStream] = {}
+        # (task, lane) that gave no stream, and until when to believe it; lane 0 speaks for all
+        self._none: dict[tuple[TaskId, int], float] = {}
+        self._opening: dict[tuple[TaskId, Kind, int], asyncio.Future] = {}
         self.enabled = os.environ.get(BULK_ENV, "").strip() != "0"
 
-    async def get(self, task: TaskId, kind: Kind = "pull") -> BulkStream | PushStream | None:
-        """The open stream of ``kind`` to ``task``, opened now if need be; None where it offers none."""
-        if not self.enabled or self._none.get(task, 0.0) > time.monotonic():
+    async def get(self, task: TaskId, kind: Kind = "pull", lane: int = 0) -> BulkStream | PushStream | None:
+        """The open stream of ``kind`` to ``task`` in ``lane`` (a large share is spread over several
+        lanes), opened now if need be; None where it offers none."""
+        now = time.monotonic()
+        if not self.enabled or self._none.get((task, 0), 0.0) > now or self._none.get((task, lane), 0.0) > now:
             return None
-        key = (task, kind)
+        key = (task, kind, lane)
         s = self._streams.get(key)
         if s is not None and not s.closed:
             return s
         pending = self._opening.get(key)
         if pending is None:
-            pending = self._opening[key] = asyncio.ensure_future(self._open(task, kind))
+            pending = self._opening[key] = asyncio.ensure_future(self._open(task, kind, lane))
             pending.add_done_callback(lambda _: self._opening.pop(key, None))
         return await asyncio.shield(pending)
 
-    def _without(self, task: TaskId, why: str) -> None:
-        """Transfers with ``task`` go over ZeroMQ for a while (``RETRY_AFTER``), then a stream is
-        asked for again: a task that was starting, or at its cap, may offer one later."""
-        if task not in self._none:
-            log.info("bulk streams to %s: none (%s); its transfers go over ZeroMQ", task, why)
-        self._none[task] = time.monotonic() + RETRY_AFTER
+    def _without(self, task: TaskId, lane: int, why: str) -> None:
+        """Lane ``lane`` of ``task`` (all of them for lane 0: its transfers go over ZeroMQ) gives
+        none for a while (``RETRY_AFTER``), then a stream is asked for again: a task that was
+        starting, or at its cap, may offer one later."""
+        if (task, lane) not in self._none:
+            if lane:
+                log.info("bulk streams to %s: no lane %d (%s); its transfers use fewer", task, lane, why)
+            else:
+                log.info("bulk streams to %s: none (%s); its transfers go over ZeroMQ", task, why)
+        self._none[(task, lane)] = time.monotonic() + RETRY_AFTER
 
-    async def _open(self, task: TaskId, kind: Kind) -> BulkStream | PushStream | None:
+    async def _open(self, task: TaskId, kind: Kind, lane: int) -> BulkStream | PushStream | None:
         addr = await self._address(task)
         if addr.scheme != "tcp":
-            self._none[task] = float("inf")
+            self._none[(task, 0)] = float("inf")
             return None
         try:
             offer = await self._call(task, "bulk_offer", {"kind": kind})
         except ZmqflowError as exc:  # an older task (no such op), one at its cap, one busy: ZeroMQ does it
-            self._without(task, f"{type(exc).__name__}: {exc}")
+            self._without(task, lane, f"{type(exc).__name__}: {exc}")
             return None
         if not _well_formed(offer):
-            self._without(task, "it offers none" if offer is None else f"a malformed offer {offer!r:.80}")
+            self._without(task, lane, "it offers none" if offer is None else f"a malformed offer {offer!r:.80}")
             return None
         loop = asyncio.get_running_loop()
         fam = family(addr.host)
@@ -95,13 +102,13 @@ class BulkStreams:
             sock.close()
             log.warning("bulk stream to %s: cannot open it on port %s (%s); its transfers go over ZeroMQ",
                         task, offer["port"], exc or type(exc).__name__)
-            self._none[task] = time.monotonic() + RETRY_AFTER
+            self._none[(task, 0)] = time.monotonic() + RETRY_AFTER
             return None
         except BaseException:
             sock.close()
             raise
         cls = PushStream if kind == "push" else BulkStream
-        s = self._streams[(task, kind)] = cls(str(task), int(offer["handle"]), sock)
+        s = self._streams[(task, kind, lane)] = cls(str(task), int(offer["handle"]), sock)
         return s
 
     @staticmethod

@@ -29,9 +29,9 @@ class SessionPort(Protocol):
         default). ``size``: the bytes its reply will carry, when it is a large read."""
         ...
 
-    async def bulk_stream(self, task: TaskId, kind: str = "pull") -> Any:
+    async def bulk_stream(self, task: TaskId, kind: str = "pull", lane: int = 0) -> Any:
         """The bulk stream of ``kind`` (``pull``: a :class:`.bulk.BulkStream`; ``push``: a
-        :class:`.bulk_push.PushStream`) to ``task``, or None where there is none."""
+        :class:`.bulk_push.PushStream`) to ``task`` in ``lane``, or None where there is none."""
         ...
 
     async def call_catalog(self, op: str, body: Any, timeout: float | None = None) -> Any:

@@ -121,7 +121,7 @@ class AsyncSession:
                 raise
             raise lost from exc
 
-    async def bulk_stream(self, task: TaskId, kind: Kind = "pull") -> BulkStream | PushStream | None:
+    async def bulk_stream(self, task: TaskId, kind: Kind = "pull", lane: int = 0) -> BulkStream | PushStream | None:
         """The bulk stream of ``kind`` to ``task``'s shard (:mod:`.bulk_streams`): large pulls land
         through a pull stream, large async pushes go out on a push stream. Opened on first use;
         None where there is none (the task offers none, or this session runs on a transport other
@@ -130,7 +130,7 @@ class AsyncSession:
             return None
         if self._bulk is None:
             self._bulk = BulkStreams(self._bulk_call, self._address_of)
-        return await self._bulk.get(task, kind)
+        return await self._bulk.get(task, kind, lane)
 
     async def _bulk_call(self, task: TaskId, op: str, body: Any) -> Any:
         return await self.call_task(task, "ps", op, body, timeout=min(self.timeout, 5.0))

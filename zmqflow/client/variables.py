@@ -24,7 +24,7 @@ from ..cluster import TaskId
 from ..errors import InvalidArgument
 from ..observe import timeline
 from ..transport.bulk import as_bytes
-from .bulk_pull import Piece, pull_into, row_ranges, streams, transfers
+from .bulk_pull import Lanes, Piece, pull_into, row_ranges, streams
 from .bulk_push import push_from
 from .port import SessionPort
 from .placement import current_device, current_policy
@@ -133,17 +133,17 @@ def _bundle(items: Iterable[tuple[TaskId, int, T]]) -> dict[TaskId, list[list[T]
     return out
 
 
-def _pieces(info: VarInfo, part: int, x: np.ndarray) -> list[Piece]:
-    """Part ``part`` of a full-shape array ``x`` as bulk pieces of at most ``BULK_BATCH`` bytes."""
+def _pieces(info: VarInfo, part: int, x: np.ndarray, limit: int) -> list[Piece]:
+    """Part ``part`` of a full-shape array ``x`` as bulk pieces of at most ``limit`` bytes."""
     name, dtype = info.name, dtype_name(info.dtype)
     if not info.shape:
         return [Piece(rq.PullItem(name, part, None, None), as_bytes(x), dtype)]
     _, r0, r1 = info.parts[part]
     return [Piece(rq.PullItem(name, part, a, b), as_bytes(_rows_of(info, part, (a, b), x)), dtype)
-            for a, b in row_ranges(r1 - r0, info.row_bytes)]
+            for a, b in row_ranges(r1 - r0, info.row_bytes, limit)]
 
 
-async def _bulk_streams(sess: SessionPort, infos: Iterable[VarInfo], kind: str = "pull") -> dict[TaskId, Any]:
+async def _bulk_streams(sess: SessionPort, infos: Iterable[VarInfo], kind: str = "pull") -> dict[TaskId, Lanes]:
     """The bulk streams of ``kind`` of the tasks whose share of ``infos`` is big enough (``bulk_pull.streams``)."""
     shares: dict[TaskId, int] = defaultdict(int)
     for info in infos:
@@ -294,7 +294,7 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
                 target = outs[info.name]
                 if target is None:
                     target = outs[info.name] = np.empty(info.shape, dtype=info.dtype)
-                bulk[task] += _pieces(info, p, target)
+                bulk[task] += _pieces(info, p, target, bulk_to[task].limit)
                 continue
             # a variable received whole comes in one frame: slices would have to be copied together
             chunks = info.chunks(p) if outs[info.name] is not None or not info.shape else [(0, r1 - r0)]
@@ -326,7 +326,7 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
                                   size=sum(n for _, n, _ in batch))  # the reply's bytes pick its stream
             calls.append(fetch(keys, call))
     for task, pieces in bulk.items():
-        calls += [pull_into(sess, task, bulk_to[task], batch, timeout) for batch in transfers(pieces)]
+        calls += [pull_into(sess, task, stream, batch, timeout) for stream, batch in bulk_to[task].spread(pieces)]
     await _every(calls)
     return outs  # type: ignore[return-value]  # every None was replaced by its reply
 
@@ -406,7 +406,7 @@ async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None
         g = dense[info]
         for p, (task, r0, r1) in enumerate(info.parts):
             if task in bulk_to and not info.sync and info.shape:  # from its rows
-                bulk[task] += _pieces(info, p, g)
+                bulk[task] += _pieces(info, p, g, bulk_to[task].limit)
                 continue
             for chunk in info.chunks(p):
                 rows = _rows_of(info, p, chunk, g)
@@ -424,7 +424,7 @@ async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None
         body = rq.Push(dense=sync_dense.get(task, []), sparse=sync_sparse.get(task, []), step=step)
         calls.append(sess.call_task(task, "ps", "push", body, timeout=timeout))
     for task, pieces in bulk.items():
-        calls += [push_from(sess, task, bulk_to[task], batch, timeout) for batch in transfers(pieces)]
+        calls += [push_from(sess, task, stream, batch, timeout) for stream, batch in bulk_to[task].spread(pieces)]
     results = await _all(calls)
     steps = [r["step"] for r in results if r.get("step") is not None]
     replicas = [r["replicas"] for r in results if isinstance(r.get("replicas"), list)]
