@@ -317,3 +317,43 @@ def test_a_malformed_offer_is_no_offer(offer):
 
     assert not _well_formed(offer)
     assert _well_formed({"port": 5000, "token": bytes(16), "handle": 1})
+
+
+def test_a_task_listens_for_streams_before_its_router_answers_anyone(monkeypatch):
+    """A session asking the moment the router is up is offered a stream, not left to ZeroMQ."""
+    from zmqflow.rpc import RpcServer
+    from zmqflow.testing import free_port
+
+    seen = []
+    real = RpcServer.start
+
+    async def start(rpc):
+        seen.append(server.service("ps").bulk is not None)
+        return await real(rpc)
+
+    monkeypatch.setattr(RpcServer, "start", start)
+
+    async def main():
+        nonlocal server
+        spec = zf.ClusterSpec({"ps": [f"127.0.0.1:{free_port()}"]})
+        server = zf.AsyncServer(spec, "ps:0")
+        async with server:
+            assert seen == [True] and server.service("ps").bulk is not None
+
+    server = None
+    arun(main(), 30)
+
+
+def test_a_task_whose_router_cannot_bind_leaves_no_listener_open():
+    from zmqflow.testing import free_port
+
+    async def main():
+        port = free_port()
+        spec = zf.ClusterSpec({"ps": [f"127.0.0.1:{port}"]})
+        async with zf.AsyncServer(spec, "ps:0"):
+            second = zf.AsyncServer(spec, "ps:0")
+            with pytest.raises(errors.AddressInUse):
+                await second.start()
+            assert second.service("ps").bulk is None
+
+    arun(main(), 30)

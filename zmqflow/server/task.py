@@ -227,9 +227,11 @@ class AsyncServer:
             keys=self.keys,
             metrics=self.metrics,
         )
+        await self._start_bulk(bind)  # before the router: a session asking at once is offered a stream
         try:
             await rpc.start()
         except BaseException:
+            await self._close_bulk()
             observe_metrics.release(self.metrics, self.metrics_hub)
             self.metrics = None
             raise
@@ -249,7 +251,6 @@ class AsyncServer:
         )
         for svc in self._services.values():
             await svc.start()
-        await self._start_bulk(bind)
         if self._idle_trim is not None:
             self._idle_trim.start()
         return self
@@ -264,6 +265,11 @@ class AsyncServer:
             await ps.open_bulk(host)
         except OSError as exc:  # no port to be had: pulls go over ZeroMQ
             log.warning("%s: no bulk listener on %s: %s", self.task, host, exc)
+
+    async def _close_bulk(self) -> None:
+        ps = self._services.get("ps")
+        if isinstance(ps, PsService):
+            await ps.close_bulk()
 
     @property
     def running(self) -> bool:
@@ -291,9 +297,7 @@ class AsyncServer:
         rpc, self._rpc = self._rpc, None
         if self._idle_trim is not None:
             self._idle_trim.stop()
-        ps = self._services.get("ps")
-        if isinstance(ps, PsService):
-            await ps.close_bulk()
+        await self._close_bulk()
         for svc in reversed(list(self._services.values())):
             await svc.stop()
         await rpc.close()
