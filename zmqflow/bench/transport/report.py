@@ -80,7 +80,17 @@ def _target_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     ) + _target_line(
         rows, "target_lat_met", "lat_ratio",
         f"latency target (zmqflow p50 <= {LAT_TARGET}x raw at {size_label(LAT_TARGET_MAX_BYTES)})",
-    )
+    ) + _loop_floor_lines(rows)
+
+
+def _loop_floor_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """zmqflow's small round trip beside raw pyzmq's awaited on an asyncio loop: how much of the
+    gap to a blocking ``recv`` any loop-driven client pays, zmqflow's code or not."""
+    floor = [r for r in rows if r.get("loop_p50_us")]
+    if not floor:
+        return []
+    cells = [f"{r['transport']} {r['size']} {r['loop_p50_us']:.0f} us, zmqflow x{r['lat_ratio_loop']:.2f}" for r in floor]
+    return ["raw pyzmq awaited on the asyncio loop (p50; the floor of a loop-driven client): " + "; ".join(cells)]
 
 
 def format_curve_table(rows: Sequence[dict[str, Any]]) -> str:

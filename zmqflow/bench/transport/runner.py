@@ -85,6 +85,7 @@ async def _measure_size(
     raw_secs: list[float] = []
     zf_lat: list[float] = []
     raw_lat: list[float] = []
+    loop_lat: list[float] = []  # raw pyzmq awaited on this loop, at the sizes the latency target judges
     for rep in range(plan.reps):
         raw_first = rep % 2 == 0
         r, z = await _both(
@@ -99,7 +100,13 @@ async def _measure_size(
         )
         raw_lat += r
         zf_lat += z
+        if size <= LAT_TARGET_MAX_BYTES:
+            gc.collect()
+            loop_lat += await raw_pyzmq.loop_latency(raw, arr, n_lat)
     row = _row(transport, size, window, n_tput, n_lat, plan.reps, zf_secs, raw_secs, zf_lat, raw_lat, memcpy)
+    if loop_lat:  # the floor of any asyncio client: what part of zmqflow's p50 the loop's wake-up costs
+        row["loop_p50_us"] = percentile(loop_lat, 50)
+        row["lat_ratio_loop"] = row["zf_p50_us"] / row["loop_p50_us"]
     row["other_cpu"] = load.cpus()
     return row
 
