@@ -357,3 +357,26 @@ def test_a_task_whose_router_cannot_bind_leaves_no_listener_open():
             assert second.service("ps").bulk is None
 
     arun(main(), 30)
+
+
+def test_a_service_that_fails_to_start_leaves_nothing_of_its_task_open():
+    from zmqflow.rpc import Service
+    from zmqflow.testing import free_port
+
+    class Broken(Service):
+        name = "broken"
+
+        async def start(self) -> None:
+            raise RuntimeError("cannot start")
+
+    async def main():
+        port = free_port()
+        spec = zf.ClusterSpec({"ps": [f"127.0.0.1:{port}"]})
+        server = zf.AsyncServer(spec, "ps:0", services={"broken": Broken()})
+        with pytest.raises(RuntimeError, match="cannot start"):
+            await server.start()
+        assert not server.running and server.service("ps").bulk is None
+        async with zf.AsyncServer(spec, "ps:0"):  # its port is free again
+            pass
+
+    arun(main(), 30)

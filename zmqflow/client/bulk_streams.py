@@ -1,6 +1,6 @@
-"""A session's bulk streams (:mod:`zmqflow.transport.bulk`), one of each kind per task, opened on
-first use: a pull stream that transfers land on (:mod:`.bulk`), a push stream that gradients go
-out on (:mod:`.bulk_push`).
+"""A session's bulk streams (:mod:`zmqflow.transport.bulk`) by task, kind and lane, opened on
+first use: pull streams that transfers land on (:mod:`.bulk`; a large pull from few tasks uses
+several lanes, :mod:`.bulk_lanes`), a push stream that gradients go out on (:mod:`.bulk_push`).
 
 A task that offers none (``ZMQFLOW_BULK=0`` there, keys beyond loopback, an older task, one at
 its cap of streams), or whose offered port cannot be reached (a network policy, a firewall), is
@@ -45,16 +45,16 @@ class BulkStreams:
                  address: Callable[[TaskId], Awaitable[Address]]):
         self._call, self._address = call, address
         self._streams: dict[tuple[TaskId, Kind, int], BulkStream | PushStream] = {}
-        # (task, lane) that gave no stream, and until when to believe it; lane 0 speaks for all
-        self._none: dict[tuple[TaskId, int], float] = {}
+        # (task, kind, lane) that gave no stream, and until when to believe it; lane 0 speaks for its kind
+        self._none: dict[tuple[TaskId, Kind, int], float] = {}
         self._opening: dict[tuple[TaskId, Kind, int], asyncio.Future] = {}
         self.enabled = os.environ.get(BULK_ENV, "").strip() != "0"
 
     async def get(self, task: TaskId, kind: Kind = "pull", lane: int = 0) -> BulkStream | PushStream | None:
         """The open stream of ``kind`` to ``task`` in ``lane`` (a large share is spread over several
         lanes), opened now if need be; None where it offers none."""
-        now = time.monotonic()
-        if not self.enabled or self._none.get((task, 0), 0.0) > now or self._none.get((task, lane), 0.0) > now:
+        now, none = time.monotonic(), self._none
+        if not self.enabled or none.get((task, kind, 0), 0.0) > now or none.get((task, kind, lane), 0.0) > now:
             return None
         key = (task, kind, lane)
         s = self._streams.get(key)
@@ -66,29 +66,30 @@ class BulkStreams:
             pending.add_done_callback(lambda _: self._opening.pop(key, None))
         return await asyncio.shield(pending)
 
-    def _without(self, task: TaskId, lane: int, why: str) -> None:
-        """Lane ``lane`` of ``task`` (all of them for lane 0: its transfers go over ZeroMQ) gives
-        none for a while (``RETRY_AFTER``), then a stream is asked for again: a task that was
-        starting, or at its cap, may offer one later."""
-        if (task, lane) not in self._none:
+    def _without(self, task: TaskId, kind: Kind, lane: int, why: str, level: int = logging.INFO) -> None:
+        """Lane ``lane`` of ``kind`` to ``task`` (every lane of the kind for lane 0: its transfers
+        go over ZeroMQ) gives none for a while (``RETRY_AFTER``), then is asked for again: a task
+        that was starting, or at its cap, may offer one later."""
+        key = (task, kind, lane)
+        if key not in self._none:
             if lane:
-                log.info("bulk streams to %s: no lane %d (%s); its transfers use fewer", task, lane, why)
+                log.log(level, "bulk %s streams to %s: no lane %d (%s); its transfers use fewer", kind, task, lane, why)
             else:
-                log.info("bulk streams to %s: none (%s); its transfers go over ZeroMQ", task, why)
-        self._none[(task, lane)] = time.monotonic() + RETRY_AFTER
+                log.log(level, "bulk %s streams to %s: none (%s); its transfers go over ZeroMQ", kind, task, why)
+        self._none[key] = time.monotonic() + RETRY_AFTER
 
     async def _open(self, task: TaskId, kind: Kind, lane: int) -> BulkStream | PushStream | None:
         addr = await self._address(task)
         if addr.scheme != "tcp":
-            self._none[(task, 0)] = float("inf")
+            self._none[(task, kind, 0)] = float("inf")
             return None
         try:
             offer = await self._call(task, "bulk_offer", {"kind": kind})
         except ZmqflowError as exc:  # an older task (no such op), one at its cap, one busy: ZeroMQ does it
-            self._without(task, lane, f"{type(exc).__name__}: {exc}")
+            self._without(task, kind, lane, f"{type(exc).__name__}: {exc}")
             return None
         if not _well_formed(offer):
-            self._without(task, lane, "it offers none" if offer is None else f"a malformed offer {offer!r:.80}")
+            self._without(task, kind, lane, "it offers none" if offer is None else f"a malformed offer {offer!r:.80}")
             return None
         loop = asyncio.get_running_loop()
         fam = family(addr.host)
@@ -100,9 +101,8 @@ class BulkStreams:
         except (OSError, TimeoutError, ConnectionError) as exc:
             # a port the network does not let through (a pod's policy, a firewall): ZeroMQ it is
             sock.close()
-            log.warning("bulk stream to %s: cannot open it on port %s (%s); its transfers go over ZeroMQ",
-                        task, offer["port"], exc or type(exc).__name__)
-            self._none[(task, 0)] = time.monotonic() + RETRY_AFTER
+            self._without(task, kind, lane, f"cannot open it on port {offer['port']}: {exc or type(exc).__name__}",
+                          logging.WARNING)
             return None
         except BaseException:
             sock.close()

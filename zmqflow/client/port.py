@@ -22,6 +22,7 @@ class SessionPort(Protocol):
     """What an async handle may ask of its session."""
 
     timeout: float
+    bulk_lanes: int  # the pull streams a large pull spreads over in all (:mod:`.bulk_lanes`)
 
     async def call_task(self, task: TaskId, service: str, op: str, body: Any = None, *,
                         timeout: float | None = None, size: int = 0) -> Any:

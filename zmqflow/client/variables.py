@@ -24,7 +24,8 @@ from ..cluster import TaskId
 from ..errors import InvalidArgument
 from ..observe import timeline
 from ..transport.bulk import as_bytes
-from .bulk_pull import Lanes, Piece, pull_into, row_ranges, streams
+from .bulk_lanes import Lanes, streams
+from .bulk_pull import Piece, pull_into
 from .bulk_push import push_from
 from .port import SessionPort
 from .placement import current_device, current_policy
@@ -133,18 +134,19 @@ def _bundle(items: Iterable[tuple[TaskId, int, T]]) -> dict[TaskId, list[list[T]
     return out
 
 
-def _pieces(info: VarInfo, part: int, x: np.ndarray, limit: int) -> list[Piece]:
-    """Part ``part`` of a full-shape array ``x`` as bulk pieces of at most ``limit`` bytes."""
+def _pieces(info: VarInfo, part: int, x: np.ndarray, lanes: Lanes) -> list[Piece]:
+    """Part ``part`` of a full-shape array ``x`` as bulk pieces, cut where ``lanes`` ends its transfers."""
     name, dtype = info.name, dtype_name(info.dtype)
     if not info.shape:
+        lanes.whole(info.row_bytes)
         return [Piece(rq.PullItem(name, part, None, None), as_bytes(x), dtype)]
     _, r0, r1 = info.parts[part]
     return [Piece(rq.PullItem(name, part, a, b), as_bytes(_rows_of(info, part, (a, b), x)), dtype)
-            for a, b in row_ranges(r1 - r0, info.row_bytes, limit)]
+            for a, b in lanes.rows(r1 - r0, info.row_bytes)]
 
 
 async def _bulk_streams(sess: SessionPort, infos: Iterable[VarInfo], kind: str = "pull") -> dict[TaskId, Lanes]:
-    """The bulk streams of ``kind`` of the tasks whose share of ``infos`` is big enough (``bulk_pull.streams``)."""
+    """The bulk streams of ``kind`` of the tasks whose share of ``infos`` is big enough (``bulk_lanes.streams``)."""
     shares: dict[TaskId, int] = defaultdict(int)
     for info in infos:
         for task, r0, r1 in info.parts:
@@ -294,7 +296,7 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
                 target = outs[info.name]
                 if target is None:
                     target = outs[info.name] = np.empty(info.shape, dtype=info.dtype)
-                bulk[task] += _pieces(info, p, target, bulk_to[task].limit)
+                bulk[task] += _pieces(info, p, target, bulk_to[task])
                 continue
             # a variable received whole comes in one frame: slices would have to be copied together
             chunks = info.chunks(p) if outs[info.name] is not None or not info.shape else [(0, r1 - r0)]
@@ -406,7 +408,7 @@ async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None
         g = dense[info]
         for p, (task, r0, r1) in enumerate(info.parts):
             if task in bulk_to and not info.sync and info.shape:  # from its rows
-                bulk[task] += _pieces(info, p, g, bulk_to[task].limit)
+                bulk[task] += _pieces(info, p, g, bulk_to[task])
                 continue
             for chunk in info.chunks(p):
                 rows = _rows_of(info, p, chunk, g)

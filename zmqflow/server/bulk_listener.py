@@ -62,7 +62,7 @@ class BulkListener:
     """Listens on ``host`` at a port the OS picks; :meth:`offer` issues tokens, :meth:`conn`
     finds a caller's open stream."""
 
-    def __init__(self, host: str, *, max_streams: int = 256, max_pending: int = 64, per_owner: int = 8,
+    def __init__(self, host: str, *, max_streams: int = 256, max_pending: int = 64, per_owner: int = 16,
                  token_ttl: float = 30.0, hello_timeout: float = 5.0):
         self.host = host
         self.max_streams, self.max_pending, self.per_owner = max_streams, max_pending, per_owner

@@ -249,8 +249,12 @@ class AsyncServer:
             transport=self.transport,
             keys=self.keys,
         )
-        for svc in self._services.values():
-            await svc.start()
+        try:
+            for svc in self._services.values():
+                await svc.start()
+        except BaseException:  # nothing half-started stays open: the router, the listener, the client
+            await self.stop()
+            raise
         if self._idle_trim is not None:
             self._idle_trim.start()
         return self

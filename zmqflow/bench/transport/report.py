@@ -89,7 +89,8 @@ def _loop_floor_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     floor = [r for r in rows if r.get("loop_p50_us")]
     if not floor:
         return []
-    cells = [f"{r['transport']} {r['size']} {r['loop_p50_us']:.0f} us, zmqflow x{r['lat_ratio_loop']:.2f}" for r in floor]
+    cells = [f"{r['transport']} {r['size']} {r['loop_p50_us']:.0f} us, zmqflow x{r['lat_ratio_loop']:.2f}"
+             for r in floor]
     return ["raw pyzmq awaited on the asyncio loop (p50; the floor of a loop-driven client): " + "; ".join(cells)]
 
 
