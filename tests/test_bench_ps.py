@@ -47,6 +47,8 @@ def test_a_tiny_run_reports_every_ratio_and_its_cpu() -> None:
                           ("push", "zf_push", "raw_push")):
         assert row[f"{what}_ratio"] == pytest.approx(row[f"{zf}_gbps"] / row[f"{raw}_gbps"])
         assert row[f"{what}_cpu_ratio"] == pytest.approx(row[f"{zf}_cpu_s_per_gb"] / row[f"{raw}_cpu_s_per_gb"])
-    assert row["zf_assign_add_per_s"] > 0 and row["raw_rtt_per_s"] > 0
+    assert row["zf_assign_add_per_s"] > 0 and row["raw_rtt_per_s"] > 0 and row["raw_loop_rtt_per_s"] > 0
+    assert row["scalar_loop_ratio"] == pytest.approx(row["zf_assign_add_per_s"] / row["raw_loop_rtt_per_s"])
     table = ps.format_table(rows)
     assert "CPU s/GB" in table and "targets:" in table and "2 shard(s):" in table
+    assert "awaited on the asyncio loop" in table

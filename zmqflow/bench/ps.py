@@ -9,7 +9,8 @@ once, to a ROUTER that answers each with a ready buffer (or an ack); the two alt
 repetition by repetition. zmqflow's pull is timed twice: into the same ``out=`` arrays each time,
 and without ``out=`` (the received frames themselves, which is what raw keeps). Then scalar
 ``assign_add`` round trips per second against a raw pyzmq request/reply of a few bytes, in
-alternating quarters. Reported as ratios, with the CPU seconds each side spent per GB (every
+alternating quarters, and beside them the same raw request/reply awaited on the asyncio loop
+(:mod:`.loop_floor`): the floor of any loop-driven client, which the scalar ratio is read against. Reported as ratios, with the CPU seconds each side spent per GB (every
 thread of the client process and of the servers: :class:`Phases`), which is what bounds a ratio
 where every core is busy;
 targets: pull >= 0.9x and push >= 0.8x raw GB/s, scalar updates >= 0.7x raw round trips
@@ -35,6 +36,7 @@ from ..client.variables import SLICE_BYTES
 from ..cluster import ClusterSpec
 from ..ports import free_port
 from ..transport.memory import keep_big_blocks
+from .loop_floor import awaited_round_trips
 from .machine import cpu_seconds
 from .procs import Procs, zf_task_process
 from .report import align, cell, script_main, write_jsonl
@@ -182,6 +184,12 @@ class RawWire:
         """Request/reply round trips per second of a few bytes, one in flight, to the first shard."""
         return _round_trips(self.socks[0], n)
 
+    async def loop_round_trips(self, n: int) -> float:
+        """The same round trips per second, each reply awaited on the running loop."""
+        sock = self.socks[0]
+        took = await awaited_round_trips(sock, lambda: sock.send(b"add 1"), n)
+        return n / (sum(took) / 1e6)
+
     def close(self) -> None:
         for s in self.socks:
             s.close(0)
@@ -237,6 +245,7 @@ def _measure(shards: int, model_bytes: int, nvars: int, reps: int, trips: int) -
         grads = {n: np.ones(per_var, np.float32) for n in names}
         raw_rates: list[float] = []
         zf_rates: list[float] = []
+        floor_rates: list[float] = []
 
         async def zf_all(wire: RawWire) -> None:
             async with AsyncSession(cluster=spec, task="ps:0", timeout=120) as sess:
@@ -248,6 +257,7 @@ def _measure(shards: int, model_bytes: int, nvars: int, reps: int, trips: int) -
                 for _ in range(SCALAR_ROUNDS):  # alternating, as above
                     raw_rates.append(wire.round_trips(trips // SCALAR_ROUNDS))
                     zf_rates.append(await zf_round_trips(sess, trips // SCALAR_ROUNDS))
+                    floor_rates.append(await wire.loop_round_trips(trips // SCALAR_ROUNDS))
 
         wire.move(model_bytes)  # warm up
         zf_loop.run(zf_all(wire))
@@ -260,11 +270,13 @@ def _measure(shards: int, model_bytes: int, nvars: int, reps: int, trips: int) -
             row[f"{name}_cpu_s_per_gb"] = None if cpu is None else cpu / moved
         row["zf_assign_add_per_s"] = statistics.mean(zf_rates)
         row["raw_rtt_per_s"] = statistics.mean(raw_rates)
+        row["raw_loop_rtt_per_s"] = statistics.mean(floor_rates)
         for what, zf, raw in _RATIOS:
             row[f"{what}_ratio"] = row[f"{zf}_gbps"] / row[f"{raw}_gbps"]
             zf_cpu, raw_cpu = row[f"{zf}_cpu_s_per_gb"], row[f"{raw}_cpu_s_per_gb"]
             row[f"{what}_cpu_ratio"] = None if zf_cpu is None or not raw_cpu else zf_cpu / raw_cpu
         row["scalar_ratio"] = row["zf_assign_add_per_s"] / row["raw_rtt_per_s"]
+        row["scalar_loop_ratio"] = row["zf_assign_add_per_s"] / row["raw_loop_rtt_per_s"]
         return row
     finally:
         if wire is not None:
@@ -304,6 +316,9 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         ])
     out = align(lines)
     out.append("pull: into the same out= arrays each time; no out=: the received frames themselves")
+    out.append("scalar beside raw awaited on the asyncio loop (the floor of a loop-driven client): "
+               + ", ".join(f"{r['shards']} shard(s) {r['raw_loop_rtt_per_s']:.0f}/s, x{r['scalar_loop_ratio']:.2f}"
+                           for r in rows if "raw_loop_rtt_per_s" in r))
     out.append("")
     out += _cpu_table(rows)
     out.append(f"targets: pull >= {PULL_TARGET:.2f}x and push >= {PUSH_TARGET:.2f}x raw GB/s; "

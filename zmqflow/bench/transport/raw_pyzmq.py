@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -14,6 +13,7 @@ import zmq
 
 from ...transport.context import context
 from ...transport.memory import keep_big_blocks
+from ..loop_floor import awaited_round_trips
 
 __all__ = ["ServerThread", "check", "curve_client", "latency", "loop_latency", "server_process", "throughput"]
 
@@ -147,36 +147,15 @@ def latency(sock: zmq.Socket, arr: np.ndarray, n: int) -> list[float]:
 
 
 async def loop_latency(sock: zmq.Socket, arr: np.ndarray, n: int) -> list[float]:
-    """Round-trip microseconds of ``n`` echoes as :func:`latency`, but each reply awaited on the
-    running asyncio loop (a reader on the socket's FD, then ``EVENTS`` and non-blocking receives,
-    as any asyncio client of ZeroMQ waits) instead of in a blocking ``recv``: the floor of a
-    loop-driven client, with none of zmqflow's code in it."""
-    loop = asyncio.get_running_loop()
-    fd = sock.getsockopt(zmq.FD)
+    """Round-trip microseconds of ``n`` echoes as :func:`latency`, each reply awaited on the
+    running asyncio loop instead of in a blocking ``recv`` (:mod:`zmqflow.bench.loop_floor`)."""
     hdr = _ECHO + b"\0" * 7
-    pc = time.perf_counter_ns
-    waiter: asyncio.Future[None] | None = None
 
-    def readable() -> None:
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            sock.recv_multipart(_NOBLOCK, copy=False)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+    def send() -> None:
+        sock.send(hdr, _SNDMORE)
+        sock.send(arr, copy=False)
 
-    out = []
-    loop.add_reader(fd, readable)
-    try:
-        for _ in range(n):
-            t0 = pc()
-            waiter = loop.create_future()
-            sock.send(hdr, _SNDMORE)
-            sock.send(arr, copy=False)
-            readable()  # the FD is edge-triggered: look once after a send, as a client must
-            await waiter
-            out.append((pc() - t0) / 1e3)
-    finally:
-        loop.remove_reader(fd)
-    return out
+    return await awaited_round_trips(sock, send, n)
 
 
 def check(sock: zmq.Socket, arr: np.ndarray) -> None:
