@@ -142,6 +142,16 @@ def test_a_closed_stream_frees_its_slot_at_the_next_offer():
     arun(main(), 30)
 
 
+def test_a_stream_its_client_closed_is_swept_without_waiting_for_an_offer():
+    async def main():
+        async with _listener(sweep_every=0.05) as lis:
+            _, token = lis.offer("a")
+            assert await _hello(lis.port, token) == OPENED  # and closed again at once by the helper
+            await async_wait_until(lambda: lis.held == 0, 5, what="the closed stream swept")
+
+    arun(main(), 30)
+
+
 def test_a_bad_pull_is_refused_before_a_byte_and_the_stream_stays_usable():
     async def main():
         async with local_cluster({"ps": 1}, timeout=20, transport="tcp") as servers:

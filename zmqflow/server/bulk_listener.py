@@ -8,7 +8,7 @@ a pull stream carries transfers to its client (:mod:`.bulk_send`), a push stream
 (:mod:`.bulk_receive`). Everything a peer can make it hold is capped: pending tokens, open
 streams (in all, and per caller), connections still saying hello (each given ``hello_timeout``
 to do so). A pull stream's peer sends nothing after its hello: one it closed (or sent anything
-on) is dropped when the next stream is offered.
+on) is dropped when the next stream is offered, or at the next sweep (every 10 s).
 
 Where a task offers streams is the server's policy (:func:`bulk_host`): tcp only, and with keys
 only on loopback, since the stream's bytes are not encrypted.
@@ -63,18 +63,25 @@ class BulkListener:
     finds a caller's open stream."""
 
     def __init__(self, host: str, *, max_streams: int = 256, max_pending: int = 64, per_owner: int = 16,
-                 token_ttl: float = 30.0, hello_timeout: float = 5.0):
+                 token_ttl: float = 30.0, hello_timeout: float = 5.0, sweep_every: float = 10.0):
         self.host = host
+        self.sweep_every = sweep_every
         self.max_streams, self.max_pending, self.per_owner = max_streams, max_pending, per_owner
         self.token_ttl, self.hello_timeout = token_ttl, hello_timeout
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
+        self._sweeping: asyncio.Task | None = None
         self._pending: dict[bytes, _Offer] = {}  # by token
         self._pool = ThreadPoolExecutor(max_streams, thread_name_prefix="zmqflow-bulk")
         self._conns: dict[int, BulkConn | PushConn] = {}
         self._hellos: set[asyncio.Task] = set()
         self.opened = 0  # streams opened, for metrics and tests
         self.refused = 0  # connections closed for a bad or missing hello, or over a cap
+
+    @property
+    def held(self) -> int:
+        """Streams this listener holds (open, or closed by their client and not yet pruned)."""
+        return len(self._conns)
 
     @property
     def port(self) -> int:
@@ -93,15 +100,29 @@ class BulkListener:
             raise
         self._sock = sock
         self._accepting = asyncio.get_running_loop().create_task(self._accept(sock))
+        self._sweeping = asyncio.get_running_loop().create_task(self._sweep())
         return self
 
-    def offer(self, owner: str, kind: Kind = "pull") -> tuple[int, bytes]:
-        """A new stream's handle and the token that opens it, for ``owner`` only."""
+    def _prune(self) -> float:
+        """Forget expired tokens and streams their clients closed (their sockets with them);
+        returns the time it looked."""
         now = time.monotonic()
         for token in [t for t, o in self._pending.items() if o.expiry <= now]:
             del self._pending[token]
         for handle in [h for h, c in self._conns.items() if c.gone()]:
             del self._conns[handle]
+        return now
+
+    async def _sweep(self) -> None:
+        """Prune every ``sweep_every`` seconds, so a closed session's streams do not hold their
+        sockets until the next offer."""
+        while True:
+            await asyncio.sleep(self.sweep_every)
+            self._prune()
+
+    def offer(self, owner: str, kind: Kind = "pull") -> tuple[int, bytes]:
+        """A new stream's handle and the token that opens it, for ``owner`` only."""
+        now = self._prune()
         if len(self._pending) >= self.max_pending or len(self._conns) >= self.max_streams:
             raise ResourceExhausted(f"bulk streams: {len(self._conns)} open and {len(self._pending)} pending, "
                                     f"at the cap of {self.max_streams} open and {self.max_pending} pending")
@@ -187,7 +208,7 @@ class BulkListener:
         self.opened += 1
 
     async def close(self) -> None:
-        tasks = [t for t in (self._accepting, *self._hellos) if t is not None]
+        tasks = [t for t in (self._accepting, self._sweeping, *self._hellos) if t is not None]
         for c in list(self._conns.values()):
             c.close()
         self._conns.clear()
