@@ -10,9 +10,10 @@ repetition by repetition. zmqflow's pull is timed twice: into the same ``out=`` 
 and without ``out=`` (the received frames themselves, which is what raw keeps). Then scalar
 ``assign_add`` round trips per second against a raw pyzmq request/reply of a few bytes, in
 alternating quarters, and beside them the same raw request/reply awaited on the asyncio loop
-(:mod:`.loop_floor`): the floor of any loop-driven client, which the scalar ratio is read against. Reported as ratios, with the CPU seconds each side spent per GB (every
-thread of the client process and of the servers: :class:`Phases`), which is what bounds a ratio
-where every core is busy;
+(:mod:`.loop_floor`): the floor of any loop-driven client, which the scalar ratio is read
+against. Reported as ratios, with the CPU seconds each side spent per GB (every thread of the
+client process and of the servers: :class:`Phases`), which is what bounds a ratio where every
+core is busy;
 targets: pull >= 0.9x and push >= 0.8x raw GB/s, scalar updates >= 0.7x raw round trips
 (reported, never asserted).
 
