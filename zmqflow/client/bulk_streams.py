@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -19,7 +18,7 @@ from typing import Any
 
 from ..cluster import Address, TaskId
 from ..errors import ZmqflowError
-from ..transport.bulk import BULK_ENV, HELLO, MAGIC, OPENED, TOKEN_BYTES, Kind, family, recv_exact, tune
+from ..transport.bulk import HELLO, MAGIC, OPENED, TOKEN_BYTES, Kind, bulk_enabled, family, recv_exact, tune
 from .bulk import BulkStream
 from .bulk_push import PushStream
 
@@ -48,7 +47,7 @@ class BulkStreams:
         # (task, kind, lane) that gave no stream, and until when to believe it; lane 0 speaks for its kind
         self._none: dict[tuple[TaskId, Kind, int], float] = {}
         self._opening: dict[tuple[TaskId, Kind, int], asyncio.Future] = {}
-        self.enabled = os.environ.get(BULK_ENV, "").strip() != "0"
+        self.enabled = bulk_enabled()
 
     async def get(self, task: TaskId, kind: Kind = "pull", lane: int = 0) -> BulkStream | PushStream | None:
         """The open stream of ``kind`` to ``task`` in ``lane`` (a large share is spread over several

@@ -25,7 +25,7 @@ from ..errors import ConfigError, InvalidArgument, NotFound, SessionClosed, Shar
 from ..rpc import DEFAULT_TIMEOUT, RpcClient
 from ..transport.base import Transport
 from ..transport.curve import Keys, keys_from
-from ..transport.bulk import BULK_ENV, Kind
+from ..transport.bulk import Kind, bulk_enabled
 from ..transport.registry import plain_zeromq
 from ..wire.requests import cluster as crq
 from .bulk import BulkStream
@@ -94,7 +94,7 @@ class AsyncSession:
         self._routes: dict[TaskId, tuple[str, str]] = {}  # task -> (endpoint, name): the spec is fixed once known
         self._bulk: BulkStreams | None = None
         # read once, here: a bad value stops the session at its start, not at its first large pull
-        self.bulk_lanes = lanes() if os.environ.get(BULK_ENV, "").strip() != "0" else 1
+        self.bulk_lanes = lanes() if bulk_enabled() else 1
 
     @property
     def client(self) -> RpcClient:

@@ -168,11 +168,6 @@ async def _all(calls: list[Any]) -> list[Any]:
     return [t.result() for t in tasks]
 
 
-async def _every(calls: list[Any]) -> None:
-    """As ``_all``, for calls whose results are not wanted."""
-    await _all(calls)
-
-
 def _as_array(x: Any, info: VarInfo, what: str) -> np.ndarray:
     """``x`` as an array of the variable's full shape and dtype; python values are converted."""
     if isinstance(x, np.ndarray):
@@ -329,7 +324,7 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
             calls.append(fetch(keys, call))
     for task, pieces in bulk.items():
         calls += [pull_into(sess, task, stream, batch, timeout) for stream, batch in bulk_to[task].spread(pieces)]
-    await _every(calls)
+    await _all(calls)
     return outs  # type: ignore[return-value]  # every None was replaced by its reply
 
 

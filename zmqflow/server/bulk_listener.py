@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 import socket
 import time
@@ -27,7 +26,7 @@ from typing import NamedTuple
 
 from ..cluster import Address
 from ..errors import NotFound, ResourceExhausted
-from ..transport.bulk import BULK_ENV, HELLO, MAGIC, OPENED, TOKEN_BYTES, Kind, family, recv_exact, tune
+from ..transport.bulk import HELLO, MAGIC, OPENED, TOKEN_BYTES, Kind, bulk_enabled, family, recv_exact, tune
 from .bulk_receive import PushConn
 from .bulk_send import BulkConn
 from ..transport.curve import is_loopback
@@ -50,7 +49,7 @@ def bulk_host(bind_endpoint: str, keys: object, default_transport: bool) -> str 
     """The host a task's bulk listener binds (the router's), or None where it offers none: not
     tcp, a transport other than ZeroMQ's own (a test's faults would be bypassed), keys beyond
     loopback (the bytes would cross a network in the clear), or ``ZMQFLOW_BULK=0``."""
-    if os.environ.get(BULK_ENV, "").strip() == "0" or not default_transport or not bind_endpoint.startswith("tcp://"):
+    if not bulk_enabled() or not default_transport or not bind_endpoint.startswith("tcp://"):
         return None
     if keys is not None and not is_loopback(bind_endpoint):
         return None

@@ -20,6 +20,7 @@ open a stream is :mod:`zmqflow.server.bulk_listener`'s, what a client expects
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import struct
 from typing import Literal
@@ -27,7 +28,7 @@ from typing import Literal
 import numpy as np
 
 __all__ = ["MAGIC", "TOKEN_BYTES", "HELLO", "HEADER", "OPENED", "as_bytes", "recv_exact", "recv_into", "tune",
-           "BULK_ENV", "Kind", "family"]
+           "BULK_ENV", "bulk_enabled", "Kind", "family"]
 
 MAGIC = b"ZFB1"
 TOKEN_BYTES = 16
@@ -36,6 +37,11 @@ HEADER = struct.Struct("<QQ")  # tag, byte count
 OPENED = b"\x01"  # the task's answer to a good hello: the stream is open
 BULK_ENV = "ZMQFLOW_BULK"  # "0" turns bulk streams off on a task (it offers none) and in a session
 Kind = Literal["pull", "push"]  # which way a stream's transfers go: task to client, or client to task
+
+
+def bulk_enabled() -> bool:
+    """Whether this process offers and asks for bulk streams (``ZMQFLOW_BULK=0``: neither)."""
+    return os.environ.get(BULK_ENV, "").strip() != "0"
 
 
 def family(host: str) -> socket.AddressFamily:

@@ -74,11 +74,11 @@ Sizes = Annotated[list[Count], msgspec.Meta(max_length=MAX_ITEMS,
                                             description="each item's byte count, as the caller knows it")]
 
 
-class PullBulk(Request):
-    """Send rows of parts, in order, on the caller's bulk stream ``stream`` as transfer ``tag``
-    (:mod:`zmqflow.transport.bulk`); answered with the byte count once they are sent. ``dtypes``
-    and ``sizes`` say what the caller expects of each item: raw bytes carry neither, so a part
-    that differs (re-created since the caller learned of it) is refused before a byte is sent."""
+class _Transfer(Request):
+    """Rows of parts, in order, as transfer ``tag`` on the caller's bulk stream ``stream``
+    (:mod:`zmqflow.transport.bulk`). ``dtypes`` and ``sizes`` say what the caller expects of each
+    item: raw bytes carry neither, so a part that differs (re-created since the caller learned of
+    it) is refused before a byte moves."""
 
     items: PullItems
     dtypes: Dtypes
@@ -87,16 +87,13 @@ class PullBulk(Request):
     tag: Count
 
 
-class PushBulk(Request):
-    """Gradients for rows of async parts, whose bytes come on the caller's bulk stream ``stream``
-    as transfer ``tag``, in order, each C-ordered in its part's dtype (``dtypes`` and ``sizes``
-    as in ``PullBulk``); answered as ``push``."""
+class PullBulk(_Transfer):
+    """Send the rows on the caller's bulk stream; answered with the byte count once they are sent."""
 
-    items: PullItems
-    dtypes: Dtypes
-    sizes: Sizes
-    stream: Count
-    tag: Count
+
+class PushBulk(_Transfer):
+    """Gradients for rows of async parts, whose bytes come on the caller's push stream, each
+    C-ordered in its part's dtype; answered as ``push``."""
 
 
 class RowsItem(Item):
