@@ -1,0 +1,117 @@
+"""The catalog: where each variable's parts are placed, and what a redeclaration may change."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from zmqflow.errors import InvalidArgument, NotFound, VariableConflict
+from zmqflow.state.catalog import Catalog
+from zmqflow.state.partition import row_splits
+
+
+def _declare(cat: Catalog, name: str, parts: int = 1, nbytes: int = 100, **kw):
+    rows = row_splits(parts * 2, parts)
+    return cat.declare(name, [parts * 2, 4], "float32", [list(r) for r in rows], [nbytes] * parts, **kw)
+
+
+def _tasks(record) -> list[str]:
+    return [p["task"] for p in record["parts"]]
+
+
+def test_catalog_round_robin_in_declaration_order_with_partitioned_variables():
+    cat = Catalog(["ps:0", "ps:1", "ps:2"])
+    assert _tasks(_declare(cat, "a")) == ["ps:0"]
+    assert _tasks(_declare(cat, "b", parts=2)) == ["ps:1", "ps:2"]
+    assert _tasks(_declare(cat, "c")) == ["ps:0"]
+    assert _tasks(_declare(cat, "d", parts=4)) == ["ps:1", "ps:2", "ps:0", "ps:1"]
+    assert _tasks(_declare(cat, "e")) == ["ps:2"]
+    rec = cat.lookup("d")
+    assert [p["rows"] for p in rec["parts"]] == [[0, 2], [2, 4], [4, 6], [6, 8]]
+
+
+def test_catalog_greedy_picks_fewest_bytes():
+    cat = Catalog(["ps:0", "ps:1", "ps:2"])
+    assert _tasks(_declare(cat, "big", nbytes=1000, policy="greedy")) == ["ps:0"]
+    assert _tasks(_declare(cat, "mid", nbytes=500, policy="greedy")) == ["ps:1"]
+    assert _tasks(_declare(cat, "small", nbytes=10, policy="greedy")) == ["ps:2"]
+    assert _tasks(_declare(cat, "next", nbytes=600, policy="greedy")) == ["ps:2"]  # 10 < 500 < 1000
+    # each part is placed in turn: ps:1 (500 -> 800), then ps:2 (610 < 800)
+    assert _tasks(_declare(cat, "parts", parts=2, nbytes=300, policy="greedy")) == ["ps:1", "ps:2"]
+    assert cat.bytes == {"ps:0": 1000, "ps:1": 800, "ps:2": 910}
+
+
+def test_catalog_greedy_ties_go_to_the_first_shard():
+    cat = Catalog(["ps:0", "ps:1"])
+    assert _tasks(_declare(cat, "a", nbytes=0, policy="greedy")) == ["ps:0"]
+    assert _tasks(_declare(cat, "b", nbytes=5, policy="greedy")) == ["ps:0"]
+    assert _tasks(_declare(cat, "c", nbytes=5, policy="greedy")) == ["ps:1"]
+
+
+def test_catalog_device_pin():
+    cat = Catalog(["ps:0", "ps:1"])
+    assert _tasks(_declare(cat, "pinned", parts=2, device="ps:1", nbytes=400)) == ["ps:1", "ps:1"]
+    assert cat.bytes["ps:1"] == 800
+    # pinned bytes count for greedy placement
+    assert _tasks(_declare(cat, "g", nbytes=10, policy="greedy")) == ["ps:0"]
+
+
+def test_catalog_redeclaration():
+    cat = Catalog(["ps:0", "ps:1"])
+    first = _declare(cat, "w", parts=2, optimizer={"kind": "sgd"})
+    again = _declare(cat, "w", parts=2)
+    assert again is first
+    assert first["optimizer"] == {"kind": "sgd"}
+    # an identical redeclaration does not consume a round-robin turn
+    assert _tasks(_declare(cat, "x")) == ["ps:0"]
+    # tuples and lists describe the same rows
+    assert cat.declare("w", (4, 4), "float32", [(0, 2), (2, 4)], [1, 1]) is first
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, rows, needles",
+    [
+        ([5, 4], "float32", [[0, 5]], ["[4, 4]", "[5, 4]"]),
+        ([4, 4], "float64", [[0, 4]], ["float32", "float64"]),
+        ([4, 4], "float32", [[0, 2], [2, 4]], ["1 part(s)", "2 part(s)", "[[0, 4]]", "[[0, 2], [2, 4]]"]),
+    ],
+)
+def test_catalog_conflicting_redeclaration_names_both(shape, dtype, rows, needles):
+    cat = Catalog(["ps:0"])
+    rec = cat.declare("w", [4, 4], "float32", [[0, 4]], [64])
+    with pytest.raises(VariableConflict) as info:
+        cat.declare("w", shape, dtype, rows, [1] * len(rows))
+    msg = str(info.value)
+    assert "'w'" in msg
+    for needle in needles:
+        assert needle in msg, msg
+    assert cat.lookup("w") is rec and rec["shape"] == [4, 4] and cat.bytes == {"ps:0": 64}
+
+
+def test_catalog_ready_lookup_uninitialized():
+    cat = Catalog(["ps:0"])
+    _declare(cat, "a")
+    _declare(cat, "b")
+    assert cat.uninitialized(["a", "b", "ghost"]) == ["a", "b", "ghost"]
+    rec = cat.mark_ready("a")
+    assert rec["ready"] is True and cat.ready("a") and not cat.ready("b")
+    assert cat.uninitialized(["a", "b", "ghost"]) == ["b", "ghost"]
+    with pytest.raises(NotFound, match="'ghost'"):
+        cat.lookup("ghost")
+    with pytest.raises(NotFound, match="'ghost'"):
+        cat.mark_ready("ghost")
+
+
+def test_catalog_bad_arguments():
+    with pytest.raises(InvalidArgument):
+        Catalog([])
+    cat = Catalog(["ps:0"])
+    with pytest.raises(InvalidArgument):
+        cat.declare("", [2], "float32", [[0, 2]], [8])
+    with pytest.raises(InvalidArgument, match="2 part row ranges but 1"):
+        cat.declare("w", [2], "float32", [[0, 1], [1, 2]], [8])
+    with pytest.raises(InvalidArgument):
+        cat.declare("w", [2], "float32", [], [])
+    with pytest.raises(InvalidArgument, match="'random'"):
+        cat.declare("w", [2], "float32", [[0, 2]], [8], policy="random")
+    assert cat.records == {} and cat.bytes == {"ps:0": 0}
