@@ -205,6 +205,28 @@ def test_a_push_is_applied_where_it_is_admitted_and_only_a_sync_wait_is_deferred
     arun(main())
 
 
+def test_a_push_refused_for_a_missing_step_applies_none_of_its_parts():
+    """A push that names an async and a sync variable without a step is refused whole: a retry
+    of it must not apply the async part twice."""
+    async def main():
+        async with local_cluster({"ps": 1, "worker": 1}, timeout=10, transport="inproc") as servers:
+            ps = servers["ps:0"].service("ps")
+            ctx = CallContext("ps", "push", b"peer", "worker:0", None)
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                await sess.variable("w", np.zeros(4))
+                sync = zf.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=2)
+                await sess.variable("s", np.zeros(2), optimizer=sync)
+                for dense in ([["w", 0, None, None, np.ones(4)], ["s", 0, None, None, np.ones(2)]],
+                              [["s", 0, None, None, np.ones(2)], ["w", 0, None, None, np.ones(4)]]):
+                    with pytest.raises(errors.InvalidArgument, match="variable s is synchronous: pushes must carry"):
+                        ps.push(ctx, dense=dense)
+                    np.testing.assert_array_equal(ps.store.get("w", 0).value, np.zeros(4))
+                    assert ps.store.get("s", 0).sync.contributors == []
+                assert ps.pushes_applied["async"] == 0
+
+    arun(main())
+
+
 def test_bad_input_changes_nothing():
     async def main():
         async with local_cluster({"ps": 2, "worker": 1}, timeout=10, transport="inproc") as servers:

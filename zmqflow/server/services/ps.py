@@ -218,6 +218,10 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
             checked = self.store.sparse(sp.name, sp.part, sp.indices, sp.rows, "sparse gradient")
             by_part[(sp.name, sp.part)]["sparse"] = (checked.indices, checked.rows)
         step = req.step
+        if step is None:  # refused before any part is applied: a retry must not apply the others twice
+            for key in by_part:
+                if (p := self.store.get(*key)).sync is not None:
+                    raise InvalidArgument(f"variable {p.label} is synchronous: pushes must carry the pusher's step")
         waits: list[tuple[PartKey, int]] = []
         stale = False
         for key, grads in by_part.items():
@@ -226,8 +230,7 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
                 self._apply(key, grads["dense"], grads["sparse"])
                 self.pushes_applied["async"] += 1
                 continue
-            if step is None:
-                raise InvalidArgument(f"variable {p.label} is synchronous: pushes must carry the pusher's step")
+            assert step is not None  # checked above
             mine = min(step, p.sync.step)
             who = ctx.source or "anonymous"  # with keys, the name of the pusher's key (CallContext)
             self._pushers[who] = ctx.peer
