@@ -19,7 +19,7 @@ from zmqflow.state import hash_index
 from zmqflow.state.hash_index import DELETED, EMPTY, HashIndex
 from zmqflow.bench import embedding as embedding_bench
 from zmqflow.state import init, optim, pages
-from zmqflow.state.tables import HashTable
+from zmqflow.state.tables import MAX_CLOCK, HashTable
 
 FAST = settings(max_examples=120, derandomize=True, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -376,3 +376,26 @@ def test_the_bench_measures_the_index_beside_a_dict() -> None:
     assert result["probe"] == ("C" if hash_index.compiled() else "numpy") and f"probe in {result['probe']}" in text
     if hash_index.compiled():
         assert result["numpy_lookup_p50_us"] > 0 and "the numpy rounds in the same run" in text
+
+
+def test_a_step_past_the_clocks_range_is_refused_and_changes_nothing() -> None:
+    """A push's step moves the table's clock (never back); one past ``MAX_CLOCK`` is refused
+    before anything changes, and pushes without a step stop the clock there instead of
+    overflowing the int64 step each row records."""
+    table = HashTable(2, np.dtype("float32"), initializer=init.ones(), optimizer=optim.SGD(1.0))
+    table.lookup(np.array([5, 6]), create=True)
+    grads = np.ones((2, 2), np.float32)
+    for bad in (MAX_CLOCK + 1, 2**63 - 1):
+        tick = table.tick
+        with pytest.raises(errors.InvalidArgument, match=f"step {bad} is past the most a table's clock counts"):
+            table.push(np.array([5, 6]), grads, step=bad)
+        assert table.step == 0 and table.tick == tick
+        np.testing.assert_array_equal(table.lookup(np.array([5, 6]), create=False), np.ones((2, 2)))
+    table.push(np.array([5]), grads[:1], step=MAX_CLOCK)
+    table.push(np.array([6]), grads[1:])  # no step: one more, but not past the range
+    assert table.step == MAX_CLOCK
+    table.lookup(np.array([7]), create=True)  # a new row records the clock
+    assert len(table) == 3
+    with pytest.raises(errors.InvalidArgument, match="clock 4611686018427387905 is past"):
+        table.load(np.array([8]), np.zeros((1, 2), np.float32), {}, None, clock=MAX_CLOCK + 1)
+    assert len(table) == 3

@@ -36,7 +36,8 @@ from .hash_index import HashIndex
 from ..errors import InvalidArgument
 from .limits import DEFAULT_STATE_LIMITS
 
-__all__ = ["static_owner", "static_part_rows", "hash_owner", "HashTable", "DEFAULT_CAPACITY", "DEFAULT_MAX_PENDING"]
+__all__ = ["static_owner", "static_part_rows", "hash_owner", "HashTable", "DEFAULT_CAPACITY", "DEFAULT_MAX_PENDING",
+           "MAX_CLOCK"]
 
 DEFAULT_CAPACITY = DEFAULT_STATE_LIMITS.table_capacity  # rows per part: 16M (4 GiB of float32 rows of 64)
 DEFAULT_MAX_PENDING = DEFAULT_STATE_LIMITS.max_pending_admission  # ids counting towards admission, per part
@@ -78,6 +79,9 @@ def hash_owner(ids: np.ndarray, parts: int) -> np.ndarray:
     return (_mix64(ids) % np.uint64(parts)).astype(np.int64)
 
 
+# The most a table's clock counts: past any training's steps, with int64 room to spare for the
+# one-per-push increments (a step past it is refused; the clock stops there rather than overflow).
+MAX_CLOCK = 2**62
 _FREE = np.iinfo(np.int64).max  # ``last_used`` of a slot that holds no row: never the least recently used
 
 
@@ -329,8 +333,10 @@ class HashTable:
         if not isinstance(grads, np.ndarray) or grads.dtype != self.dtype or grads.shape != (len(ids), self.dim):
             got = f"{grads.dtype} {list(grads.shape)}" if isinstance(grads, np.ndarray) else type(grads).__name__
             raise InvalidArgument(f"gradients must be {self.dtype} {[len(ids), self.dim]}, got {got}")
+        if step is not None:
+            _check_clock(int(step), "step")
         self.tick += 1
-        self.step = self.step + 1 if step is None else max(self.step, int(step))
+        self.step = min(self.step + 1, MAX_CLOCK) if step is None else max(self.step, int(step))
         slots = self.index.find(np.asarray(ids, dtype=np.int64), self.ids)
         hit = slots >= 0
         found = int(np.count_nonzero(hit))
@@ -374,15 +380,15 @@ class HashTable:
         """Put rows back (from a checkpoint): ids with their values, slots, step counts and the
         step each last changed (the clock now, when not given). ``clock``, the saved clock, moves
         this one forward; deletions before it are unknown, so the drop log starts there."""
-        if clock is not None:
-            self.step = max(self.step, int(clock))
-        self.drops.reset(self.step)
         ids = np.asarray(ids, dtype=np.int64)
         if values.shape != (len(ids), self.dim) or values.dtype != self.dtype:
             raise InvalidArgument(f"rows must be {self.dtype} {[len(ids), self.dim]}, got {values.dtype} {list(values.shape)}")
         unknown = set(slots) - set(self.slots)
         if unknown:
             raise InvalidArgument(f"the table has no optimizer slots {sorted(unknown)}")
+        if clock is not None:
+            self.step = max(self.step, _check_clock(int(clock), "clock"))
+        self.drops.reset(self.step)
         at = self.index.find(ids, self.ids)
         if (at < 0).any():
             self._create(_first_seen(ids[at < 0]))
@@ -430,3 +436,10 @@ class HashTable:
             "drop_log": len(self.drops),
             "drop_log_since": self.drops.since,
         }
+
+
+def _check_clock(value: int, what: str) -> int:
+    """``value``, a step a request moves a table's clock to; InvalidArgument past ``MAX_CLOCK``."""
+    if value > MAX_CLOCK:
+        raise InvalidArgument(f"{what} {value} is past the most a table's clock counts ({MAX_CLOCK})")
+    return value
