@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import ZmqflowError, error_class
 from .message import ERROR, Message
 
-__all__ = ["error_message", "raise_error"]
+__all__ = ["error_message", "raise_error", "error_from"]
 
 
 def error_message(rid: int, exc: BaseException, *, source: str = "", with_traceback: bool = False) -> Message:
@@ -54,8 +54,16 @@ def raise_error(msg: Message, *, context: str = "") -> None:
     text = err.get("message", "")
     if context:
         text = f"{text} ({context})"
-    details = {k: v for k, v in (err.get("details") or {}).items() if k not in _RESERVED_DETAILS}
-    details["remote_type"] = err.get("type", "")
     if cls.__name__ == "RemoteError":
         text = f"{err.get('type', '?')}: {text}"
-    raise cls(text, remote_traceback=err.get("traceback"), **details)
+    raise error_from(err.get("code", ""), text, err.get("details"), remote_traceback=err.get("traceback"),
+                     remote_type=err.get("type", ""))
+
+
+def error_from(code: str, message: str, details: dict[str, Any] | None = None, **extra: Any) -> ZmqflowError:
+    """The local error for a wire ``code`` (``RemoteError`` when unknown) with a peer's
+    ``details`` and this side's ``extra`` (which win): keys that name the error's own parameters
+    are left out, so a peer's map cannot make building it fail."""
+    plain = {k: v for k, v in (details or {}).items()
+             if isinstance(k, str) and k not in _RESERVED_DETAILS and k not in extra}
+    return error_class(code)(message, **plain, **extra)

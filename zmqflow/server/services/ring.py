@@ -13,9 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import InvalidArgument, PermissionDenied, ZmqflowError, error_class
+from ...errors import InvalidArgument, PermissionDenied, ZmqflowError
 from ...rpc import CallContext, Service, op
 from ...wire.requests import cluster as rq
+from ...wire.error_data import error_from
 from ...wire.requests.ps import Empty
 from .rendezvous import Rendezvous
 
@@ -23,6 +24,7 @@ __all__ = ["RingService", "BoxKey"]
 
 BoxKey = tuple[str, int, str, int, int]  # ring, seq, phase, step, chunk
 _MAX_RINGS = 1024  # departure records kept (rings are registered by this task's own code; bounded anyway)
+_MAX_ABORTED = 4096  # abort records kept, oldest forgotten first: they refuse stragglers of calls just failed
 
 
 class RingService(Service):
@@ -63,7 +65,7 @@ class RingService(Service):
 
     @op(rq.Abort)
     def abort(self, ctx: CallContext, req: rq.Abort) -> bool:
-        self.fail(req.ring, req.seq, error_class(req.code)(req.message, **(req.details or {})))
+        self.fail(req.ring, req.seq, error_from(req.code, req.message, req.details))
         return True
 
     @op(rq.Leave)
@@ -108,6 +110,8 @@ class RingService(Service):
         """Fail every pending take of one call (first failure wins)."""
         if (ring, seq) in self.aborted:
             return
+        if len(self.aborted) >= _MAX_ABORTED:
+            self.aborted.pop(next(iter(self.aborted)))
         self.aborted[(ring, seq)] = exc
         for key, fut in self.boxes.items():
             if key[0] == ring and key[1] == seq and not fut.done():
