@@ -446,6 +446,34 @@ def test_a_dynamic_tables_capacity_fits_the_shards_budget():
         table_capacity("t", (10 << 20) // row + 1, row, lim)
 
 
+def test_dynamic_tables_that_would_fill_together_stop_at_the_shards_budget():
+    """Each part's capacity fits the shard alone; two full ones would not. Rows past the budget
+    make way as they do at a capacity (least recently used first), so the shard never holds more
+    than its limit, and a variable later created beside them is refused by the same count."""
+    row = HashTable.row_size(8, np.dtype("float32"))
+    budget = 1000 * row  # 64000 bytes
+    lim = ServerLimits(max_shard_bytes=budget)
+
+    async def main():
+        async with cluster(limits=lim) as servers:
+            ps = servers["ps:0"].service("ps")
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                a = await sess.embedding("a", None, 8, capacity=900)
+                b = await sess.embedding("b", None, 8, capacity=900, initializer=zf.init.ones())
+                await a.lookup(np.arange(800))
+                await b.lookup(np.arange(800))  # 200 fit beside a's 800
+                assert (await a.size(), await b.size()) == (800, 200)
+                await b.lookup(np.arange(1000, 1100))  # room only by b's least recently used
+                assert (await a.size(), await b.size()) == (800, 200)
+                assert sum(t.nbytes for t in ps.tables.values()) <= budget
+                got = await b.lookup(np.arange(1000, 1100), create=False)
+                assert np.count_nonzero(got.any(axis=1)) == 100  # the new rows are the ones kept
+                with pytest.raises(errors.ResourceExhausted, match=r"variable v: .* over its limit of 64000"):
+                    await sess.variable("v", shape=[16])
+
+    arun(main())
+
+
 def test_a_dynamic_table_keeps_step_counts_only_for_an_optimizer_that_reads_them():
     """8 B a row (the 4 x float32 row's 16 B is smaller): SGD and Adagrad tables keep none and
     count none; an Adam table keeps, counts and advances one per row."""

@@ -23,6 +23,7 @@ changed, and which went, at steps >= N" for online serving.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -108,7 +109,11 @@ class HashTable:
 
     def __init__(self, dim: int, dtype: np.dtype, *, initializer: Any = None, optimizer: Any = None,
                  min_frequency: int = 1, capacity: int | None = None, seed_salt: int = 0,
-                 max_pending: int = DEFAULT_MAX_PENDING, drop_log: int | None = None):
+                 max_pending: int = DEFAULT_MAX_PENDING, drop_log: int | None = None,
+                 room: Callable[[], int] | None = None):
+        """``room``: the bytes the shard's budget has left for more rows, asked each time rows are
+        made: where it runs out before ``capacity``, least recently used rows make way as they do
+        at the capacity (None: the capacity alone bounds the part)."""
         if dim < 1:
             raise InvalidArgument(f"embedding dim must be >= 1, got {dim}")
         if min_frequency < 1:
@@ -126,6 +131,7 @@ class HashTable:
         self.optimizer: _optim.Optimizer | None = opt
         self.min_frequency = int(min_frequency)
         self.capacity = DEFAULT_CAPACITY if capacity is None else int(capacity)
+        self._room = room
         self.max_pending = int(max_pending)
         self.pending_pruned = 0
         self._rng = np.random.default_rng([self.init.seed, 0x5EED, seed_salt])
@@ -221,10 +227,11 @@ class HashTable:
     def _create(self, new_ids: np.ndarray) -> np.ndarray:
         """Rows for ``new_ids`` (unique, absent), evicting the least recently used past the
         capacity; returns their slots (fewer when there are more new ids than the capacity)."""
-        excess = len(self.index) + len(new_ids) - self.capacity
+        cap = self._capacity_now()
+        excess = len(self.index) + len(new_ids) - cap
         if excess > 0:
             self._evict_lru(excess)
-        new_ids = new_ids[: self.capacity]
+        new_ids = new_ids[:cap]
         reused = min(len(new_ids), self._nfreed)
         slots = self._take_slots(len(new_ids))
         self.ids[slots] = new_ids
@@ -279,6 +286,12 @@ class HashTable:
         self._freed[self._nfreed: end] = slots
         self._nfreed = end
         self.evicted += len(slots)
+
+    def _capacity_now(self) -> int:
+        """The rows this part may hold now: its capacity, or fewer where the shard's budget ends first."""
+        if self._room is None:
+            return self.capacity
+        return max(0, min(self.capacity, len(self.index) + self._room() // self.row_bytes))
 
     def _evict_lru(self, count: int) -> None:
         """Drop the ``count`` least recently used rows; of rows used at the same tick, the lowest

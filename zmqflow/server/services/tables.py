@@ -54,9 +54,15 @@ class TableOps:
         capacity = table_capacity(name, req.capacity, HashTable.row_size(req.dim, dtype, req.optimizer), limits)
         self.tables[key] = HashTable(req.dim, dtype, initializer=req.initializer, optimizer=req.optimizer,
                                      min_frequency=req.min_frequency, capacity=capacity, seed_salt=part + 1,
-                                     max_pending=limits.max_pending_admission)
+                                     max_pending=limits.max_pending_admission, room=self._room)
         self._table_specs[key] = spec
         return True
+
+    def _room(self) -> int:
+        """Bytes the shard's budget has left for more table rows: each part's capacity is checked
+        alone, so parts that would fill together stop growing here, at the budget."""
+        used = self.store.held_bytes() + sum(t.nbytes for t in self.tables.values())
+        return self.limits.max_shard_bytes - used
 
     def _table(self, name: str, part: int) -> HashTable | None:
         return self.tables.get((name, part))
