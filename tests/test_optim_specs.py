@@ -70,6 +70,10 @@ def test_store_takes_sync_replicas_apart():
         ({"kind": "sync_replicas", "optimizer": {"kind": "sync_replicas", "optimizer": {"kind": "sgd"}}}, "needs an optimizer"),
         ({"kind": "sync_replicas", "optimizer": {"kind": "nope"}}, "nope"),
         ({"kind": "sync_replicas", "optimizer": {"kind": "sgd"}, "replicas_to_aggregate": 0}, "replicas_to_aggregate"),
+        ({"kind": "sync_replicas", "optimizer": {"kind": "sgd"}, "replicas_to_aggregate": 2**60},
+         "replicas_to_aggregate 1152921504606846976 is over the limit of 65536"),
+        ({"kind": "sync_replicas", "optimizer": {"kind": "sgd"}, "total_num_replicas": 65537},
+         "total_num_replicas 65537 is over the limit of 65536"),
         ({"kind": "sync_replicas", "optimizer": {"kind": "sgd"}, "replicas_to_aggregate": 3, "total_num_replicas": 2}, "total_num_replicas 2"),
     ],
 )

@@ -134,6 +134,11 @@ class Adam(Optimizer):
         return param
 
 
+# Replicas one synchronous step may wait for: far past any cluster's workers. A step keeps each
+# replica's gradient until the last arrives, so the count bounds what a step can hold.
+MAX_REPLICAS = 1 << 16
+
+
 @dataclass(frozen=True)
 class SyncReplicas:
     """Synchronous replicas, as TF's SyncReplicasOptimizer: the mean of ``replicas_to_aggregate``
@@ -150,6 +155,9 @@ class SyncReplicas:
         _count(self.replicas_to_aggregate, "replicas_to_aggregate")
         if self.total_num_replicas is not None:
             _count(self.total_num_replicas, "total_num_replicas")
+        for what in ("replicas_to_aggregate", "total_num_replicas"):  # a step holds one gradient per replica
+            if (n := getattr(self, what)) is not None and n > MAX_REPLICAS:
+                raise InvalidArgument(f"SyncReplicas: {what} {n} is over the limit of {MAX_REPLICAS}")
         if self.replicas_to_aggregate < 1:
             raise InvalidArgument(f"replicas_to_aggregate must be >= 1, got {self.replicas_to_aggregate}")
         total = self.total_num_replicas
