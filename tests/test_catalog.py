@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from zmqflow.errors import InvalidArgument, NotFound, VariableConflict
-from zmqflow.state.catalog import Catalog
+from zmqflow.errors import InvalidArgument, NotFound, ResourceExhausted, VariableConflict
+from zmqflow.state import catalog
+from zmqflow.state.catalog import MAX_SPEC_BYTES, Catalog
 from zmqflow.state.partition import row_splits
 
 
@@ -115,3 +116,23 @@ def test_catalog_bad_arguments():
     with pytest.raises(InvalidArgument, match="'random'"):
         cat.declare("w", [2], "float32", [[0, 2]], [8], policy="random")
     assert cat.records == {} and cat.bytes == {"ps:0": 0}
+
+
+def test_what_a_record_keeps_is_bounded_by_parts_and_by_spec_bytes(monkeypatch):
+    """Records are kept for good: beside the count of names, the parts of all records and the
+    size of each spec a client hands over are bounded, and a refusal records nothing."""
+    cat = Catalog(["ps:0", "ps:1"])
+    big = {"kind": "constant", "value": 0.0, "note": "x" * MAX_SPEC_BYTES}
+    for what in ("optimizer", "initializer", "table"):
+        with pytest.raises(InvalidArgument, match=rf"'w': its {what} spec takes \d+ bytes, over the limit of 4096"):
+            cat.declare("w", [2], "float32", [[0, 2]], [8], **{what: big})
+    with pytest.raises(InvalidArgument, match="'w': its initializer spec must be plain data"):
+        cat.declare("w", [2], "float32", [[0, 2]], [8], initializer={"kind": "constant", "value": object()})
+    assert cat.records == {} and cat.parts == 0
+    monkeypatch.setattr(catalog, "MAX_CATALOG_PARTS", 5)
+    _declare(cat, "a", parts=3)
+    with pytest.raises(ResourceExhausted, match=r"'b': its 3 parts would bring the catalog to 6 parts, over its limit"):
+        _declare(cat, "b", parts=3)
+    _declare(cat, "a", parts=3)  # an existing record is still found
+    _declare(cat, "c", parts=2)
+    assert set(cat.records) == {"a", "c"} and cat.parts == 5 and cat.bytes == {"ps:0": 300, "ps:1": 200}

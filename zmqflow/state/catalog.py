@@ -10,13 +10,21 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import msgpack
+
 from . import optim as _optim
 from ..errors import InvalidArgument, NotFound, ResourceExhausted, VariableConflict
 from ..wire.dtypes import dtype_from_name
 from .limits import DEFAULT_STATE_LIMITS, StateLimits, check_count, check_variable, table_capacity
 from .tables import HashTable
 
-__all__ = ["Catalog"]
+__all__ = ["Catalog", "MAX_CATALOG_PARTS", "MAX_SPEC_BYTES"]
+
+# Records are kept for good and a part costs its record a few hundred bytes, so the parts of all
+# records have a bound of their own beside the count of names; and each spec a client hands over
+# (optimizer, initializer, table) is plain data of a few fields, kept as sent.
+MAX_CATALOG_PARTS = 1 << 20
+MAX_SPEC_BYTES = 4096
 
 
 class Catalog:
@@ -29,6 +37,7 @@ class Catalog:
         self._next = 0
         self.bytes = {s: 0 for s in self.shards}  # value bytes placed per shard (greedy placement)
         self.held: dict[str, int] = {}  # bytes placed per shard with optimizer slots (its budget)
+        self.parts = 0  # parts of all records
 
     def declare(
         self,
@@ -62,6 +71,8 @@ class Catalog:
                     f"declared with shape {theirs[0]} {theirs[1]} in {len(theirs[2])} part(s) {theirs[2]}"
                 )
             return found
+        for what, spec in (("optimizer", optimizer), ("initializer", initializer), ("table", table)):
+            _check_spec(name, what, spec)
         held, copies = self._check_new(name, shape, dtype, part_rows, optimizer, table)
         tasks = self._placed(name, device, policy, part_bytes, [b * copies for b in held])
         record = {
@@ -75,6 +86,7 @@ class Catalog:
             "ready": False,
         }
         self.records[name] = record
+        self.parts += len(part_rows)
         return record
 
     def _check_new(self, name: str, shape: list[int], dtype: str, part_rows: list[list[int]], optimizer: Any,
@@ -84,6 +96,10 @@ class Catalog:
         optimizer slots)."""
         limits = self.limits
         check_count(name, len(self.records), limits.max_variables, "the catalog")
+        if self.parts + len(part_rows) > MAX_CATALOG_PARTS:
+            raise ResourceExhausted(f"variable {name!r}: its {len(part_rows)} parts would bring the catalog to "
+                                    f"{self.parts + len(part_rows)} parts, over its limit of {MAX_CATALOG_PARTS}",
+                                    name=name, limit=MAX_CATALOG_PARTS)
         try:
             itemsize = dtype_from_name(dtype).itemsize
         except InvalidArgument:
@@ -167,3 +183,17 @@ def _kind(table: dict[str, Any] | None) -> str:
     if table is None:
         return "a variable"
     return "an embedding table " + ", ".join(f"{k}={v}" for k, v in sorted(table.items()))
+
+
+def _check_spec(name: str, what: str, spec: Any) -> None:
+    """A spec the catalog keeps: plain data of at most ``MAX_SPEC_BYTES`` as msgpack."""
+    if spec is None:
+        return
+    try:
+        size = len(msgpack.packb(spec, use_bin_type=True))
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidArgument(f"variable {name!r}: its {what} spec must be plain data (maps, lists, numbers, "
+                              f"strings)") from None
+    if size > MAX_SPEC_BYTES:
+        raise InvalidArgument(f"variable {name!r}: its {what} spec takes {size} bytes, over the limit of "
+                              f"{MAX_SPEC_BYTES}")
