@@ -399,3 +399,24 @@ def test_a_step_past_the_clocks_range_is_refused_and_changes_nothing() -> None:
     with pytest.raises(errors.InvalidArgument, match="clock 4611686018427387905 is past"):
         table.load(np.array([8]), np.zeros((1, 2), np.float32), {}, None, clock=MAX_CLOCK + 1)
     assert len(table) == 3
+
+
+def test_paging_an_export_sorts_the_table_once_until_a_row_is_made_or_dropped(monkeypatch) -> None:
+    table = HashTable(2, np.dtype("float32"), initializer=init.ones())
+    rng = np.random.default_rng(3)
+    table.lookup(rng.choice(1 << 40, 1000, replace=False))
+    whole_ids, whole_rows = table.export()
+    passes = []
+    live_slots = HashTable.live_slots
+    monkeypatch.setattr(HashTable, "live_slots", lambda self: passes.append(1) or live_slots(self))
+    pages = [table.export_page(start, 128) for start in range(0, 1000, 128)]
+    assert len(passes) == 1 and all(total == 1000 for _, _, total in pages)
+    np.testing.assert_array_equal(np.concatenate([ids for ids, _, _ in pages]), whole_ids)
+    np.testing.assert_array_equal(np.concatenate([rows for _, rows, _ in pages]), whole_rows)
+    ids, _, _ = table.export_page(0, 10)
+    table.lookup(np.array([-5]))  # a new row, first in id order: the kept order is stale
+    again, _, total = table.export_page(0, 10)
+    assert len(passes) == 3 and total == 1001 and again[0] == -5 and list(again[1:]) == list(ids[:9])
+    table.push(again[:1], np.ones((1, 2), np.float32))  # a row changed, none made or dropped: order kept
+    table.export_page(10, 10)
+    assert len(passes) == 3

@@ -155,6 +155,8 @@ class HashTable:
         self.drops = DropLog(max(64, min(DEFAULT_DROP_LOG, self.capacity // 4)) if drop_log is None else drop_log)
         self.dropped_pushes = 0
         self.evicted = 0
+        self._layout = 0  # counts changes of which slots hold rows: a kept export order is stale after one
+        self._order: tuple[int, np.ndarray] | None = None  # (layout, live slots by ascending id)
 
     # bookkeeping ------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -232,6 +234,7 @@ class HashTable:
         if excess > 0:
             self._evict_lru(excess)
         new_ids = new_ids[:cap]
+        self._layout += 1
         reused = min(len(new_ids), self._nfreed)
         slots = self._take_slots(len(new_ids))
         self.ids[slots] = new_ids
@@ -275,6 +278,7 @@ class HashTable:
         return slots
 
     def _release(self, slots: np.ndarray) -> None:
+        self._layout += 1
         self.drops.record(self.ids[slots], self.step)
         self.index.remove(slots, self.ids)
         self.last_used[slots] = _FREE
@@ -431,9 +435,21 @@ class HashTable:
 
     def export(self) -> tuple[np.ndarray, np.ndarray]:
         """Every (id, row), ids ascending."""
-        live = self.live_slots()
-        live = live[np.argsort(self.ids[live], kind="stable")]
-        return self.ids[live].copy(), self.values[live].copy()
+        ids, rows, _ = self.export_page(0, len(self.index))
+        return ids, rows
+
+    def export_page(self, start: int, limit: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Rows ``[start, start + limit)`` of every (id, row) in ascending id order, and how many
+        rows there are. The order is sorted once and kept while no row is made or dropped, so
+        paging through the table costs one sort, not one (and a copy of every row) a page."""
+        if self._order is None or self._order[0] != self._layout:
+            live = self.live_slots()
+            self._order = (self._layout, live[np.argsort(self.ids[live], kind="stable")])
+        order = self._order[1]
+        page = order[start: start + limit]
+        if start + limit >= len(order):
+            self._order = None  # the last page: not held until the next export
+        return self.ids[page], self.values[page], len(order)
 
     def stats(self) -> dict[str, Any]:
         return {

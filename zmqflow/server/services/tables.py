@@ -106,11 +106,11 @@ class TableOps:
     def emb_export(self, ctx: CallContext, req: rq.EmbExport) -> dict[str, Any]:
         """A page of this part's rows: ``ids`` (part-local rows for static tables) and ``rows``."""
         table = self._table(req.name, req.part)
+        start, limit = req.start, req.limit
         if table is not None:
-            ids, rows = table.export()
-        else:
+            ids, rows, total = table.export_page(start, limit)
+        else:  # a static part's page: its rows as they lie, no more
             p = self.store.get(req.name, req.part)
-            ids, rows = np.arange(p.nrows, dtype=np.int64), p.value
-        start = req.start
-        end = min(len(ids), start + req.limit)
-        return {"ids": ids[start:end].copy(), "rows": rows[start:end].copy(), "more": end < len(ids)}
+            total = p.nrows
+            ids, rows = np.arange(min(start, total), min(start + limit, total), dtype=np.int64), p.value[start: start + limit]
+        return {"ids": ids, "rows": rows.copy(), "more": start + limit < total}
