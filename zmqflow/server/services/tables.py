@@ -112,5 +112,6 @@ class TableOps:
         else:  # a static part's page: its rows as they lie, no more
             p = self.store.get(req.name, req.part)
             total = p.nrows
-            ids, rows = np.arange(min(start, total), min(start + limit, total), dtype=np.int64), p.value[start: start + limit]
+            ids = np.arange(min(start, total), min(start + limit, total), dtype=np.int64)
+            rows = p.value[start: start + limit]
         return {"ids": ids, "rows": rows.copy(), "more": start + limit < total}
