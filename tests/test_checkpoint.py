@@ -119,6 +119,36 @@ def test_keep_the_last_n(tmp_path):
             s.stop()
 
 
+def test_a_manifest_naming_files_outside_its_directory_is_never_read_kept_or_pruned(tmp_path):
+    """A manifest is data on disk: one whose shard files lead out of the directory (absolute, or
+    through ``..``) is no checkpoint, so a save's pruning never removes those files, and reading
+    it names the entry at fault."""
+    ckpt, outside = tmp_path / "ckpt", tmp_path / "outside"
+    outside.mkdir()
+    victims = [outside / "victim-a", outside / "victim-b"]
+    for f in victims:
+        f.write_bytes(b"not yours")
+    spec, servers, worker = cluster(1, tmp_path)
+    try:
+        with zf.Session(worker.target) as sess:
+            sess.variable("v", 0.0)
+            checkpoint.save(sess, str(ckpt), step=5)
+            good = json.loads((ckpt / "checkpoint-0000000005.json").read_text())
+            for step, name in ((1, str(victims[0])), (2, os.path.join("..", "outside", "victim-b"))):
+                planted = dict(good, step=step, shards=[dict(good["shards"][0], file=name)])
+                (ckpt / f"checkpoint-{step:010d}.json").write_text(json.dumps(planted))
+            assert [os.path.basename(p) for p in checkpoint.checkpoints(str(ckpt))] == ["checkpoint-0000000005.json"]
+            with pytest.raises(zf.errors.InvalidArgument, match="names the file '/.*victim-a', not a plain name"):
+                checkpoint.restore(sess, str(ckpt / "checkpoint-0000000001.json"))
+            for step in (6, 7):
+                checkpoint.save(sess, str(ckpt), step=step, keep=1)
+            assert all(f.read_bytes() == b"not yours" for f in victims)
+            assert checkpoint.checkpoints(str(ckpt)) == [str(ckpt / "checkpoint-0000000007.json")]
+    finally:
+        for s in [worker, *servers]:
+            s.stop()
+
+
 SAVER = textwrap.dedent(
     """
     import sys, numpy as np, zmqflow as zf

@@ -22,7 +22,7 @@ from ..state.snapshot import NpzFile, entry_tensor, open_shard_file
 from ..state.tensorfile import TensorFile
 
 __all__ = ["FORMAT", "READS", "manifest_name", "checkpoints", "complete", "committed", "load_manifest", "latest", "open_manifest", "read",
-           "Piece", "pieces", "field", "fields", "describe", "MANIFEST"]
+           "Piece", "pieces", "field", "fields", "describe", "MANIFEST", "plain_name", "named_file"]
 
 FORMAT = 2  # safetensors shard files
 READS = (1, 2)  # 1: npz shard files
@@ -34,6 +34,20 @@ Piece = tuple[dict[str, Any], ShardFile]  # (manifest entry, the file holding it
 
 def manifest_name(step: int) -> str:
     return f"checkpoint-{step:010d}.json"
+
+
+def plain_name(name: Any) -> bool:
+    """A file name that stays in its directory: no separator, not ``.`` or ``..``, no NUL."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name)
+
+
+def named_file(directory: str, name: Any, manifest: str) -> str:
+    """The path of a file ``manifest`` names, which must be a plain name in its ``directory``: a
+    manifest is data on disk, and a name that leads elsewhere would be read, or pruned, there."""
+    if not plain_name(name):
+        raise InvalidArgument(f"{manifest!r} names the file {name!r}, not a plain name in its directory", file=manifest)
+    return os.path.join(directory, name)
 
 
 def checkpoints(directory: str) -> list[str]:
@@ -64,6 +78,8 @@ def committed(directory: str, is_manifest: Callable[[str], bool],
                 files = set(files_of(json.load(fh)))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # half-written, or removed meanwhile by another process pruning
+        if not all(map(plain_name, files)):
+            continue  # names a file outside the directory: never read, kept or pruned as a checkpoint
         if all(os.path.exists(os.path.join(directory, f)) for f in files):
             out.append((path, files))
     return out
@@ -115,7 +131,7 @@ def read(path: str, opener: Any = open_shard_file) -> tuple[str, dict[str, Any],
     for attempt in range(_READ_TRIES):
         try:
             chosen, directory, manifest = open_manifest(path)
-            shards = [(shard, opener(os.path.join(directory, shard["file"]))) for shard in manifest["shards"]]
+            shards = [(shard, opener(named_file(directory, shard.get("file"), chosen))) for shard in manifest["shards"]]
             return chosen, manifest, shards
         except (NotFound, InvalidArgument):
             if not os.path.isdir(path) or attempt == _READ_TRIES - 1:

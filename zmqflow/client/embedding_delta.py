@@ -24,7 +24,7 @@ from ..errors import InvalidArgument
 from ..state.snapshot import write_atomic
 from ..state.tensorfile import TensorFile
 from ..wire.requests import ps as rq
-from .checkpoint_files import committed, load_manifest
+from .checkpoint_files import committed, load_manifest, named_file
 from .port import SessionPort
 
 __all__ = ["DELTA_FORMAT", "export_delta", "delta_manifests", "describe_delta"]
@@ -74,7 +74,7 @@ def describe_delta(path: str) -> dict[str, Any]:
     directory = os.path.dirname(os.path.abspath(path))
     parts = []
     for p in manifest["parts"]:
-        f = TensorFile(os.path.join(directory, p["file"]))  # header checked: a truncated file is named
+        f = TensorFile(named_file(directory, p.get("file"), path))  # header checked: a truncated file is named
         parts.append({"part": p["part"], "task": p.get("task"), "file": p["file"], "bytes": f.size,
                       "rows": f.shape("ids")[0], "dropped": f.shape("dropped")[0], "step": p.get("step")})
     return {"path": path, "table": manifest["table"], "since": manifest["since"], "step": manifest["step"],
