@@ -420,3 +420,21 @@ def test_paging_an_export_sorts_the_table_once_until_a_row_is_made_or_dropped(mo
     table.push(again[:1], np.ones((1, 2), np.float32))  # a row changed, none made or dropped: order kept
     table.export_page(10, 10)
     assert len(passes) == 3
+
+
+def test_a_restore_with_mismatched_slots_or_counts_is_refused_and_changes_nothing() -> None:
+    f32 = np.dtype("float32")
+    table = HashTable(4, f32, initializer=init.ones(), optimizer=optim.Adam().spec())
+    table.load(np.array([1, 2]), np.full((2, 4), 3.0, np.float32), {}, None, clock=5)
+    before = (len(table), table.step, table.export()[1].copy())
+    values = np.full((3, 4), 7.0, np.float32)
+    for slots, steps, changed, needle in (
+            ({"m": np.zeros((2, 4), np.float32)}, None, None,
+             r"slot 'm' rows must be float32 \[3, 4\], got float32 \[2, 4\]"),
+            ({"v": np.zeros((3, 4), np.float64)}, None, None, r"slot 'v' rows must be float32 \[3, 4\], got float64"),
+            ({}, np.zeros(2, np.int64), None, r"step counts must be integers of shape \[3\], got int64 \[2\]"),
+            ({}, None, np.zeros(3, np.float32), r"change steps must be integers of shape \[3\], got float32 \[3\]")):
+        with pytest.raises(errors.InvalidArgument, match=needle):
+            table.load(np.array([1, 2, 3]), values, slots, steps, changed, clock=100)
+        after = (len(table), table.step, table.export()[1])
+        assert after[:2] == before[:2] and np.array_equal(after[2], before[2])

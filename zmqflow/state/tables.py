@@ -403,6 +403,14 @@ class HashTable:
         unknown = set(slots) - set(self.slots)
         if unknown:
             raise InvalidArgument(f"the table has no optimizer slots {sorted(unknown)}")
+        for k, v in slots.items():  # all checked before anything changes
+            if not isinstance(v, np.ndarray) or v.shape != values.shape or v.dtype != self.dtype:
+                got = f"{v.dtype} {list(v.shape)}" if isinstance(v, np.ndarray) else type(v).__name__
+                raise InvalidArgument(f"slot {k!r} rows must be {self.dtype} {list(values.shape)}, got {got}")
+        for what, a in (("step counts", steps), ("change steps", changed)):
+            if a is not None and (not isinstance(a, np.ndarray) or a.shape != ids.shape or a.dtype.kind not in "iu"):
+                got = f"{a.dtype} {list(a.shape)}" if isinstance(a, np.ndarray) else type(a).__name__
+                raise InvalidArgument(f"{what} must be integers of shape {list(ids.shape)}, got {got}")
         if clock is not None:
             self.step = max(self.step, _check_clock(int(clock), "clock"))
         self.drops.reset(self.step)
