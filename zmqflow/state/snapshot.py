@@ -18,6 +18,7 @@ still read (:class:`NpzFile`, ``allow_pickle=False``).
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import socket
@@ -26,7 +27,7 @@ import time
 
 import numpy as np
 
-from ..errors import InvalidArgument, NotFound
+from ..errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from .tables import HashTable
 from .tensorfile import TensorFile, write_tensors
 from .store import Part
@@ -140,18 +141,41 @@ def write_atomic(path: str, arrays: dict[str, np.ndarray] | None = None, text: s
     crash leaves the old or the new file."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = temp_path(path)
-    # never through a link planted at the temporary's name: the file is ours, created here
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o666)
-    with os.fdopen(fd, "wb") as fh:
-        if arrays is not None:
-            write_tensors(fh, arrays, metadata)
-        else:
-            fh.write((text or "").encode())
-        fh.flush()
-        crash_point("mid-write")
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(directory)
+    try:
+        # never through a link planted at the temporary's name: the file is ours, created here
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                if arrays is not None:
+                    write_tensors(fh, arrays, metadata)
+                else:
+                    fh.write((text or "").encode())
+                fh.flush()
+                crash_point("mid-write")
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:  # a failed write leaves no temporary behind (a crash does: pruning's)
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            raise
+        fsync_dir(directory)
+    except OSError as exc:
+        typed = _typed(exc, path)
+        if typed is None:
+            raise
+        raise typed from exc
+
+
+def _typed(exc: OSError, path: str) -> Exception | None:
+    """What a failed write tells the caller: no room, or no right to write there (None: the
+    OSError as it is)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return ResourceExhausted(f"cannot write {path!r}: {exc.strerror}", file=path)
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return PermissionDenied(f"cannot write {path!r}: {exc.strerror}", file=path)
+    return None
 
 
 def read_arrays(path: str) -> dict[str, np.ndarray]:
