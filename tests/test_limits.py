@@ -275,6 +275,30 @@ def test_a_peer_over_its_in_flight_cap_is_answered_resource_exhausted():
     arun(main())
 
 
+def test_replies_a_peer_never_reads_wait_up_to_its_in_flight_cap_and_the_rest_are_dropped():
+    """A peer that sends and never reads fills its pipe; the replies past it wait for room, at most
+    ``max_in_flight`` of them (each until its deadline), and the rest are dropped and counted."""
+    async def main():
+        async with local_cluster({"worker": 1}, timeout=10, transport="inproc", limits=ServerLimits(max_in_flight=4),
+                                 services=lambda t: {"diag": DiagService()}) as servers:
+            rpc = servers["worker:0"]._rpc
+            sock = context().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 1)  # its pipe holds the server's high-water mark of replies, and one
+            sock.connect(servers["worker:0"].target)
+            try:
+                for rid in range(1, 1001):
+                    sock.send_multipart(wire.encode(wire.Message(wire.REQUEST, rid, "diag", "add", {"a": rid},
+                                                                 deadline=30.0)))
+                await async_wait_until(lambda: rpc.counters.msgs_in >= 1000, 10, what="every request read")
+                assert rpc.replies_waiting == 4 and rpc.counters.undeliverable > 900 - rpc.options.hwm
+            finally:
+                sock.close(0)
+            await async_wait_until(lambda: rpc.replies_waiting == 0, 10, what="the peer gone: nothing waits")
+
+    arun(main())
+
+
 def test_error_replies_carry_tracebacks_only_with_debug():
     async def main():
         for debug in (False, True):

@@ -85,6 +85,7 @@ class RpcServer:
         self.max_in_flight = int(max_in_flight)
         self.debug = debug
         self._in_flight: dict[bytes, int] = {}  # peer (routing id) -> handlers running
+        self._waiting: dict[bytes, int] = {}  # peer -> replies waiting for room in its pipe
         self.bind_endpoint = bind_endpoint
         self.keys = keys
         self.services = dict(services)
@@ -346,10 +347,30 @@ class RpcServer:
         if sent:
             self._count_out(frames, nbytes)
             return
+        identity = frames[0]
+        waiting = self._waiting.get(identity, 0)
+        if waiting >= self.max_in_flight:  # a peer that reads no replies: what waits for it is capped
+            self.counters.undeliverable += 1
+            log.debug("%s: reply %d dropped: %d replies already wait for room", self.name, rid, waiting)
+            return
+        self._waiting[identity] = waiting + 1
         until = deadline if deadline is not None else self._loop.time() + REPLY_GRACE
         task = self._loop.create_task(self._reply_later(frames, until))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: self._replied(t, identity))
+
+    def _replied(self, task: asyncio.Task, identity: bytes) -> None:
+        self._tasks.discard(task)
+        left = self._waiting.get(identity, 1) - 1
+        if left > 0:
+            self._waiting[identity] = left
+        else:
+            self._waiting.pop(identity, None)
+
+    @property
+    def replies_waiting(self) -> int:
+        """Replies waiting for room in their peers' pipes (each peer's capped at ``max_in_flight``)."""
+        return sum(self._waiting.values())
 
     async def _reply_later(self, frames: list[Any], until: float) -> None:
         try:
