@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from zmqflow import errors
 from zmqflow.rpc import CallContext
@@ -45,3 +46,19 @@ def test_abort_records_are_bounded_oldest_first():
         svc.abort(CTX, ring="r", seq=seq, code="ABORTED", message="gone")
     assert len(svc.aborted) == limit
     assert ("r", 0) not in svc.aborted and ("r", limit + 9) in svc.aborted
+
+
+def test_chunks_no_call_takes_are_capped(monkeypatch):
+    async def main():
+        monkeypatch.setattr(ring_service, "MAX_WAITING_CHUNKS", 3)
+        svc = RingService()
+        chunk = dict(ring="r", phase="reduce", step=0, src=1, meta=[], data=np.zeros(1, np.float32))
+        for seq in range(3):
+            assert svc.deposit(CTX, seq=seq, chunk=0, **chunk)
+        with pytest.raises(errors.ResourceExhausted, match=r"ring 'r' call 9: 3 chunks already wait to be taken"):
+            svc.deposit(CTX, seq=9, chunk=0, **chunk)
+        assert len(svc.boxes) == 3
+        got = await svc.take(("r", 0, "reduce", 0, 0))  # a take makes room again
+        assert got[0] == 1 and svc.deposit(CTX, seq=9, chunk=0, **chunk)
+
+    arun(main())

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import InvalidArgument, PermissionDenied, ZmqflowError
+from ...errors import InvalidArgument, PermissionDenied, ResourceExhausted, ZmqflowError
 from ...rpc import CallContext, Service, op
 from ...wire.requests import cluster as rq
 from ...wire.error_data import error_from
@@ -25,6 +25,9 @@ __all__ = ["RingService", "BoxKey"]
 BoxKey = tuple[str, int, str, int, int]  # ring, seq, phase, step, chunk
 _MAX_RINGS = 1024  # departure records kept (rings are registered by this task's own code; bounded anyway)
 _MAX_ABORTED = 4096  # abort records kept, oldest forgotten first: they refuse stragglers of calls just failed
+# chunks deposited and not yet taken: a left neighbour runs at most a step or so ahead, a few
+# hundred chunks of the largest tensors; far more is a peer depositing what no call will take
+MAX_WAITING_CHUNKS = 1 << 16
 
 
 class RingService(Service):
@@ -57,7 +60,11 @@ class RingService(Service):
             raise PermissionDenied(f"ring {ring!r}: {ctx.source} may not deposit as rank {req.src}", task=ctx.source)
         if (ring, seq) in self.aborted or ring in self.retired:
             return False
-        fut = self._box((ring, seq, req.phase, req.step, req.chunk))
+        key = (ring, seq, req.phase, req.step, req.chunk)
+        if key not in self.boxes and len(self.boxes) >= MAX_WAITING_CHUNKS:
+            raise ResourceExhausted(f"ring {ring!r} call {seq}: {len(self.boxes)} chunks already wait to be taken "
+                                    f"here, the limit", limit=MAX_WAITING_CHUNKS)
+        fut = self._box(key)
         if fut.done():
             raise InvalidArgument(f"ring {ring!r} call {seq}: chunk {req.phase}/{req.step}/{req.chunk} delivered twice")
         fut.set_result((req.src, req.meta, req.data))
