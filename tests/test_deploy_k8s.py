@@ -204,6 +204,8 @@ def test_options_refuse_bad_values_typed() -> None:
         K8sOptions(image="UPPER/case")
     with pytest.raises(InvalidArgument, match="fs group"):
         K8sOptions(image="img", fs_group=-5)
+    with pytest.raises(InvalidArgument, match="name '2zf' must start with a letter: it names the cluster's Service"):
+        K8sOptions(image="img", name="2zf")
 
 
 # --- how a pod finds its task ----------------------------------------------------------------

@@ -37,7 +37,6 @@ every task's process group; launch exits 130 once none is left.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -45,16 +44,16 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import click
 
 from ..client.ring import default_members
-from ..cluster import ClusterSpec, TaskId, resolve
+from ..cluster import ClusterSpec, TaskId
 from ..errors import ConfigError
 from ..server.checkpoint_roots import ENV as ROOTS_ENV
 from ..server.checkpoint_roots import CheckpointRoots
 from ..transport.curve import KEYS_ENV, Keys, is_loopback
+from .cluster_arg import load_cluster_arg
 from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, LOG_LEVELS, TAGGED_ENV, fail
 from .launch_exit import exit_env, let_finish
 from .launch_output import TaskOutput, describe_exit
@@ -65,6 +64,7 @@ __all__ = ["launch", "Launcher", "generate_cluster", "launch_roots", "rank_env",
 
 COMMAND_JOBS = ("chief", "worker", "evaluator", "master")
 STOP_GRACE = 5.0
+EXIT_DRAIN_S = 1.0  # after a task's process exits, how long its last output may take to be printed
 # What torch.distributed's env:// reads; only ranks get the first four.
 RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 # How many times launch restarted this task before this process (0 on the first start).
@@ -231,12 +231,18 @@ class Launcher:
         self.output.started(child.task, child.proc.pid, child.restarts)
         child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
         child.pump.start()
+        threading.Thread(target=self._waiter, args=(child, child.proc, child.pump), daemon=True).start()
 
     def _pump(self, child: _Child) -> None:
         assert child.proc is not None and child.proc.stdout is not None
         for raw in child.proc.stdout:
             self.output.line(child.task, raw.decode(errors="replace").rstrip("\n"))
-        code = child.proc.wait()
+
+    def _waiter(self, child: _Child, proc: subprocess.Popen, pump: threading.Thread) -> None:
+        """The process's end, reported when it exits: not when its output ends, which a process it
+        started and left running (holding the pipe) can put off for good. Its last lines first."""
+        code = proc.wait()
+        pump.join(EXIT_DRAIN_S)
         self.output.ended(child.task, code)
         if code != 0 and not (self._stopping and not child.runs_command):
             self.say(f"{child.task} exited with {describe_exit(code)}")
@@ -263,7 +269,15 @@ class Launcher:
         self.signal_all(sig)
 
     def wait(self) -> int:
-        """Until the commands end (or, without one, any task ends); then stop the rest."""
+        """Until the commands end (or, without one, any task ends); then stop the rest, whatever
+        goes wrong meanwhile (a restart that cannot start, output that cannot be written)."""
+        try:
+            return self._wait()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait(self) -> int:
         # an evaluator's command is not waited for here, and its exit code is not launch's (launch_roles)
         pending = {c for c in self.children if (c.runs_command and not is_side_task(c.task) if self.command else True)
                    and c.proc is not None}
@@ -305,6 +319,8 @@ class Launcher:
         self.output.close()
         if self._interrupt == signal.SIGINT:
             return EXIT_INTERRUPTED
+        if self._interrupt is not None and self.command:  # a stopped run is no success (a server's stop is)
+            return self._first_failure or 128 + int(self._interrupt)
         return self._first_failure or EXIT_OK
 
     def _announce(self) -> None:
@@ -349,45 +365,6 @@ def check_keys(spec: ClusterSpec, keys: str | None, insecure: bool) -> None:
     if exposed and not insecure:
         raise ConfigError(f"tasks {', '.join(exposed)} would listen beyond loopback without keys: make keys with "
                           "`zmqflow keys generate DIR --cluster c.json` and pass --keys DIR, or pass --insecure")
-
-
-_CLUSTER_SHAPE = 'a JSON object mapping job names to address lists, e.g. {"worker": ["127.0.0.1:2222"]}'
-_JSON_KINDS = {list: "a JSON array", str: "a JSON string", int: "a JSON number", float: "a JSON number",
-               bool: "a JSON boolean", type(None): "JSON null"}
-
-
-def load_cluster_arg(value: str) -> ClusterSpec:
-    """``--cluster``'s value: inline JSON (it starts with ``{`` or ``[``) or a file's path.
-
-    Every error is one line naming the value and what was expected."""
-    shown = value if len(value) <= 80 else value[:77] + "..."
-    text = value.strip()
-    if text[:1] in ("{", "["):
-        source = f"--cluster {shown!r}"
-    else:
-        source = f"--cluster file {shown!r}"
-        if not os.path.exists(value):
-            raise ConfigError(f"--cluster {shown!r}: no such file; expected a cluster file's path or inline JSON, "
-                              f"{_CLUSTER_SHAPE}")
-        try:
-            with open(value, encoding="utf-8") as fh:
-                text = fh.read()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{source}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
-    try:
-        data: Any = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{source} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
-                          f"expected {_CLUSTER_SHAPE}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source} is {_JSON_KINDS.get(type(data), 'not an object')}; expected {_CLUSTER_SHAPE}")
-    if not data:
-        raise ConfigError(f"{source} names no jobs; expected {_CLUSTER_SHAPE}")
-    try:
-        spec, _ = resolve(data, None, env={}, require_task=False)
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
-    return spec
 
 
 def _exit_code(returncode: int) -> int:
@@ -447,13 +424,21 @@ def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, m
             spec = generate_cluster(2 if workers is None else workers, 0 if ps is None else ps, chief, host)
         if evaluator:
             spec = with_evaluator(spec, host)
+        if command and not any(t.job in COMMAND_JOBS and not is_side_task(t) for t in spec.tasks):
+            raise ConfigError("COMMAND runs on chief, master and worker tasks: the cluster has none "
+                              f"({spec.to_json()})")
         check_keys(spec, keys, insecure)
         roots = launch_roots(spec, list(checkpoint_roots), os.environ)
     except ConfigError as exc:
         fail("launch", exc, EXIT_USAGE)
+    except OSError as exc:  # no free port on --host: not an address of this machine
+        fail("launch", f"--host {host!r}: {exc.strerror or exc}", EXIT_USAGE)
     if cluster_out:
-        with open(cluster_out, "w") as fh:
-            fh.write(spec.to_json() + "\n")
+        try:
+            with open(cluster_out, "w") as fh:
+                fh.write(spec.to_json() + "\n")
+        except OSError as exc:
+            fail("launch", f"--cluster-out {cluster_out!r}: {exc.strerror or exc}", EXIT_USAGE)
     try:
         launcher = Launcher(spec, command, log_level=log_level, restart=restart, max_restarts=max_restarts,
                             keys=keys, insecure=insecure, checkpoint_roots=roots, log_dir=log_dir,
@@ -464,8 +449,8 @@ def launch(cluster, workers, ps, chief, host, cluster_out, log_level, restart, m
     def forward(sig: int, _frame: object) -> None:
         launcher.interrupt(sig)
 
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a closed terminal too: tasks have own sessions
+        signal.signal(sig, forward)
     try:
         launcher.start()
     except OSError as exc:

@@ -45,13 +45,24 @@ class TaskOutput:
         self._files: dict[str, IO[str]] = {}
         self._tails: dict[str, collections.deque[str]] = {}
         self._tail = tail
+        self._out_gone = False  # the terminal took no more output: write none there
         if log_dir is not None:
             os.makedirs(log_dir, exist_ok=True)
 
     def say(self, line: str, tag: str = "launch") -> None:
         with self.lock:
-            self.out.write(f"[{tag}] {line}\n")
+            self._write(f"[{tag}] {line}\n")
+
+    def _write(self, text: str) -> None:
+        """To the terminal, while it takes output: a closed pipe (``| head``) or a full disk ends
+        what launch prints, never its reading of the tasks' output or its watch over them."""
+        if self._out_gone:
+            return
+        try:
+            self.out.write(text)
             self.out.flush()
+        except (OSError, ValueError):
+            self._out_gone = True
 
     def started(self, task: object, pid: int, restarts: int) -> None:
         """A process for ``task`` began: a fresh tail, and a marker line in its log file (appended)."""
@@ -71,8 +82,7 @@ class TaskOutput:
         """One line of ``task``'s output: to the terminal tagged once, to its file untagged."""
         key = str(task)
         with self.lock:
-            self.out.write(f"[{key}] {text}\n")
-            self.out.flush()
+            self._write(f"[{key}] {text}\n")
             tail = self._tails.get(key)
             if tail is not None:
                 tail.append(text)

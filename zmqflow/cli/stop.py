@@ -22,7 +22,7 @@ from ..rpc import RpcClient
 from ..transport.curve import KEYS_ENV, Keys, keys_from
 from ..wire.requests import cluster as crq
 from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, fail
-from .launch import load_cluster_arg
+from .cluster_arg import load_cluster_arg
 
 __all__ = ["stop", "stop_tasks", "STOPPED", "ALREADY_DOWN"]
 

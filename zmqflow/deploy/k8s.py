@@ -93,6 +93,9 @@ class K8sOptions:
         if self.fs_group is not None:
             _check_int("fs group", self.fs_group, 1, 2**31 - 1)
         _check_label("name", self.name, _MAX_NAME)
+        if not self.name[:1].isalpha():  # it names a Service too: a DNS-1035 label, which starts with a letter
+            raise InvalidArgument(f"name {self.name!r} must start with a letter: it names the cluster's Service, "
+                                  "a DNS-1035 label")
         _check_label("namespace", self.namespace, 63)
         if self.keys_secret is not None:
             _check_label("keys secret", self.keys_secret, 253)
