@@ -142,6 +142,37 @@ def test_one_rank_ring_equals_the_plain_optimizer_bit_for_bit(local, kind):
     assert dist.param_groups[0]["lr"] == (0.05 if kind == "sgd" else 0.005)
 
 
+@pytest.mark.parametrize("backend", ["ring", "ps"])
+def test_a_scheduler_made_before_wrapping_still_steps_the_distributed_optimizer(local, backend, recwarn):
+    """A scheduler made first patches the optimizer's own ``step``: wrapping must not copy that
+    over the distributed one (which averaged nothing, and then refused the next zero_grad)."""
+    a, b = _model(), _model()
+    plain = torch.optim.SGD(a.parameters(), lr=0.1)
+    inner = torch.optim.SGD(b.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
+    dist = zt.DistributedOptimizer(inner, b.named_parameters(), backend=backend)
+    plain_sched = torch.optim.lr_scheduler.StepLR(plain, step_size=1, gamma=0.5)
+    _step(a, plain, 0)
+    _step(b, dist, 0)
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q, p, msg=lambda m: f"{n}: {m}")
+    plain_sched.step()
+    sched.step()
+    if backend == "ps":  # the shards keep the learning rate they were made with: said, not trained past
+        with pytest.raises(ConfigError, match="hyperparameters changed after DistributedOptimizer was made"):
+            _step(b, dist, 1)
+        return
+    for s in (1, 2):
+        _step(a, plain, s)
+        _step(b, dist, s)
+        plain_sched.step()
+        sched.step()
+    assert dist.param_groups[0]["lr"] == plain.param_groups[0]["lr"] == 0.0125
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q, p, msg=lambda m: f"{n}: {m}")
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
+
+
 def test_buckets_run_in_reverse_registration_order_by_size_and_dtype():
     params = [("a", torch.zeros(100)), ("b", torch.zeros(100)), ("c", torch.zeros(300)), ("d", torch.zeros(10, dtype=torch.float64))]
     plan = plan_buckets(params, bucket_bytes=800)
