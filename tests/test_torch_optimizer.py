@@ -173,6 +173,28 @@ def test_a_scheduler_made_before_wrapping_still_steps_the_distributed_optimizer(
     assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
 
 
+def test_averaged_gradients_keep_the_parameters_memory_layout(local):
+    """A channels_last weight's gradient comes back in its strides, as autograd gives it: a fused
+    optimizer reads a gradient's memory as the parameter's."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+
+    a, b = model(), model()
+    assert not b.weight.is_contiguous()
+    plain = torch.optim.Adam(a.parameters(), lr=0.1, fused=True)
+    dist = zt.DistributedOptimizer(torch.optim.Adam(b.parameters(), lr=0.1, fused=True), b.named_parameters())
+    for s in range(3):
+        x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(s)).to(memory_format=torch.channels_last)
+        for m, opt in ((a, plain), (b, dist)):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+        assert b.weight.grad.stride() == b.weight.stride()
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q, p, msg=lambda m: f"{n}: {m}")
+
+
 def test_buckets_run_in_reverse_registration_order_by_size_and_dtype():
     params = [("a", torch.zeros(100)), ("b", torch.zeros(100)), ("c", torch.zeros(300)), ("d", torch.zeros(10, dtype=torch.float64))]
     plan = plan_buckets(params, bucket_bytes=800)

@@ -187,6 +187,9 @@ class GradientBuckets:
                     continue
                 value = from_array(part, p).view(p.shape)  # the ring's result buffer, its own for this call
                 if p.grad is None or p.grad.layout != torch.strided or p.grad.dtype != p.dtype:
-                    p.grad = value
-                else:
+                    # in the parameter's own strides (channels_last, say), as autograd lays gradients out
+                    p.grad = value if p.is_contiguous() else torch.empty_like(p).copy_(value)
+                elif p.grad.is_contiguous():
                     p.grad.set_(value)  # as Horovod does: the same .grad tensor, now on the averaged values, no copy
+                else:  # kept in its strides: fused optimizers read a gradient's memory as the parameter's
+                    p.grad.copy_(value)
