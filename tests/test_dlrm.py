@@ -188,9 +188,18 @@ def test_hybrid_refuses_what_it_cannot_do(runtime):
     from zmqflow.torch.hybrid import HybridStrategy
 
     model = torch.nn.Sequential(torch.nn.EmbeddingBag(10, 4), torch.nn.EmbeddingBag(10, 4, padding_idx=0))
-    with pytest.raises(InvalidArgument, match="table '1' uses max_norm or padding_idx"):
+    with pytest.raises(InvalidArgument, match="table '1' uses max_norm, padding_idx or scale_grad_by_freq"):
         HybridStrategy(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert isinstance(model[0], torch.nn.EmbeddingBag)  # nothing was changed
+    frozen = torch.nn.EmbeddingBag(10, 4)
+    frozen.weight.requires_grad_(False)
+    for table, needle in ((torch.nn.EmbeddingBag(10, 4, scale_grad_by_freq=True), "uses max_norm, padding_idx or "
+                                                                                   "scale_grad_by_freq"),
+                          (frozen, "is frozen"), (torch.nn.EmbeddingBag(10, 4, dtype=torch.float64), "torch.float64")):
+        model = torch.nn.Sequential(torch.nn.EmbeddingBag(10, 4), table)
+        with pytest.raises(InvalidArgument, match=f"table '1' {needle}" if needle.startswith("uses") else needle):
+            HybridStrategy(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1))
+        assert isinstance(model[0], torch.nn.EmbeddingBag) and model[1] is table
     model = torch.nn.Sequential(torch.nn.EmbeddingBag(10, 4))
     opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
     model(torch.tensor([[1, 2]])).sum().backward()

@@ -78,10 +78,16 @@ class HybridStrategy:
                                   f"got {type(dense_optimizer).__name__}")
         self.model = model
         local = [(path, m) for path, m in model.named_modules() if isinstance(m, torch.nn.EmbeddingBag)]
-        for path, table in local:  # refuse before changing anything
-            if table.max_norm is not None or table.padding_idx is not None:
-                raise InvalidArgument(f"HybridStrategy: table {path!r} uses max_norm or padding_idx, which tables "
-                                      "on ps shards do not support")
+        for path, table in local:  # refuse before changing anything: nothing is dropped in silence
+            if table.max_norm is not None or table.padding_idx is not None or table.scale_grad_by_freq:
+                raise InvalidArgument(f"HybridStrategy: table {path!r} uses max_norm, padding_idx or "
+                                      "scale_grad_by_freq, which tables on ps shards do not support")
+            if not table.weight.requires_grad:
+                raise InvalidArgument(f"HybridStrategy: table {path!r} is frozen (its weight needs no gradient); "
+                                      "a table on the ps shards would train: keep it local, out of the model given")
+            if table.weight.dtype != torch.float32:
+                raise InvalidArgument(f"HybridStrategy: table {path!r} is {table.weight.dtype}; tables on the ps "
+                                      "shards it makes are float32")
         if local and dense_optimizer.state:
             raise InvalidArgument("HybridStrategy: dense_optimizer has already stepped; build the strategy before "
                                   "training")
