@@ -127,6 +127,18 @@ g = zt.allgather(rows)
 assert g.shape == (3, 2) and g.tolist() == [[0.0, 1.0], [10.0, 11.0], [12.0, 13.0]], g
 assert torch.equal(zt.broadcast(torch.full((4,), float(r)), 1), torch.ones(4))
 
+# differentiable, as Horovod's: every rank's loss reads the collective's result
+x = torch.full((r + 1, 2), float(r + 1), requires_grad=True)  # 1 row on rank 0, 2 on rank 1
+w = torch.arange(6, dtype=torch.float32).reshape(3, 2)
+(zt.allgather(x) * w).sum().backward()  # each row's gradient: its w, from each of the 2 ranks
+assert torch.equal(x.grad, 2 * w[:1] if r == 0 else 2 * w[1:]), x.grad
+v = torch.tensor([float(r + 1)], requires_grad=True)
+((r + 1) * zt.allreduce(v)).sum().backward()  # d/dv_r of (1 + 2) * mean(v): 3 / 2
+assert torch.equal(v.grad, torch.tensor([1.5])), v.grad
+b = torch.tensor([float(r)], requires_grad=True)
+((r + 1) * zt.broadcast(b, 1)).sum().backward()  # all of it to the root, rank 1
+assert torch.equal(b.grad, torch.tensor([3.0 if r == 1 else 0.0])), b.grad
+
 torch.manual_seed(r)  # different initial values on each rank
 model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
 zt.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -83,16 +83,36 @@ def _check_op(op: str) -> str:
 
 def allreduce(tensor: torch.Tensor, op: str = Average) -> torch.Tensor:
     """A new tensor: ``op`` (mean by default) of ``tensor`` over every rank, same shape, dtype and device.
-    Integer means truncate toward zero."""
+    Integer means truncate toward zero. A mean or sum of a tensor that requires grad is differentiable,
+    as Horovod's: its backward is the same collective of the gradient, on every rank."""
     _check_op(op)
+    if tensor.requires_grad and op in (Average, Sum):
+        return _Allreduce.apply(tensor, op)
+    return _allreduce(tensor, op)
+
+
+def _allreduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
     src = tensor.detach().contiguous()
     out = ring().allreduce(to_array(src, "allreduce"), op)
     return from_array(out, tensor).view(tensor.shape)
 
 
+class _Allreduce(torch.autograd.Function):
+    """y = op(x over ranks): each rank's x gets the same op of every rank's dL/dy."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, op: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.op = op
+        return _allreduce(tensor, op)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return _allreduce(grad, ctx.op), None
+
+
 def allreduce_(tensor: torch.Tensor, op: str = Average) -> torch.Tensor:
-    """:func:`allreduce` into ``tensor`` itself; returns it."""
-    return write_into(tensor, allreduce(tensor, op))
+    """:func:`allreduce` into ``tensor`` itself; returns it (an in-place write: not differentiable)."""
+    return write_into(tensor, _allreduce(tensor, _check_op(op)))
 
 
 class Handle:
@@ -173,7 +193,29 @@ def barrier() -> None:
 def allgather(tensor: torch.Tensor) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along dim 0, in rank order, as Horovod does: the first
     dimension may differ between ranks, the others and the dtype may not (``CollectiveMismatch``
-    on every rank). A 0-d tensor counts as shape ``(1,)``."""
+    on every rank). A 0-d tensor counts as shape ``(1,)``. Differentiable for a tensor that requires
+    grad: each rank's rows get the sum over ranks of the gradient at them."""
+    if tensor.requires_grad:
+        return _Allgather.apply(tensor)
+    return _allgather(tensor)[0]
+
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        out, rows = _allgather(tensor)
+        me = ring().rank
+        ctx.shape, ctx.start, ctx.rows = tensor.shape, sum(rows[:me]), rows[me]
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        summed = _allreduce(grad.contiguous(), Sum)
+        return summed[ctx.start: ctx.start + ctx.rows].reshape(ctx.shape)
+
+
+def _allgather(tensor: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """The concatenation, and each rank's rows in it."""
     r = ring()
     src = tensor.detach().contiguous()
     if src.dim() == 0:
@@ -187,23 +229,43 @@ def allgather(tensor: torch.Tensor) -> torch.Tensor:
     longest = max(rows)
     if all(n == longest for n in rows):
         out = r.allgather(to_array(src, "allgather"))
-        return from_array(out, tensor).reshape(sum(rows), *src.shape[1:])
+        return from_array(out, tensor).reshape(sum(rows), *src.shape[1:]), rows
     padded = src.new_zeros((longest, *src.shape[1:]))
     padded[:rows[r.rank]] = src
     out = from_array(r.allgather(to_array(padded, "allgather")), tensor)
-    return torch.cat([out[i, :n] for i, n in enumerate(rows)])
+    return torch.cat([out[i, :n] for i, n in enumerate(rows)]), rows
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int) -> torch.Tensor:
-    """A new tensor holding ``root_rank``'s ``tensor`` (every rank passes one of the same shape and dtype)."""
+    """A new tensor holding ``root_rank``'s ``tensor`` (every rank passes one of the same shape and
+    dtype). Differentiable for a tensor that requires grad: the root's gets the sum over ranks of
+    the gradient, the others' zeros."""
+    if tensor.requires_grad:
+        return _Broadcast.apply(tensor, int(root_rank))
+    return _broadcast(tensor, root_rank)
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.root = root_rank
+        return _broadcast(tensor, root_rank)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        summed = _allreduce(grad.contiguous(), Sum)
+        return (summed if ring().rank == ctx.root else torch.zeros_like(summed)), None
+
+
+def _broadcast(tensor: torch.Tensor, root_rank: int) -> torch.Tensor:
     src = tensor.detach().contiguous()
     out = ring().broadcast(to_array(src, "broadcast"), int(root_rank))
     return from_array(out, tensor).view(tensor.shape)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int) -> torch.Tensor:
-    """:func:`broadcast` into ``tensor`` itself; returns it."""
-    return write_into(tensor, broadcast(tensor, root_rank))
+    """:func:`broadcast` into ``tensor`` itself; returns it (an in-place write: not differentiable)."""
+    return write_into(tensor, _broadcast(tensor, root_rank))
 
 
 def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
