@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 import threading
 
@@ -14,7 +15,7 @@ import pytest
 import zmqflow as zf
 from zmqflow import errors
 from zmqflow.server.services.worker import WorkerService
-from zmqflow.testing import make_spec
+from zmqflow.testing import make_spec, wait_until
 
 from .conftest import ZMQFLOW
 
@@ -146,3 +147,25 @@ def test_serve_with_an_allowed_module_refuses_the_escapes(procs, tmp_path):
             sess.run("json:__loader__.get_data", "/etc/hostname", task="worker:0")
         assert sess.run("json:loads", "[1]", task="worker:0") == [1]
     assert not target.exists()
+
+
+
+SLOW = "import time\n\ndef slow(marker, seconds):\n    open(marker, 'w').close()\n    time.sleep(seconds)\n"
+
+
+def test_serve_stops_at_sigterm_while_a_plain_function_still_runs(procs, tmp_path):
+    """A plain function runs on a thread of its own: one that blocks does not keep a stopped
+    task's process alive (the loop's default executor would be joined at exit)."""
+    (tmp_path / "slowmod.py").write_text(SLOW)
+    cfile, marker = tmp_path / "c.json", tmp_path / "started"
+    spec = make_spec({"worker": 1}, "tcp")
+    cfile.write_text(spec.to_json())
+    p = procs([*ZMQFLOW, "serve", "--cluster", str(cfile), "--task", "worker:0", "--allow-module", "slowmod"],
+              env={"PYTHONPATH": str(tmp_path)})
+    p.wait_for_line("serving worker:0", 30)
+    with zf.Session(spec.address("worker:0").endpoint) as sess:
+        pending = sess.submit(sess.async_session.run("slowmod:slow", str(marker), 60, task="worker:0", timeout=90))
+        wait_until(marker.exists, 20, what="the function running on the task")
+        p.signal(signal.SIGTERM)
+        assert p.wait(10) == 0, p.output
+        pending.cancel()

@@ -19,6 +19,7 @@ import asyncio
 import importlib
 import inspect
 import keyword
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -118,4 +119,32 @@ class WorkerService(Service):
         args, kwargs = req.args or [], req.kwargs or {}
         if _is_async(fn):
             return await fn(*args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
+        return await _on_a_thread(lambda: fn(*args, **kwargs))
+
+
+def _on_a_thread(call: Callable[[], Any]) -> "asyncio.Future[Any]":
+    """``call()`` on a daemon thread of its own: the loop's default executor is joined when the
+    loop closes and at exit, so a function that blocks would keep a stopped task's process alive."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if fut.done():  # the call was cancelled (its deadline, the server stopping)
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def run() -> None:
+        try:
+            outcome: tuple[Any, BaseException | None] = (call(), None)
+        except BaseException as exc:  # handed to the caller, as the executor would
+            outcome = (None, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits for it
+            pass
+
+    threading.Thread(target=run, name="zmqflow-run", daemon=True).start()
+    return fut
