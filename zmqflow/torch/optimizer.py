@@ -102,20 +102,11 @@ def _subclass(optimizer: torch.optim.Optimizer, mixin: type) -> Any:
     # puts a counting ``step`` there, which steps the plain optimizer) must not hide this class's
     shadowing = {k for k, v in optimizer.__dict__.items() if callable(v) and callable(getattr(cls, k, None))}
     obj.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in shadowing})
-    if "step" in shadowing:  # the scheduler holds the wrapped optimizer: its ``step`` leads here, and ours counts
-        obj.step = optimizer.step = _counted(optimizer, obj.step)  # type: ignore[method-assign]
+    if "step" in shadowing:
+        # code that kept the wrapped optimizer (that scheduler) steps this one too; the scheduler
+        # warns once that the step it counted was replaced, as it was
+        optimizer.step = obj.step  # type: ignore[method-assign]
     return obj
-
-
-def _counted(optimizer: torch.optim.Optimizer, step: Any) -> Any:
-    """``step``, marking ``optimizer`` stepped as a scheduler's own wrapper does (so it does not
-    warn that it was stepped first)."""
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    counted._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    return counted
 
 
 def _named(optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, Any]] | None) -> list[tuple[str, torch.Tensor]]:
