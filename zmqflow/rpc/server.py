@@ -226,11 +226,7 @@ class RpcServer:
         # stopping) is closed here, not left for the collector to warn that it was never awaited
         coro.close()
         self._tasks.discard(task)
-        left = self._in_flight.get(identity, 1) - 1
-        if left > 0:
-            self._in_flight[identity] = left
-        else:
-            self._in_flight.pop(identity, None)
+        _count_down(self._in_flight, identity)
 
     async def _run_async(self, identity: bytes, rid: int, coro: Any, ctx: CallContext, capped: bool,
                          reply_by: float | None, started: float) -> None:
@@ -361,11 +357,7 @@ class RpcServer:
 
     def _replied(self, task: asyncio.Task, identity: bytes) -> None:
         self._tasks.discard(task)
-        left = self._waiting.get(identity, 1) - 1
-        if left > 0:
-            self._waiting[identity] = left
-        else:
-            self._waiting.pop(identity, None)
+        _count_down(self._waiting, identity)
 
     @property
     def replies_waiting(self) -> int:
@@ -408,3 +400,12 @@ class RpcServer:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._listener is not None:
             self._listener.close()
+
+
+def _count_down(counts: dict[bytes, int], identity: bytes) -> None:
+    """One less for ``identity`` in a per-peer count; a peer at zero is not kept."""
+    left = counts.get(identity, 1) - 1
+    if left > 0:
+        counts[identity] = left
+    else:
+        counts.pop(identity, None)
