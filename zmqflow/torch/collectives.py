@@ -210,7 +210,7 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        summed = _allreduce(grad.contiguous(), Sum)
+        summed = _allreduce(grad, Sum)
         return summed[ctx.start: ctx.start + ctx.rows].reshape(ctx.shape)
 
 
@@ -253,7 +253,7 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        summed = _allreduce(grad.contiguous(), Sum)
+        summed = _allreduce(grad, Sum)
         return (summed if ring().rank == ctx.root else torch.zeros_like(summed)), None
 
 

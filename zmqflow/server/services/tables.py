@@ -107,11 +107,11 @@ class TableOps:
         """A page of this part's rows: ``ids`` (part-local rows for static tables) and ``rows``."""
         table = self._table(req.name, req.part)
         start, limit = req.start, req.limit
-        if table is not None:
+        if table is not None:  # its page is a copy already
             ids, rows, total = table.export_page(start, limit)
-        else:  # a static part's page: its rows as they lie, no more
+        else:  # a static part's page: its rows as they lie, no more, copied out of the part
             p = self.store.get(req.name, req.part)
             total = p.nrows
             ids = np.arange(min(start, total), min(start + limit, total), dtype=np.int64)
-            rows = p.value[start: start + limit]
-        return {"ids": ids, "rows": rows.copy(), "more": start + limit < total}
+            rows = p.value[start: start + limit].copy()
+        return {"ids": ids, "rows": rows, "more": start + limit < total}
