@@ -304,6 +304,31 @@ def test_ps_backend_matches_the_torch_optimizer(local, make, sync):
         torch.testing.assert_close(q, p, msg=lambda m: f"{n}: {m}", **_tolerance("ps", "adam" if adam else "other"))
 
 
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    lambda p: torch.optim.Adam(p, lr=0.01),
+], ids=["momentum", "adam"])
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+def test_ps_backend_leaves_a_parameter_without_a_gradient_as_torch_does(local, make, sync):
+    """A parameter used at the first step only: torch's optimizer skips it afterwards (its
+    momentum or Adam moments do not move it), and so must the shards."""
+    torch.manual_seed(0)
+    start = [torch.randn(4, 3), torch.randn(3)]
+    ours = [torch.nn.Parameter(t.clone()) for t in start]
+    ref = [torch.nn.Parameter(t.clone()) for t in start]
+    dist = zt.DistributedOptimizer(make(ours), [("w", ours[0]), ("b", ours[1])], backend="ps", sync=sync)
+    plain = make(ref)
+    for s in range(3):
+        for params, opt in ((ours, dist), (ref, plain)):
+            params[0].grad = torch.full_like(params[0], 0.5) if s == 0 else None  # used at step 0 only
+            params[1].grad = torch.full_like(params[1], float(s + 1))
+            opt.step()
+    moved_once = ref[0].detach().clone()
+    assert not torch.equal(moved_once, start[0])
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p.detach(), q.detach(), **_tolerance("ps", "other"))
+
+
 def test_ps_backend_pulls_into_contiguous_parameters_and_copies_into_strided_ones(local):
     """A contiguous CPU parameter is the pull's out= (its own memory filled as replies land); a
     strided one gets the received values copied in. Both end as a plain torch SGD leaves them."""

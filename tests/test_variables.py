@@ -227,6 +227,56 @@ def test_a_push_refused_for_a_missing_step_applies_none_of_its_parts():
     arun(main())
 
 
+def test_a_replica_without_a_gradient_counts_in_its_round_and_a_round_of_none_applies_nothing():
+    """As DDP: a replica with no gradient for a variable averages in as zero beside one that has
+    one; a round where none has one leaves the value and the momentum slot alone (zeros pushed
+    instead would move it by the momentum). Partitioned: each part hears the absence."""
+    async def main():
+        async with local_cluster({"ps": 2, "worker": 2}, timeout=10, transport="inproc") as servers:
+            spec = servers["ps:0"].spec
+            opt = zf.SyncReplicas(zf.optim.Momentum(1.0, momentum=0.9), replicas_to_aggregate=2)
+            s0 = zf.AsyncSession(cluster=spec, task="worker:0")
+            s1 = zf.AsyncSession(cluster=spec, task="worker:1")
+            try:
+                await s0.variable("v", np.zeros((4, 2)), optimizer=opt, partitioner=zf.fixed_size_partitioner(2))
+                await s1.get("v")
+                await asyncio.gather(s0.push({"v": np.full((4, 2), 2.0)}), s1.push({"v": None}))
+                after = (await s0.pull(["v"]))["v"]
+                np.testing.assert_array_equal(after, np.full((4, 2), -1.0))  # the mean of 2 and nothing
+                steps = await asyncio.gather(s0.push({"v": None}), s1.push({"v": None}))
+                assert steps == [2, 2]  # the round completed
+                np.testing.assert_array_equal((await s0.pull(["v"]))["v"], after)  # and moved nothing
+                await asyncio.gather(s0.push({"v": np.zeros((4, 2))}), s1.push({"v": None}))
+                np.testing.assert_array_equal((await s0.pull(["v"]))["v"], after - 0.9)  # the slot kept its -1
+            finally:
+                await s0.close()
+                await s1.close()
+
+    arun(main(), timeout=60)
+
+
+def test_a_push_naming_a_part_absent_and_with_a_gradient_or_unknown_applies_nothing():
+    async def main():
+        async with local_cluster({"ps": 1, "worker": 1}, timeout=10, transport="inproc") as servers:
+            ps = servers["ps:0"].service("ps")
+            ctx = CallContext("ps", "push", b"peer", "worker:0", None)
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                await sess.variable("w", np.zeros(4))
+                sync = zf.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=2)
+                await sess.variable("s", np.zeros(2), optimizer=sync)
+                with pytest.raises(errors.InvalidArgument, match="names variable s both with a gradient and as absent"):
+                    ps.push(ctx, dense=[["w", 0, None, None, np.ones(4)], ["s", 0, None, None, np.ones(2)]],
+                            absent=[["s", 0]], step=0)
+                with pytest.raises(errors.NotFound, match="no variable 'nope'"):
+                    ps.push(ctx, dense=[["w", 0, None, None, np.ones(4)]], absent=[["s", 0], ["nope", 0]], step=0)
+                np.testing.assert_array_equal(ps.store.get("w", 0).value, np.zeros(4))
+                assert ps.store.get("s", 0).sync.contributors == [] and ps.pushes_applied["async"] == 0
+                assert ps.push(ctx, absent=[["w", 0]]) == {"step": None, "stale": False, "replicas": None}
+                assert ps.pushes_applied["async"] == 0  # an async part ignores an absence
+
+    arun(main())
+
+
 def test_bad_input_changes_nothing():
     async def main():
         async with local_cluster({"ps": 2, "worker": 1}, timeout=10, transport="inproc") as servers:

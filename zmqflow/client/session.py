@@ -257,7 +257,8 @@ class AsyncSession:
 
     async def push(self, grads: "Mapping[str | AsyncVariable, Any]", step: int | None = None, *,
                    timeout: float | None = None) -> int | None:
-        """Apply each variable's optimizer to its gradient (an array, or ``(indices, rows)``).
+        """Apply each variable's optimizer to its gradient (an array, ``(indices, rows)``, or
+        ``None`` for none this step: a synchronous round counts this replica, adding nothing).
         Synchronous variables return the new global step once this step is applied."""
         infos = {await self._info(k): v for k, v in grads.items()}
         result = await _push(self, infos, self.step if step is None else step, timeout)

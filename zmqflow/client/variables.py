@@ -386,16 +386,24 @@ async def scatter(sess: SessionPort, info: VarInfo, indices: Any, rows: Any, mod
 async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None,
                timeout: float | None = None) -> dict[str, Any]:
     """Dense gradients (arrays) or sparse ones (``(indices, rows)``) through each variable's
-    optimizer. A task's async dense share from ``bulk_pull.BULK_FROM`` bytes goes out on its push
-    stream where it offers one (:mod:`.bulk_push`), the rest over ZeroMQ."""
+    optimizer; ``None``: no gradient this step (a sync variable's round counts this replica and
+    adds nothing; an async one is left alone). A task's async dense share from
+    ``bulk_pull.BULK_FROM`` bytes goes out on its push stream where it offers one
+    (:mod:`.bulk_push`), the rest over ZeroMQ."""
     async_items: list[tuple[TaskId, int, rq.RowsItem]] = []
     sync_dense: dict[TaskId, list[rq.RowsItem]] = defaultdict(list)
     sync_sparse: dict[TaskId, list[rq.SparseItem]] = defaultdict(list)
     async_sparse: dict[TaskId, list[rq.SparseItem]] = defaultdict(list)
-    dense = {info: _as_array(grad, info, "gradient") for info, grad in grads.items() if not isinstance(grad, tuple)}
+    absent: dict[TaskId, list[rq.PartItem]] = defaultdict(list)
+    dense = {info: _as_array(grad, info, "gradient") for info, grad in grads.items()
+             if grad is not None and not isinstance(grad, tuple)}
     bulk_to = await _bulk_streams(sess, [i for i in dense if not i.sync and i.shape], "push")
     bulk: dict[TaskId, list[Piece]] = defaultdict(list)
     for info, grad in grads.items():
+        if grad is None:
+            for p, (task, _, _) in enumerate(info.parts if info.sync else ()):
+                absent[task].append(rq.PartItem(info.name, p))
+            continue
         if isinstance(grad, tuple):
             for p, i, r in _split_sparse(info, grad[0], grad[1], "sparse gradient"):
                 (sync_sparse if info.sync else async_sparse)[info.parts[p][0]].append(rq.SparseItem(info.name, p, i, r))
@@ -417,8 +425,9 @@ async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None
         calls += [sess.call_task(task, "ps", "push", rq.Push(dense=b, step=step), timeout=timeout) for b in batches]
     for task, items in async_sparse.items():
         calls.append(sess.call_task(task, "ps", "push", rq.Push(sparse=items, step=step), timeout=timeout))
-    for task in set(sync_dense) | set(sync_sparse):
-        body = rq.Push(dense=sync_dense.get(task, []), sparse=sync_sparse.get(task, []), step=step)
+    for task in set(sync_dense) | set(sync_sparse) | set(absent):
+        body = rq.Push(dense=sync_dense.get(task, []), sparse=sync_sparse.get(task, []), absent=absent.get(task, []),
+                       step=step)
         calls.append(sess.call_task(task, "ps", "push", body, timeout=timeout))
     for task, pieces in bulk.items():
         calls += [push_from(sess, task, stream, batch, timeout) for stream, batch in bulk_to[task].spread(pieces)]

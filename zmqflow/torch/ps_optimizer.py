@@ -118,8 +118,10 @@ class PsOptimizerMixin:
 
     @counts_steps
     def step(self, closure: Any = None) -> Any:
-        """Push this rank's gradients (zeros for a parameter without one, so a sync round always
-        completes), then load the shards' new values into the parameters."""
+        """Push this rank's gradients, then load the shards' new values into the parameters. A
+        parameter without a gradient is pushed as absent: in a sync round it counts as a zero
+        gradient beside the ranks that have one (as DDP averages), and when no rank has one the
+        shards leave it and its optimizer slots alone, as torch's optimizers skip it."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -128,10 +130,10 @@ class PsOptimizerMixin:
         if now != self._zf_hyper:
             raise ConfigError("backend='ps': the optimizer's hyperparameters changed after DistributedOptimizer was "
                               "made (an LR scheduler?); the ps shards keep the ones they were created with")
-        grads = {}
+        grads: dict[str, Any] = {}
         for (name, p), var in zip(self._zf_named, self._zf_names):
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            grads[var] = to_array(g.detach().cpu().contiguous(), f"gradient of {name!r}")
+            g = p.grad
+            grads[var] = None if g is None else to_array(g.detach().cpu().contiguous(), f"gradient of {name!r}")
         self._zf_runtime.session.push(grads)
         self._zf_pull()
         return loss

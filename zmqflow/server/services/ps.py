@@ -217,6 +217,13 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
         for sp in req.sparse:
             checked = self.store.sparse(sp.name, sp.part, sp.indices, sp.rows, "sparse gradient")
             by_part[(sp.name, sp.part)]["sparse"] = (checked.indices, checked.rows)
+        for it in req.absent:  # a replica without a gradient: counted in its round, adds nothing
+            key = (it.name, it.part)
+            if key in by_part:
+                label = self.store.get(*key).label
+                raise InvalidArgument(f"push names variable {label} both with a gradient and as absent")
+            self.store.get(*key)  # NotFound before any part is applied
+            by_part[key] = {"dense": {}, "sparse": None}
         step = req.step
         if step is None:  # refused before any part is applied: a retry must not apply the others twice
             for key in by_part:
@@ -227,8 +234,9 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
         for key, grads in by_part.items():
             p = self.store.get(*key)
             if p.sync is None:
-                self._apply(key, grads["dense"], grads["sparse"])
-                self.pushes_applied["async"] += 1
+                if grads["dense"] or grads["sparse"] is not None:
+                    self._apply(key, grads["dense"], grads["sparse"])
+                    self.pushes_applied["async"] += 1
                 continue
             assert step is not None  # checked above
             mine = min(step, p.sync.step)

@@ -17,7 +17,7 @@ from .base import (MAX_ITEMS, MAX_PARTS, PATH_MAX, ArraySpec, Count, Dtype, Int,
 
 __all__ = [
     "Empty", "Create", "PullItem", "Pull", "BulkOffer", "PullBulk", "PushBulk", "RowsItem", "Assign", "Scatter",
-    "SparseItem", "Push", "Save",
+    "SparseItem", "PartItem", "Push", "Save",
     "RestorePart", "Unfence", "Pair", "Sweep", "EmbCreate", "EmbIds", "EmbLookup", "EmbPush", "EmbEvict",
     "EmbExport", "EmbRestore", "EmbExportDelta", "OPS",
 ]
@@ -129,13 +129,23 @@ class SparseItem(Item):
     rows: np.ndarray
 
 
+class PartItem(Item):
+    name: Name
+    part: Part
+
+
 class Push(Request):
-    """Gradients through each part's optimizer; sync parts need the pusher's ``step``."""
+    """Gradients through each part's optimizer; sync parts need the pusher's ``step``. ``absent``:
+    parts the pusher has no gradient for this step (as torch's ``grad is None``). A sync part counts
+    it as one replica of its round, adding nothing to the sum; a round in which no replica had a
+    gradient applies nothing, so the optimizer's slots stay as they were. Async parts ignore it."""
 
     dense: Annotated[list[RowsItem], msgspec.Meta(max_length=MAX_ITEMS,
                                                   description="a list of [name, part, start, stop, gradient]")] = []
     sparse: Annotated[list[SparseItem], msgspec.Meta(max_length=MAX_ITEMS,
                                                      description="a list of [name, part, indices, rows]")] = []
+    absent: Annotated[list[PartItem], msgspec.Meta(max_length=MAX_ITEMS,
+                                                   description="a list of [name, part]")] = []
     step: Int | None = None
 
 
