@@ -133,7 +133,10 @@ class _ShardedModule(torch.nn.Module):
         return self.table.evict(older_than, **kwargs)
 
     def requires_grad_(self, requires_grad: bool = True) -> "_ShardedModule":
-        """``False`` freezes the table: backward pushes nothing."""
+        """``False`` freezes the table: backward pushes nothing. Call it on this module: torch's
+        ``requires_grad_`` on a parent module sets its parameters' flags only, and the table has no
+        parameter, so ``model.requires_grad_(False)`` leaves it training (freeze every table of a
+        model with ``model.apply(lambda m: m.requires_grad_(False))``, or under ``torch.no_grad()``)."""
         self.push_gradients = bool(requires_grad)
         return super().requires_grad_(requires_grad)
 
