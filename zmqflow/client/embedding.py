@@ -25,7 +25,7 @@ from .port import SessionPort
 from .placement import current_device, current_policy
 from ..state.tables import hash_owner, static_owner, static_part_rows
 from ..state.partition import Partitioner
-from ..state.sparse import unique_sum
+from ..state.sparse import int64_ids, unique_sum
 from ..wire.dtypes import dtype_from_name, dtype_name
 from ..wire.requests import Request
 from ..wire.requests import cluster as crq
@@ -86,6 +86,11 @@ async def declare_embedding(sess: SessionPort, name: str, num_embeddings: int | 
         raise InvalidArgument(f"embedding {name!r}: partition_strategy must be 'mod' or 'div', got {partition_strategy!r}")
     if not dynamic and (min_frequency != 1 or capacity is not None):
         raise InvalidArgument(f"embedding {name!r}: min_frequency and capacity apply to dynamic tables (num_embeddings=None)")
+    for what, value, may_be_none in (("min_frequency", min_frequency, False), ("capacity", capacity, True)):
+        if not (value is None and may_be_none) and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            # checked before the catalog record: a record whose parts no shard will make blocks the name
+            raise InvalidArgument(f"embedding {name!r}: {what} must be a positive int"
+                                  f"{' or None' if may_be_none else ''}, got {value!r}")
     dt = np.dtype(dtype)
     spec = await sess.cluster()
     if partitions is None:
@@ -158,10 +163,7 @@ class AsyncEmbedding:
         return [{"task": str(t), "rows": r} for t, r in zip(self.info.tasks, self.info.part_rows)]
 
     def _ids(self, ids: Any, what: str) -> np.ndarray:
-        arr = np.asarray(ids)
-        if arr.size and arr.dtype.kind not in "iu":
-            raise InvalidArgument(f"{what} of {self.name!r}: ids must be integers, got {arr.dtype}")
-        flat = arr.reshape(-1).astype(np.int64, copy=False)
+        flat = int64_ids(np.asarray(ids).reshape(-1), f"{what} of {self.name!r}")
         num = self.info.num_embeddings
         if num is not None and flat.size:
             bad = (flat < 0) | (flat >= num)
@@ -212,6 +214,9 @@ class AsyncEmbedding:
         if w.shape != flat.shape:
             raise InvalidArgument(f"weights must have one value per id ({flat.size}), got {w.shape}")
         n = int(num_segments) if num_segments is not None else (int(seg.max()) + 1 if seg.size else 0)
+        if n < 0 or (seg.size and int(seg.max()) >= n):
+            raise InvalidArgument(f"lookup_sparse of {self.name!r}: num_segments {n} must be >= 0 and above every "
+                                  f"segment id (the largest is {int(seg.max()) if seg.size else None})")
         emb = (await self.lookup(flat, timeout=timeout)).astype(np.float64)
         summed = np.zeros((n, self.dim))
         np.add.at(summed, seg, emb * w[:, None])
@@ -275,6 +280,9 @@ class AsyncEmbedding:
             raise InvalidArgument("older_than is a number of pushes (int) or a datetime.timedelta")
         if older_than_steps is None and older_than_seconds is None:
             raise InvalidArgument("evict needs older_than, older_than_steps or older_than_seconds")
+        for what, value in (("older_than_steps", older_than_steps), ("older_than_seconds", older_than_seconds)):
+            if value is not None and not value >= 0:  # a negative age would drop every row
+                raise InvalidArgument(f"evict of {self.name!r}: {what} must be >= 0, got {value!r}")
         counts = await asyncio.gather(*(
             self._session.call_task(t, "ps", "emb_evict", rq.EmbEvict(
                 name=self.name, part=p, older_than_step=older_than_steps, older_than_seconds=older_than_seconds),

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["unique_sum"]
+from ..errors import InvalidArgument
+
+__all__ = ["unique_sum", "has_repeats", "int64_ids"]
 
 
 def unique_sum(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted unique ``ids`` and, for each, the sum of its ``rows`` (in the rows' dtype)."""
+    """Sorted unique ``ids`` and, for each, the sum of its ``rows``, returned in the rows' dtype.
+    Half-precision rows are summed in float32: bfloat16 cannot count past 256 (its 8-bit
+    significand), so a hot id's 3000 gradients of 1 would sum to 256."""
     if len(ids) == 0:
         return ids[:0], rows[:0]
     order = np.argsort(ids, kind="stable")
@@ -17,4 +21,28 @@ def unique_sum(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarra
     starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
     if len(starts) == len(ids):  # already unique: just reorder
         return ordered, rows[order]
-    return ordered[starts], np.add.reduceat(rows[order], starts, axis=0)
+    if rows.dtype.kind not in "fV" or rows.dtype.itemsize >= 4:  # bfloat16 is numpy kind V
+        return ordered[starts], np.add.reduceat(rows[order], starts, axis=0)
+    summed = np.add.reduceat(rows[order].astype(np.float32), starts, axis=0)
+    return ordered[starts], summed.astype(rows.dtype)
+
+
+def has_repeats(ids: np.ndarray) -> bool:
+    """Whether any id occurs twice (a sort of the ids alone: no rows move)."""
+    if len(ids) < 2:
+        return False
+    s = np.sort(ids)
+    return bool((s[1:] == s[:-1]).any())
+
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def int64_ids(ids: np.ndarray, what: str) -> np.ndarray:
+    """``ids`` as int64, or InvalidArgument naming ``what``: non-integers, and unsigned ids past
+    int64's range, which a cast would wrap onto negative ids (another row)."""
+    if ids.size and ids.dtype.kind not in "iu":
+        raise InvalidArgument(f"{what}: ids must be integers, got {ids.dtype}")
+    if ids.dtype == np.uint64 and ids.size and int(ids.max()) > _INT64_MAX:
+        raise InvalidArgument(f"{what}: id {int(ids.max())} is past the largest id, 2**63 - 1")
+    return ids.astype(np.int64, copy=False)

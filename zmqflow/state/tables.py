@@ -34,6 +34,7 @@ from . import pages
 from .admission import Sightings
 from .droplog import DEFAULT_DROP_LOG, DropLog
 from .hash_index import HashIndex
+from .sparse import has_repeats, unique_sum
 from ..errors import InvalidArgument
 from .limits import DEFAULT_STATE_LIMITS
 
@@ -319,6 +320,7 @@ class HashTable:
         if create:
             miss = np.flatnonzero(slots < 0)
             if len(miss):
+                self.last_used[slots[slots >= 0]] = self.tick  # this batch's rows are the last to make room
                 evicted = self.evicted
                 unseen = _first_seen(ids[miss])
                 made = self._admit(unseen)
@@ -343,18 +345,23 @@ class HashTable:
         return out
 
     def push(self, ids: np.ndarray, grads: np.ndarray, step: int | None = None) -> int:
-        """Apply the optimizer to the rows of ``ids`` (unique) that exist; the rest are dropped
-        and counted. Returns how many were applied. ``grads`` is checked here, the one place that
-        knows the table's dtype and width. ``step``, the pusher's step, moves the clock to it
-        (never back); without one the clock advances by one."""
+        """Apply the optimizer to the rows of ``ids`` that exist; the rest are dropped and
+        counted. Returns how many rows were applied. A repeated id's gradients are summed first
+        (a client sends unique ids; a peer that does not must not lose all but one of them to the
+        fancy-indexed update). ``grads`` is checked here, the one place that knows the table's
+        dtype and width. ``step``, the pusher's step, moves the clock to it (never back); without
+        one the clock advances by one."""
         if not isinstance(grads, np.ndarray) or grads.dtype != self.dtype or grads.shape != (len(ids), self.dim):
             got = f"{grads.dtype} {list(grads.shape)}" if isinstance(grads, np.ndarray) else type(grads).__name__
             raise InvalidArgument(f"gradients must be {self.dtype} {[len(ids), self.dim]}, got {got}")
         if step is not None:
             _check_clock(int(step), "step")
+        ids = np.asarray(ids, dtype=np.int64)
+        if has_repeats(ids):
+            ids, grads = unique_sum(ids, grads)
         self.tick += 1
         self.step = min(self.step + 1, MAX_CLOCK) if step is None else max(self.step, int(step))
-        slots = self.index.find(np.asarray(ids, dtype=np.int64), self.ids)
+        slots = self.index.find(ids, self.ids)
         hit = slots >= 0
         found = int(np.count_nonzero(hit))
         self.dropped_pushes += len(ids) - found

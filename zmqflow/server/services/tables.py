@@ -11,6 +11,7 @@ import numpy as np
 
 from ...errors import InvalidArgument, VariableConflict
 from ...state.limits import StateLimits, check_count, table_capacity
+from ...state.sparse import int64_ids
 from ...state.tables import HashTable
 from ...state.store import PartKey, ShardStore
 from ...rpc import CallContext, op
@@ -69,18 +70,19 @@ class TableOps:
 
     @op(rq.EmbLookup)
     def emb_lookup(self, ctx: CallContext, req: rq.EmbLookup) -> np.ndarray:
-        ids = req.ids.astype(np.int64, copy=False)
+        ids = int64_ids(req.ids, f"emb_lookup of {req.name!r}")
         table = self._table(req.name, req.part)
         if table is not None:
             return table.lookup(ids, create=req.create)
         p = self.store.get(req.name, req.part)
         if ids.size and (ids.min() < 0 or ids.max() >= p.nrows):
-            raise InvalidArgument(f"embedding {p.label}: row {int(ids.max())} out of range [0, {p.nrows})")
+            bad = ids[(ids < 0) | (ids >= p.nrows)][0]
+            raise InvalidArgument(f"embedding {p.label}: row {int(bad)} out of range [0, {p.nrows})")
         return p.value[ids]
 
     @op(rq.EmbPush)
     def emb_push(self, ctx: CallContext, req: rq.EmbPush) -> int:
-        ids = req.ids.astype(np.int64, copy=False)
+        ids = int64_ids(req.ids, f"emb_push of {req.name!r}")
         table = self._table(req.name, req.part)
         if table is None:
             self.store.apply_sparse(req.name, req.part, ids, req.grads)

@@ -232,8 +232,8 @@ class EmbEvict(Request):
 
     name: Name
     part: Part
-    older_than_step: Int | None = None
-    older_than_seconds: Annotated[float, msgspec.Meta(ge=-1e18, le=1e18, description="a number of seconds")] | None = None
+    older_than_step: Count | None = None
+    older_than_seconds: Annotated[float, msgspec.Meta(ge=0, le=1e18, description="a number of seconds >= 0")] | None = None
 
 
 class EmbExport(Request):
