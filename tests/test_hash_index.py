@@ -231,6 +231,9 @@ class TableModel:
     def lookup(self, ids: list[int], create: bool, table_ids: set[int]) -> np.ndarray:
         self.tick += 1
         if create:
+            for i in ids:  # the batch's own rows are used now, before any is evicted to make room
+                if i in self.rows:
+                    self.used[i] = self.tick
             admitted = []
             for i in dict.fromkeys(ids):
                 if i in self.rows:
