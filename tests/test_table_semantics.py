@@ -94,3 +94,18 @@ def test_a_bfloat16_table_sums_a_hot_ids_gradients():
                 np.testing.assert_allclose((await emb.lookup([0])).astype(np.float32), [[-3000, -3000]], rtol=1e-2)
 
     arun(main())
+
+
+def test_an_export_while_rows_are_made_returns_each_row_held_throughout_once():
+    async def main():
+        async with local_cluster({"ps": 1, "worker": 1}, timeout=10, transport="inproc") as servers:
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                dyn = await sess.embedding("d", None, 2)
+                await dyn.lookup([10, 20, 30, 40])
+                seen = []
+                async for ids, _ in dyn.export(page=2):
+                    seen += ids.tolist()
+                    await dyn.lookup([5 + len(seen)])  # a row made below the cursor, as training would
+                assert seen == [10, 20, 30, 40]
+
+    arun(main())

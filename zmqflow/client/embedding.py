@@ -292,15 +292,19 @@ class AsyncEmbedding:
         return int(sum(counts))
 
     async def export(self, page: int = 1 << 16, *, timeout: float | None = None) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
-        """``(ids, rows)`` shard by shard, a page at a time, for serving (``timeout``: per page)."""
+        """``(ids, rows)`` shard by shard, a page at a time, for serving (``timeout``: per page).
+        A dynamic table, which may change while it is exported, pages by the last id returned:
+        every row held throughout comes once; rows made or dropped meanwhile may or may not."""
+        dynamic = self.info.num_embeddings is None
         for p, task in enumerate(self.info.tasks):
-            start = 0
+            start, after = 0, None
             while True:
-                got = await self._session.call_task(task, "ps", "emb_export",
-                                                    rq.EmbExport(name=self.name, part=p, start=start, limit=page),
-                                                    timeout=timeout)
+                body = (rq.EmbExport(name=self.name, part=p, after=after, limit=page) if dynamic and after is not None
+                        else rq.EmbExport(name=self.name, part=p, start=start, limit=page))
+                got = await self._session.call_task(task, "ps", "emb_export", body, timeout=timeout)
                 if len(got["ids"]):
                     yield self.info.global_ids(p, got["ids"]), got["rows"]
+                    after = int(got["ids"][-1])
                 if not got["more"]:
                     break
                 start += len(got["ids"])

@@ -157,7 +157,7 @@ class HashTable:
         self.dropped_pushes = 0
         self.evicted = 0
         self._layout = 0  # counts changes of which slots hold rows: a kept export order is stale after one
-        self._order: tuple[int, np.ndarray] | None = None  # (layout, live slots by ascending id)
+        self._order: tuple[int, np.ndarray, np.ndarray] | None = None  # (layout, live slots by ascending id, ids)
 
     # bookkeeping ------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -453,18 +453,24 @@ class HashTable:
         ids, rows, _ = self.export_page(0, len(self.index))
         return ids, rows
 
-    def export_page(self, start: int, limit: int) -> tuple[np.ndarray, np.ndarray, int]:
-        """Rows ``[start, start + limit)`` of every (id, row) in ascending id order, and how many
-        rows there are. The order is sorted once and kept while no row is made or dropped, so
-        paging through the table costs one sort, not one (and a copy of every row) a page."""
+    def export_page(self, start: int, limit: int, after: int | None = None) -> tuple[np.ndarray, np.ndarray, bool]:
+        """Up to ``limit`` (id, row) pairs in ascending id order from position ``start``, or with
+        ``after``, of the lowest ids above it (a cursor that rows made or dropped between pages do
+        not shift); and whether more follow. The order is sorted once and kept while no row is
+        made or dropped, so paging through the table costs one sort, not one (and a copy of every
+        row) a page."""
         if self._order is None or self._order[0] != self._layout:
             live = self.live_slots()
-            self._order = (self._layout, live[np.argsort(self.ids[live], kind="stable")])
-        order = self._order[1]
+            live = live[np.argsort(self.ids[live], kind="stable")]
+            self._order = (self._layout, live, self.ids[live])
+        _, order, ids = self._order
+        if after is not None:
+            start = int(np.searchsorted(ids, after, side="right"))
         page = order[start: start + limit]
-        if start + limit >= len(order):
+        more = start + limit < len(order)
+        if not more:
             self._order = None  # the last page: not held until the next export
-        return self.ids[page], self.values[page], len(order)
+        return ids[start: start + limit].copy(), self.values[page], more
 
     def stats(self) -> dict[str, Any]:
         return {

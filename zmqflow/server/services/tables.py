@@ -110,10 +110,12 @@ class TableOps:
         table = self._table(req.name, req.part)
         start, limit = req.start, req.limit
         if table is not None:  # its page is a copy already
-            ids, rows, total = table.export_page(start, limit)
-        else:  # a static part's page: its rows as they lie, no more, copied out of the part
-            p = self.store.get(req.name, req.part)
-            total = p.nrows
-            ids = np.arange(min(start, total), min(start + limit, total), dtype=np.int64)
-            rows = p.value[start: start + limit].copy()
-        return {"ids": ids, "rows": rows, "more": start + limit < total}
+            ids, rows, more = table.export_page(start, limit, req.after)
+            return {"ids": ids, "rows": rows, "more": more}
+        p = self.store.get(req.name, req.part)  # a static part's page: its rows as they lie, copied out
+        if req.after is not None:
+            raise InvalidArgument(f"emb_export of {p.label}: 'after' pages a dynamic table; a static one pages by "
+                                  "'start'")
+        total = p.nrows
+        ids = np.arange(min(start, total), min(start + limit, total), dtype=np.int64)
+        return {"ids": ids, "rows": p.value[start: start + limit].copy(), "more": start + limit < total}

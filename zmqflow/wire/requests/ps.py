@@ -237,11 +237,14 @@ class EmbEvict(Request):
 
 
 class EmbExport(Request):
-    """A page of rows ``[start, start + limit)``."""
+    """A page of rows ``[start, start + limit)``, or for a dynamic table with ``after``, the
+    ``limit`` rows of the lowest ids above it: a page that follows the last id it returned sees
+    every row held all along exactly once, whatever is made or dropped between pages."""
 
     name: Name
     part: Part
     start: Row = 0
+    after: Int | None = None
     limit: Annotated[int, msgspec.Meta(ge=1, le=1 << 24, description="an integer in 1..16777216")] = 1 << 16
 
 
