@@ -356,11 +356,11 @@ def test_restoring_a_directorys_latest_while_a_writer_prunes_it_reads_the_newest
     read = checkpoint.open_shard_file
     pruned: list[str] = []
 
-    def read_after_a_prune(path: str):
+    def read_after_a_prune(path: str, dir_fd: int | None = None):
         if not pruned:
             pruned.append(checkpoint.save_store(_replica("w", 2.0), str(tmp_path), 2, keep=1))
             assert [os.path.basename(p) for p in checkpoint.checkpoints(str(tmp_path))] == ["checkpoint-0000000002.json"]
-        return read(path)
+        return read(path, dir_fd)
 
     monkeypatch.setattr(checkpoint, "open_shard_file", read_after_a_prune)
     step, saved = checkpoint.restore_store(str(tmp_path))

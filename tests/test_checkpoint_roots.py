@@ -3,6 +3,7 @@ directory that resolves elsewhere is PermissionDenied and creates nothing."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import textwrap
@@ -189,3 +190,55 @@ def test_launch_saves_anywhere_by_default_and_inside_its_roots_when_given(procs,
         assert not other.exists()
     else:
         assert "saved outside" in p.output and checkpoint.latest(str(other)) is not None, p.output
+
+
+@pytest.mark.parametrize("swapped", ["run", "run/sub"])
+def test_a_link_swapped_in_after_the_check_is_not_written_through(tmp_path, monkeypatch, swapped):
+    """The directory is checked on names, then reached from its root one component at a time,
+    no link followed: a link put in place of a checked directory between the two leads nowhere."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "run").mkdir(parents=True)
+    outside.mkdir()
+    spec = make_spec({"ps": 1, "worker": 1}, "tcp")
+    with zf.Server(spec, "ps:0", checkpoint_roots=[str(root)]) as ps, zf.Server(spec, "worker:0") as worker, \
+            zf.Session(worker.target) as sess:
+        sess.variable("v", np.arange(4.0))
+        roots = ps.async_server.service("ps").checkpoint_roots
+        checked = roots.confine
+
+        def then_swapped(directory: str) -> str:
+            real = checked(directory)
+            if not os.path.islink(root / "run"):
+                os.rename(root / "run", root / "run.checked")
+                os.symlink(outside, root / "run")
+            return real
+
+        monkeypatch.setattr(roots, "confine", then_swapped)
+        with pytest.raises(errors.PermissionDenied, match="'run' on its way became a symbolic link"):
+            sess.call("ps", "save", {"directory": str(root / swapped), "file": "x.safetensors"}, task="ps:0")
+        assert tree(outside) == [] and tree(root / "run.checked") == []
+        monkeypatch.undo()
+        os.remove(root / "run")
+        sess.call("ps", "save", {"directory": str(root / swapped), "file": "x.safetensors"}, task="ps:0")
+        assert (root / swapped / "x.safetensors").is_file()
+
+
+def test_a_checkpoint_whose_file_is_a_link_is_none_and_is_not_read(tmp_path):
+    """A manifest's files are read only as files of its own directory: a link there, to a file
+    anywhere, makes no checkpoint (never listed, kept or pruned as one) and is refused by name."""
+    from zmqflow.state.store import ShardStore
+
+    store = ShardStore()
+    store.create("w", 0, [3], [0, 3], "float64", value=np.full(3, 1.0))
+    ckpt, outside = tmp_path / "ckpt", tmp_path / "outside"
+    outside.mkdir()
+    first = checkpoint.save_store(store, str(ckpt), 1, keep=0)
+    second = checkpoint.save_store(store, str(ckpt), 2, keep=0)
+    (shard,) = [s["file"] for s in json.loads(open(second).read())["shards"]]
+    os.replace(ckpt / shard, outside / shard)
+    os.symlink(outside / shard, ckpt / shard)
+    assert checkpoint.checkpoints(str(ckpt)) == [first] and checkpoint.latest(str(ckpt)) == first
+    with pytest.raises(errors.InvalidArgument, match=f"{shard}' is a symbolic link"):
+        checkpoint.restore_store(second)
+    checkpoint.save_store(store, str(ckpt), 3, keep=1)
+    assert (outside / shard).is_file()

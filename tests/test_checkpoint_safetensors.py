@@ -139,8 +139,8 @@ def test_restore_reshards_and_reads_through_the_mapping(tmp_path, monkeypatch, m
     reads: list[tuple[str, str]] = []
     opened = TensorFile.__init__
 
-    def spy_open(self: TensorFile, path: str) -> None:  # every tensor read goes through safe_open's handle
-        opened(self, path)
+    def spy_open(self: TensorFile, path: str, dir_fd: int | None = None) -> None:  # reads go through safe_open
+        opened(self, path, dir_fd)
         inner = self._file
 
         class Spy:
@@ -155,7 +155,7 @@ def test_restore_reshards_and_reads_through_the_mapping(tmp_path, monkeypatch, m
         self._file = Spy()
 
     monkeypatch.setattr(TensorFile, "__init__", spy_open)
-    monkeypatch.setattr(snapshot, "read_arrays", lambda path: pytest.fail(f"{path} read whole"))
+    monkeypatch.setattr(snapshot, "read_arrays", lambda path, *_: pytest.fail(f"{path} read whole"))
     servers2, worker2 = cluster(m2, tmp_path)
     try:
         with zf.Session(worker2.target) as sess:

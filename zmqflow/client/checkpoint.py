@@ -7,11 +7,15 @@ a temporary name, is fsynced and renamed; a crash at any moment leaves the previ
 intact. Shard files are safetensors (:mod:`zmqflow.state.snapshot`): nothing is pickled, and any
 safetensors reader opens them.
 
-``restore`` opens the files (the checkpoint directory is shared, as TF's is; every header is
-checked first) and puts every variable and table back on the shards of the current cluster, which
-may have a different number of ps tasks: parts keep their row ranges and are placed anew;
-dynamic-table rows are re-hashed. Data is read through the files' memory mappings a part at a
-time, so a restore does not hold a second copy of the whole checkpoint.
+Checkpoints stand in the order they were saved (:mod:`.checkpoint_files`): the latest is the last
+saved, whatever its step, and ``keep`` keeps the last saved, as TF's ``CheckpointManager`` does.
+
+``restore`` opens the files (the checkpoint directory is shared, as TF's is) and checks every
+record against them and against what the cluster holds (:mod:`.checkpoint_check`) before it
+changes anything; then it puts every variable and table back on the shards of the current
+cluster, which may have a different number of ps tasks: parts keep their row ranges and are placed
+anew; dynamic-table rows are re-hashed. Data is read through the files' memory mappings a part at
+a time, so a restore does not hold a second copy of the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -28,13 +32,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import checkpoint_files as ckfiles
-from .checkpoint_files import FORMAT, checkpoints, field, latest, manifest_name
+from .checkpoint_check import check_files, check_live, declared_rows, is_hash
+from .checkpoint_files import FORMAT, Saved, checkpoints, field, latest, manifest_name, next_seq
 from .embedding import create_table_parts
 from ..state.tables import hash_owner
-from ..errors import InvalidArgument, NotFound, Recovering
+from ..errors import NotFound, Recovering
 from ..observe.metrics import record_checkpoint
 from ..observe import timeline
 from ..state.partition import fixed_size_partitioner
+from ..state.dirfd import opened_dir
 from ..state.snapshot import (FILE_FORMAT, TEMP_SUFFIX, abandoned_temporary, crash_point, fsync_dir, open_shard_file,
                               part_prefix, write_atomic)
 from ..state.store import part_label
@@ -51,10 +57,11 @@ if TYPE_CHECKING:
 __all__ = ["save", "restore", "recover", "fenced", "manifest_name", "async_fenced", "latest", "checkpoints", "async_save", "async_restore", "async_recover",
            "save_store", "restore_store"]
 
-# What a save writes before its manifest (shard files, temporaries): the step is in the name.
-_WRITTEN = re.compile(r"^(?:step(\d{10})-.*\.(?:safetensors|npz)|checkpoint-(\d{10})\.json)(?P<tmp>" + TEMP_SUFFIX + ")?$")
+# What a save writes before its manifest (shard files, temporaries): the step is in the name, and
+# in a shard file's the time (ms) its save began.
+_WRITTEN = re.compile(r"^(?:step(\d{10})-(?:(?P<ms>\d+)-)?.*\.(?:safetensors|npz)|checkpoint-(\d{10})\.json)"
+                      r"(?P<tmp>" + TEMP_SUFFIX + ")?$")
 _MANIFEST = ckfiles.MANIFEST
-_complete = ckfiles.complete
 
 log = logging.getLogger("zmqflow.checkpoint")
 
@@ -86,50 +93,74 @@ async def async_save(sess: "AsyncSession", directory: str, *, step: int | None =
     crash_point("before-manifest")
     os.makedirs(directory, exist_ok=True)  # the shards made it, unless they write on other hosts
     manifest = {"format": FORMAT, "step": int(step), "time": time.time(), "records": records, "shards": shards}
-    path = os.path.join(directory, manifest_name(int(step)))
-    write_atomic(path, text=json.dumps(manifest, indent=1))
-    _prune(directory, keep)
+    with opened_dir(directory) as fd:
+        path = _commit(directory, fd, manifest, keep)
     record_checkpoint("save", time.perf_counter() - started)
     return path
 
 
-def _prune(directory: str, keep: int) -> None:
-    """Keep the newest ``keep`` checkpoints: remove a manifest first, then its files. Files no
-    manifest names, from saves older than the newest checkpoint, are what a save that crashed
-    before its manifest left behind: they go too. Another process pruning the same directory at
-    the same time (a chief handing over) may remove a file first; that is not an error."""
-    found = _complete(directory)
+def _commit(directory: str, fd: int, manifest: dict[str, Any], keep: int) -> str:
+    """Write the manifest (``seq``: after every save in the directory), then prune; both through
+    ``fd``, a descriptor of the directory, so both act on the directory the manifest went into."""
+    path = os.path.join(directory, manifest_name(int(manifest["step"])))
+    manifest["seq"] = next_seq(ckfiles.saved(directory, fd))
+    write_atomic(path, text=json.dumps(manifest, indent=1), dir_fd=fd)
+    _prune(directory, fd, keep)
+    return path
+
+
+def _prune(directory: str, fd: int, keep: int) -> None:
+    """Keep the last ``keep`` checkpoints saved: remove a manifest first, then its files. Files no
+    manifest names, from saves begun before the last saved checkpoint's, are what a save that
+    crashed before its manifest left behind: they go too. Another process pruning the same
+    directory at the same time (a chief handing over) may remove a file first; not an error."""
+    found = ckfiles.saved(directory, fd)
     kept = found[-keep:] if keep > 0 else found
-    needed = {f for _, files in kept for f in files}
-    for path, files in found[:-keep] if keep > 0 else []:
-        _remove(path)
-        for f in files - needed:
-            _remove(os.path.join(directory, f))
-    _remove_unfinished(directory, kept)
-    fsync_dir(directory)
+    needed = {f for s in kept for f in s.files}
+    for s in found[:-keep] if keep > 0 else []:
+        _remove(fd, os.path.basename(s.path))
+        for f in s.files - needed:
+            _remove(fd, f)
+    _remove_unfinished(fd, kept)
+    fsync_dir(fd)
 
 
-def _remove(path: str) -> None:
+def _remove(fd: int, name: str) -> None:
     try:
-        os.remove(path)
+        os.remove(name, dir_fd=fd)
     except FileNotFoundError:
         pass
 
 
-def _remove_unfinished(directory: str, kept: list[tuple[str, set[str]]]) -> None:
+def _remove_unfinished(fd: int, kept: list[Saved]) -> None:
     if not kept:
         return
-    newest = int(_MANIFEST.match(os.path.basename(kept[-1][0])).group(1))  # type: ignore[union-attr]
-    named = {os.path.basename(path) for path, _ in kept} | {f for _, files in kept for f in files}
-    for name in os.listdir(directory):
+    newest = _began(kept[-1])
+    named = {os.path.basename(s.path) for s in kept} | {f for s in kept for f in s.files}
+    for name in os.listdir(fd):
         m = _WRITTEN.match(name)
-        # strictly older than the newest checkpoint: a save in progress now writes a newer step, or
-        # is a writer beside this one (a chief handing over): its temporaries stay while it lives
-        if not m or name in named or int(m.group(1) or m.group(2)) >= newest:
+        # begun before the last saved checkpoint's save: a save in progress now began later, or is
+        # a writer beside this one (a chief handing over): its temporaries stay while it lives
+        if not m or name in named or not _older(m, newest):
             continue
-        path = os.path.join(directory, name)
-        if m["tmp"] is None or abandoned_temporary(path):
-            _remove(path)
+        if m["tmp"] is None or abandoned_temporary(name, fd):
+            _remove(fd, name)
+
+
+def _began(newest: Saved) -> tuple[int, int | None]:
+    """(step, the time in ms its save began, when its files' names say) of a checkpoint."""
+    step = int(_MANIFEST.match(os.path.basename(newest.path)).group(1))  # type: ignore[union-attr]
+    times = [int(m["ms"]) for m in map(_WRITTEN.match, newest.files) if m is not None and m["ms"] is not None]
+    return step, min(times) if times else None
+
+
+def _older(m: re.Match[str], newest: tuple[int, int | None]) -> bool:
+    """Whether what ``m`` names was written by a save begun before ``newest``'s: by the times in
+    the names where both have one (saves are ordered by when they were made, not by step), else
+    by step."""
+    if m["ms"] is not None and newest[1] is not None:
+        return int(m["ms"]) < newest[1]
+    return int(m.group(1) or m.group(3)) < newest[0]
 
 
 async def _global_step(sess: "AsyncSession") -> int:
@@ -143,30 +174,50 @@ async def _global_step(sess: "AsyncSession") -> int:
 
 
 Shard = ckfiles.Piece
+Loaded = tuple[str, dict[str, Any], dict[tuple[str, int], Shard]]
 
 
-def _load(path: str) -> tuple[dict[str, Any], dict[tuple[str, int], Shard]]:
-    """(manifest, {(name, part): (entry, its open file)}), every file's header checked before
-    anything changes (a truncated or foreign file is refused here, naming it)."""
-    _, manifest, shards = ckfiles.read(path, open_shard_file)
-    return manifest, ckfiles.pieces(shards)
+def _load(path: str) -> Loaded:
+    """(the manifest's path, the manifest, {(name, part): (entry, its open file)}), every file's
+    header and every record checked against them before anything changes (a truncated or
+    foreign file, a part missing, a dtype or shape that disagrees, is refused here, naming it)."""
+    chosen, manifest, shards = ckfiles.read(path, open_shard_file)
+    pieces = ckfiles.pieces(shards)
+    check_files(chosen, manifest, pieces)
+    return chosen, manifest, pieces
 
 
 @timeline.traced("checkpoint", "restore")
 async def async_restore(sess: "AsyncSession", path: str) -> int:
-    """Put the checkpoint at ``path`` (a manifest, or a directory: its latest) back; returns its step."""
+    """Put the checkpoint at ``path`` (a manifest, or a directory: its last saved) back; returns its
+    step. Everything that can be checked is, before anything changes: every file and record
+    (:func:`_load`), then every record against what the cluster holds under its name; a bad
+    checkpoint is refused, naming what is at fault, and the cluster is as it was. Then the records
+    go back one after another, each over several shards: this part is not atomic. A shard that
+    dies meanwhile, or the catalog or a shard refusing for its own limits (a memory budget), leaves
+    the records before restored and the rest not: restore again, or ``recover``."""
     started = time.perf_counter()
-    step = await _put_back(sess, *_load(path))
+    loaded = _load(path)
+    await _check(sess, loaded, await sess.call_catalog("records", crq.Records(pending=True)))
+    step = await _put_back(sess, loaded[1], loaded[2])
     record_checkpoint("restore", time.perf_counter() - started)
     return step
 
 
+async def _check(sess: "AsyncSession", loaded: Loaded, live: list[dict[str, Any]]) -> None:
+    """Refuse a checkpoint the cluster cannot take as it is (``live``: the catalog's records)."""
+    chosen, manifest, pieces = loaded
+    check_live(chosen, manifest["records"], pieces, live, len(shard_tasks(await sess.cluster())))
+
+
 async def _put_back(sess: "AsyncSession", manifest: dict[str, Any], pieces: dict) -> int:
+    """Put every record back, one after another (all checked already)."""
+    spec = await sess.cluster()
     for record in manifest["records"]:
-        if record.get("table") and record["table"]["kind"] == "hash":
-            await _restore_table(sess, record, pieces)
+        if is_hash(record):
+            await _restore_table(sess, spec, record, pieces)
         else:
-            await _restore_variable(sess, record, pieces)
+            await _restore_variable(sess, spec, record, pieces)
     sess.step = int(manifest["step"])
     return int(manifest["step"])
 
@@ -174,17 +225,20 @@ async def _put_back(sess: "AsyncSession", manifest: dict[str, Any], pieces: dict
 @timeline.traced("checkpoint", "recover")
 async def async_recover(sess: "AsyncSession", path: str) -> int:
     """Restore onto a running cluster whose shards hold newer or partial state (a shard died and
-    came back empty). The checkpoint is read first; then every shard is fenced, so no worker
-    reads or pushes a half-restored state; every part the checkpoint holds is dropped and made
-    afresh (a hash table's rows added since would otherwise survive the restore), as is every
-    part the catalog does not place on a shard (left over when the catalog itself was lost);
-    then the checkpoint is restored and the fences lifted. On failure the shards stay fenced:
-    the caller recovers again, and nobody trains on mixed state meanwhile."""
+    came back empty). The checkpoint is read and checked first, against the catalog too; then
+    every shard is fenced, so no worker reads or pushes a half-restored state; every part the
+    checkpoint holds is dropped and made afresh (a hash table's rows added since would otherwise
+    survive the restore), as is every part the catalog does not place on a shard (left over when
+    the catalog itself was lost); then the checkpoint is restored and the fences lifted. On
+    failure the shards stay fenced: the caller recovers again, and nobody trains on mixed state
+    meanwhile."""
     started = time.perf_counter()
-    manifest, pieces = _load(path)
+    loaded = _load(path)
+    _, manifest, pieces = loaded
     spec = await sess.cluster()
     # every task the catalog or the checkpoint places a part on (a variable pinned to a worker)
     before = await sess.call_catalog("records", crq.Records(pending=True))
+    await _check(sess, loaded, before)
     tasks = holder_tasks(spec, [*before, *_placeable(spec, manifest["records"])])
     epochs = await asyncio.gather(*(sess.call_task(t, "ps", "fence", rq.Empty()) for t in tasks))
     records = await sess.call_catalog("records", crq.Records(pending=True))
@@ -217,7 +271,7 @@ async def _missing_parts(sess: "AsyncSession", tasks: list[Any], records: list[d
     held = await asyncio.gather(*(sess.call_task(t, "ps", "variables", rq.Empty()) for t in tasks))
     have = {(str(t), v["name"], v["part"]) for t, vs in zip(tasks, held) for v in vs}
     return [f"{r['name']} part {i} on {p['task']}" for r in records for i, p in enumerate(r["parts"])
-            if not (r.get("table") and r["table"]["kind"] == "hash") and (p["task"], r["name"], i) not in have]
+            if not is_hash(r) and (p["task"], r["name"], i) not in have]
 
 
 def _placeable(spec: Any, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -234,47 +288,8 @@ def _sweep(records: list[dict[str, Any]], task: str) -> rq.Sweep:
     return rq.Sweep(keep=[rq.Pair(name, i) for name, i in _placed(records, task)])
 
 
-def _slots(piece: Shard, start: int | None = None, stop: int | None = None) -> dict[str, np.ndarray]:
-    return {k[len("slot."):]: field(piece, k, start, stop) for k in ckfiles.fields(piece) if k.startswith("slot.")}
-
-
-def _piece(record: dict[str, Any], pieces: dict, i: int) -> Shard:
-    try:
-        return pieces[(record["name"], i)]
-    except KeyError:
-        raise InvalidArgument(f"checkpoint has no part {i} of {record['name']!r}") from None
-
-
-def _assemble(record: dict[str, Any], pieces: dict) -> np.ndarray | None:
-    arrays = [field(_piece(record, pieces, i), "value") for i in range(len(record["parts"]))]
-    if any(a is None for a in arrays):
-        return None
-    return arrays[0] if not record["shape"] else np.concatenate(arrays)
-
-
-async def _restore_variable(sess: "AsyncSession", record: dict[str, Any], pieces: dict) -> None:
-    name = record["name"]
-    value = _assemble(record, pieces)
-    if value is None:
-        raise InvalidArgument(f"checkpoint has no value for every part of {name!r}")
-    # Parts are (re)created wherever the catalog places them: a shard that restarted empty gets
-    # its parts back; parts that survived are kept and then overwritten below. A variable pinned
-    # to a task outside the default shards goes back there when the catalog has to place it anew.
-    with device(_pinned(await sess.cluster(), record)):
-        tasks = await _declare_again(sess, record, value)
-    calls = []
-    start = 0
-    for i, task in enumerate(tasks):
-        piece = _piece(record, pieces, i)
-        rows = piece[0].get("rows") or [0, 0]
-        # a part's value is a view of the assembled one: no second copy of the variable
-        part_value = value[start: start + rows[1] - rows[0]] if record["shape"] else value
-        start += rows[1] - rows[0]
-        sync = field(piece, "sync_step")
-        body = rq.RestorePart(name=name, part=i, value=np.require(part_value, requirements="C"), slots=_slots(piece),
-                              steps=field(piece, "steps"), sync_step=None if sync is None else int(sync))
-        calls.append(sess.call_task(task, "ps", "restore_part", body))
-    await asyncio.gather(*calls)
+def _slots(piece: Shard) -> dict[str, np.ndarray]:
+    return {k[len("slot."):]: field(piece, k) for k in ckfiles.fields(piece) if k.startswith("slot.")}
 
 
 def _pinned(spec: Any, record: dict[str, Any]) -> str | None:
@@ -285,6 +300,33 @@ def _pinned(spec: Any, record: dict[str, Any]) -> str | None:
         return None
     task = next(iter(where))
     return task if task in spec and TaskId.parse(task) not in shard_tasks(spec) else None
+
+
+def _assemble(record: dict[str, Any], pieces: dict) -> np.ndarray:
+    arrays = [field(pieces[(record["name"], i)], "value") for i in range(len(record["parts"]))]
+    return arrays[0] if not record["shape"] else np.concatenate(arrays)  # type: ignore[arg-type]
+
+
+async def _restore_variable(sess: "AsyncSession", spec: Any, record: dict[str, Any], pieces: dict) -> None:
+    name = record["name"]
+    value = _assemble(record, pieces)
+    # Parts are (re)created wherever the catalog places them: a shard that restarted empty gets
+    # its parts back; parts that survived are kept and then overwritten below. A variable pinned
+    # to a task outside the default shards goes back there when the catalog has to place it anew.
+    with device(_pinned(spec, record)):
+        tasks = await _declare_again(sess, record, value)
+    calls = []
+    start = 0
+    for i, (task, (r0, r1)) in enumerate(zip(tasks, declared_rows(record, 0))):
+        piece = pieces[(name, i)]
+        # a part's value is a view of the assembled one: no second copy of the variable
+        part_value = value[start: start + r1 - r0] if record["shape"] else value
+        start += r1 - r0
+        sync = field(piece, "sync_step")
+        body = rq.RestorePart(name=name, part=i, value=np.require(part_value, requirements="C"), slots=_slots(piece),
+                              steps=field(piece, "steps"), sync_step=None if sync is None else int(sync.reshape(-1)[0]))
+        calls.append(sess.call_task(task, "ps", "restore_part", body))
+    await asyncio.gather(*calls)
 
 
 async def _declare_again(sess: "AsyncSession", record: dict[str, Any], value: np.ndarray) -> list[Any]:
@@ -303,11 +345,10 @@ async def _declare_again(sess: "AsyncSession", record: dict[str, Any], value: np
     return [t for t, _, _ in var.info.parts]
 
 
-async def _restore_table(sess: "AsyncSession", record: dict[str, Any], pieces: dict) -> None:
+async def _restore_table(sess: "AsyncSession", spec: Any, record: dict[str, Any], pieces: dict) -> None:
     t = record["table"]
-    n_old = len(record["parts"])
-    saved = [_piece(record, pieces, i) for i in range(n_old)]
-    with device(_pinned(await sess.cluster(), record)):
+    saved = [pieces[(record["name"], i)] for i in range(len(record["parts"]))]
+    with device(_pinned(spec, record)):
         emb = await sess.embedding(record["name"], None, t["dim"], dtype=record["dtype"],
                                    initializer=record.get("initializer"), optimizer=record.get("optimizer"),
                                    min_frequency=t["min_frequency"], capacity=t["capacity"])
@@ -365,14 +406,13 @@ def save_store(store: Any, directory: str, step: int, keep: int = 5) -> str:
         records.append({"name": name, "shape": list(p.full_shape), "dtype": str(p.dtype), "parts": [{"task": "local", "rows": list(p.rows)}],
                         "optimizer": None if p.optimizer is None else p.optimizer.spec(), "table": None})
     file = f"{_file_tag(step)}-replica.safetensors"
-    write_atomic(os.path.join(directory, file), arrays, metadata={"format": FILE_FORMAT, "entries": json.dumps(entries)})
-    crash_point("before-manifest")
-    manifest = {"format": FORMAT, "step": int(step), "time": time.time(), "records": records,
-                "shards": [{"task": "local", "file": file, "entries": entries}]}
-    path = os.path.join(directory, manifest_name(int(step)))
-    write_atomic(path, text=json.dumps(manifest, indent=1))
-    _prune(directory, keep)
-    return path
+    with opened_dir(directory) as fd:
+        write_atomic(os.path.join(directory, file), arrays, dir_fd=fd,
+                     metadata={"format": FILE_FORMAT, "entries": json.dumps(entries)})
+        crash_point("before-manifest")
+        manifest = {"format": FORMAT, "step": int(step), "time": time.time(), "records": records,
+                    "shards": [{"task": "local", "file": file, "entries": entries}]}
+        return _commit(directory, fd, manifest, keep)
 
 
 def restore_store(path: str) -> tuple[int, dict[str, dict[str, np.ndarray]]]:

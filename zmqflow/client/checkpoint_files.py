@@ -5,6 +5,17 @@ naming one shard file per task that held state. Format 2 shard files are safeten
 (:mod:`zmqflow.state.snapshot` names their tensors); format 1 files (``.npz``) are still read.
 Nothing here needs a running cluster: restore reads through it, and so does
 ``zmqflow checkpoint inspect``.
+
+Checkpoints stand in the order they were saved, as TF's ``CheckpointManager`` keeps them, not in
+the order of their steps: a run restored to an older checkpoint and trained on saves lower steps
+than the checkpoints it left behind, and its saves are the newest. Each manifest carries ``seq``,
+one more than the largest in its directory when it was written (manifests from before have none:
+0), then ``time``; the latest checkpoint is the last saved, retention keeps the last saved.
+
+A directory is opened once and read through its descriptor (:mod:`zmqflow.state.dirfd`): the
+path a caller gives (a directory, or a manifest) is followed as given, but a manifest found by
+listing, and every shard file a manifest names, must be a file of the directory itself; a link
+there is no checkpoint (never listed, read, kept or pruned as one).
 """
 
 from __future__ import annotations
@@ -12,16 +23,19 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..errors import InvalidArgument, NotFound
+from ..state.dirfd import is_file, open_dir, opener as nofollow_opener
 from ..state.snapshot import NpzFile, entry_tensor, open_shard_file
 from ..state.tensorfile import TensorFile
 
-__all__ = ["FORMAT", "READS", "manifest_name", "checkpoints", "complete", "committed", "load_manifest", "latest", "open_manifest", "read",
+__all__ = ["FORMAT", "READS", "manifest_name", "checkpoints", "complete", "committed", "load_manifest", "latest",
+           "open_manifest", "read", "saved", "Saved", "save_order", "next_seq", "directory_fd",
            "Piece", "pieces", "field", "fields", "describe", "MANIFEST", "plain_name", "named_file"]
 
 FORMAT = 2  # safetensors shard files
@@ -30,6 +44,15 @@ MANIFEST = re.compile(r"^checkpoint-(\d+)\.json$")
 
 ShardFile = TensorFile | NpzFile
 Piece = tuple[dict[str, Any], ShardFile]  # (manifest entry, the file holding it)
+Order = tuple[int, float, str]
+
+
+class Saved(NamedTuple):
+    """A complete checkpoint: its manifest's path, the files it names, where it stands in saves."""
+
+    path: str
+    files: set[str]
+    order: Order
 
 
 def manifest_name(step: int) -> str:
@@ -50,52 +73,99 @@ def named_file(directory: str, name: Any, manifest: str) -> str:
     return os.path.join(directory, name)
 
 
+def save_order(name: str, manifest: Any) -> Order:
+    """Where a checkpoint stands among its directory's saves: ``seq``, then ``time``, then name."""
+    def number(key: str) -> Any:
+        v = manifest.get(key) if isinstance(manifest, dict) else None
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
+
+    return int(number("seq")), float(number("time")), name
+
+
+@contextmanager
+def directory_fd(directory: str) -> Iterator[int | None]:
+    """A descriptor of ``directory``, closed after; None when it is not there (or not a directory)."""
+    try:
+        fd = open_dir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        yield None
+        return
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def saved(directory: str, dir_fd: int | None = None) -> list[Saved]:
+    """Every complete checkpoint in ``directory`` (through ``dir_fd`` when given), oldest save first."""
+    if dir_fd is None:
+        with directory_fd(directory) as fd:
+            return [] if fd is None else saved(directory, fd)
+    return [Saved(path, files, order) for order, path, files in _scan(
+        dir_fd, directory, lambda n: MANIFEST.match(n) is not None,
+        lambda m: [s["file"] for s in m.get("shards", [])], save_order)]
+
+
 def checkpoints(directory: str) -> list[str]:
-    """Manifests in ``directory`` whose shard files all exist, oldest first."""
-    return [path for path, _ in complete(directory)]
+    """Manifests in ``directory`` whose shard files all exist, oldest save first."""
+    return [s.path for s in saved(directory)]
 
 
 def complete(directory: str) -> list[tuple[str, set[str]]]:
-    """(manifest, the shard files it names) for every complete checkpoint, oldest first; each
-    manifest read once."""
-    return committed(directory, lambda n: MANIFEST.match(n) is not None,
-                     lambda m: [s["file"] for s in m.get("shards", [])])
+    """(manifest, the shard files it names) for every complete checkpoint, oldest save first."""
+    return [(s.path, s.files) for s in saved(directory)]
+
+
+def next_seq(found: list[Saved]) -> int:
+    """The ``seq`` of a manifest written now: one more than any in its directory."""
+    return 1 + max((s.order[0] for s in found), default=0)
 
 
 def committed(directory: str, is_manifest: Callable[[str], bool],
               files_of: Callable[[Any], list[str]]) -> list[tuple[str, set[str]]]:
     """(manifest, its files) for every manifest in ``directory`` (names sorted, so oldest first
-    for zero-padded steps) whose files all exist: the manifest is the commit marker, written last."""
-    try:
-        names = sorted(n for n in os.listdir(directory) if is_manifest(n))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+    for zero-padded names) whose files all exist: the manifest is the commit marker, written last."""
+    with directory_fd(directory) as fd:
+        if fd is None:
+            return []
+        return [(path, files) for _, path, files in _scan(fd, directory, is_manifest, files_of, lambda n, m: n)]
+
+
+def _scan(fd: int, directory: str, is_manifest: Callable[[str], bool], files_of: Callable[[Any], list[str]],
+          order: Callable[[str, Any], Any]) -> list[tuple[Any, str, set[str]]]:
+    """(order, path, files) of every committed manifest listed in ``fd``, sorted by order."""
     out = []
-    for name in names:
-        path = os.path.join(directory, name)
+    for name in os.listdir(fd):
+        if not is_manifest(name):
+            continue
         try:
-            with open(path) as fh:
-                files = set(files_of(json.load(fh)))
+            with open(name, opener=nofollow_opener(fd)) as fh:
+                manifest = json.load(fh)
+            files = set(files_of(manifest))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            continue  # half-written, or removed meanwhile by another process pruning
+            continue  # half-written, removed meanwhile by another process pruning, or a link
         if not all(map(plain_name, files)):
             continue  # names a file outside the directory: never read, kept or pruned as a checkpoint
-        if all(os.path.exists(os.path.join(directory, f)) for f in files):
-            out.append((path, files))
+        if all(is_file(fd, f) for f in files):
+            out.append((order(name, manifest), os.path.join(directory, name), files))
+    out.sort(key=lambda found: found[0])
     return out
 
 
 def latest(directory: str) -> str | None:
-    """The newest complete checkpoint's manifest, or None."""
+    """The last saved complete checkpoint's manifest, or None."""
     found = checkpoints(directory)
     return found[-1] if found else None
 
 
-def load_manifest(path: str, what: str) -> Any:
+def load_manifest(path: str, what: str, dir_fd: int | None = None, *, follow: bool = True) -> Any:
     """A manifest's JSON: ``NotFound`` when it is not there, ``InvalidArgument`` naming the file
-    when it cannot be read (``what``: checkpoint, delta)."""
+    when it cannot be read (``what``: checkpoint, delta). With ``dir_fd``, ``path``'s last name is
+    opened in that directory; ``follow=False``: not when it is a link."""
+    name = path if dir_fd is None else os.path.basename(path)
+    flags_of = (lambda flags: flags) if follow else (lambda flags: flags | os.O_NOFOLLOW)
     try:
-        with open(path) as fh:
+        with open(name, opener=lambda n, flags: os.open(n, flags_of(flags), dir_fd=dir_fd)) as fh:
             return json.load(fh)
     except FileNotFoundError:
         raise NotFound(f"no {what} at {path!r}") from None
@@ -103,20 +173,27 @@ def load_manifest(path: str, what: str) -> Any:
         raise InvalidArgument(f"cannot read {what} manifest {path!r}: {exc}", file=path) from None
 
 
-def open_manifest(path: str) -> tuple[str, str, dict[str, Any]]:
-    """(manifest path, its directory, its contents) for a manifest or a directory's latest."""
+def open_manifest(path: str, dir_fd: int | None = None) -> tuple[str, str, dict[str, Any]]:
+    """(manifest path, its directory, its contents) for a manifest or a directory's latest
+    (``dir_fd``: a descriptor of that directory, or of the manifest's)."""
+    if dir_fd is None:
+        with directory_fd(_directory_of(path)) as fd:
+            if fd is None:
+                raise NotFound(f"no checkpoint at {path!r}")
+            return open_manifest(path, fd)
+    chosen = path
     if os.path.isdir(path):
-        found = latest(path)
-        if found is None:
+        found = saved(path, dir_fd)
+        if not found:
             raise NotFound(f"no complete checkpoint in {path!r} (no checkpoint-<step>.json whose shard files all exist)")
-        path = found
-    manifest = load_manifest(path, "checkpoint")
+        chosen = found[-1].path
+    manifest = load_manifest(chosen, "checkpoint", dir_fd, follow=chosen == path)  # the caller's own name: as given
     if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):
-        raise InvalidArgument(f"{path!r} is not a checkpoint manifest (no list of shards)", file=path)
+        raise InvalidArgument(f"{chosen!r} is not a checkpoint manifest (no list of shards)", file=chosen)
     if manifest.get("format") not in READS:
-        raise InvalidArgument(f"checkpoint {path!r} has format {manifest.get('format')!r}; this version reads "
-                              f"{', '.join(map(str, READS))}", file=path)
-    return path, os.path.dirname(os.path.abspath(path)), manifest
+        raise InvalidArgument(f"checkpoint {chosen!r} has format {manifest.get('format')!r}; this version reads "
+                              f"{', '.join(map(str, READS))}", file=chosen)
+    return chosen, os.path.dirname(os.path.abspath(chosen)), manifest
 
 
 _READ_TRIES = 3
@@ -124,19 +201,36 @@ _READ_TRIES = 3
 
 def read(path: str, opener: Any = open_shard_file) -> tuple[str, dict[str, Any], list[tuple[dict[str, Any], ShardFile]]]:
     """(manifest path, manifest, [(shard entry, its file, opened)]) of the checkpoint at ``path``
-    (a manifest, or a directory: its newest). Every file is opened, its header checked, before
-    anything changes; the data stays on disk until read. A writer saving into the directory
-    meanwhile prunes all but its newest few checkpoints, possibly the one chosen here: then the
-    newest is chosen again (a named manifest is never chosen again)."""
+    (a manifest, or a directory: its last saved). The directory is opened once; the manifest and
+    every file are read through it (``opener(path, dir_fd)``), headers checked, before anything
+    changes; the data stays on disk until read. A writer saving into the directory meanwhile
+    prunes all but its newest few checkpoints, possibly the one chosen here: then the newest is
+    chosen again (a named manifest is never chosen again)."""
+    directory = _directory_of(path)
     for attempt in range(_READ_TRIES):
         try:
-            chosen, directory, manifest = open_manifest(path)
-            shards = [(shard, opener(named_file(directory, shard.get("file"), chosen))) for shard in manifest["shards"]]
+            with directory_fd(directory) as fd:
+                if fd is None:
+                    raise NotFound(f"no checkpoint at {path!r}")
+                chosen, _, manifest = open_manifest(path, fd)
+                shards = [(shard, opener(named_file(directory, _file_of(shard, chosen), chosen), fd))
+                          for shard in manifest["shards"]]
             return chosen, manifest, shards
         except (NotFound, InvalidArgument):
             if not os.path.isdir(path) or attempt == _READ_TRIES - 1:
                 raise
     raise AssertionError("unreachable")
+
+
+def _directory_of(path: str) -> str:
+    """The directory a checkpoint ``path`` (a directory, or a manifest in one) is read from."""
+    return path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+
+
+def _file_of(shard: Any, manifest: str) -> Any:
+    if not isinstance(shard, dict):
+        raise InvalidArgument(f"{manifest!r}: a shard is {type(shard).__name__}, not a map", file=manifest)
+    return shard.get("file")
 
 
 def pieces(shards: list[tuple[dict[str, Any], ShardFile]]) -> dict[tuple[str, int], Piece]:

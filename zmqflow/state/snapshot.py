@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from ..errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from .dirfd import NAME_MAX, SymlinkInTheWay, open_nofollow
 from .tables import HashTable
 from .tensorfile import TensorFile, write_tensors
 from .store import Part
@@ -42,7 +43,6 @@ FILE_FORMAT = "zmqflow-checkpoint/2"
 # writer still at work (another thread or process saving beside it) from one that died.
 TEMP_SUFFIX = r"\.tmp-(?P<host>[A-Za-z0-9_.-]+?)-(?P<pid>\d+)-(?P<tid>\d+)"
 _TEMP = re.compile(TEMP_SUFFIX + "$")
-NAME_MAX = 255  # bytes of one file name on the file systems checkpoints go to (ext4, xfs, NFS)
 # A temporary written on another host is taken for abandoned only once it is this old.
 FOREIGN_TEMP_GRACE_S = 600.0
 
@@ -107,7 +107,14 @@ def table_arrays(t: HashTable, key: str) -> dict[str, np.ndarray]:
     return out
 
 
-def fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str | int) -> None:
+    """Make a rename in ``directory`` (a path, or a descriptor of it) durable; best effort."""
+    if isinstance(directory, int):
+        try:
+            os.fsync(directory)
+        except OSError:
+            pass
+        return
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
@@ -136,14 +143,16 @@ def check_file_name(file: str) -> None:
 
 
 def write_atomic(path: str, arrays: dict[str, np.ndarray] | None = None, text: str | None = None,
-                 metadata: dict[str, str] | None = None) -> None:
+                 metadata: dict[str, str] | None = None, *, dir_fd: int | None = None) -> None:
     """Write ``arrays`` (as safetensors, with ``metadata``) or ``text`` to ``path`` so that a
-    crash leaves the old or the new file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = temp_path(path)
+    crash leaves the old or the new file. With ``dir_fd`` (a descriptor of ``path``'s directory),
+    the file is reached through it by its last name, never by the path: a directory swapped for a
+    link after it was opened is not written through."""
+    name = os.path.basename(path) if dir_fd is not None else path
+    tmp = temp_path(name)
     try:
         # never through a link planted at the temporary's name: the file is ours, created here
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        fd = open_nofollow(dir_fd, tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
             with os.fdopen(fd, "wb") as fh:
                 if arrays is not None:
@@ -153,14 +162,14 @@ def write_atomic(path: str, arrays: dict[str, np.ndarray] | None = None, text: s
                 fh.flush()
                 crash_point("mid-write")
                 os.fsync(fh.fileno())
-            os.replace(tmp, path)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except BaseException:  # a failed write leaves no temporary behind (a crash does: pruning's)
             try:
-                os.remove(tmp)
+                os.remove(tmp, dir_fd=dir_fd)
             except OSError:
                 pass
             raise
-        fsync_dir(directory)
+        fsync_dir(os.path.dirname(os.path.abspath(path)) if dir_fd is None else dir_fd)
     except OSError as exc:
         typed = _typed(exc, path)
         if typed is None:
@@ -173,20 +182,27 @@ def _typed(exc: OSError, path: str) -> Exception | None:
     OSError as it is)."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return ResourceExhausted(f"cannot write {path!r}: {exc.strerror}", file=path)
+    if isinstance(exc, SymlinkInTheWay):
+        return PermissionDenied(f"cannot write {path!r}: a symbolic link is in the way at {exc.name!r}", file=path)
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return PermissionDenied(f"cannot write {path!r}: {exc.strerror}", file=path)
     return None
 
 
-def read_arrays(path: str) -> dict[str, np.ndarray]:
-    """Every array of a format-1 ``.npz`` file."""
+def read_arrays(path: str, dir_fd: int | None = None) -> dict[str, np.ndarray]:
+    """Every array of a format-1 ``.npz`` file (with ``dir_fd``: ``path``'s last name in it, not
+    followed when it is a link)."""
     import zipfile  # here, not at the top: only old checkpoints need it, and it brings bz2, lzma and shutil
 
     try:
-        with np.load(path, allow_pickle=False) as data:
+        fd = os.open(path, os.O_RDONLY) if dir_fd is None else open_nofollow(dir_fd, os.path.basename(path))
+        with os.fdopen(fd, "rb") as fh, np.load(fh, allow_pickle=False) as data:
             return {k: data[k] for k in data.files}
     except FileNotFoundError:
         raise NotFound(f"checkpoint file {path!r} does not exist", file=path) from None
+    except SymlinkInTheWay:
+        raise InvalidArgument(f"checkpoint file {path!r} is a symbolic link: a checkpoint's files are read only "
+                              f"as files of its own directory", file=path) from None
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
         raise InvalidArgument(f"cannot read checkpoint file {path!r}: {exc}", file=path) from None
 
@@ -195,10 +211,13 @@ class NpzFile:
     """A format-1 shard file seen as a :class:`TensorFile` (keys ``p0.value``, ``t1.slot.m``),
     so restore and inspect read old checkpoints too. Read whole: npz cannot be mapped."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, dir_fd: int | None = None):
         self.path = path
-        self.size = os.path.getsize(path) if os.path.exists(path) else 0
-        self.arrays = read_arrays(path)
+        self.arrays = read_arrays(path, dir_fd)
+        try:
+            self.size = os.stat(path if dir_fd is None else os.path.basename(path), dir_fd=dir_fd).st_size
+        except OSError:
+            self.size = 0
         self.metadata: dict[str, str] = {"format": "zmqflow-checkpoint/1 (npz)"}
 
     def keys(self) -> list[str]:
@@ -221,23 +240,26 @@ class NpzFile:
         return arr if start is None and stop is None else arr[start:stop]
 
 
-def open_shard_file(path: str) -> "TensorFile | NpzFile":
-    """A shard file of either format, its header checked (a truncated file fails here)."""
-    return NpzFile(path) if path.endswith(".npz") else TensorFile(path)
+def open_shard_file(path: str, dir_fd: int | None = None) -> "TensorFile | NpzFile":
+    """A shard file of either format, its header checked (a truncated file fails here). With
+    ``dir_fd``, ``path``'s last name is opened in that directory and never followed if a link."""
+    return NpzFile(path, dir_fd) if path.endswith(".npz") else TensorFile(path, dir_fd)
 
 
 _HOST = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
 
 
-def abandoned_temporary(path: str) -> bool:
-    """Whether ``path`` is a temporary whose writer is gone: on this host, its process no longer
-    exists; on another, it has not been touched for ``FOREIGN_TEMP_GRACE_S``. Not a temporary: False."""
+def abandoned_temporary(path: str, dir_fd: int | None = None) -> bool:
+    """Whether ``path`` (with ``dir_fd``: a name in that directory) is a temporary whose writer is
+    gone: on this host, its process no longer exists; on another, it has not been touched for
+    ``FOREIGN_TEMP_GRACE_S``. Not a temporary: False."""
     m = _TEMP.search(os.path.basename(path))
     if m is None:
         return False
     if m["host"] != _HOST:
         try:
-            return time.time() - os.path.getmtime(path) > FOREIGN_TEMP_GRACE_S
+            mtime = os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mtime
+            return time.time() - mtime > FOREIGN_TEMP_GRACE_S
         except FileNotFoundError:
             return False
     pid = int(m["pid"])

@@ -28,6 +28,7 @@ from typing import IO, Any
 import numpy as np
 
 from ..errors import InvalidArgument, NotFound
+from .dirfd import SymlinkInTheWay, fd_name, open_nofollow
 
 __all__ = ["ST_DTYPES", "write_tensors", "TensorFile", "storable"]
 
@@ -98,29 +99,42 @@ def write_tensors(fh: IO[bytes], tensors: Mapping[str, np.ndarray], metadata: Ma
 class TensorFile:
     """A safetensors file opened for reading: its tensors' dtypes and shapes from the header,
     their data through ``safe_open``'s memory mapping. A missing file is ``NotFound``; a file that
-    is not safetensors, or is truncated, is ``InvalidArgument`` naming it."""
+    is not safetensors, or is truncated, is ``InvalidArgument`` naming it. With ``dir_fd`` (a
+    descriptor of ``path``'s directory) the file is ``path``'s last name in it, opened once with
+    ``O_NOFOLLOW`` (a link there is refused), and the header and mapping come from that one open
+    file, never from the name again."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, dir_fd: int | None = None):
         from safetensors import SafetensorError, safe_open
 
         self.path = path
         self._error = SafetensorError
+        fd = -1
         try:
-            self.size = os.path.getsize(path)
-            self._file = safe_open(path, framework="numpy")
-            self._header = self._read_header(path)
+            fd = open_nofollow(dir_fd, os.path.basename(path)) if dir_fd is not None else os.open(path, os.O_RDONLY)
+            self.size = os.fstat(fd).st_size
+            self._file = safe_open(fd_name(fd), framework="numpy")  # maps the file open on fd, header checked
+            self._header = self._read_header(fd)
         except FileNotFoundError:
             raise NotFound(f"checkpoint file {path!r} does not exist", file=path) from None
-        except (OSError, ValueError, SafetensorError) as exc:
+        except SymlinkInTheWay:
+            raise InvalidArgument(f"checkpoint file {path!r} is a symbolic link: a checkpoint's files are read "
+                                  f"only as files of its own directory", file=path) from None
+        except (OSError, ValueError, struct.error, SafetensorError) as exc:
             raise InvalidArgument(f"checkpoint file {path!r} is not a readable safetensors file "
                                   f"(corrupt or truncated?): {exc}", file=path) from None
+        finally:
+            if fd >= 0:
+                os.close(fd)
         self.metadata: dict[str, str] = dict(self._header.pop("__metadata__", None) or {})
 
     @staticmethod
-    def _read_header(path: str) -> dict[str, Any]:
-        with open(path, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            return json.loads(fh.read(n))
+    def _read_header(fd: int) -> dict[str, Any]:
+        (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+        header = json.loads(os.pread(fd, n, 8))
+        if not isinstance(header, dict):
+            raise ValueError("its header is not a map")
+        return header
 
     def keys(self) -> list[str]:
         return sorted(self._header)

@@ -14,7 +14,7 @@ from ...errors import InvalidArgument
 from ...observe.metrics import Histogram
 from ..checkpoint_roots import CheckpointRoots
 from ...state.tables import HashTable
-from ...state.snapshot import (FILE_FORMAT, NAME_MAX, check_file_name, part_arrays, part_prefix, table_arrays,
+from ...state.snapshot import (FILE_FORMAT, check_file_name, part_arrays, part_prefix, table_arrays,
                                table_prefix, write_atomic)
 from ...state.store import PartKey, ShardStore
 from ...rpc import CallContext, op
@@ -36,9 +36,16 @@ class SnapshotOps:
         """Write every part and table of this shard to ``directory/file``, atomically. Runs on the
         loop without yielding, so the file is one consistent moment of this shard. The directory
         must resolve inside the task's checkpoint roots (else ``PermissionDenied``, nothing
-        created); everything after uses the resolved path, not the caller's string."""
+        created); the file is written through a descriptor of that directory, reached from its
+        root without following a link, never through the caller's string or a path again."""
         started = time.perf_counter()
-        file, directory = self._target(req.file, req.directory)
+        file, directory, dir_fd = self._target(req.file, req.directory)
+        try:
+            return self._save(file, directory, dir_fd, started)
+        finally:
+            os.close(dir_fd)
+
+    def _save(self, file: str, directory: str, dir_fd: int, started: float) -> dict[str, Any]:
         arrays: dict[str, np.ndarray] = {}
         entries = []
         for (name, part), p in sorted(self.store.parts.items()):
@@ -51,26 +58,20 @@ class SnapshotOps:
             arrays.update(table_arrays(t, key))
             entries.append({"kind": "table", "name": name, "part": part, "key": key, "rows": len(t),
                             "dim": t.dim, "dtype": t.dtype.name, "clock": t.step, "slots": list(t.slots)})
-        write_atomic(os.path.join(directory, file), arrays, metadata={"format": FILE_FORMAT, "entries": json.dumps(entries)})
+        write_atomic(os.path.join(directory, file), arrays, dir_fd=dir_fd,
+                     metadata={"format": FILE_FORMAT, "entries": json.dumps(entries)})
         self.save_seconds.observe(time.perf_counter() - started)
         return {"file": file, "entries": entries}
 
-    def _target(self, file: str, directory: str) -> tuple[str, str]:
-        """(file, the confined real directory, created): the file a plain name, the directory
-        inside the checkpoint roots (else ``PermissionDenied``, nothing created)."""
+    def _target(self, file: str, directory: str) -> tuple[str, str, int]:
+        """(file, the confined real directory, created, a descriptor of it for the caller to
+        close): the file a plain name, the directory inside the checkpoint roots (else
+        ``PermissionDenied``, nothing created)."""
         if os.sep in file or (os.altsep and os.altsep in file) or "\0" in file or file.startswith("."):
             raise InvalidArgument(f"checkpoint file name {file!r} must be a plain name")
         check_file_name(file)
-        real = self.checkpoint_roots.confine(directory)
-        if any(len(os.fsencode(part)) > NAME_MAX for part in real.split(os.sep)):  # before any is made
-            raise InvalidArgument(f"checkpoint directory {directory[:80]!r}...: a name in it is over the {NAME_MAX} "
-                                  "bytes a name may have", directory=directory[:4096])
-        try:
-            os.makedirs(real, exist_ok=True)
-        except OSError as exc:  # a name too long, a file in the way, a read-only disk: the caller's to fix
-            raise InvalidArgument(f"cannot make checkpoint directory {directory[:80]!r}: {exc.strerror or exc}",
-                                  directory=directory[:4096]) from None
-        return file, real
+        real, fd = self.checkpoint_roots.open_dir(directory)
+        return file, real, fd
 
     @op(rq.EmbExportDelta)
     def emb_export_delta(self, ctx: CallContext, req: rq.EmbExportDelta) -> dict[str, Any]:
@@ -82,11 +83,14 @@ class SnapshotOps:
             raise InvalidArgument(f"embedding {req.name!r} part {req.part} is not a dynamic table on this shard: "
                                   f"only dynamic tables track changed rows")
         delta = table.delta(req.since)  # refused (too old) before anything is created
-        file, directory = self._target(req.file, req.directory)
+        file, directory, dir_fd = self._target(req.file, req.directory)
         info = {"kind": "delta", "name": req.name, "part": req.part, "since": req.since, "step": delta["step"],
                 "rows": len(delta["ids"]), "dropped": len(delta["dropped"]), "dim": table.dim, "dtype": table.dtype.name}
-        write_atomic(os.path.join(directory, file), {k: delta[k] for k in ("ids", "values", "dropped")},
-                     metadata={"format": "zmqflow-delta/1", "delta": json.dumps(info)})
+        try:
+            write_atomic(os.path.join(directory, file), {k: delta[k] for k in ("ids", "values", "dropped")},
+                         metadata={"format": "zmqflow-delta/1", "delta": json.dumps(info)}, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
         return {"file": file, **info}
 
     @op(rq.RestorePart)
