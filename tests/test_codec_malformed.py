@@ -285,3 +285,30 @@ def test_error_message_with_tensors_is_refused():
 def test_error_fields_default_to_empty_strings():
     msg = decode([header(k=ERROR, e={"code": "NOT_FOUND", "extra": 1})])
     assert msg.error == {"code": "NOT_FOUND", "type": "", "message": "", "traceback": ""}
+
+
+_BIG = [0] * 500_000  # a field any peer may send: up to the header's limits, 500k elements here
+
+
+@pytest.mark.parametrize(
+    "frames, named",
+    [
+        ([header(v=_BIG, id=5)], "protocol version"),
+        ([header(v=b"1" * 1_000_000, id=5)], "protocol version"),
+        ([header(k="\u00e9" * 1_000_000, id=8)], "kind"),
+        ([header(id=_BIG)], "request id"),
+        ([request_header(id=21, dl=_BIG)], "deadline"),
+        ([request_header(id=21, dl="9" * 1_000_000)], "deadline"),
+        (one_tensor(["uint8", _BIG, 1], b""), "shape"),
+        (one_tensor(["uint8", [[0] * 100_000], 1], b""), "shape"),
+        (one_tensor(["uint8", [1], _BIG], b"\x00"), "frame index"),
+        (one_tensor(["f" * 1_000_000, [1], 1], b"\x00"), "unknown wire dtype"),
+        (one_tensor([_BIG, [1], 1], b"\x00"), "unknown wire dtype"),
+    ],
+    ids=["version", "version-bin", "kind", "id", "deadline", "deadline-str", "shape", "shape-nested", "index",
+         "dtype", "dtype-list"],
+)
+def test_a_refusal_quotes_what_the_peer_sent_briefly_however_large(frames, named):
+    """An error reply must not grow with the field it refuses (a 1 MB shape once made a 3 MB reply)."""
+    err = decode_error(frames)
+    assert named in str(err) and len(str(err)) < 200

@@ -15,7 +15,10 @@ changed.
 With ``retry_interval`` a call unanswered after that long is sent again with the same request id
 and frames, until its deadline: a lost request or reply costs an interval, not the call. Servers
 keep a record of recent ids per peer and answer a duplicate with the first reply instead of running
-it again; a late or second reply is ignored (counted in ``late_replies``).
+it again; a late or second reply is ignored (counted in ``late_replies``), and so is a reply from
+any peer but the one its call went to (:mod:`.replies`). A call its caller cancels is never sent
+again: its retries stop, and a send still waiting for the connection or held for the tick is
+dropped.
 
 Small requests made in one loop tick for one peer go out together in one batch envelope
 (``wire/batch.py``, chosen by :mod:`.coalesce`): the first goes out at once, alone, and the
@@ -31,7 +34,6 @@ import asyncio
 import dataclasses
 import functools
 import itertools
-import logging
 import secrets
 from collections.abc import Sequence
 from typing import Any
@@ -41,18 +43,17 @@ from ..transport import registry
 from ..transport.base import AUTH_FAILED, CONNECTING, DOWN, UP, SendFailed, Transport
 from ..transport.curve import Keys
 from ..transport.options import DEFAULT_OPTIONS, SocketOptions
-from ..wire import ERROR, REPLY, REQUEST, DecodeError, Limits, Message, decode, encode_request, raise_error
-from ..wire.batch import batch_id, decode_batch, encode_batch
+from ..wire import Limits, encode_request
+from ..wire.batch import encode_batch
 from ..wire.codec import DEFAULT_LIMITS
-from .calls import Peer, Pending, protocol_error, unauthenticated, unreachable
+from .calls import Peer, Pending, unauthenticated, unreachable
 from .coalesce import Coalescer
 from .counters import Counters, frames_nbytes
 from .deadlines import Deadlines
+from .replies import Replies
 from .streams import Streams, configured_streams
 
 __all__ = ["RpcClient", "Peer", "DEFAULT_TIMEOUT"]  # Peer: re-exported from .calls
-
-log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 30.0
 # After a connection drops, calls wait this long for the reconnect before failing fast
@@ -60,7 +61,7 @@ DEFAULT_TIMEOUT = 30.0
 RECONNECT_GRACE = 2.0  # a call to a peer down for less than this waits for it to come back (a quick restart)
 
 
-class RpcClient:
+class RpcClient(Replies):
     """Calls services on other tasks. Lives on one event loop; not thread-safe."""
 
     def __init__(
@@ -260,6 +261,16 @@ class RpcClient:
         task = self._loop.create_task(self._send_later(rid, peer, frames, pending.timeout))
         self._senders[rid] = task
         task.add_done_callback(lambda _t, rid=rid: self._senders.pop(rid, None))
+        # a call waiting to be sent ends when its caller cancels it: on this slow path only, so
+        # the common one (sent at once, answered) carries no callback
+        pending.future.add_done_callback(functools.partial(self._abandoned, rid))
+
+    def _abandoned(self, rid: int, future: asyncio.Future) -> None:
+        """A call its caller cancelled ends now: out of the record, its retries and waiting send stopped,
+        so nothing of it goes out after the cancel."""
+        pending = self._pending.get(rid)
+        if pending is not None and pending.future is future and future.cancelled():
+            self._finish(rid)
 
     def _end_tick(self, peer: Peer) -> None:
         held = self._coalescer.end_tick(peer)
@@ -269,7 +280,12 @@ class RpcClient:
     def _send_group(self, peer: Peer, items: list[tuple[int, list[Any]]]) -> None:
         """Held requests: one goes alone, several in one envelope (each alone when that cannot go now)."""
         pending_of = self._pending.get
-        live = [item for item in items if (p := pending_of(item[0])) is not None and not p.sent]  # not ended meanwhile
+        # not ended meanwhile, nor cancelled by its caller while held (a cancelled call is never sent)
+        live = [item for item in items if (p := pending_of(item[0])) is not None and not p.sent and not p.future.done()]
+        if len(live) < len(items):
+            for rid, _ in items:
+                if (p := pending_of(rid)) is not None:
+                    self._abandoned(rid, p.future)
         if len(live) < 2 or not peer.batching:
             for rid, frames in live:
                 self._send_one(peer, rid, frames)
@@ -317,6 +333,9 @@ class RpcClient:
         """Send an unanswered call again, unchanged (the server answers a duplicate from its record)."""
         pending = self._pending.get(rid)
         if pending is None:
+            return
+        if pending.future.done():  # its caller cancelled it: it ends here, and is never sent again
+            self._finish(rid)
             return
         peer = pending.peer
         if pending.sent and peer.state != DOWN and peer.conn.try_send(frames):
@@ -373,75 +392,6 @@ class RpcClient:
             pending.future.set_exception(exc)
         else:
             pending.future.set_result(result)
-
-    def _on_reply(self, peer: Peer, frames: list[Any]) -> None:
-        counters = self.counters
-        counters.msgs_in += 1
-        counters.bytes_in += sum(map(len, frames))
-        try:
-            msg = decode(frames, self.limits)
-        except DecodeError as exc:
-            if exc.kind is None and frames and batch_id(frames[0]) is not None:
-                self._on_batch(peer, frames)
-            else:
-                self._undecodable(peer, exc)
-            return
-        self._on_message(peer, msg)
-
-    def _on_batch(self, peer: Peer, frames: list[Any]) -> None:
-        """Replies that came in one envelope: each is read and matched on its own."""
-        try:
-            batch = decode_batch(frames, self.limits)
-        except DecodeError as exc:
-            self.counters.dropped += 1
-            log.warning("dropped an unreadable batch of replies from %s: %s", peer.name, exc)
-            return
-        for entry in batch.entries:
-            try:
-                msg = decode(entry, self.limits)
-            except DecodeError as exc:
-                self._undecodable(peer, exc)
-                continue
-            self._on_message(peer, msg)
-
-    def _undecodable(self, peer: Peer, exc: DecodeError) -> None:
-        if exc.request_id is not None and exc.request_id in self._pending:
-            self._finish(exc.request_id, exc=protocol_error(exc, self._pending[exc.request_id]))
-        else:
-            self.counters.dropped += 1
-            log.warning("dropped an unreadable reply from %s: %s", peer.name, exc)
-
-    def _on_message(self, peer: Peer, msg: Message) -> None:
-        pending = self._pending.get(msg.id)
-        if pending is None or msg.kind == REQUEST:
-            refused = self._batches.pop(msg.id, None) if msg.kind == ERROR else None
-            if refused is not None:
-                self._unbatch(refused, msg)
-            else:
-                self.counters.late_replies += 1
-            return
-        if msg.kind == REPLY:
-            self._finish(msg.id, result=msg.body)
-        elif msg.kind == ERROR:
-            try:
-                raise_error(msg, context=f"from {pending.what}")
-            except ZmqflowError as exc:
-                self._finish(msg.id, exc=exc)
-
-    def _unbatch(self, refused: tuple[Peer, list[tuple[int, list[Any]]]], msg: Message) -> None:
-        """The peer refused an envelope whole (none of it ran): its requests go again, one by one,
-        and so does everything else for that peer from now on."""
-        peer, items = refused
-        peer.batching = False
-        err = msg.error or {}
-        log.warning("%s refused a batch of %d requests (%s: %s); sending requests to it one by one", peer.name,
-                    len(items), err.get("code", ""), err.get("message", ""))
-        for rid, frames in items:
-            pending = self._pending.get(rid)
-            if pending is not None and pending.batch == msg.id:
-                pending.sent = False
-                pending.batch = 0
-                self._send_one(peer, rid, frames)
 
     def down_since(self, endpoint: str) -> float | None:
         """Loop time at which the connection to ``endpoint`` dropped, None while it is not down."""

@@ -39,7 +39,7 @@ from ..wire.batch import BATCH, DEFAULT_BATCH_LIMITS, BatchLimits, batch_id, dec
 from ..wire.codec import DEFAULT_LIMITS
 from .coalesce import Coalescer
 from .counters import Counters, frames_nbytes
-from .dedup import DONE, IN_FLIGHT, Dedup
+from .dedup import DONE, IN_FLIGHT, MAX_KEPT_BYTES, MAX_PEER_KEPT_BYTES, Dedup
 from .roles import authorize, client_ops
 from .service import CallContext, Service
 
@@ -78,6 +78,8 @@ class RpcServer:
         keys: Keys | None = None,
         metrics: TaskMetrics | None = None,
         batch_limits: BatchLimits = DEFAULT_BATCH_LIMITS,
+        max_kept_bytes: int = MAX_KEPT_BYTES,
+        max_peer_kept_bytes: int = MAX_PEER_KEPT_BYTES,
     ):
         if not max_deadline > 0 or max_in_flight < 1:
             raise ValueError(f"max_deadline must be > 0 and max_in_flight >= 1, got {max_deadline}, {max_in_flight}")
@@ -100,8 +102,9 @@ class RpcServer:
         self._listener: Listener | None = None
         self._tasks: set[asyncio.Task] = set()
         self.endpoint = bind_endpoint
-        # a retried or duplicated request (same peer, same id, same header) runs once
-        self.dedup = Dedup()
+        # a retried or duplicated request (same peer, same id, same header) runs once; the replies
+        # kept for one are capped in bytes, per peer and in all
+        self.dedup = Dedup(max_bytes=max_kept_bytes, max_peer_bytes=max_peer_kept_bytes)
         self.batch_limits = batch_limits
         self._coalescer = Coalescer()
         self._batch_peers: set[bytes] = set()  # peers that sent an envelope, so they read them
@@ -265,8 +268,8 @@ class RpcServer:
         reply_by = None if msg.deadline is None else self._loop.time() + min(msg.deadline, self.max_deadline)
         if seen is DONE:
             exc = ResourceExhausted(
-                f"{msg.service}.{msg.op} request {msg.id} already ran on {self.name}; its reply was too large to keep "
-                "for a retry, so this duplicate is not answered with it")
+                f"{msg.service}.{msg.op} request {msg.id} already ran on {self.name}; its reply was not kept for a "
+                "retry (too large, or over the bytes of replies kept), so this duplicate is not answered with it")
             error = error_message(msg.id, exc, source=self.name)
             self._reply(identity, msg.id, None, reply_by, error=error, record=False)
         else:

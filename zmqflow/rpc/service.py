@@ -115,10 +115,20 @@ class Op:
         keys = body.keys()
         if not self.open and not keys <= self.accepted:
             unknown = ", ".join(sorted(map(str, keys - self.accepted)))
-            raise InvalidArgument(f"{service}.{name}: unexpected argument(s) {unknown}")
+            raise InvalidArgument(f"{service}.{name}: unexpected argument(s) {unknown:.200}")
         if not self.required <= keys:
             raise InvalidArgument(f"{service}.{name}: missing argument(s) {', '.join(sorted(self.required - keys))}")
-        return lambda: fn(ctx, **body)
+
+        def call() -> Any:
+            try:
+                return fn(ctx, **body)
+            except TypeError:  # names that are not strings (a msgpack bin key) fail the call before it runs
+                bad = next((k for k in body if not isinstance(k, str)), None)
+                if bad is None:  # the handler's own error
+                    raise
+                raise InvalidArgument(f"{service}.{name}: argument names must be strings, got {bad!r:.80}") from None
+
+        return call
 
 
 class Service:

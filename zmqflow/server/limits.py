@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..rpc.dedup import MAX_KEPT_BYTES, MAX_PEER_KEPT_BYTES
 from ..rpc.server import MAX_DEADLINE, MAX_IN_FLIGHT
 from ..state.limits import DEFAULT_STATE_LIMITS, StateLimits, physical_memory
 from ..wire.codec import DEFAULT_LIMITS, Limits
@@ -33,6 +34,9 @@ class ServerLimits:
     # requests (rpc/server.py)
     max_deadline: float = MAX_DEADLINE  # seconds any request may run; the deadline of one naming none
     max_in_flight: int = MAX_IN_FLIGHT  # handlers one peer may have running at once
+    # bytes of replies kept to answer retries (rpc/dedup.py): in all, and per peer (routing identity)
+    max_kept_bytes: int = MAX_KEPT_BYTES
+    max_peer_kept_bytes: int = MAX_PEER_KEPT_BYTES
     # messages (wire/codec.py; the router's MAXMSGSIZE follows max_frame_bytes)
     max_frame_bytes: int = _W.max_frame_bytes
     max_message_bytes: int = _W.max_message_bytes

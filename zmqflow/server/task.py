@@ -223,6 +223,8 @@ class AsyncServer:
             transport=self.transport,
             max_deadline=self.server_limits.max_deadline,
             max_in_flight=self.server_limits.max_in_flight,
+            max_kept_bytes=self.server_limits.max_kept_bytes,
+            max_peer_kept_bytes=self.server_limits.max_peer_kept_bytes,
             debug=self.debug,
             keys=self.keys,
             metrics=self.metrics,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import reprlib
 import struct
 import threading
 from collections.abc import Sequence
@@ -28,7 +29,7 @@ import numpy as np
 from ..errors import InvalidArgument
 from .message import (DEFAULT_LIMITS, ERROR, KINDS, REPLY, REQUEST, VERSION, DecodeError, LimitExceeded, Limits,
                       Message, VersionError)
-from .dtypes import AS_IS, LOADED as _LOADED_DTYPES, dtype_from_name, dtype_name
+from .dtypes import AS_IS, LOADED as _LOADED_DTYPES, WIRE_DTYPES, dtype_name
 from .peek import container_marks, read_start, too_deep
 from .structs import REQUIRED, layout as struct_layout, sent_fields
 
@@ -295,13 +296,12 @@ def _from_header(head: dict, frames: Sequence[Any], limits: Limits, exts: list[o
     kind = kind if kind in KINDS else None
     version = head.get("v")
     if version.__class__ is not int or version != VERSION:
-        raise VersionError(
-            f"protocol version {version!r} is not supported (this side speaks {VERSION})", request_id=rid, kind=kind
-        )
+        raise VersionError(f"protocol version {_short(version)} is not supported (this side speaks {VERSION})",
+                           request_id=rid, kind=kind)
     if kind is None:
-        raise DecodeError(f"unknown message kind {head.get('k')!r}", request_id=rid)
+        raise DecodeError(f"unknown message kind {_short(head.get('k'))}", request_id=rid)
     if rid is None:
-        raise DecodeError(f"request id must be an integer in 0..2**64-1, got {head.get('id')!r}")
+        raise DecodeError(f"request id must be an integer in 0..2**64-1, got {_short(head.get('id'))}")
     if header.nbytes > limits.max_depth and container_marks(header) > limits.max_depth and too_deep(head, limits.max_depth - 1):
         raise LimitExceeded(f"header nests containers deeper than the limit of {limits.max_depth}", request_id=rid, kind=kind)
     if exts and exts[0].__class__ is _BadExt:
@@ -322,7 +322,8 @@ def _from_header(head: dict, frames: Sequence[Any], limits: Limits, exts: list[o
         if dl is not None:
             c = dl.__class__
             if (c is not float and c is not int) or not 0 < dl < _INF:  # msgpack makes exact floats and ints
-                raise DecodeError(f"deadline must be a positive number of seconds, got {dl!r}", request_id=rid, kind=kind)
+                raise DecodeError(f"deadline must be a positive number of seconds, got {_short(dl)}",
+                                  request_id=rid, kind=kind)
             dl = float(dl)
         msg = Message(kind, rid, service, op, None, dl, source)
     else:
@@ -335,11 +336,8 @@ def _from_header(head: dict, frames: Sequence[Any], limits: Limits, exts: list[o
         used = bytearray(len(arrays))
         msg.body = _resolve(head.get("a"), arrays, used, rid, kind) if exts else head.get("a")
         if used.count(0):
-            raise DecodeError(
-                f"tensor frames {[i + 1 for i, u in enumerate(used) if not u]} are not referenced by the body",
-                request_id=rid,
-                kind=kind,
-            )
+            unused = [i + 1 for i, u in enumerate(used) if not u]
+            raise DecodeError(f"tensor frames {unused} are not referenced by the body", request_id=rid, kind=kind)
     else:
         msg.body = head.get("a")
     return msg
@@ -352,9 +350,8 @@ def _tensors(table: object, frames: Sequence[Any], limits: Limits, rid: int, kin
     if not isinstance(table, list):
         raise DecodeError(f"tensor table must be a list, got {type(table).__name__}", request_id=rid, kind=kind)
     if len(table) != len(frames) - 1:
-        raise DecodeError(
-            f"header describes {len(table)} tensors but {len(frames) - 1} tensor frames arrived", request_id=rid, kind=kind
-        )
+        raise DecodeError(f"header describes {len(table)} tensors but {len(frames) - 1} tensor frames arrived",
+                          request_id=rid, kind=kind)
     arrays: list[np.ndarray] = []
     seen: set[int] = set()
     total = 0
@@ -365,15 +362,15 @@ def _tensors(table: object, frames: Sequence[Any], limits: Limits, rid: int, kin
         name, shape, index = entry
         dtype = _LOADED_DTYPES.get(name) if name.__class__ is str else None
         if dtype is None:
-            try:
-                dtype = dtype_from_name(name)
-            except InvalidArgument as exc:
-                raise DecodeError(f"tensor {i}: {exc}", request_id=rid, kind=kind) from None
+            dtype = WIRE_DTYPES.get(name) if name.__class__ is str else None  # ml_dtypes' load on first use
+            if dtype is None:
+                raise DecodeError(f"tensor {i}: unknown wire dtype {_short(name)}", request_id=rid, kind=kind)
         if shape.__class__ is not list or len(shape) > _MAX_NDIM or not _dims_ok(shape):
-            raise DecodeError(f"tensor {i}: shape must be a list of at most {_MAX_NDIM} non-negative ints, got {shape!r}",
-                              request_id=rid, kind=kind)
+            raise DecodeError(f"tensor {i}: shape must be a list of at most {_MAX_NDIM} non-negative ints, got "
+                              f"{_short(shape)}", request_id=rid, kind=kind)
         if index.__class__ is not int or not 1 <= index < nframes or index in seen:
-            raise DecodeError(f"tensor {i}: frame index {index!r} is out of range or used twice", request_id=rid, kind=kind)
+            raise DecodeError(f"tensor {i}: frame index {_short(index)} is out of range or used twice",
+                              request_id=rid, kind=kind)
         seen.add(index)
         view = memoryview(frames[index])
         nbytes = view.nbytes  # a zmq Frame or bytes: one-dimensional bytes, so nbytes is its length
@@ -394,8 +391,17 @@ def _tensors(table: object, frames: Sequence[Any], limits: Limits, rid: int, kin
         try:
             arrays.append(np.ndarray(shape, dtype, view))  # over the frame's memory, read-only where it is
         except ValueError:  # an empty shape whose other dimensions overflow numpy's index type
-            raise DecodeError(f"tensor {i}: shape {shape!r} is too large", request_id=rid, kind=kind) from None
+            raise DecodeError(f"tensor {i}: shape {_short(shape)} is too large", request_id=rid, kind=kind) from None
     return arrays
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxlong = _SHORT.maxother = 40
+
+
+def _short(value: object) -> str:
+    """A peer's value as a refusal quotes it: a few dozen characters, cheaply, however large the value."""
+    return _SHORT.repr(value[:40] if isinstance(value, (bytes, bytearray)) else value)[:80]  # reprlib: bytes whole
 
 
 def _dims_ok(shape: list) -> bool:
