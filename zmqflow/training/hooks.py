@@ -17,7 +17,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["Hook", "LoggingHook", "NamedStrategy", "ProgressHook", "StopAtStep", "SummaryHook", "TrainingRun"]
+__all__ = ["EveryNSteps", "Hook", "LoggingHook", "NamedStrategy", "ProgressHook", "StopAtStep", "SummaryHook",
+           "TrainingRun"]
 
 log = logging.getLogger("zmqflow.training")
 
@@ -103,33 +104,65 @@ class StopAtStep(Hook):
         return self.last_step is not None and mon.step >= self.last_step
 
 
+class EveryNSteps:
+    """When a periodic hook acts: on the first step it is asked about, then once the global step
+    has moved ``n`` past the step it last acted on (TF's ``SecondOrStepTimer``). Not on multiples
+    of ``n``: the global step jumps (async workers push too) and can skip every one of them."""
+
+    def __init__(self, n: int):
+        self.n = max(1, int(n))
+        self.last: int | None = None
+
+    def reset(self) -> None:
+        """Forget the last step (a hook's ``begin``): the next step asked about is due."""
+        self.last = None
+
+    def due(self, step: int) -> bool:
+        """Whether to act at ``step``; a step below the last one (a restore rewound it) starts over."""
+        return self.last is None or step >= self.last + self.n or step < self.last
+
+    def acted(self, step: int) -> None:
+        self.last = step
+
+
 class LoggingHook(Hook):
-    """Log the step, the metrics passed to ``apply`` and the step rate every ``every_n_steps``."""
+    """Log the step, the metrics passed to ``apply`` and the step rate every ``every_n_steps``
+    (the first step, then each ``every_n_steps`` further on: see :class:`EveryNSteps`)."""
 
     def __init__(self, every_n_steps: int = 100):
         self.every = max(1, int(every_n_steps))
-        self._last = (0, time.perf_counter())
+        self._timer = EveryNSteps(self.every)
+        self._logged_at = 0.0
+
+    def begin(self, mon: TrainingRun) -> None:
+        self._timer.reset()
 
     def after_step(self, mon: TrainingRun, step: int, metrics: dict[str, float]) -> None:
-        if step % self.every:
+        if not self._timer.due(step):
             return
-        now = time.perf_counter()
-        rate = (step - self._last[0]) / max(now - self._last[1], 1e-9)
-        self._last = (step, now)
+        now, last = time.perf_counter(), self._timer.last
+        rate = ""  # none on the first log: no interval yet (nor after a rewind)
+        if last is not None and step > last:
+            rate = f" ({(step - last) / max(now - self._logged_at, 1e-9):.1f} steps/s)"
+        self._timer.acted(step)
+        self._logged_at = now
         shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items())
-        log.info("step %d: %s (%.1f steps/s)", step, shown or "-", rate)
+        log.info("step %d: %s%s", step, shown or "-", rate)
 
 
 class SummaryHook(Hook):
-    """Scalars every ``every_n_steps``: TensorBoard event files with tensorboardX, else JSON lines."""
+    """Scalars every ``every_n_steps`` (as :class:`LoggingHook`): TensorBoard event files with
+    tensorboardX, else JSON lines."""
 
     def __init__(self, every_n_steps: int = 100, output_dir: str | None = None):
         self.every = max(1, int(every_n_steps))
+        self._timer = EveryNSteps(self.every)
         self.output_dir = output_dir
         self._writer: Any = None
         self._file: Any = None
 
     def begin(self, mon: TrainingRun) -> None:
+        self._timer.reset()
         directory = self.output_dir or mon.checkpoint_dir or "summaries"
         os.makedirs(directory, exist_ok=True)
         try:
@@ -140,8 +173,9 @@ class SummaryHook(Hook):
             self._file = open(os.path.join(directory, f"summaries-{mon.task_name}.jsonl"), "a")
 
     def after_step(self, mon: TrainingRun, step: int, metrics: dict[str, float]) -> None:
-        if step % self.every or not metrics:
+        if not metrics or not self._timer.due(step):
             return
+        self._timer.acted(step)
         if self._writer is not None:
             for k, v in metrics.items():
                 self._writer.add_scalar(k, float(v), step)

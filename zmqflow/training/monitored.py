@@ -8,14 +8,15 @@ cluster it trains locally with the same script.
 A chief or worker says hello to the ps tasks when it opens and goodbye when it closes (finished
 unless the ``with`` block ended on an exception), so a ps under ``--exit-when-done`` exits once
 training is over. A stop request on its own server (``zmqflow stop``) makes ``should_stop()``
-true: the loop ends at its next check.
+true: the loop ends at its next check. As TF's ``MonitoredSession``, only a clean exit writes the
+last checkpoint and runs the hooks' ``end``: after a failure the state may hold half a step.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,7 @@ class MonitoredTrainingSession:
         self.save_checkpoint_secs = save_checkpoint_secs
         self.keep_checkpoints = keep_checkpoints
         self._saved_at = time.monotonic()
+        self._save_anchor = 0  # the step ``create`` started from: step-based saving counts from it until a save
         self._own_server = server is None
         spec, me = _placement(cluster, task, server)
         if spec is None:
@@ -173,6 +175,7 @@ class MonitoredTrainingSession:
         self.ctx.step = self.strategy.create({k: np.asarray(v) for k, v in params.items()}, optimizer, restore)
         self.comm_seconds += time.perf_counter() - t
         self.ctx.saved_step = self.step if self.restored_from else -1
+        self._save_anchor, self._saved_at = self.step, time.monotonic()  # as TF's saver hook: count from here
         self._created = True
         progress.report_progress(step=self.step)
         for hook in self.hooks:
@@ -207,10 +210,21 @@ class MonitoredTrainingSession:
         return self.step
 
     def _save_due(self) -> bool:
-        if not (self.checkpoint_dir and self.is_chief) or self.step == self.ctx.saved_step:
+        """Due once the step is ``save_checkpoint_steps`` past the last save (or ``create``), as
+        TF's ``SecondOrStepTimer``: the global step jumps (async pushes), so multiples are skipped."""
+        saved = self.ctx.saved_step
+        if not (self.checkpoint_dir and self.is_chief) or self.step == saved:
             return False
-        if self.save_checkpoint_steps and self.step % self.save_checkpoint_steps == 0:
-            return True
+        since = saved if saved >= 0 else self._save_anchor  # a recovery's restore sets saved_step back
+        if self.save_checkpoint_steps and self.step >= since + self.save_checkpoint_steps:
+            if saved >= 0:
+                return True
+            # never saved here: a task that took the duties over goes on from the last save of the one before
+            newest = checkpoint.latest(self.checkpoint_dir)
+            if newest is not None:
+                self._save_anchor = max(self._save_anchor, checkpoint_watch.checkpoint_step(newest))
+            if self.step >= self._save_anchor + self.save_checkpoint_steps:
+                return True
         return bool(self.save_checkpoint_secs) and time.monotonic() - self._saved_at >= self.save_checkpoint_secs
 
     def save_checkpoint(self) -> str | None:
@@ -241,30 +255,70 @@ class MonitoredTrainingSession:
 
     # lifecycle --------------------------------------------------------------------------
     def close(self, finished: bool = True) -> None:
-        """Save a last checkpoint, end the hooks, say goodbye (``finished``: training ended
-        cleanly) and close the session and its own server."""
-        if self._created and self.checkpoint_dir and self.is_chief and self.step != self.ctx.saved_step \
-                and not _saved_already(self.checkpoint_dir, self.step):
-            self.save_checkpoint()
-        if self._created and self.checkpoint_dir and self.is_chief and finished:
-            checkpoint_watch.mark_final(self.checkpoint_dir)  # evaluators stop after the newest checkpoint
-        for hook in self.hooks:
-            hook.end(self)
-        self.strategy.close()
+        """Close the run; ``finished``: training ended cleanly. Raises the first error of the
+        steps of :meth:`_close` after running them all, the later ones attached as notes."""
+        _raise_first(self._close(finished))
+
+    def _close(self, finished: bool) -> list[Exception]:
+        """Save a last checkpoint and end the hooks (on a clean finish only, as TF's
+        ``MonitoredSession``: a failed step may be half applied, and would be saved under the last
+        good step's number), then leave: strategy, goodbye, session, own server. Each step runs
+        even when an earlier one failed, so no server or ring is left behind; returns the errors."""
+        errors: list[Exception] = []
+        durable = finished
+        if finished and self._created:
+            durable = _attempt(errors, self._save_final)
+            for hook in self.hooks:
+                _attempt(errors, hook.end, self)
+        _attempt(errors, self.strategy.close)
         if self._presence is not None:  # after the last save: the ps may exit on this goodbye
-            self._presence.goodbye(finished and self.server is not None and self.server.stop_reason is None)
+            _attempt(errors, self._presence.goodbye,
+                     durable and self.server is not None and self.server.stop_reason is None)
         if self.session is not None:
-            self.session.close()
+            _attempt(errors, self.session.close)
         if self.server is not None and self._own_server:
-            self.server.stop()
+            _attempt(errors, self.server.stop)
+        return errors
+
+    def _save_final(self) -> None:
+        """The last checkpoint, marked final so that evaluators stop after it (the chief only)."""
+        if not (self.checkpoint_dir and self.is_chief):
+            return
+        if self.step != self.ctx.saved_step and not _saved_already(self.checkpoint_dir, self.step):
+            self.save_checkpoint()
+        checkpoint_watch.mark_final(self.checkpoint_dir)
 
     def __enter__(self) -> MonitoredTrainingSession:
         return self
 
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if isinstance(exc, Exception):  # the training loop failed: ``zmqflow status`` shows why
             progress.note_error(exc)
-        self.close(finished=exc_type is None)
+        errors = self._close(finished=exc_type is None)
+        if exc is None:
+            _raise_first(errors)
+            return
+        for error in errors:  # the loop's own error stays the one raised
+            exc.add_note(f"closing the training session also failed: {error!r}")
+
+
+def _attempt(errors: list[Exception], step: Callable[..., object], *args: object) -> bool:
+    """Run one cleanup step; its error goes to ``errors`` so that the next steps still run."""
+    try:
+        step(*args)
+    except Exception as exc:
+        errors.append(exc)
+        return False
+    return True
+
+
+def _raise_first(errors: list[Exception]) -> None:
+    """Raise the first error, the later ones attached as notes (none: return)."""
+    if not errors:
+        return
+    for later in errors[1:]:
+        errors[0].add_note(f"closing the training session also failed: {later!r}")
+    raise errors[0]
 
 
 def _placement(cluster: ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | None, task: TaskId | str | None,

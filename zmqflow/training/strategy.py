@@ -91,8 +91,11 @@ class LocalParams:
                 p.steps[...] = got["steps"]
 
     def apply(self, grads: dict[str, np.ndarray]) -> None:
-        for name, g in grads.items():
-            self.store.apply_dense(name, 0, np.asarray(g, dtype=self.store.get(name).dtype))
+        """Every gradient is checked before any is applied: a bad one leaves no half-applied step."""
+        checked = [self.store.rows(name, 0, None, None, np.asarray(g, dtype=self.store.get(name).dtype), "gradient")
+                   for name, g in grads.items()]
+        for rows in checked:
+            self.store.apply(rows)
 
 
 class LocalStrategy(Strategy):
