@@ -217,6 +217,12 @@ TWO_RANKS = textwrap.dedent(
     got = zj.broadcast({"w": jnp.full(3, r + 1.0), "i": jnp.arange(2) + r}, root=1)
     res["bcast/w"], res["bcast/i"] = got["w"], got["i"]
     res["gather"] = zj.allgather({"x": jnp.asarray([r, 10 * r])})["x"]
+    two, w = jnp.ones(2), r + 1.0  # rank r's loss weighs the collective's result by r + 1
+    res["grad/sum"] = jax.grad(lambda v: jnp.sum(zj.allreduce(v, "sum") * w))(two)
+    res["grad/mean"] = jax.jit(jax.grad(lambda v: jnp.sum(zj.allreduce(v, "mean") * w)))(two)
+    res["grad/bcast"] = jax.grad(lambda v: jnp.sum(zj.broadcast(v, root=1) * w))(two)
+    res["grad/gather"] = jax.grad(lambda v: jnp.sum(zj.allgather(v) * jnp.asarray([[1.0], [10.0]]) * w))(two)
+    res["vmap/sum"] = jax.vmap(lambda v: zj.allreduce(v, "sum"))(jnp.arange(4.0).reshape(2, 2) + r)
 
     def mlp(seed, sizes=(5, 16, 1)):
         rng = np.random.default_rng(seed)
@@ -313,6 +319,16 @@ def test_two_ranks_broadcast_and_allgather(two_ranks):
         np.testing.assert_array_equal(res["bcast/w"], np.full(3, 2.0))
         np.testing.assert_array_equal(res["bcast/i"], [1, 2])
         np.testing.assert_array_equal(res["gather"], [[0, 0], [1, 10]])
+
+
+def test_two_ranks_differentiate_and_vmap_through_the_collectives(two_ranks):
+    two_ranks, _ = two_ranks
+    for r, res in enumerate(two_ranks):  # the cotangents 1 and 2 of the two ranks' losses, combined
+        np.testing.assert_array_equal(res["grad/sum"], [3.0, 3.0])
+        np.testing.assert_array_equal(res["grad/mean"], [1.5, 1.5])
+        np.testing.assert_array_equal(res["grad/bcast"], [3.0 * (r == 1)] * 2)  # all of it to the root
+        np.testing.assert_array_equal(res["grad/gather"], [3.0 * 10**r] * 2)  # row r of the gathered cotangents
+        np.testing.assert_array_equal(res["vmap/sum"], 2 * np.arange(4.0).reshape(2, 2) + 1)
 
 
 def test_two_ranks_on_half_batches_train_as_one_on_the_whole(two_ranks):

@@ -7,7 +7,10 @@ buffer), so a model's gradients cost one ring call, not one per parameter.
 Inside ``jax.jit`` (an optax update in a jitted train step) the collective becomes an ordered
 ``io_callback``: the host runs it when the compiled step reaches it. Ordered effects run in
 program order, and the eager collectives first wait for those still pending
-(``jax.effects_barrier``), so every rank starts its collectives in the same order.
+(``jax.effects_barrier``), so every rank starts its collectives in the same order. ``vmap`` and
+``grad`` go through them (see ``transforms``): the gradient of a sum (mean) allreduce is the sum
+(mean) allreduce of the cotangents, that of a broadcast reaches the root, that of an allgather
+each rank's own row.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
+import weakref
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
@@ -27,7 +32,9 @@ from ..client.ring import AsyncRing
 from ..client.ring_blocking import Ring
 from ..cluster import ClusterSpec, TaskId
 from ..errors import DeadlineExceeded, InvalidArgument
-from .arrays import Leaves, as_buffer, check_dtype, flatten, fuse, group_by_dtype, prod_of, split, to_jax
+from .arrays import (Leaves, as_buffer, check_dtype, flatten, fuse, group_by_dtype, is_tracer, narrow, prod_of,
+                     split, to_jax)
+from .transforms import cotangents, transformable
 
 __all__ = ["OPS", "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "allreduce", "broadcast", "allgather", "barrier"]
@@ -36,6 +43,10 @@ OPS = ("mean", "sum", "min", "max", "prod")
 
 
 _traced_once = threading.Event()  # a collective was compiled into a jitted function: its effects may be pending
+_given_up: "weakref.WeakSet[AsyncRing]" = weakref.WeakSet()  # rings whose calls outlived their wait
+
+GRACE_S = 5.0
+"""How long past a collective's own deadline its caller waits before giving the ring up."""
 
 
 def init(cluster: "ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | None" = None,
@@ -77,7 +88,12 @@ def local_size() -> int:
 
 
 def _ring() -> Ring:
-    return rt.current().require_ring()
+    ring = rt.current().require_ring()
+    if ring.async_ring in _given_up:
+        raise DeadlineExceeded(f"ring {ring.async_ring.name!r} is unusable: an earlier collective on it did not "
+                               f"finish in time and may still be running, so a new call could be matched with it "
+                               f"on the other ranks; call zmqflow.jax.shutdown() and init() again")
+    return ring
 
 
 def _settle() -> None:
@@ -86,11 +102,11 @@ def _settle() -> None:
         jax.effects_barrier()
 
 
-def _run(what: str, tree: Any, host: Callable[[list[Any]], list[Any]],
-         out_shape: Callable[[tuple[int, ...]], tuple[int, ...]] = lambda s: s,
-         check: Callable[[str, np.dtype], None] | None = None) -> Any:
+def _run(what: str, tree: Any, host: Callable[[list[Any]], list[Any]], vjp: Callable[[tuple[Any, ...]], Any],
+         check: Callable[[str, np.dtype], None] | None = None, gathered: bool = False) -> Any:
     """Check every leaf, then run ``host`` on their buffers (eagerly, or as an ordered callback
-    when traced) and rebuild the tree from what it returns."""
+    when traced, differentiable by ``vjp``) and rebuild the tree from what it returns.
+    ``gathered``: each result has a new leading axis of ``size()`` rows."""
     leaves: Leaves = flatten(tree)
     for path, x in zip(leaves.paths, leaves.leaves):
         dt = check_dtype(what, path, x.dtype)
@@ -99,16 +115,23 @@ def _run(what: str, tree: Any, host: Callable[[list[Any]], list[Any]],
     if not len(leaves):
         return leaves.unflatten([])
     if leaves.traced:
+        n = size() if gathered else 0  # also: no runtime is a ConfigError now, not an INTERNAL one when it runs
+        _ring()
         _traced_once.set()
-        structs = [jax.ShapeDtypeStruct(out_shape(tuple(x.shape)), x.dtype) for x in leaves.leaves]
+        xs = tuple(x if is_tracer(x) or isinstance(x, jax.Array) else narrow(what, f"leaf {p}", x)
+                   for p, x in zip(leaves.paths, leaves.leaves))  # a constant JAX would narrow silently
 
-        def on_host(*xs: Any) -> list[np.ndarray]:
-            return [np.asarray(r) for r in host([np.asarray(x) for x in xs])]
+        def on_host(*arrays: Any) -> list[np.ndarray]:
+            return [np.asarray(r) for r in host([np.asarray(a) for a in arrays])]
 
-        return leaves.unflatten(io_callback(on_host, structs, *leaves.leaves, ordered=True))
+        def raw(args: tuple[Any, ...]) -> tuple[Any, ...]:
+            structs = [jax.ShapeDtypeStruct((n, *a.shape) if gathered else a.shape, a.dtype) for a in args]
+            return tuple(io_callback(on_host, structs, *args, ordered=True))
+
+        return leaves.unflatten(transformable(raw, vjp, gathered)(xs))
     _settle()
     results = host([as_buffer(x) for x in leaves.leaves])
-    return leaves.unflatten([to_jax(r, x) for r, x in zip(results, leaves.leaves)])
+    return leaves.unflatten([to_jax(what, p, r, x, gathered) for p, r, x in zip(leaves.paths, results, leaves.leaves)])
 
 
 def _overlapped(ring: Ring, calls: list[Callable[[AsyncRing], Coroutine[Any, Any, Any]]],
@@ -116,11 +139,12 @@ def _overlapped(ring: Ring, calls: list[Callable[[AsyncRing], Coroutine[Any, Any
     """Start single-buffer collectives together (each takes one sequence number when it starts,
     in this order on every rank) and wait for all of them."""
     futures = [ring.submit(call(ring.async_ring)) for call in calls]
-    limit = (ring.async_ring.timeout if timeout is None else float(timeout)) + 5.0
-    concurrent.futures.wait(futures, timeout=limit)
-    for f in futures:
-        if not f.done():
-            raise DeadlineExceeded(f"a collective on ring {ring.async_ring.name!r} did not finish in {limit:g}s")
+    limit = (ring.async_ring.timeout if timeout is None else float(timeout)) + GRACE_S
+    _, late = concurrent.futures.wait(futures, timeout=limit)
+    if late:  # they hold sequence numbers and may still run: no later call may start beside them
+        _given_up.add(ring.async_ring)
+        raise DeadlineExceeded(f"a collective on ring {ring.async_ring.name!r} did not finish in {limit:g}s; "
+                               f"the ring is given up: call zmqflow.jax.shutdown() and init() again")
     return [f.result() for f in futures]
 
 
@@ -148,7 +172,13 @@ def allreduce(tree: Any, op: str = "mean", *, timeout: float | None = None) -> A
                 out[i] = r
         return out
 
-    return _run("allreduce", tree, host, check=no_bool_mean)
+    def vjp(cts: tuple[Any, ...]) -> Any:
+        if op not in ("sum", "mean"):
+            raise InvalidArgument(f"allreduce: op {op!r} has no gradient here, only 'sum' and 'mean' do; "
+                                  f"apply jax.lax.stop_gradient to its input if none should flow through it")
+        return cotangents(cts, lambda live: allreduce(live, op, timeout=timeout))
+
+    return _run("allreduce", tree, host, vjp, check=no_bool_mean)
 
 
 def broadcast(tree: Any, root: int = 0, *, timeout: float | None = None) -> Any:
@@ -168,7 +198,12 @@ def broadcast(tree: Any, root: int = 0, *, timeout: float | None = None) -> Any:
                 out[i] = part
         return out
 
-    return _run("broadcast", tree, host)
+    def vjp(cts: tuple[Any, ...]) -> Any:  # every rank's cotangent flows back to the root's leaves
+        root_gets = rank() == root
+        return cotangents(cts, lambda live: [c if root_gets else jnp.zeros_like(c)
+                                             for c in allreduce(live, "sum", timeout=timeout)])
+
+    return _run("broadcast", tree, host, vjp)
 
 
 def allgather(tree: Any, *, timeout: float | None = None) -> Any:
@@ -187,7 +222,11 @@ def allgather(tree: Any, *, timeout: float | None = None) -> Any:
                 out[i] = part
         return out
 
-    return _run("allgather", tree, host, out_shape=lambda s: (n, *s))
+    def vjp(cts: tuple[Any, ...]) -> Any:  # row r of every rank's cotangent flows back to rank r
+        me = rank()
+        return cotangents(cts, lambda live: [c[me] for c in allreduce(live, "sum", timeout=timeout)])
+
+    return _run("allgather", tree, host, vjp, gathered=True)
 
 
 def barrier(*, timeout: float | None = None) -> None:

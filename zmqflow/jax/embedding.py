@@ -23,7 +23,8 @@ import numpy as np
 from ..bridge import runtime as rt
 from ..client.blocking import Embedding as TableHandle
 from ..errors import InvalidArgument
-from .arrays import is_tracer
+from ..state.sparse import unique_sum
+from .arrays import is_tracer, narrow
 
 __all__ = ["Embedding"]
 
@@ -56,17 +57,24 @@ class Embedding:
         return np.asarray(x)
 
     def lookup(self, ids: Any, *, create: bool = True) -> jax.Array:
-        """The rows of ``ids`` (any integer shape): a JAX array of shape ``(*ids.shape, dim)``."""
-        return jnp.asarray(self.table.lookup(self._host(ids, "lookup"), create=create))
+        """The rows of ``ids`` (any integer shape): a JAX array of shape ``(*ids.shape, dim)``. Rows of
+        a float64 table need ``jax_enable_x64`` unless float32 holds them exactly (InvalidArgument)."""
+        rows = self.table.lookup(self._host(ids, "lookup"), create=create)
+        return jnp.asarray(narrow(f"lookup of embedding {self.name!r}", "the rows", rows,
+                                  "create the table with dtype float32"))
 
     def push(self, ids: Any, grads: Any) -> int:
         """Send the gradient of the looked-up rows (shape ``(*ids.shape, dim)``) to the table's
         optimizer; rows of repeated ids are summed first. Floating gradients of another precision
-        are cast to the table's dtype. Returns how many rows were updated."""
-        g = self._host(grads, "push")
+        are summed in at least float32, then cast to the table's dtype once: cast first, each of a hot
+        id's gradients would be rounded to bfloat16 and the errors add up. Returns how many rows were updated."""
+        g, i = self._host(grads, "push"), self._host(ids, "push")
         if g.dtype != self.dtype and _floating(g.dtype) and _floating(self.dtype):
+            if g.shape == (*i.shape, self.embedding_dim):  # another shape: the table's push names it
+                wide = np.float64 if max(g.dtype.itemsize, self.dtype.itemsize) >= 8 else np.float32
+                i, g = unique_sum(i.reshape(-1), g.reshape(-1, self.embedding_dim).astype(wide))
             g = g.astype(self.dtype)
-        return self.table.push(self._host(ids, "push"), g)
+        return self.table.push(i, g)
 
     def size(self) -> int:
         """Rows held over all shards."""
