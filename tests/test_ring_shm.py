@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import zmqflow as zf
-from zmqflow.client import ring_shm
+from zmqflow.client import ring_shm, ring_shm_host
 from zmqflow.state import shm_schedule as plan
 from zmqflow.state.reduce import Joined, reduce_in_order
 from zmqflow.testing import wait_until
@@ -220,7 +220,7 @@ def test_a_peer_that_aborts_on_a_mismatch_and_exits_is_a_mismatch_not_a_death(mo
             ranks[0].headers[1][plan.H_ABORT] = 1 + 1 + 2  # what rank 1's collective() writes for a mismatch
             return False
 
-        monkeypatch.setattr(ring_shm, "_alive", abort_then_exit)
+        monkeypatch.setattr(ring_shm_host, "alive", abort_then_exit)
         src = np.ones(8, np.float32)
         with pytest.raises(zf.errors.CollectiveMismatch, match="rank 1 .* made different calls"):
             ranks[0].collective(src, "sum", 0, ["allreduce", "sum", "float32", 1, src.size, 0, None],
@@ -332,7 +332,7 @@ def test_stale_segments_of_dead_processes_are_removed(tmp_path):
     mine = plan.segment_name(os.getpid(), os.urandom(16))
     Path("/dev/shm", mine).write_bytes(b"x")
     try:
-        removed = ring_shm.clean_stale()
+        removed = ring_shm_host.clean_stale()
         assert name in removed and mine not in removed and not Path("/dev/shm", name).exists()
     finally:
         Path("/dev/shm", mine).unlink()

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from ..cluster import ClusterSpec, TaskId
-from ..state.reduce import (OPS, Joined, array_module, as_array, backend_for, finish_mean, is_cupy, reduce_in_order, to_device,
-                            to_host, unfuse, write_back)
+from ..state.reduce import (OPS, Joined, array_module, as_array, backend_for, finish_mean, is_cupy, mean_dtype,
+                            reduce_in_order, to_device, to_host, unfuse, write_back)
 from ..state.ring_schedule import RS, Step, allgather as allgather_steps, chunk_range, chunks, scatter_reduce, segments
 from ..errors import ConfigError, InvalidArgument, ZmqflowError
 from ..server.task import AsyncServer
@@ -80,12 +80,15 @@ class AsyncRing:
         self._connected = False
         self.failures = RingFailures(name, self.rank, self.members, self._endpoints, server)
         self._seen = RingWatch(name, str(server.task))  # timeline spans, stragglers
-        self.service.register(name, [str(m) for m in self.members])  # with keys: chunks only from their rank's task
+        # with keys: chunks only from their rank's task; the timeout bounds how long a deposit may wait
+        self.service.register(name, [str(m) for m in self.members], self.timeout)
 
     @property
     def shm_channel(self) -> "ring_shm.ShmChannel | None":
-        """The shared-memory path, once every rank agreed on it (``client/ring_shm.py``)."""
-        return self._shm if self._shm and self._shm.broken is None else None  # after a failure: TCP
+        """The shared-memory path, once every rank agreed on it (``client/ring_shm.py``), for the
+        next call: None once it broke on an earlier call, here or on any peer, so that every rank
+        takes TCP from the same call on."""
+        return self._shm if self._shm and self._shm.usable(self.seq) else None
 
     async def _same_host(self, deadline: float, cupy: bool = False) -> "ring_shm.ShmChannel | None":
         """The shared-memory channel for a host call (agreed with every rank on the first), or None."""
@@ -106,17 +109,52 @@ class AsyncRing:
                        root: int = 0, in_place: bool = False) -> Any:
         seq, self.seq = self.seq, self.seq + 1
         left = deadline - asyncio.get_running_loop().time()
-        out = await asyncio.wrap_future(shm.submit(flat, op, seq, meta, left, self._seen, root, in_place))
+        try:
+            out = await asyncio.wrap_future(shm.submit(flat, op, seq, meta, left, self._seen, root, in_place))
+        except ring_shm.ChannelClosed:  # queued before the channel broke: over TCP, as on every rank
+            return await self._tcp(flat, op, meta, deadline, seq, root)
         self.completed = max(self.completed, seq)
         return out
 
     def run_on_host(self, shm: "ring_shm.ShmChannel", flat: Any, op: str, meta: list[Any], timeout: float | None,
                     root: int = 0, in_place: bool = False) -> Any:
         """A collective on the shared-memory path, run on the caller's thread (the blocking ring's
-        fast path); it takes its sequence number here, so nothing may be in flight on the loop."""
+        fast path); it takes its sequence number here, so nothing may be in flight on the loop.
+        ``ChannelClosed``: the caller runs the call over TCP (:meth:`over_tcp`) with its number."""
         seq, self.seq = self.seq, self.seq + 1
         out = shm.run(flat, op, seq, meta, self.timeout if timeout is None else float(timeout), self._seen, root, in_place)
         self.completed = max(self.completed, seq)
+        return out
+
+    async def over_tcp(self, flat: Any, op: str, meta: list[Any], seq: int, timeout: float | None,
+                       root: int = 0) -> Any:
+        """Call ``seq`` of the blocking fast path over TCP, after the channel turned it away."""
+        return await self._tcp(flat, op, meta, self._deadline(timeout), seq, root)
+
+    async def _tcp(self, flat: Any, op: str, meta: list[Any], deadline: float, seq: int | None = None,
+                   root: int = 0) -> Any:
+        """A call of the shared-memory path's form (flat input, its ``op``) over TCP, as a rank that
+        chose TCP for it runs it: the result the channel would give (a gather as rows)."""
+        xp = array_module(flat)
+        if op == "gather":
+            buf = xp.zeros((self.size, flat.size), dtype=flat.dtype)
+            buf[self.rank] = flat
+            steps = scatter_reduce(self.rank, self.size)  # send own segment first, then pass the rest on
+            await self._run(buf.reshape(-1), steps, "none", meta, deadline, equal=True, seq=seq)
+            return buf
+        if op == "broadcast":
+            buf, dist = flat.copy(), (self.rank - root) % self.size
+            await self._run(buf, [Step("bc", 0, 0, 0)], "none", meta, deadline, receive=dist > 0,
+                            send=dist < self.size - 1, whole=True, seq=seq)
+            return buf
+        if op == "barrier":
+            await self._allreduce_buffer(np.zeros(self.size, np.int32), "sum", meta, deadline, seq=seq)
+            return flat
+        flat = np.concatenate(flat.parts) if isinstance(flat, Joined) else flat
+        if flat.nbytes <= self.small_bytes:
+            return await self._exchange(flat, op, meta, deadline, seq)
+        out = np.empty_like(flat)
+        await self._allreduce_buffer(out, op, meta, deadline, src=flat, seq=seq)
         return out
 
     @property
@@ -190,13 +228,7 @@ class AsyncRing:
         same = await self._same_host(deadline, is_cupy(a)) if shm else None
         if same is not None:
             return (await self._on_host(same, a.reshape(-1), "gather", meta, deadline)).reshape(self.size, *a.shape)
-        xp = array_module(a)
-        buf = xp.zeros((self.size, a.size), dtype=a.dtype)
-        buf[self.rank] = a.reshape(-1)
-        flat = buf.reshape(-1)
-        steps = scatter_reduce(self.rank, self.size)  # send own segment first, then pass the rest on
-        await self._run(flat, steps, "none", meta, deadline, equal=True)
-        return buf.reshape(self.size, *a.shape)
+        return (await self._tcp(a.reshape(-1), "gather", meta, deadline)).reshape(self.size, *a.shape)
 
     async def broadcast(self, array: Any, root: int = 0, *, timeout: float | None = None) -> Any:
         """``root``'s array on every rank (others pass an array of the same shape and dtype)."""
@@ -207,20 +239,15 @@ class AsyncRing:
         same = await self._same_host(deadline, is_cupy(a))
         if same is not None:
             return write_back(original, (await self._on_host(same, a.reshape(-1), "broadcast", meta, deadline, root)).reshape(a.shape))
-        buf = a.reshape(-1).copy()
-        dist = (self.rank - root) % self.size
-        steps = [Step("bc", 0, 0, 0)]
-        await self._run(buf, steps, "none", meta, deadline, receive=dist > 0, send=dist < self.size - 1, whole=True)
-        return write_back(original, buf.reshape(a.shape))
+        out = await self._tcp(a.reshape(-1), "broadcast", meta, deadline, root=root)
+        return write_back(original, out.reshape(a.shape))
 
     async def barrier(self, *, timeout: float | None = None) -> None:
         """Return once every rank has reached its barrier."""
         meta, deadline = call_meta("barrier", "sum", []), self._deadline(timeout)
         same = await self._same_host(deadline)
-        if same is not None:
-            await self._on_host(same, _NOTHING, "barrier", meta, deadline)
-            return
-        await self._allreduce_buffer(np.zeros(self.size, np.int32), "sum", meta, deadline)
+        await (self._on_host(same, _NOTHING, "barrier", meta, deadline) if same is not None
+               else self._tcp(_NOTHING, "barrier", meta, deadline))
 
     def peer_down(self, rank: int) -> bool:
         """Whether the transport has given up on ``rank`` (its connection dropped or its
@@ -266,18 +293,26 @@ class AsyncRing:
             size += a.nbytes
         return out
 
-    async def _allreduce_buffer(self, buf: Any, op: str, meta: list[Any], deadline: float, src: Any = None) -> None:
+    async def _allreduce_buffer(self, buf: Any, op: str, meta: list[Any], deadline: float, src: Any = None,
+                                seq: int | None = None) -> None:
+        """``buf``: the reduction of ``src`` (or of ``buf`` itself) across the ring. A half-precision
+        mean goes around in float32 (``reduce.mean_dtype``: its sum may not fit), then is rounded once."""
         steps = scatter_reduce(self.rank, self.size) + allgather_steps(self.rank, self.size)
-        await self._run(buf, steps, op, meta, deadline, src=src)
+        wide = mean_dtype(buf.dtype) if op == "mean" and self.size > 1 else None
+        work = buf if wide is None else (buf if src is None else src).astype(wide)
+        await self._run(work, steps, op, meta, deadline, src=None if wide is not None else src, seq=seq)
         if op == "mean" and self.size > 1:
             with self._seen.span("ring reduce", "mean"):
-                finish_mean(buf, self.size)
+                finish_mean(work, self.size)
+            if wide is not None:
+                buf[...] = work
 
     async def _run(self, buf: Any, steps: list[Step], op: str, meta: list[Any], deadline: float, *,
                    receive: bool = True, send: bool = True, whole: bool = False, equal: bool = False,
-                   src: Any = None) -> None:
-        seq = self.seq
-        self.seq += 1
+                   src: Any = None, seq: int | None = None) -> None:
+        """One call around the ring; ``seq``: a number it already took (else it takes the next)."""
+        if seq is None:
+            seq, self.seq = self.seq, self.seq + 1
         if self.size == 1:
             return
         if not self._connected:
@@ -328,13 +363,14 @@ class AsyncRing:
 
         await self._guarded(seq, meta, deadline, sends, body(), probe)
 
-    async def _exchange(self, flat: np.ndarray, op: str, meta: list[Any], deadline: float) -> np.ndarray:
+    async def _exchange(self, flat: np.ndarray, op: str, meta: list[Any], deadline: float,
+                        seq: int | None = None) -> np.ndarray:
         """Allreduce a small host buffer in one step: every rank deposits all of it at every other
         rank, then reduces the ``n`` buffers locally in rank order, so every rank computes the very
         same bits (as the ring's allgather guarantees) with one message latency instead of
         ``2(n - 1)``. Returns a new array; ``flat`` is only read."""
-        seq = self.seq
-        self.seq += 1
+        if seq is None:
+            seq, self.seq = self.seq, self.seq + 1
         if not self._connected:
             await self.connect(max(0.05, deadline - asyncio.get_running_loop().time()))
         n, rank, service = self.size, self.rank, self.service

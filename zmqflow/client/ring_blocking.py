@@ -84,8 +84,18 @@ class Ring:
         (or, with ``gpu``, a cupy one, staged through the host), and no call submitted to the loop
         still running (it takes its sequence number there)."""
         shm = self._async.shm_channel
-        usable = type(array) is np.ndarray or (gpu and is_cupy(array))
+        # an array in the other byte order takes the loop's path, where ``as_array`` makes it native
+        usable = (type(array) is np.ndarray and array.dtype.isnative) or (gpu and is_cupy(array))
         return shm if shm is not None and not self._pending and usable else None
+
+    def _on_host(self, shm: "ring_shm.ShmChannel", flat: Any, op: str, meta: list[Any], timeout: float | None,
+                 root: int = 0, in_place: bool = False) -> Any:
+        """One call through shared memory from this thread; over TCP, with the number it took, when
+        the channel broke on an earlier call while this one was being chosen (as on every rank)."""
+        try:
+            return self._async.run_on_host(shm, flat, op, meta, timeout, root, in_place)
+        except ring_shm.ChannelClosed as closed:
+            return self._call(self._async.over_tcp(flat, op, meta, closed.seq, timeout, root), timeout)
 
     def allreduce(self, arrays: Any, op: str = "sum", *, timeout: float | None = None) -> Any:
         if isinstance(arrays, (list, tuple)):
@@ -95,10 +105,10 @@ class Ring:
             meta = call_meta("allreduce", op, [arrays])
             started = time.perf_counter()
             if is_cupy(arrays):  # one copy down to pinned memory, reduced there in place, one copy up
-                staged = self._async.run_on_host(shm, to_host([arrays]), op, meta, timeout, in_place=True)
+                staged = self._on_host(shm, to_host([arrays]), op, meta, timeout, in_place=True)
                 out = to_device(staged).reshape(arrays.shape)
             else:
-                out = self._async.run_on_host(shm, arrays.reshape(-1), op, meta, timeout).reshape(arrays.shape)
+                out = self._on_host(shm, arrays.reshape(-1), op, meta, timeout).reshape(arrays.shape)
             self._noted(arrays.nbytes, started)
             return out
         return self._call(self._async.allreduce(arrays, op, timeout=timeout), timeout)
@@ -118,7 +128,7 @@ class Ring:
                 or nbytes > self._async.bucket_bytes):
             return self._call(self._async.allreduce(list(arrays), op, timeout=timeout), timeout)
         started = time.perf_counter()
-        fused = self._async.run_on_host(shm, Joined(arrays), op, call_meta("allreduce", op, list(arrays)), timeout)
+        fused = self._on_host(shm, Joined(arrays), op, call_meta("allreduce", op, list(arrays)), timeout)
         self._noted(nbytes, started)
         return unfuse(fused, arrays)
 
@@ -126,20 +136,20 @@ class Ring:
         shm = self._host(array)
         if shm is not None:
             meta = call_meta("allgather", "none", [array])
-            return self._async.run_on_host(shm, array.reshape(-1), "gather", meta, timeout).reshape(self.size, *array.shape)
+            return self._on_host(shm, array.reshape(-1), "gather", meta, timeout).reshape(self.size, *array.shape)
         return self._call(self._async.allgather(array, timeout=timeout), timeout)
 
     def broadcast(self, array: Any, root: int = 0, *, timeout: float | None = None) -> Any:
         shm = self._host(array)
         if shm is not None and type(root) is int and 0 <= root < self.size:
             meta = call_meta("broadcast", "none", [array], root)
-            return self._async.run_on_host(shm, array.reshape(-1), "broadcast", meta, timeout, root).reshape(array.shape)
+            return self._on_host(shm, array.reshape(-1), "broadcast", meta, timeout, root).reshape(array.shape)
         return self._call(self._async.broadcast(array, root, timeout=timeout), timeout)
 
     def barrier(self, *, timeout: float | None = None) -> None:
         shm = self._host(_NOTHING)
         if shm is not None:
-            self._async.run_on_host(shm, _NOTHING, "barrier", call_meta("barrier", "sum", []), timeout)
+            self._on_host(shm, _NOTHING, "barrier", call_meta("barrier", "sum", []), timeout)
             return
         self._call(self._async.barrier(timeout=timeout), timeout)
 

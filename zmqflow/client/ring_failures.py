@@ -86,7 +86,8 @@ class RingFailures:
                 self.aborts.append(fut)
 
     async def watch(self, seq: int, meta: list[Any], deadline: float) -> None:
-        """Fail the call when a member's connection drops, or at the deadline."""
+        """Fail the call when a member's connection drops, or at the deadline: on every member, as
+        one that has all it needs would otherwise return a result of a call this rank gave up."""
         loop = asyncio.get_running_loop()
         left = (self.rank - 1) % self.size
         while True:
@@ -96,7 +97,7 @@ class RingFailures:
                 self.abort_everywhere(seq, gone)
                 return
             if loop.time() > deadline:
-                self.service.fail(self.name, seq, DeadlineExceeded(
+                self.abort_everywhere(seq, DeadlineExceeded(
                     f"ring {self.name!r} call {seq} ({describe(meta)}) did not complete in time; "
                     f"{self.label(self.rank)} was waiting for {self.label(left)}", task=str(self.members[left])))
                 return

@@ -17,24 +17,30 @@ a blocking caller's thread when none is queued, so the blocking path hands off t
 the segments; a rank that finds nothing to do blocks on its own datagram socket (abstract
 namespace, woken by one byte from a peer that moved a counter), with a timeout so it checks that
 its peers still live (their pids) and its deadline. A dead peer raises ``Unavailable`` naming it,
-a silent one ``DeadlineExceeded``; either sets an abort word that the other ranks see at once.
+a silent one ``DeadlineExceeded``; either sets an abort word (why, the rank at fault, the call) that
+the other ranks see at once. The call a rank gave up fails on every rank, with that rank's reason,
+even on one that has all it needs; the channel is then broken everywhere: every later call takes
+TCP on every rank, a call already queued here included (``ChannelClosed``), so no rank is left on
+shared memory while another moved on.
 
-Segments are created with O_EXCL, mode 0600, under a name holding the creator's pid and 128
-random bits; the names are agreed over the ring's own authenticated RPC (an allgather), a peer's
-name is mapped only if it is one this code makes for that peer's pid, owned by this user, of the
-expected size, and whose header carries the announced token and rank. Every segment is unlinked
-as soon as all ranks have mapped it, so a normal exit or a ``kill -9`` after setup leaves nothing
-in ``/dev/shm``; a kill in the short window of setup can leave one, which the next ring on this
-host removes (segments of dead pids owned by this user). ``ZMQFLOW_RING_SHM=0`` turns it off;
-on machines other than x86 it is off (see ``ORDERED_STORES``).
+Segments are created with O_EXCL, mode 0600, their pages reserved at once (a sparse file on a full
+tmpfs would be a SIGBUS at the first write; a ring that cannot reserve them stays on TCP), under a
+name holding the creator's pid and 128 random bits; the names are agreed over the ring's own
+authenticated RPC (an allgather), a peer's name is mapped only if it is one this code makes for
+that peer's pid, owned by this user, of the expected size, and whose header carries the announced
+token and rank. Every segment is unlinked as soon as all ranks have mapped it, so a normal exit or
+a ``kill -9`` after setup leaves nothing in ``/dev/shm``; a kill in the short window of setup can
+leave one, which the next ring on this host removes (segments of dead pids owned by this user).
+``ZMQFLOW_RING_SHM=0`` turns it off; on machines other than x86 it is off (see
+``ring_shm_host.ORDERED_STORES``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 import os
-import platform
 import secrets
 import select
 import socket
@@ -42,7 +48,6 @@ import stat
 import threading
 import time
 import mmap
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -51,11 +56,12 @@ import numpy as np
 from ..errors import CollectiveMismatch, DeadlineExceeded, InvalidArgument, Unavailable, ZmqflowError
 from ..state import shm_schedule as plan
 from ..state.kernels import FOLD_STREAM_FROM, fold_sum
-from ..state.reduce import Joined, finish_mean
+from ..state.reduce import Joined, finish_mean, mean_dtype, mean_into
+from . import ring_shm_host as host
 
-__all__ = ["ShmChannel", "negotiate", "enabled", "SHM_DIR"]
+__all__ = ["ShmChannel", "ChannelClosed", "negotiate"]
 
-SHM_DIR = "/dev/shm"
+log = logging.getLogger("zmqflow.client.ring")
 _UFUNC = {"sum": np.add, "mean": np.add, "min": np.minimum, "max": np.maximum}
 _POLL_S = 0.05  # how often a blocked rank checks its peers' pids and its deadline
 _SPIN = 20
@@ -78,6 +84,9 @@ def _combine(op: str, views: list[np.ndarray], out: np.ndarray, a: int, b: int, 
     ufunc, o = _UFUNC[op], out[a:b]  # a piece at a time (at most a slot, 1 MiB) stays in L2: no finer
     if ufunc is np.add and fold_sum(o, views, n if op == "mean" else 0, out.nbytes >= FOLD_STREAM_FROM):
         return op == "mean"
+    if op == "mean" and mean_dtype(out.dtype) is not None:  # half precision: summed in float32
+        mean_into(o, views)
+        return True
     ufunc(views[0], views[1], out=o)
     for v in views[2:]:
         ufunc(o, v, out=o)
@@ -88,66 +97,13 @@ def _no_span(kind: str, name: str) -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext()
 
 
-# A counter is published by a plain store after its piece's data, and read before the data: only
-# a machine that keeps stores in order with stores and loads with loads (x86's TSO) makes that
-# safe without fences, which Python cannot issue. Elsewhere (ARM, POWER) rings stay on TCP.
-ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+class ChannelClosed(Exception):
+    """Call ``seq`` reached the channel after it broke on an earlier call (here or on a peer): the
+    ring runs it over TCP instead, as every rank does."""
 
-
-def enabled() -> bool:
-    return (ORDERED_STORES and os.environ.get("ZMQFLOW_RING_SHM", "1") not in ("0", "false", "no", "off")
-            and os.access(SHM_DIR, os.W_OK))
-
-
-def _host_id() -> int:
-    """Same value on every process of one kernel and pid namespace (pids are checked for liveness)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        ns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-    return (zlib.crc32(boot.encode()) << 31) ^ ns
-
-
-def _alive(pid: int) -> bool:
-    """Running (a killed child its parent has not reaped yet is a zombie: dead)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-
-def clean_stale(directory: str = SHM_DIR) -> list[str]:
-    """Remove ring segments of this user whose creating process is gone (left by a kill during setup)."""
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        m = plan.NAME_RE.match(name)
-        if m is None or _alive(int(m.group(1))):
-            continue
-        path = os.path.join(directory, name)
-        try:
-            if os.lstat(path).st_uid == os.getuid():
-                os.unlink(path)
-                removed.append(name)
-        except OSError:
-            pass
-    return removed
-
-
-def _socket_name(token: bytes) -> bytes:
-    return b"\0zmqflow-ring-" + token.hex().encode()
+    def __init__(self, seq: int):
+        super().__init__(f"call {seq}: the shared-memory channel broke on an earlier call")
+        self.seq = seq
 
 
 class ShmChannel:
@@ -162,15 +118,29 @@ class ShmChannel:
         self.layout = plan.Layout(size, slots, slot_bytes)
         self.token = secrets.token_bytes(16)
         self.seg_name = plan.segment_name(os.getpid(), self.token)
-        self.path = os.path.join(SHM_DIR, self.seg_name)
-        clean_stale()
+        self.path = os.path.join(host.SHM_DIR, self.seg_name)
+        host.clean_stale()
+        self.maps: list[Any] = [None] * size
+        self.sock: Any = None
+        self.out: Any = None
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            os.ftruncate(fd, self.layout.total)
-            self.maps: list[Any] = [None] * size
-            self.maps[rank] = mmap.mmap(fd, self.layout.total)
-        finally:
-            os.close(fd)
+            try:
+                os.ftruncate(fd, self.layout.total)
+                host.reserve(fd, self.layout.total)
+                self.maps[rank] = mmap.mmap(fd, self.layout.total)
+            finally:
+                os.close(fd)
+            self._setup(name, rank, size)
+        except BaseException:  # no segment outlives a channel that failed to start
+            self.unlink()
+            for sock in (self.sock, self.out):
+                if sock is not None:
+                    sock.close()
+            raise
+
+    def _setup(self, name: str, rank: int, size: int) -> None:
+        """The rest of the constructor, once the segment exists (a failure here unlinks it)."""
         self.headers: list[Any] = [None] * size
         self.headers[rank] = hdr = self._header(rank)
         hdr[plan.H_MAGIC], hdr[plan.H_RANK], hdr[plan.H_PID] = plan.MAGIC, rank, os.getpid()
@@ -178,7 +148,7 @@ class ShmChannel:
         self.pids = [0] * size
         self.pids[rank] = os.getpid()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(_socket_name(self.token))
+        self.sock.bind(host.socket_name(self.token))
         self.sock.setblocking(False)  # waits are polls with a timeout; a timeout socket would also wait in send
         self.poller = select.poll()
         self.poller.register(self.sock, select.POLLIN)
@@ -186,7 +156,9 @@ class ShmChannel:
         self.out.setblocking(False)  # a peer's full queue means it has wake-ups pending: never wait for it
         self.peers: list[bytes] = [b""] * size
         self.base = 0  # pieces published by every rank before the current call
-        self.broken: ZmqflowError | None = None
+        self.broken: ZmqflowError | None = None  # why the channel broke (here or on a peer) ...
+        self.broken_seq = -1  # ... and on which call: it fails there on every rank, later calls take TCP
+        self.breaking = threading.Lock()  # the ring's loop (``usable``) and the calls' thread both record breaks
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ring-shm-{name}")
         self.turn = threading.Lock()  # held by the call running now (on the pool's thread or a caller's)
         self.lock = threading.Lock()  # guards ``queued``: calls submitted to the pool and not yet done
@@ -197,19 +169,19 @@ class ShmChannel:
 
     def blob(self) -> np.ndarray:
         """What this rank tells the others (over the ring's RPC): host, pid, token."""
-        return np.array([_host_id(), os.getpid(), *np.frombuffer(self.token, np.int64)], np.int64)
+        return np.array([host.host_id(), os.getpid(), *np.frombuffer(self.token, np.int64)], np.int64)
 
     def attach(self, blobs: np.ndarray) -> None:
         """Map every peer's segment named by its blob, refusing anything this ring did not make."""
         for r in range(self.size):
             if r == self.rank:
                 continue
-            host, pid, hi, lo = (int(v) for v in blobs[r])
+            where, pid, hi, lo = (int(v) for v in blobs[r])
             token = np.array([hi, lo], np.int64).tobytes()
             name = plan.segment_name(pid, token)
-            if host != _host_id() or not plan.valid_name(name, pid):
+            if where != host.host_id() or not plan.valid_name(name, pid):
                 raise Unavailable(f"ring {self.name!r}: rank {r} is not on this host", task=self.members[r])
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
+            fd = os.open(os.path.join(host.SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
             try:
                 st = os.fstat(fd)
                 if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o600 or st.st_size != self.layout.total:
@@ -221,7 +193,7 @@ class ShmChannel:
             if (int(h[plan.H_MAGIC]), int(h[plan.H_RANK]), int(h[plan.H_PID]), int(h[plan.H_TOK_HI]), int(h[plan.H_TOK_LO])) != (plan.MAGIC, r, pid, hi, lo):
                 raise Unavailable(f"ring {self.name!r}: rank {r}'s segment header does not match", task=self.members[r])
             self.pids[r] = pid
-            self.peers[r] = _socket_name(token)
+            self.peers[r] = host.socket_name(token)
 
     def unlink(self) -> None:
         try:
@@ -234,6 +206,66 @@ class ShmChannel:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.sock.close()
         self.out.close()
+
+    def usable(self, seq: int) -> bool:
+        """Whether the ring's next call, ``seq``, comes here: not once the channel broke on an
+        earlier call, here or on a peer (its abort word), so that every rank moves to TCP for the
+        same call. The call it broke on still comes, to fail at once as it did on that peer."""
+        self._adopt(seq)
+        return self.broken is None or seq <= self.broken_seq
+
+    def _broke(self, seq: int, exc: ZmqflowError) -> None:
+        with self.breaking:  # the earliest break wins: that call failed, every later one takes TCP
+            if self.broken is None or seq < self.broken_seq:
+                self.broken_seq, self.broken = seq, exc
+
+    def _adopt(self, seq: int, meta: Any = None) -> None:
+        """Take in the calls the peers gave up (their abort words) before ``seq``, and with
+        ``meta`` (call ``seq``'s description, to name what differs) ``seq`` itself."""
+        for r in range(self.size):
+            word = int(self.headers[r][plan.H_ABORT]) if r != self.rank else 0
+            if word:  # the call's number was written before the word: x86 keeps stores in order
+                aborted = int(self.headers[r][plan.H_ABORT_SEQ])
+                if aborted < seq or (meta is not None and aborted == seq):
+                    self._broke(aborted, self._abort_error(r, aborted, word, meta))
+
+    def _check(self, seq: int, meta: Any) -> None:
+        """Raise when call ``seq`` may not run here: ``ChannelClosed`` past the call the channel
+        broke on, that call's own error on it."""
+        self._adopt(seq, meta)
+        if self.broken is not None and self.broken_seq <= seq:
+            if self.broken_seq < seq:
+                raise ChannelClosed(seq)
+            raise self.broken
+
+    def _abort_error(self, r: int, seq: int, word: int, meta: Any) -> ZmqflowError:
+        """What rank ``r``'s abort word of call ``seq`` means here."""
+        kind, culprit = plan.abort_reason(word, self.size)
+        if kind == plan.MISMATCH and meta is None:  # an earlier call: only marks where the channel broke
+            return CollectiveMismatch(f"ring {self.name!r} call {seq}: rank {r} ({self.members[r]}) found that the "
+                                      f"ranks made different calls", ranks=[r, self.rank])
+        if kind == plan.MISMATCH:  # name a rank whose description differs from this one's, if one wrote it
+            lay, words = self.layout, plan.meta_words(meta)
+            odd = [q for q in range(self.size)
+                   if q != self.rank and [int(v) for v in self.headers[q][lay.meta_word:lay.words]] != words]
+            return self._mismatch(seq, words, odd[0] if odd else r)
+        task = self.members[culprit]
+        who = f"rank {culprit} ({task})"
+        if kind == plan.DEADLINE:
+            return DeadlineExceeded(f"ring {self.name!r} call {seq} (shared memory) did not complete in time; rank {r} "
+                                    f"({self.members[r]}) gave up waiting for {who}", task=task, rank=culprit)
+        return Unavailable(f"ring {self.name!r} call {seq}: member {who} is gone", task=task, rank=culprit)
+
+    def _fail(self, seq: int, exc: ZmqflowError) -> None:
+        """This rank gave call ``seq`` up itself: its abort word says why, naming the rank at fault."""
+        self._broke(seq, exc)
+        mine = self.headers[self.rank]
+        if not int(mine[plan.H_ABORT]):
+            kind = (plan.MISMATCH if isinstance(exc, CollectiveMismatch) else
+                    plan.DEADLINE if isinstance(exc, DeadlineExceeded) else plan.GONE)
+            mine[plan.H_ABORT_SEQ] = seq  # before the word: a reader that sees the word sees the call
+            mine[plan.H_ABORT] = plan.abort_word(kind, int(exc.details.get("rank", self.rank)), self.size)
+        self._notify()
 
     # calls -----------------------------------------------------------------------------
     def submit(self, src: np.ndarray, op: str, seq: int, meta: Any, timeout: float,
@@ -271,27 +303,29 @@ class ShmChannel:
 
     def collective(self, src: np.ndarray, op: str, seq: int, meta: Any, deadline: float, seen: Any = None,
                    root: int = 0, in_place: bool = False) -> np.ndarray:
-        if self.broken is not None:
-            raise self.broken
+        """Run one call (``submit`` says what it takes); ``ChannelClosed``: run it over TCP instead."""
         joined = isinstance(src, Joined)
         if in_place and (op not in _UFUNC or joined or not src.flags.c_contiguous or not src.flags.writeable):
             raise InvalidArgument(f"only a reduction writes in place, into a contiguous writeable array (op {op!r})")
         if joined and op not in _UFUNC:
             raise InvalidArgument(f"only a reduction reads joined arrays (op {op!r})")
         try:
+            self._check(seq, meta)  # a peer gave this call (or an earlier one) up before it started here
             flat = src if joined else np.ascontiguousarray(src).reshape(-1)
             if seen is None:
-                return self._collective(flat, op, seq, meta, deadline, root, in_place=in_place)
-            probe = seen.call()
-            with seen.span("ring", "allreduce" if op in _UFUNC else op):
-                out = self._collective(flat, op, seq, meta, deadline, root, probe, seen.span, in_place)
-            probe.done()
+                out = self._collective(flat, op, seq, meta, deadline, root, in_place=in_place)
+            else:
+                probe = seen.call()
+                with seen.span("ring", "allreduce" if op in _UFUNC else op):
+                    out = self._collective(flat, op, seq, meta, deadline, root, probe, seen.span, in_place)
+                probe.done()
+            self._adopt(seq, meta)  # a peer that gave this very call up after it was done here: it fails here too
+            if self.broken is not None and self.broken_seq == seq:
+                raise self.broken
             return out
         except ZmqflowError as exc:
-            self.broken = exc
-            culprit = int(exc.details.get("rank", self.rank))  # a mismatch: the word says so, after the ranks
-            self.headers[self.rank][plan.H_ABORT] = 1 + culprit + (self.size if isinstance(exc, CollectiveMismatch) else 0)
-            self._notify()
+            if exc is not self.broken:  # this rank's own finding (a peer's is in that peer's word already)
+                self._fail(seq, exc)
             raise
 
     def _collective(self, src: Any, op: str, seq: int, meta: Any, deadline: float, root: int = 0,
@@ -359,7 +393,7 @@ class ShmChannel:
                     def owing() -> list[int]:
                         return self._owing(base, wrote, folded, len(parts), others)
                     with span("ring wait", "wait"):
-                        self._wait(deadline, seq, owing, words)
+                        self._wait(deadline, seq, owing, meta)
         self.base = base + len(parts)
         return out.reshape(n, -1) if op == "gather" else out
 
@@ -393,7 +427,7 @@ class ShmChannel:
                 if (folded < count and int(hdrs[r][plan.H_WRITTEN]) < g_read + 1)
                 or (wrote < count and int(hdrs[r][lay.read_word(me)]) < g_write - lay.slots + 1)]
 
-    def _wait(self, deadline: float, seq: int, owing: Any, words: list[int]) -> None:
+    def _wait(self, deadline: float, seq: int, owing: Any, meta: Any) -> None:
         """Sleep until a peer moves a counter (or ``_POLL_S``), then judge only the peers this rank
         still waits on (``owing()``): checking every peer would fail a call that a peer dying right
         after its last piece cannot stop, as when the kill lands while this rank sat unscheduled."""
@@ -412,18 +446,14 @@ class ShmChannel:
             # abort, or the pieces this rank waited for) is judged by what it wrote. Read the other
             # way round, a peer that aborted on a mismatch and exited between the two reads looked
             # merely gone.
-            dead = not _alive(self.pids[r]) or self.unreachable(r)
-            culprit = int(self.headers[r][plan.H_ABORT]) - 1
-            if culprit >= self.size:  # name a rank whose description differs from this one's, if one wrote it
-                lay = self.layout
-                odd = [q for q in range(self.size) if q != self.rank and [int(v) for v in self.headers[q][lay.meta_word:lay.words]] != words]
-                raise self._mismatch(seq, words, odd[0] if odd else r)
-            if dead and culprit < 0 and r not in owing():
+            dead = not host.alive(self.pids[r]) or self.unreachable(r)
+            if int(self.headers[r][plan.H_ABORT]):
+                self._check(seq, meta)  # it gave this call up, or left for TCP after an earlier one
+            if dead and r not in owing():
                 continue  # it published what this rank needs before it went: the call goes on
-            if dead or culprit >= 0:
-                gone = r if culprit < 0 else culprit
-                raise Unavailable(f"ring {self.name!r} call {seq}: member rank {gone} ({self.members[gone]}) is gone",
-                                  task=self.members[gone], rank=gone)
+            if dead:
+                raise Unavailable(f"ring {self.name!r} call {seq}: member rank {r} ({self.members[r]}) is gone",
+                                  task=self.members[r], rank=r)
         if time.monotonic() > deadline:
             late = min(others, key=lambda r: int(self.headers[r][plan.H_WRITTEN]))  # the one furthest behind
             raise DeadlineExceeded(f"ring {self.name!r} call {seq} (shared memory) did not complete in time; "
@@ -435,11 +465,12 @@ async def negotiate(ring: Any, wanted: bool, timeout: float) -> "ShmChannel | No
     """Agree over the ring's RPC whether every rank takes the shared-memory path; every rank must
     call it at the same point (it runs two allgathers). None: stay on TCP."""
     channel = None
-    if wanted and enabled():
+    if wanted and host.enabled():
         try:
             channel = ShmChannel(ring.name, ring.rank, ring.size, [str(m) for m in ring.members])
             channel.unreachable = ring.peer_down
-        except OSError:
+        except OSError as exc:
+            log.warning("ring %r: no shared-memory path here (%s); its calls go over TCP", ring.name, exc)
             channel = None
     blob = channel.blob() if channel is not None else np.zeros(4, np.int64)
     try:

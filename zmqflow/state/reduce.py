@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import InvalidArgument
 
 __all__ = ["OPS", "reduce_in_order", "NumpyBackend", "CupyBackend", "backend_for", "finish_mean", "is_cupy", "array_module",
-           "as_array", "write_back", "to_host", "to_device", "Joined", "unfuse"]
+           "as_array", "write_back", "to_host", "to_device", "Joined", "unfuse", "mean_dtype", "mean_into"]
 
 OPS = ("sum", "mean", "min", "max")
 _UFUNC = {"sum": "add", "mean": "add", "min": "minimum", "max": "maximum"}  # mean divides at the end
@@ -154,9 +154,32 @@ def unfuse(fused: Any, arrays: Sequence[Any]) -> list[Any]:
     return out
 
 
+def mean_dtype(dtype: Any) -> "np.dtype | None":
+    """What a mean of ``dtype`` is summed in when not in ``dtype`` itself: float32 for the
+    half-precision floats. A float16 sum overflows (two 40000s are inf) where the mean fits;
+    summed in float32 it cannot, for any ring size, and the mean is rounded once, which is more
+    exact than dividing each term first. bfloat16 has float32's range, so it gains the single
+    rounding only. Only half-precision means pay the wider pass; None for every other dtype."""
+    return np.dtype(np.float32) if dtype == np.float16 or str(dtype) == "bfloat16" else None
+
+
+def mean_into(out: np.ndarray, parts: Sequence[np.ndarray]) -> None:
+    """``out[...]``: the mean of ``parts`` (a half-precision dtype), summed left to right in float32."""
+    acc = parts[0].astype(np.float32)
+    for part in parts[1:]:
+        np.add(acc, part, out=acc)
+    acc /= len(parts)
+    out[...] = acc
+
+
 def reduce_in_order(parts: list[np.ndarray], op: str) -> np.ndarray:
-    """A new array: ``parts`` folded left to right (``mean`` as a sum divided by their count).
-    The fixed order makes every rank that folds the same parts get the very same bits."""
+    """A new array: ``parts`` folded left to right (``mean`` as a sum divided by their count;
+    a half-precision one summed in float32, see :func:`mean_dtype`). The fixed order makes every
+    rank that folds the same parts get the very same bits."""
+    if op == "mean" and mean_dtype(parts[0].dtype) is not None:
+        out = np.empty_like(parts[0])
+        mean_into(out, parts)
+        return out
     out = parts[0].copy()
     ufunc = getattr(np, _UFUNC[op])
     for part in parts[1:]:
@@ -176,14 +199,20 @@ def backend_for(buf: Any, src: Any = None) -> "NumpyBackend | CupyBackend":
 
 
 def finish_mean(buf: Any, n: int) -> None:
-    """Divide a summed buffer by the ring size: exact for floats, truncated toward zero for
-    integers (as ``np.mean(...).astype(dtype)``)."""
+    """Divide a summed buffer by the ring size: exact for floats; for integers truncated toward
+    zero (as ``np.mean(...).astype(dtype)``) in integer arithmetic, as float64 cannot hold every
+    int64 or uint64 past 2**53."""
     kind = buf.dtype.kind
     if kind in "fc" or str(buf.dtype) == "bfloat16":
         buf /= n
     elif kind in "iu":
         xp = _cp if is_cupy(buf) else np
-        buf[...] = xp.trunc(buf / n).astype(buf.dtype)
+        work = buf if n <= int(np.iinfo(buf.dtype).max) else buf.astype(np.int64)  # more ranks than the dtype counts
+        if kind == "i":  # floor division of what is left once the remainder (with the sum's sign) is taken off
+            work -= xp.fmod(work, n)
+        work //= n
+        if work is not buf:
+            buf[...] = work
     else:
         raise InvalidArgument(f"mean of {buf.dtype} is not defined")
 
@@ -195,8 +224,12 @@ def array_module(a: Any) -> Any:
 
 def as_array(x: Any) -> tuple[Any, Any]:
     """(array to reduce, what to return for it): numpy and cupy arrays as they are; other
-    frameworks' tensors through DLPack, zero-copy, with the result written back into them."""
-    if isinstance(x, np.ndarray) or is_cupy(x):
+    frameworks' tensors through DLPack, zero-copy, with the result written back into them. A
+    numpy array in the other byte order is copied into this machine's: chunks cross the wire in
+    it, and each rank checks that what arrives has its own dtype."""
+    if isinstance(x, np.ndarray):
+        return (x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("="))), None
+    if is_cupy(x):
         return x, None
     if hasattr(x, "__dlpack__"):
         try:

@@ -16,12 +16,27 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["MAGIC", "NAME_RE", "Layout", "MIN_PIECES", "FLOOR_BYTES", "pieces", "may_write", "may_read", "call_tag", "FIELDS", "meta_words", "differing", "segment_name", "valid_name"]
+__all__ = ["MAGIC", "NAME_RE", "Layout", "MIN_PIECES", "FLOOR_BYTES", "pieces", "may_write", "may_read", "call_tag",
+           "FIELDS", "meta_words", "differing", "segment_name", "valid_name", "GONE", "MISMATCH", "DEADLINE",
+           "abort_word", "abort_reason"]
 
 MAGIC = 0x7A6D71666C6F7731  # "zmqflow1"
 NAME_RE = re.compile(r"^zmqflow-ring-(\d+)-([0-9a-f]{32})$")
-# header words (int64): magic, rank, pid, token hi, token lo, written, abort, then read[n], tag[slots]
-H_MAGIC, H_RANK, H_PID, H_TOK_HI, H_TOK_LO, H_WRITTEN, H_ABORT, H_FIXED = range(8)
+# header words (int64): magic, rank, pid, token hi, token lo, written, abort, the aborted call, then read[n], tag[slots]
+H_MAGIC, H_RANK, H_PID, H_TOK_HI, H_TOK_LO, H_WRITTEN, H_ABORT, H_ABORT_SEQ, H_FIXED = range(9)
+# why a rank gave a call up, in its abort word with the rank at fault: that rank is gone, the
+# calls differ (the ranks' descriptions say who), or this rank's deadline passed waiting for it
+GONE, MISMATCH, DEADLINE = range(3)
+
+
+def abort_word(kind: int, culprit: int, size: int) -> int:
+    """The abort word a rank writes (after ``H_ABORT_SEQ``): never 0, which means no abort."""
+    return 1 + culprit + size * kind
+
+
+def abort_reason(word: int, size: int) -> tuple[int, int]:
+    """(kind, culprit) of a non-zero abort word."""
+    return divmod(word - 1, size)
 
 
 class Layout:

@@ -3,12 +3,16 @@ membership rendezvous (``status``, ``join``: see :mod:`.rendezvous`).
 
 Deposits may arrive before this rank has started the matching call (the left is ahead); they
 wait in the mailbox, keyed by ring, call sequence number, phase, step and chunk. An abort (a
-collective mismatch seen by some rank, or a dead member) fails every pending take of that call.
+collective mismatch seen by some rank, a dead member, a deadline) fails every pending take of that
+call and drops what was parked for it. What no call here takes (a peer running a ring of another
+name, or a call this rank gave up without hearing an abort) is bounded in bytes, as well as in
+chunks, and dropped once it has waited longer than any call of its ring could still take it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import numpy as np
@@ -28,6 +32,12 @@ _MAX_ABORTED = 4096  # abort records kept, oldest forgotten first: they refuse s
 # chunks deposited and not yet taken: a left neighbour runs at most a step or so ahead, a few
 # hundred chunks of the largest tensors; far more is a peer depositing what no call will take
 MAX_WAITING_CHUNKS = 1 << 16
+# bytes deposited and not yet taken: a lagging rank holds about a segment of each call it is behind
+# on (a whole bucket from every rank on the small path); a deposit past this is refused
+MAX_PARKED_BYTES = 4 << 30
+# how long a deposit may wait untaken: calls of a ring registered here get twice its timeout (no
+# call that could take it lasts longer once the depositor's call ended), others this long
+PARKED_TTL_S = 120.0
 
 
 class RingService(Service):
@@ -39,6 +49,10 @@ class RingService(Service):
         self.aborted: dict[tuple[str, int], ZmqflowError] = {}
         self.retired: set[str] = set()
         self.members: dict[str, list[str]] = {}  # ring -> its members' task names, by rank
+        self.ttl: dict[str, float] = {}  # ring -> how long its deposits may wait untaken
+        self.parked: dict[BoxKey, tuple[int, float]] = {}  # deposited, untaken: (bytes, when)
+        self.parked_bytes = 0
+        self._sweep: asyncio.TimerHandle | None = None
         self.departed: dict[str, dict[int, int]] = {}  # ring -> rank -> the last call it completed
         self.rendezvous = Rendezvous()
 
@@ -48,9 +62,53 @@ class RingService(Service):
             fut = self.boxes[key] = asyncio.get_running_loop().create_future()
         return fut
 
-    def register(self, ring: str, members: list[str]) -> None:
-        """The task names of ``ring``'s ranks: with keys, a chunk is taken only from the rank its key names."""
+    def register(self, ring: str, members: list[str], timeout: float = 0.0) -> None:
+        """The task names of ``ring``'s ranks: with keys, a chunk is taken only from the rank its key
+        names. ``timeout``: its calls' deadline, which bounds how long its deposits may wait here."""
         self.members[ring] = list(members)
+        self.ttl[ring] = max(PARKED_TTL_S, 2 * float(timeout))
+
+    def _park(self, key: BoxKey, nbytes: int) -> None:
+        self.parked[key] = (nbytes, time.monotonic())
+        self.parked_bytes += nbytes
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(PARKED_TTL_S / 4, self._expire)
+
+    def _unpark(self, key: BoxKey) -> None:
+        nbytes, _ = self.parked.pop(key, (0, 0.0))
+        self.parked_bytes -= nbytes
+
+    def _drop(self, key: BoxKey) -> None:
+        """Remove one box: a waiting take is cancelled, a deposit no one took is let go."""
+        fut = self.boxes.pop(key, None)
+        self._unpark(key)
+        if fut is None:
+            return
+        if not fut.done():
+            fut.cancel()
+        elif not fut.cancelled():
+            fut.exception()  # retrieved: no "never retrieved" warning
+
+    def _expire(self) -> None:
+        """Drop deposits that waited untaken past their ring's bound; again while any are parked."""
+        self._sweep = None
+        now = time.monotonic()
+        for key, (_, since) in list(self.parked.items()):
+            if now - since > self.ttl.get(key[0], PARKED_TTL_S):
+                self._drop(key)
+        if self.parked:
+            self._sweep = asyncio.get_running_loop().call_later(PARKED_TTL_S / 4, self._expire)
+
+    def _refuse(self, ring: str, seq: int, nbytes: int) -> None:
+        if self.parked_bytes + nbytes <= MAX_PARKED_BYTES:
+            return
+        per_ring: dict[str, int] = {}
+        for key, (size, _) in self.parked.items():
+            per_ring[key[0]] = per_ring.get(key[0], 0) + size
+        most = max(per_ring, key=per_ring.__getitem__) if per_ring else ring
+        raise ResourceExhausted(f"ring {ring!r} call {seq}: {self.parked_bytes} bytes of deposits already wait to be "
+                                f"taken here ({per_ring.get(most, 0)} of ring {most!r}), and {nbytes} more pass the "
+                                f"limit", limit=MAX_PARKED_BYTES, ring=ring)
 
     @op(rq.Deposit)
     def deposit(self, ctx: CallContext, req: rq.Deposit) -> bool:
@@ -64,10 +122,13 @@ class RingService(Service):
         if key not in self.boxes and len(self.boxes) >= MAX_WAITING_CHUNKS:
             raise ResourceExhausted(f"ring {ring!r} call {seq}: {len(self.boxes)} chunks already wait to be taken "
                                     f"here, the limit", limit=MAX_WAITING_CHUNKS)
+        nbytes = int(getattr(req.data, "nbytes", 0))
+        self._refuse(ring, seq, nbytes)
         fut = self._box(key)
         if fut.done():
             raise InvalidArgument(f"ring {ring!r} call {seq}: chunk {req.phase}/{req.step}/{req.chunk} delivered twice")
         fut.set_result((req.src, req.meta, req.data))
+        self._park(key, nbytes)
         return True
 
     @op(rq.Abort)
@@ -112,17 +173,24 @@ class RingService(Service):
 
     async def stop(self) -> None:
         self.rendezvous.close()
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
 
     def fail(self, ring: str, seq: int, exc: ZmqflowError) -> None:
-        """Fail every pending take of one call (first failure wins)."""
+        """Fail every pending take of one call (first failure wins) and drop what was deposited
+        for it: a take of the call raises from now on, so nothing will take it."""
         if (ring, seq) in self.aborted:
             return
         if len(self.aborted) >= _MAX_ABORTED:
             self.aborted.pop(next(iter(self.aborted)))
         self.aborted[(ring, seq)] = exc
-        for key, fut in self.boxes.items():
-            if key[0] == ring and key[1] == seq and not fut.done():
-                fut.set_exception(exc)
+        for key, fut in list(self.boxes.items()):
+            if key[0] == ring and key[1] == seq:
+                if fut.done():
+                    self._drop(key)
+                else:
+                    fut.set_exception(exc)
 
     async def take(self, key: BoxKey) -> tuple[int, Any, np.ndarray]:
         failure = self.aborted.get(key[:2])  # type: ignore[arg-type]
@@ -132,27 +200,21 @@ class RingService(Service):
             return await self._box(key)
         finally:
             self.boxes.pop(key, None)
+            self._unpark(key)
 
     def forget(self, ring: str, seq: int) -> None:
         """Drop what is left of a finished call (boxes of an aborted one); its abort record stays,
         so chunks that straggle in afterwards are refused rather than kept."""
         for key in [k for k in self.boxes if k[0] == ring and k[1] == seq]:
-            fut = self.boxes.pop(key)
-            if not fut.done():
-                fut.cancel()
-            elif not fut.cancelled():
-                fut.exception()  # retrieved: no "never retrieved" warning
+            self._drop(key)
 
     def retire(self, ring: str) -> None:
         """A ring generation is over: drop its boxes and refuse its chunks from now on."""
         self.retired.add(ring)
         self.members.pop(ring, None)
+        self.ttl.pop(ring, None)
         self.departed.pop(ring, None)
         for key in [k for k in self.boxes if k[0] == ring]:
-            fut = self.boxes.pop(key)
-            if not fut.done():
-                fut.cancel()
-            elif not fut.cancelled():
-                fut.exception()
+            self._drop(key)
         for key in [k for k in self.aborted if k[0] == ring]:
             del self.aborted[key]
