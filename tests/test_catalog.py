@@ -136,3 +136,41 @@ def test_what_a_record_keeps_is_bounded_by_parts_and_by_spec_bytes(monkeypatch):
     _declare(cat, "a", parts=3)  # an existing record is still found
     _declare(cat, "c", parts=2)
     assert set(cat.records) == {"a", "c"} and cat.parts == 5 and cat.bytes == {"ps:0": 300, "ps:1": 200}
+
+
+@pytest.mark.parametrize("alias", ["/job:ps/task:0", "/job:ps/replica:0/task:0", "/job:ps/task:0/device:CPU:0",
+                                   " ps:0 "])
+def test_a_device_alias_is_the_same_shard_and_its_budget(alias):
+    """Aliases are stored as 'job:index', so they count against that shard's budget and a sweep
+    that finds a shard's parts by task name finds them."""
+    from zmqflow.cluster import ClusterSpec
+    from zmqflow.server.services.catalog import CatalogService
+    from zmqflow.state.limits import StateLimits
+
+    spec = ClusterSpec({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]})
+    cat = CatalogService(spec, StateLimits(max_shard_bytes=1000)).catalog
+    assert _tasks(cat.declare("a", [200], "float32", [[0, 200]], [800], device="ps:0")) == ["ps:0"]
+    with pytest.raises(ResourceExhausted, match="shard ps:0 to 1600 bytes"):
+        cat.declare("b", [200], "float32", [[0, 200]], [800], device=alias)
+    assert cat.held == {"ps:0": 800} and "b" not in cat.records
+    assert _tasks(cat.declare("c", [50], "float32", [[0, 50]], [200], device=alias)) == ["ps:0"]
+
+
+def test_a_device_that_is_no_task_is_refused_by_name():
+    from zmqflow.cluster import ClusterSpec
+    from zmqflow.rpc import CallContext
+    from zmqflow.server.services.catalog import CatalogService
+    from zmqflow.wire.requests import cluster as rq
+
+    svc = CatalogService(ClusterSpec({"ps": ["127.0.0.1:1"]}))
+    ctx = CallContext("catalog", "declare", b"peer", "worker:0", None)
+    for bad in ["ps", "/job:ps", "gpu:0:1", "/task:0", 7]:
+        with pytest.raises(InvalidArgument, match=f"device {bad!r} is not a task"):
+            svc.catalog.declare("v", [2], "float32", [[0, 2]], [8], device=bad)
+    req = rq.Declare(name="v", shape=[2], dtype="float32", part_rows=[[0, 2]], part_bytes=[8], device="ps:1/x")
+    with pytest.raises(InvalidArgument, match="device 'ps:1/x' is not a task"):
+        svc.declare(ctx, req)
+    req = rq.Declare(name="v", shape=[2], dtype="float32", part_rows=[[0, 2]], part_bytes=[8], device="/job:ps/task:1")
+    with pytest.raises(InvalidArgument, match="device 'ps:1' is not a task of the cluster"):
+        svc.declare(ctx, req)
+    assert svc.catalog.records == {} and svc.catalog.held == {}

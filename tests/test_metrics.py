@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
 import socket
 import threading
 import urllib.request
@@ -20,7 +21,7 @@ import zmqflow as zf
 from zmqflow.client.ring import AsyncRing
 from zmqflow.errors import AddressInUse, ConfigError, DeadlineExceeded
 from zmqflow.observe import metrics
-from zmqflow.observe.endpoint import port_from_env, serve_metrics
+from zmqflow.observe.endpoint import host_for, port_from_env, serve_metrics
 from zmqflow.rpc import RpcClient
 from zmqflow.testing import free_port, local_cluster, wait_until
 from zmqflow.wire.requests.ps import Empty
@@ -114,6 +115,27 @@ def test_a_metrics_port_in_use_or_zero_is_a_clear_error_exiting_2(tmp_path, proc
     p = procs([*ZMQFLOW, "serve", "--cluster", json.dumps(spec), "--task", "ps:0", "--metrics-port", "0"])
     assert p.wait(30) == 2, p.output
     assert "metrics port must be 1..65535, got 0" in p.output
+
+
+def test_metrics_bind_the_host_the_task_binds_when_the_spec_names_another(tmp_path, procs, monkeypatch):
+    """A pod's spec address is a DNS name or service IP, not an interface: with ZMQFLOW_BIND_HOST the
+    task binds that host, and so does its metrics endpoint (ZMQFLOW_METRICS_HOST still wins)."""
+    spec = zf.ClusterSpec({"ps": [f"198.51.100.7:{free_port()}"]})  # TEST-NET-2: no interface of this host
+    monkeypatch.setenv("ZMQFLOW_BIND_HOST", "127.0.0.1")
+    monkeypatch.delenv("ZMQFLOW_METRICS_HOST", raising=False)
+    assert host_for(spec, zf.TaskId("ps", 0)) == "127.0.0.1"
+    monkeypatch.setenv("ZMQFLOW_METRICS_HOST", "0.0.0.0")
+    assert host_for(spec, zf.TaskId("ps", 0)) == "0.0.0.0"
+    monkeypatch.delenv("ZMQFLOW_METRICS_HOST")
+    mport = free_port()
+    p = procs([*ZMQFLOW, "serve", "--cluster", spec.to_json(), "--task", "ps:0", "--metrics-port", str(mport)],
+              env={"ZMQFLOW_BIND_HOST": "127.0.0.1"})
+    p.wait_for_line(f"metrics at http://127.0.0.1:{mport}/metrics", 30)
+    p.wait_for_line("serving ps:0", 30)
+    with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10) as resp:
+        assert resp.status == 200 and b"zmqflow_build_info" in resp.read()
+    p.signal(signal.SIGTERM)
+    assert p.wait(10) == 0, p.output
 
 
 def test_peer_labels_are_capped_and_the_rest_fold_into_other():

@@ -169,3 +169,38 @@ def test_serve_stops_at_sigterm_while_a_plain_function_still_runs(procs, tmp_pat
         p.signal(signal.SIGTERM)
         assert p.wait(10) == 0, p.output
         pending.cancel()
+
+
+def test_plain_functions_count_until_they_return_not_until_their_deadline():
+    """A deadline cancels the call but not its thread: the threads still running are what
+    ``max_run_threads`` caps, so short deadlines cannot start threads without end."""
+    from zmqflow.server.limits import ServerLimits
+
+    spec = make_spec({"worker": 1}, "tcp")
+    release = threading.Event()
+    with zf.Server(spec, "worker:0", limits=ServerLimits(max_run_threads=2)) as w0:
+        w0.register_function("slow", lambda: release.wait(30))
+        w0.register_function("quick", lambda: "quick")
+        worker = w0.async_server.service("worker")
+        try:
+            with zf.Session(w0.target) as sess:
+                for _ in range(2):
+                    with pytest.raises(errors.DeadlineExceeded):
+                        sess.run("slow", task="worker:0", timeout=0.3)
+                assert worker.running == 2
+                for name in ("quick", "slow"):
+                    with pytest.raises(errors.ResourceExhausted, match=f"'{name}'.*its limit max_run_threads 2"):
+                        sess.run(name, task="worker:0")
+                assert worker.running == 2  # a refused call started no thread
+                release.set()
+                wait_until(lambda: worker.running == 0, 10, what="the cancelled calls' threads to return")
+                assert [sess.run("quick", task="worker:0") for _ in range(3)] == ["quick"] * 3
+                assert worker.running == 0
+        finally:
+            release.set()
+
+
+def test_worker_service_refuses_a_thread_limit_that_is_no_count():
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(errors.InvalidArgument, match="max_threads"):
+            WorkerService(max_threads=bad)  # type: ignore[arg-type]

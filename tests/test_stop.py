@@ -20,7 +20,7 @@ from zmqflow import errors
 from zmqflow.bridge import runtime
 from zmqflow.rpc import RpcClient
 from zmqflow.server.services.sessions import SessionLedger
-from zmqflow.testing import make_spec, wait_until
+from zmqflow.testing import free_port, make_spec, wait_until
 from zmqflow.transport.curve import Keys, generate
 
 from .conftest import ZMQFLOW, arun
@@ -102,6 +102,32 @@ def test_stop_usage_errors_exit_2(tmp_path, procs):
     assert bad.wait(30) == 2 and "no such task" in bad.output, bad.output
     missing = procs([*ZMQFLOW, "stop", "--cluster", str(tmp_path / "nope.json")])
     assert missing.wait(30) == 2 and "no such file" in missing.output, missing.output
+
+
+def test_tasks_stop_never_reached_are_unreachable_not_down(tmp_path, procs):
+    """Down is what a host says by refusing the connection; a host that does not resolve, or that
+    takes the connection with no task behind it, says nothing of the task: exit 1."""
+    with socket.create_server(("127.0.0.1", 0)) as mute:  # accepts (its backlog), never speaks ZMTP
+        mute_port = mute.getsockname()[1]
+        spec = {"worker": [f"127.0.0.1:{free_port()}", "no-such-host.invalid:2222",
+                           f"127.0.0.1:{mute_port}"]}
+        p = procs([*ZMQFLOW, "stop", "--cluster", json.dumps(spec), "--timeout", "3"])
+        assert p.wait(60) == 1, p.output
+    outcome = _lines(p.output)
+    assert outcome["worker:0"] == "already down", p.output
+    assert outcome["worker:1"].startswith("unreachable: host no-such-host.invalid does not resolve"), p.output
+    assert outcome["worker:2"] == (f"unreachable: 127.0.0.1:{mute_port} accepts connections but no zmqflow "
+                                   "task answered there"), p.output
+
+
+def test_stop_and_status_refuse_a_timeout_that_is_not_finite(tmp_path, procs):
+    _, cfile = _cluster(tmp_path, worker=1)
+    for command in ("stop", "status"):
+        for value in ("nan", "inf"):
+            p = procs([*ZMQFLOW, command, "--cluster", str(cfile), "--timeout", value])
+            assert p.wait(30) == 2, p.output
+            assert f"Invalid value for '--timeout': '{value}' is not a finite number" in p.output, p.output
+            assert "Traceback" not in p.output
 
 
 def test_with_keys_a_key_off_the_allow_list_stops_nothing_and_the_client_key_stops_all(tmp_path, procs):

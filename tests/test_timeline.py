@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -174,6 +175,29 @@ def test_merge_names_a_file_that_is_not_a_trace(tmp_path):
     r = subprocess.run([*ZMQFLOW, "timeline", "merge", str(out), str(tmp_path / "none-*.json")], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "no file matches" in r.stderr
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('[{"ph":"X","name":"a","pid":[1],"tid":1,"ts":0,"dur":1}]', "event 1, ph 'X': 'pid' is an array"),
+    ('{"traceEvents":[{"ph":"X","pid":1,"tid":1},{"ph":"X","pid":1,"tid":{"a":1}}]}',
+     "event 2, ph 'X': 'tid' is an object"),
+    ('[{"ph":"M","name":"process_name","pid":1,"args":["x"]}]', "'args' is an array, expected an object"),
+    ('[{"ph":"X","pid":true}]', "'pid' is a boolean"),
+])
+def test_merge_names_an_event_whose_fields_it_cannot_use(tmp_path, text, needle):
+    """Valid JSON with odd field types: one line naming the file and the event, no traceback."""
+    bad = tmp_path / "odd.json"
+    bad.write_text(text)
+    with pytest.raises(InvalidArgument, match=f"odd.json: not a Chrome trace \\(.*{re.escape(needle)}"):
+        read_trace(str(bad))
+    out = tmp_path / "out.json"
+    r = subprocess.run([*ZMQFLOW, "timeline", "merge", str(out), str(bad)], capture_output=True, text=True, timeout=60)
+    (line,) = r.stderr.splitlines()
+    assert r.returncode == 1 and line.startswith(f"zmqflow timeline merge: {bad}: not a Chrome trace (event ")
+    assert needle in line and not out.exists()
+    r = subprocess.run([*ZMQFLOW, "timeline", "merge", str(out), str(tmp_path)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and r.stderr == f"zmqflow timeline merge: {tmp_path}: a directory, not a timeline file\n"
 
 
 def test_the_recorder_in_process(tmp_path):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from .common import FiniteFloatRange
+
 __all__ = ["bench"]
 
 
@@ -36,7 +38,7 @@ def transport(quick: bool, transports: tuple[str, ...], json_out: str | None, cu
 @click.option("--vs", "rival", type=click.Choice(["tf1"]),
               help="Do the same work on a rival in the same run: tf1 = TensorFlow gRPC ps tasks and a "
                    "tf.compat.v1 worker session (needs the [anchors] extra).")
-@click.option("--model-mb", "model_mbs", multiple=True, type=click.FloatRange(min=0.1),
+@click.option("--model-mb", "model_mbs", multiple=True, type=FiniteFloatRange(min=0.1),
               help="Model size in MB; repeatable (several draw a curve with --plot). "
                    "Default 100 (20 with --quick); 64 with --vs tf1.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False),
@@ -188,12 +190,12 @@ def torch_bench(quick: bool, json_out: str | None, only: str | None, device: str
 @click.option("--netns", is_flag=True, help="Each task on its own simulated host: a network namespace with a "
               "rate-limited link to one bridge (needs root and `ip netns`). Without it: loopback, no limit.")
 @click.option("--quick", is_flag=True, help="An 8 MB model, ps 1 and 4, shorter runs (about a minute).")
-@click.option("--rate", "rates", multiple=True, type=click.FloatRange(min=0.001), metavar="GBIT",
+@click.option("--rate", "rates", multiple=True, type=FiniteFloatRange(min=0.001), metavar="GBIT",
               help="Link rate in Gbit/s, each way; repeatable; default 1 and 10.")
 @click.option("--ps", "ps", multiple=True, type=click.IntRange(1, 16), help="ps task counts; repeatable; default 1, 2, 4.")
 @click.option("--workers", "workers", multiple=True, type=click.IntRange(1, 16), help="Worker counts; repeatable; default 2, 4.")
-@click.option("--model-mb", type=click.FloatRange(min=0.001), help="Model size in MB (default 32; 8 with --quick).")
-@click.option("--seconds", type=click.FloatRange(min=0.1), help="Measured seconds per row (default 4; 2 with --quick).")
+@click.option("--model-mb", type=FiniteFloatRange(min=0.001), help="Model size in MB (default 32; 8 with --quick).")
+@click.option("--seconds", type=FiniteFloatRange(min=0.1), help="Measured seconds per row (default 4; 2 with --quick).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Append JSON lines here.")
 @click.option("--cleanup", is_flag=True, help="Remove the namespaces (and their processes) any run left behind, then exit.")
 @click.option("--ip", "ip", default="ip", show_default=True, metavar="PATH", help="iproute2's ip.")

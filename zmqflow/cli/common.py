@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
 
-__all__ = ["EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "setup_logging", "fail", "LOG_LEVELS", "TAGGED_ENV"]
+__all__ = ["EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "setup_logging", "fail", "LOG_LEVELS", "TAGGED_ENV",
+           "FiniteFloatRange"]
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -31,3 +33,14 @@ def fail(command: str, message: object, code: int) -> NoReturn:
     """One line on stderr, then exit with ``code``."""
     click.echo(f"zmqflow {command}: {message}", err=True)
     sys.exit(code)
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click's ``FloatRange`` without ``nan`` and ``inf``, which it lets through (``nan`` compares
+    false with every bound): a usage error naming the option, not a loop that never ends."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number

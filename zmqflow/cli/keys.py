@@ -32,6 +32,12 @@ def generate(directory: str, cluster: str | None, force: bool) -> None:
         allow = generate_keys(directory, spec, force=force)
     except ConfigError as exc:
         fail("keys", exc, EXIT_USAGE)
+    except FileExistsError as exc:  # a key file left by an earlier run that did not finish
+        fail("keys", f"cannot write {exc.filename}: it already exists (left by an earlier run?); pass --force "
+                     f"to replace the keys in {directory}", EXIT_USAGE)
+    except OSError as exc:  # a directory that cannot be made or written, a path through a file
+        fail("keys", f"cannot write keys to {directory}: {exc.filename or directory}: {exc.strerror or exc}",
+             EXIT_USAGE)
     tasks = ", ".join("every task (shared key)" if t == "*" else t for t in allow["tasks"])
     click.echo(f"wrote keys to {directory}: tasks {tasks}; clients {', '.join(allow['clients'])}")
     click.echo(f"  {directory}/{ALLOW_FILE}              public keys by role (copy to every host and client)")

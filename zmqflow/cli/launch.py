@@ -54,7 +54,7 @@ from ..server.checkpoint_roots import ENV as ROOTS_ENV
 from ..server.checkpoint_roots import CheckpointRoots
 from ..transport.curve import KEYS_ENV, Keys, is_loopback
 from .cluster_arg import load_cluster_arg
-from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, LOG_LEVELS, TAGGED_ENV, fail
+from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, LOG_LEVELS, TAGGED_ENV, FiniteFloatRange, fail
 from .launch_exit import exit_env, let_finish
 from .launch_output import TaskOutput, describe_exit
 from .launch_roles import EVALUATOR_GRACE, await_side_tasks, is_side_task, with_evaluator
@@ -392,7 +392,7 @@ def _exit_code(returncode: int) -> int:
               help="Also write each task's output to DIR/JOB-INDEX.log (appended across restarts).")
 @click.option("--evaluator", is_flag=True, help="Add an evaluator:0 task running COMMAND beside training "
               "(zmqflow.train_and_evaluate evaluates each checkpoint there); launch's exit code stays the training tasks'.")
-@click.option("--evaluator-grace", type=click.FloatRange(0), default=EVALUATOR_GRACE, show_default=True,
+@click.option("--evaluator-grace", type=FiniteFloatRange(0), default=EVALUATOR_GRACE, show_default=True,
               metavar="SECONDS", help="After training ends, how long the evaluator may take to finish before it is stopped.")
 @click.option("--ps-exit-when-done/--no-ps-exit-when-done", default=True, show_default=True,
               help="With a command, ps tasks exit by themselves once every chief and worker finished training.")

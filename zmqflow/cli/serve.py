@@ -8,6 +8,8 @@ import dataclasses
 import logging
 import re
 import signal
+from fractions import Fraction
+from typing import Any
 
 import click
 
@@ -19,11 +21,32 @@ from ..server.idle_trim import IDLE_TRIM
 from ..server.limits import ServerLimits
 from ..server.task import AsyncServer
 from ..transport.memory import keep_big_blocks
-from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, LOG_LEVELS, fail, setup_logging
+from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, LOG_LEVELS, FiniteFloatRange, fail, setup_logging
 
 log = logging.getLogger("zmqflow.serve")
 
 STOP_TIMEOUT = 1.5  # the process must be gone within 2 s of the signal
+MAX_SIZE = (1 << 63) - 1  # libzmq takes sizes (MAXMSGSIZE) as int64
+
+
+class SizeParam(click.ParamType):
+    """A ``--max-*-bytes`` value: a usage error naming the flag, not a traceback from libzmq."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            size = parse_size(value)
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+        if size < 1:
+            self.fail(f"{value!r} is under one byte", param, ctx)
+        return size
+
+
+SIZE = SizeParam()
 
 
 @click.command()
@@ -34,13 +57,21 @@ STOP_TIMEOUT = 1.5  # the process must be gone within 2 s of the signal
               help="Modules (and their submodules) whose functions sessions may run here; repeatable "
                    "(else ZMQFLOW_ALLOW_MODULES, comma-separated).")
 @click.option("--debug", is_flag=True, help="Error replies carry the server's tracebacks (never on an open network).")
-@click.option("--max-deadline", type=float, metavar="SECONDS", help="Longest any request may run; the deadline of one naming none (3600).")
-@click.option("--max-in-flight", type=int, metavar="N", help="Requests one peer may have running at once (4096).")
-@click.option("--max-frame-bytes", metavar="SIZE", help="Largest tensor frame taken (2GiB); libzmq cuts frames 64 MiB over it.")
-@click.option("--max-variable-bytes", metavar="SIZE", help="Largest variable, all parts (256GiB).")
-@click.option("--max-shard-bytes", metavar="SIZE", help="Bytes a shard may hold, values and optimizer slots (physical memory).")
-@click.option("--max-variables", type=int, metavar="N", help="Variables in the catalog, and parts per shard (262144).")
-@click.option("--table-capacity", type=int, metavar="ROWS", help="Rows per dynamic table part that names no capacity (16777216).")
+@click.option("--max-deadline", type=FiniteFloatRange(min=0, min_open=True), metavar="SECONDS",
+              help="Longest any request may run; the deadline of one naming none (3600).")
+@click.option("--max-in-flight", type=click.IntRange(min=1), metavar="N",
+              help="Requests one peer may have running at once (4096).")
+@click.option("--max-run-threads", type=click.IntRange(min=1), metavar="N",
+              help="Plain functions worker.run may have running at once, each until it returns (128).")
+@click.option("--max-frame-bytes", type=SIZE, metavar="SIZE",
+              help="Largest tensor frame taken (2GiB); libzmq cuts frames 64 MiB over it.")
+@click.option("--max-variable-bytes", type=SIZE, metavar="SIZE", help="Largest variable, all parts (256GiB).")
+@click.option("--max-shard-bytes", type=SIZE, metavar="SIZE",
+              help="Bytes a shard may hold, values and optimizer slots (physical memory).")
+@click.option("--max-variables", type=click.IntRange(min=1), metavar="N",
+              help="Variables in the catalog, and parts per shard (262144).")
+@click.option("--table-capacity", type=click.IntRange(min=1), metavar="ROWS",
+              help="Rows per dynamic table part that names no capacity (16777216).")
 @click.option("--keys", "keys", metavar="DIR", envvar="ZMQFLOW_KEYS", type=click.Path(file_okay=False),
               help="CurveZMQ key directory (zmqflow keys generate; else ZMQFLOW_KEYS): only listed keys get in.")
 @click.option("--insecure", is_flag=True, envvar="ZMQFLOW_INSECURE",
@@ -55,7 +86,7 @@ STOP_TIMEOUT = 1.5  # the process must be gone within 2 s of the signal
 @click.option("--exit-when-done", is_flag=True, envvar="ZMQFLOW_EXIT_WHEN_DONE",
               help="Exit 0 once every chief and worker task finished training (for ps tasks; else "
                    "ZMQFLOW_EXIT_WHEN_DONE=1).")
-@click.option("--idle-trim", type=click.FloatRange(min=0), default=IDLE_TRIM, show_default=True, metavar="SECONDS",
+@click.option("--idle-trim", type=FiniteFloatRange(min=0), default=IDLE_TRIM, show_default=True, metavar="SECONDS",
               help="After this long with next to no traffic (under 64 KiB), hand the heap's free pages back to "
                    "the OS, once (0: never; the heap then stays as big as the biggest requests made it).")
 def serve(cluster: str | None, task: str | None, log_level: str, allow_modules: tuple[str, ...], debug: bool,
@@ -90,16 +121,32 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "m
 
 
 def parse_size(text: str) -> int:
-    """``4GiB``, ``64MiB``, ``1.5GB``, ``1048576``: a number of bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    """``4GiB``, ``64MiB``, ``1.5GB``, ``1048576``: a number of bytes, at most what libzmq takes.
+    Computed exactly (a float would turn a long digit string into inf, then OverflowError)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text) if isinstance(text, str) else None
     if m is None or m.group(2).lower() not in _UNITS:
         raise ConfigError(f"{text!r} is not a size (e.g. 1048576, 64MiB, 4GiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if len(m.group(1)) > 40:  # far past int64 whatever the unit: not worth the arithmetic
+        raise ConfigError(f"{text[:40]!r}... is more than the largest size libzmq takes ({MAX_SIZE} bytes)")
+    size = int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()])
+    if size > MAX_SIZE:
+        raise ConfigError(f"{text!r} is {size} bytes, more than the largest size libzmq takes ({MAX_SIZE} bytes)")
+    return size
 
 
 def limits_from_flags(flags: dict[str, object]) -> ServerLimits:
-    """ServerLimits from the flags given (the rest at their defaults)."""
-    given = {k: (parse_size(v) if k.endswith("_bytes") else v) for k, v in flags.items() if v is not None}
+    """ServerLimits from the flags given (the rest at their defaults); a size is a ``parse_size``
+    text or bytes already parsed."""
+    given: dict[str, object] = {}
+    for key, value in flags.items():
+        if value is None:
+            continue
+        if key.endswith("_bytes") and not isinstance(value, int):
+            try:
+                value = parse_size(value)  # type: ignore[arg-type]
+            except ConfigError as exc:
+                raise ConfigError(f"--{key.replace('_', '-')}: {exc}") from None
+        given[key] = value
     try:
         return dataclasses.replace(ServerLimits(), **given)
     except ValueError as exc:

@@ -14,7 +14,7 @@ from ..errors import ConfigError
 from ..loop import run
 from ..rpc import RpcClient
 from ..transport.curve import KEYS_ENV, Keys, keys_from
-from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, fail
+from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, FiniteFloatRange, fail
 from .status_watch import probe_rows, watch
 
 __all__ = ["status", "cluster_status", "format_status"]
@@ -79,9 +79,11 @@ def _tasks(spec: ClusterSpec, names: Sequence[str]) -> list[TaskId] | None:
 @click.option("--task", "task_names", metavar="JOB:INDEX", multiple=True,
               help="Probe only this task (repeatable); no other task is contacted. For readiness probes.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table (with --watch: one line per refresh).")
-@click.option("--timeout", type=click.FloatRange(min=0.01), default=2.0, show_default=True, help="Seconds to wait for each task.")
+@click.option("--timeout", type=FiniteFloatRange(min=0.01), default=2.0, show_default=True,
+              help="Seconds to wait for each task.")
 @click.option("--watch", "watching", is_flag=True, help="Refresh a live table (step, rates, restarts, last error) until Ctrl-C.")
-@click.option("--interval", type=click.FloatRange(min=0.05), default=None, help="Seconds between refreshes with --watch [default: 2].")
+@click.option("--interval", type=FiniteFloatRange(min=0.05), default=None,
+              help="Seconds between refreshes with --watch [default: 2].")
 @click.option("--count", type=click.IntRange(min=1), default=None, help="With --watch: stop after this many refreshes.")
 @click.option("--keys", metavar="DIR", envvar=KEYS_ENV, type=click.Path(file_okay=False),
               help="CurveZMQ key directory (else ZMQFLOW_KEYS): asks as the client key.")

@@ -3,30 +3,37 @@
 Each task is asked (``master.shutdown``: it answers, then stops as on SIGTERM and ``serve`` exits 0)
 and then pinged until its connection is gone, within ``--timeout``. The chief, the workers and
 every other job go first and the ps tasks last, so no trainer loses its shards under it. One line
-per task: ``stopped``, ``already down``, ``did not stop within Ns`` or ``refused: ...``; the exit
-code is 0 only when every task named is down. With keys (``--keys DIR``, else ``ZMQFLOW_KEYS``)
-it asks as the client key, which every task admits to ``master.shutdown`` (see ``zmqflow/rpc/roles.py``).
+per task: ``stopped``, ``already down``, ``did not stop within Ns``, ``refused: ...`` or
+``unreachable: ...``; the exit code is 0 only when every task named is down.
+
+A task that never answered is down only when its host says so (it refuses the connection: nothing
+listens there); a host that does not resolve or answer says nothing about the task, which may be
+running beyond a network this process cannot reach: that is ``unreachable``, not down.
+
+With keys (``--keys DIR``, else ``ZMQFLOW_KEYS``) it asks as the client key, which every task
+admits to ``master.shutdown`` (see ``zmqflow/rpc/roles.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import uuid
 
 import click
 
-from ..cluster import ClusterSpec, TaskId, resolve
+from ..cluster import Address, ClusterSpec, TaskId, resolve
 from ..errors import ConfigError, PermissionDenied, Unauthenticated, Unavailable, ZmqflowError
 from ..loop import run
 from ..rpc import RpcClient
 from ..transport.curve import KEYS_ENV, Keys, keys_from
 from ..wire.requests import cluster as crq
-from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, fail
+from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, FiniteFloatRange, fail
 from .cluster_arg import load_cluster_arg
 
-__all__ = ["stop", "stop_tasks", "STOPPED", "ALREADY_DOWN"]
+__all__ = ["stop", "stop_tasks", "STOPPED", "ALREADY_DOWN", "UNREACHABLE"]
 
-STOPPED, ALREADY_DOWN = "stopped", "already down"
+STOPPED, ALREADY_DOWN, UNREACHABLE = "stopped", "already down", "unreachable"
 PROBE = 1.0  # one ping's deadline: a live task answers one well within it
 POLL = 0.05  # between pings of a task still answering
 
@@ -42,20 +49,44 @@ async def _down(client: RpcClient, spec: ClusterSpec, task: TaskId, timeout: flo
     return False
 
 
+async def _unreachable(address: Address, timeout: float) -> str | None:
+    """Why ``address`` cannot be reached, or None when its host refuses the connection (nothing
+    listens: the task is down). ZeroMQ retries a connection in silence, so a plain one tells."""
+    if address.scheme != "tcp":  # a local path: nothing there, or nothing listening, is down
+        return None
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(address.host, address.port), timeout)
+    except ConnectionRefusedError:
+        return None
+    except socket.gaierror as exc:
+        return f"host {address.host} does not resolve ({exc.strerror or exc})"
+    except TimeoutError:
+        return f"no answer from {address} within {timeout:g}s"
+    except OSError as exc:
+        return f"cannot connect to {address}: {exc.strerror or exc}"
+    writer.close()
+    return f"{address} accepts connections but no zmqflow task answered there"
+
+
 async def _stop_one(client: RpcClient, spec: ClusterSpec, task: TaskId, timeout: float, reason: str) -> str:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    endpoint, name = spec.address(task).endpoint, str(task)
+    address = spec.address(task)
+    endpoint, name = address.endpoint, str(task)
+    reached = False  # whether a request ever went out on a connection to it
     try:
         await client.call(endpoint, "master", "ping", timeout=min(PROBE, timeout), name=name)
+        reached = True
     except (Unauthenticated, PermissionDenied) as exc:
         return f"refused: {exc.message}"
-    except Unavailable:
-        return ALREADY_DOWN
+    except Unavailable:  # never connected: down only if its host refuses the connection
+        why = await _unreachable(address, min(PROBE, max(0.1, deadline - loop.time())))
+        return ALREADY_DOWN if why is None else f"{UNREACHABLE}: {why}"
     except ZmqflowError:
-        pass  # slow: ask anyway
+        reached = True  # sent, but slow: ask anyway
     try:
         await client.call(endpoint, "master", "shutdown", crq.Stop(reason=reason), timeout=min(PROBE * 2, timeout), name=name)
+        reached = True
     except (Unauthenticated, PermissionDenied) as exc:
         return f"refused: {exc.message}"
     except ZmqflowError:
@@ -65,7 +96,8 @@ async def _stop_one(client: RpcClient, spec: ClusterSpec, task: TaskId, timeout:
         if remaining <= 0:
             return f"did not stop within {timeout:g}s"
         if await _down(client, spec, task, min(PROBE, remaining)):
-            return STOPPED
+            why = None if reached else await _unreachable(address, min(PROBE, max(0.1, deadline - loop.time())))
+            return STOPPED if why is None else f"{UNREACHABLE}: {why}"
         await asyncio.sleep(min(POLL, max(0.0, deadline - loop.time())))
 
 
@@ -106,7 +138,7 @@ def _tasks(spec: ClusterSpec, names: tuple[str, ...]) -> list[TaskId]:
 @click.option("--cluster", metavar="PATH|JSON", help="Cluster spec file or inline JSON (else ZMQFLOW_CLUSTER, TF_CONFIG).")
 @click.option("--keys", metavar="DIR", envvar=KEYS_ENV, type=click.Path(file_okay=False),
               help="CurveZMQ key directory (else ZMQFLOW_KEYS): asks as the client key.")
-@click.option("--timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+@click.option("--timeout", type=FiniteFloatRange(min=0.1), default=10.0, show_default=True,
               help="Seconds each task has to stop answering.")
 @click.option("--task", "task_names", multiple=True, metavar="JOB:INDEX",
               help="Stop only this task; repeatable (default: every task).")

@@ -113,11 +113,22 @@ class K8sOptions:
             raise InvalidArgument(f"checkpoint dir {self.checkpoint_dir!r}: expected an absolute path apart from {KEYS_DIR}")
         if not all(isinstance(a, str) and a for a in self.command):
             raise InvalidArgument(f"command {self.command!r}: expected non-empty strings")
+        for arg in self.command:  # a process argument is a C string of (here) UTF-8 text
+            if "\x00" in arg or not _is_utf8(arg):
+                raise InvalidArgument(f"command argument {arg!r}: expected UTF-8 text without NUL characters")
 
     @property
     def secret(self) -> str | None:
         """The keys Secret's name, None when insecure."""
         return None if self.insecure else (self.keys_secret or f"{self.name}-keys")
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_int(what: str, value: object, low: int, high: int | None = None) -> None:
@@ -270,7 +281,26 @@ def command_line(opts: K8sOptions) -> str:
             args += ["--checkpoint-dir", opts.checkpoint_dir]
     if opts.command:
         args += ["--command", shlex.join(opts.command)]
-    return shlex.join(args)
+    return " ".join(_shell_quote(arg) for arg in args)
+
+
+def _shell_quote(arg: str) -> str:
+    """``arg`` for a POSIX shell, on one line: what holds a line break or another unprintable
+    character is written in bash's ``$'...'`` form, so the header's command stays one comment line
+    that still reproduces the manifests when pasted."""
+    if arg.isprintable():
+        return shlex.quote(arg)
+    named = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+    out = []
+    for char in arg:
+        if char in named:
+            out.append(named[char])
+        elif char.isprintable():
+            out.append(char)
+        else:
+            code = ord(char)
+            out.append(f"\\x{code:02x}" if code < 0x80 else f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}")
+    return "$'" + "".join(out) + "'"
 
 
 def render_yaml(opts: K8sOptions) -> str:

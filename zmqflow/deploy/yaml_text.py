@@ -2,9 +2,11 @@
 
 The manifests are plain data (mappings, lists, strings, integers, booleans), so a small emitter
 covers them: a string is written bare only when YAML cannot read it as anything else, else as a
-JSON string (which is a valid YAML double-quoted scalar), and a string of several lines as a
-literal block. Writing it here keeps PyYAML out of the core dependencies for one command; the
-tests read every output back with PyYAML to hold the emitter to that.
+double-quoted scalar (JSON's escapes, which YAML shares, plus ``\\u`` escapes for what YAML would
+take for a line break or refuse in a stream), and a string of several lines as a literal block.
+Header lines become comments line by line, so no text in them can reach the stream. Writing it
+here keeps PyYAML out of the core dependencies for one command; the tests read every output back
+with PyYAML to hold the emitter to that.
 """
 
 from __future__ import annotations
@@ -19,7 +21,29 @@ __all__ = ["dump_all"]
 _PLAIN = re.compile(r"^[A-Za-z_/$][A-Za-z0-9_./$-]*$")
 # words YAML 1.1 readers take for booleans or null
 _RESERVED = frozenset({"y", "n", "yes", "no", "true", "false", "on", "off", "null"})
-_BLOCK_LINE = re.compile(r"^[^\x00-\x08\x0b-\x1f\x7f]*$")
+_BLOCK_LINE = re.compile(r"^[^\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff\ufeff\ufffe\uffff]*$")
+# what JSON leaves raw but YAML reads as a line break (\x85, \u2028, \u2029) or refuses in a stream
+_UNSAFE = re.compile("[\x7f-\x9f\u2028\u2029\ud800-\udfff\ufeff\ufffe\uffff]")
+# YAML's line breaks: a comment ends at any of them, so each line of a comment needs its own '#'
+_LINE_BREAK = re.compile("\r\n|[\r\n\x85\u2028\u2029]")
+# what a comment cannot hold: control characters and the above
+_COMMENT_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff\ufeff\ufffe\uffff]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    return f"\\u{ord(match.group()):04x}"
+
+
+def _quoted(value: str) -> str:
+    """``value`` as a YAML double-quoted scalar that reads back exactly. JSON escapes what is below
+    0x20 and leaves astral characters raw (YAML reads no surrogate pairs); the rest is escaped here."""
+    return _UNSAFE.sub(_escape, json.dumps(value, ensure_ascii=False))
+
+
+def _comment(line: str) -> list[str]:
+    """One header line as comment lines: each line break in it starts a new line with its own '#',
+    so no text of it can land outside the comment."""
+    return [f"# {_COMMENT_UNSAFE.sub(_escape, part)}".rstrip() for part in _LINE_BREAK.split(line)]
 
 
 def _scalar(value: Any) -> str:
@@ -32,7 +56,7 @@ def _scalar(value: Any) -> str:
     if isinstance(value, str):
         if _PLAIN.match(value) and value.lower() not in _RESERVED:
             return value
-        return json.dumps(value)
+        return _quoted(value)
     if isinstance(value, Mapping) and not value:
         return "{}"
     if isinstance(value, Sequence) and not value:
@@ -80,7 +104,7 @@ def _block(value: Any, indent: int) -> list[str]:
 
 def dump_all(documents: Iterable[Mapping[str, Any]], header: Sequence[str] = ()) -> str:
     """Documents separated by ``---``, after ``header`` lines written as comments."""
-    lines = [f"# {line}".rstrip() for line in header]
+    lines = [text for line in header for text in _comment(line)]
     for doc in documents:
         lines.append("---")
         lines.extend(_block(doc, 0))

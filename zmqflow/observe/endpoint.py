@@ -1,9 +1,10 @@
 """The HTTP endpoint Prometheus scrapes: prometheus-client's server over a hub's registry.
 
-It is read-only and unauthenticated (SECURITY.md): it binds the task's own host unless told
-otherwise, as the task's port does. ``ZMQFLOW_METRICS_PORT`` is a base for every task of a
-launch: a task listens on it plus its position among the cluster's tasks on the same host, so
-tasks sharing a machine do not collide, and a task alone on its host gets the port itself.
+It is read-only and unauthenticated (SECURITY.md): it binds the host the task's router binds
+(:func:`bind_address`: ``ZMQFLOW_BIND_HOST``, else the task's own) unless told otherwise.
+``ZMQFLOW_METRICS_PORT`` is a base for every task of a launch: a task listens on it plus its
+position among the cluster's tasks on the same host, so tasks sharing a machine do not collide,
+and a task alone on its host gets the port itself.
 """
 
 from __future__ import annotations
@@ -14,14 +15,27 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ..cluster import ClusterSpec, TaskId
+from ..cluster import Address, ClusterSpec, TaskId
 from ..errors import AddressInUse, ConfigError
 from .metrics import HUB, MetricsHub, disable, enable
 
-__all__ = ["Endpoint", "serve_metrics", "start_for", "port_from_env", "host_for", "PORT_ENV", "HOST_ENV"]
+__all__ = ["Endpoint", "serve_metrics", "start_for", "port_from_env", "host_for", "bind_address", "PORT_ENV",
+           "HOST_ENV", "BIND_HOST_ENV"]
 
 PORT_ENV = "ZMQFLOW_METRICS_PORT"
 HOST_ENV = "ZMQFLOW_METRICS_HOST"
+BIND_HOST_ENV = "ZMQFLOW_BIND_HOST"
+
+
+def bind_address(address: Address) -> Address:
+    """Where a task with this spec address listens: ``ZMQFLOW_BIND_HOST`` at its port for tcp. A
+    pod binds its IP (or ``0.0.0.0``) there, since its own DNS name may not resolve before it is
+    ready, and the name a cluster spec gives it may be a service's, not an interface's. The task's
+    router and its metrics endpoint both follow this one rule."""
+    host = os.environ.get(BIND_HOST_ENV, "").strip()
+    if not host or address.scheme != "tcp":
+        return address
+    return Address("tcp", host=host, port=address.port)
 
 
 @dataclass
@@ -68,11 +82,11 @@ def serve_metrics(port: int, host: str = "127.0.0.1", *, hub: MetricsHub | None 
 
 
 def host_for(spec: ClusterSpec, task: TaskId) -> str:
-    """``ZMQFLOW_METRICS_HOST``, else the task's own host (loopback for in-process schemes)."""
+    """``ZMQFLOW_METRICS_HOST``, else the host the task's router binds (loopback for in-process schemes)."""
     given = os.environ.get(HOST_ENV)
     if given:
         return given
-    address = spec.address(task)
+    address = bind_address(spec.address(task))
     if address.scheme != "tcp" or not address.host:
         return "127.0.0.1"
     return "0.0.0.0" if address.host == "*" else address.host  # a task serving every interface

@@ -49,19 +49,45 @@ def _events_of(text: str, path: str) -> list[dict[str, Any]]:
 
 
 def read_trace(path: str) -> list[dict[str, Any]]:
-    """The events of one trace file, checked to be events (objects with a ``ph``)."""
+    """The events of one trace file, checked to be events (objects with a ``ph``) whose fields the
+    merge reads have the types it needs: a valid JSON file of anything else is named, not crashed on."""
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     except FileNotFoundError:
         raise NotFound(f"{path}: no such timeline file") from None
+    except IsADirectoryError:
+        raise InvalidArgument(f"{path}: a directory, not a timeline file") from None
     except UnicodeDecodeError:
         raise InvalidArgument(f"{path}: not a Chrome trace (not UTF-8 text)") from None
     events = _events_of(text, path)
     for k, e in enumerate(events):
         if not isinstance(e, dict) or not isinstance(e.get("ph"), str):
             raise InvalidArgument(f"{path}: not a Chrome trace (item {k + 1} is not an event with a 'ph')")
+        problem = _field_problem(e)
+        if problem is not None:
+            raise InvalidArgument(f"{path}: not a Chrome trace (event {k + 1}, ph {e['ph']!r}: {problem})")
     return events
+
+
+def _field_problem(event: dict[str, Any]) -> str | None:
+    """What is wrong with the fields merge uses: ``pid`` and ``tid`` name tracks (a number or a
+    string), ``args`` is an object."""
+    for key in ("pid", "tid"):
+        if key in event:
+            value = event[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                return f"{key!r} is {_json_kind(value)}, expected a number or a string"
+    args = event.get("args")
+    if args is not None and not isinstance(args, dict):
+        return f"'args' is {_json_kind(args)}, expected an object"
+    return None
+
+
+def _json_kind(value: Any) -> str:
+    kinds = ((bool, "a boolean"), (dict, "an object"), (list, "an array"), (str, "a string"),
+             ((int, float), "a number"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), "null")
 
 
 def task_order(name: str) -> tuple[int, str, int, str]:

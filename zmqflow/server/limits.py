@@ -10,11 +10,13 @@ naming the thing at fault and the limit, and changes nothing.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from ..rpc.dedup import MAX_KEPT_BYTES, MAX_PEER_KEPT_BYTES
 from ..rpc.server import MAX_DEADLINE, MAX_IN_FLIGHT
 from ..state.limits import DEFAULT_STATE_LIMITS, StateLimits, physical_memory
+from .services.worker import MAX_RUN_THREADS
 from ..wire.codec import DEFAULT_LIMITS, Limits
 
 __all__ = ["ServerLimits", "ROUTER_HEADROOM"]
@@ -22,6 +24,7 @@ __all__ = ["ServerLimits", "ROUTER_HEADROOM"]
 # How far over the codec's frame limit libzmq's MAXMSGSIZE sits on the task's ROUTER: frames in
 # between are answered with ResourceExhausted; bigger ones are cut by libzmq (a disconnect).
 ROUTER_HEADROOM = 64 << 20
+MAX_ZMQ_SIZE = (1 << 63) - 1  # libzmq takes MAXMSGSIZE as int64
 
 _W, _S = DEFAULT_LIMITS, DEFAULT_STATE_LIMITS
 
@@ -34,6 +37,9 @@ class ServerLimits:
     # requests (rpc/server.py)
     max_deadline: float = MAX_DEADLINE  # seconds any request may run; the deadline of one naming none
     max_in_flight: int = MAX_IN_FLIGHT  # handlers one peer may have running at once
+    # plain functions worker.run has running on threads, counted until each thread ends: a
+    # deadline cancels the call, not the thread (server/services/worker.py)
+    max_run_threads: int = MAX_RUN_THREADS
     # bytes of replies kept to answer retries (rpc/dedup.py): in all, and per peer (routing identity)
     max_kept_bytes: int = MAX_KEPT_BYTES
     max_peer_kept_bytes: int = MAX_PEER_KEPT_BYTES
@@ -56,8 +62,8 @@ class ServerLimits:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"ServerLimits.{f.name} must be a positive number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"ServerLimits.{f.name} must be a positive finite number, got {value!r}")
 
     @classmethod
     def from_wire(cls, limits: Limits) -> "ServerLimits":
@@ -73,4 +79,4 @@ class ServerLimits:
     @property
     def router_max_msg_bytes(self) -> int:
         """libzmq's per-frame cap on the task's ROUTER: a bit over the largest frame the codec takes."""
-        return max(self.max_frame_bytes, self.max_header_bytes) + ROUTER_HEADROOM
+        return min(max(self.max_frame_bytes, self.max_header_bytes) + ROUTER_HEADROOM, MAX_ZMQ_SIZE)

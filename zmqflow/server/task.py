@@ -27,10 +27,11 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..cluster import Address, ClusterSpec, TaskId, resolve, shard_tasks
+from ..cluster import ClusterSpec, TaskId, resolve, shard_tasks
 from ..errors import ConfigError, NotFound
 from ..loop import LoopThread
 from ..observe import metrics as observe_metrics
+from ..observe.endpoint import bind_address
 from ..observe.metrics import MetricsHub, TaskMetrics
 from ..rpc import DEFAULT_TIMEOUT, Counters, RpcClient, RpcServer, Service
 from ..rpc.health import wait_for_tasks
@@ -115,7 +116,7 @@ class AsyncServer:
             allow_modules = [m for m in os.environ.get("ZMQFLOW_ALLOW_MODULES", "").split(",") if m]
         self._services: dict[str, Service] = {
             "master": MasterService(self),
-            "worker": WorkerService(allow_modules),
+            "worker": WorkerService(allow_modules, limits.max_run_threads),
             "ring": RingService(),
         }
         # Every task hosts a shard, as every TF task can hold variables (``zf.device("/job:worker/task:0")``);
@@ -195,13 +196,9 @@ class AsyncServer:
             )
 
     def bind_endpoint(self) -> str:
-        """Where the router listens: the task's own address, or ZMQFLOW_BIND_HOST at its port. A
-        pod binds its IP (or ``0.0.0.0``) there, since its own DNS name may not resolve before it
-        is ready, and the name a cluster spec gives it may be a service's, not an interface's."""
-        host = os.environ.get("ZMQFLOW_BIND_HOST", "").strip()
-        if not host or self.address.scheme != "tcp":
-            return self.address.bind_endpoint()
-        return Address("tcp", host=host, port=self.address.port).bind_endpoint()
+        """Where the router listens: the task's own address, or ZMQFLOW_BIND_HOST at its port
+        (:func:`zmqflow.observe.endpoint.bind_address`, which the metrics endpoint follows too)."""
+        return bind_address(self.address).bind_endpoint()
 
     async def start(self) -> "AsyncServer":
         loop = asyncio.get_running_loop()

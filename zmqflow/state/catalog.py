@@ -13,12 +13,13 @@ from typing import Any
 import msgpack
 
 from . import optim as _optim
-from ..errors import InvalidArgument, NotFound, ResourceExhausted, VariableConflict
+from ..cluster import TaskId
+from ..errors import ConfigError, InvalidArgument, NotFound, ResourceExhausted, VariableConflict
 from ..wire.dtypes import dtype_from_name
 from .limits import DEFAULT_STATE_LIMITS, StateLimits, check_count, check_variable, table_capacity
 from .tables import HashTable
 
-__all__ = ["Catalog", "MAX_CATALOG_PARTS", "MAX_SPEC_BYTES"]
+__all__ = ["Catalog", "MAX_CATALOG_PARTS", "MAX_SPEC_BYTES", "canonical_device"]
 
 # Records are kept for good and a part costs its record a few hundred bytes, so the parts of all
 # records have a bound of their own beside the count of names; and each spec a client hands over
@@ -57,6 +58,8 @@ class Catalog:
         describes an embedding table (kind, strategy, sizes); it must match on redeclaration."""
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"variable name must be a non-empty string, got {name!r}")
+        if device is not None:
+            device = canonical_device(name, device)
         if len(part_rows) != len(part_bytes) or not part_rows:
             raise InvalidArgument(f"variable {name!r}: {len(part_rows)} part row ranges but {len(part_bytes)} part sizes")
         found = self.records.get(name)
@@ -177,6 +180,17 @@ class Catalog:
 
     def uninitialized(self, names: list[str]) -> list[str]:
         return [n for n in names if not self.ready(n)]
+
+
+def canonical_device(name: str, device: object) -> str:
+    """``device`` as the task name records hold (``job:index``): an alias ('/job:ps/task:0',
+    '/job:ps/replica:0/task:0/device:CPU:0') names the same shard, so it must count against the
+    same byte budget and be found by whoever looks the shard's parts up by task."""
+    try:
+        return str(TaskId.parse(device))  # type: ignore[arg-type]
+    except ConfigError:
+        raise InvalidArgument(f"variable {name!r}: device {device!r} is not a task ('job:index' or "
+                              "'/job:name/task:index')", name=name) from None
 
 
 def _kind(table: dict[str, Any] | None) -> str:

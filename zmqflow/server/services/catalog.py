@@ -12,7 +12,7 @@ from typing import Any
 
 from ...cluster import ClusterSpec, shard_tasks
 from ...errors import InvalidArgument, NotFound
-from ...state.catalog import Catalog
+from ...state.catalog import Catalog, canonical_device
 from ...state.limits import DEFAULT_STATE_LIMITS, StateLimits
 from ...rpc import CallContext, Service, op
 from ...wire.requests import cluster as rq
@@ -35,6 +35,8 @@ class CatalogService(Service):
     @op(rq.Declare)
     def declare(self, ctx: CallContext, req: rq.Declare) -> dict[str, Any]:
         name, device = req.name, req.device
+        if device is not None:
+            device = canonical_device(name, device)
         if device is not None and device not in self.spec:
             raise InvalidArgument(f"variable {name!r}: device {device!r} is not a task of the cluster ({self.spec.describe()})")
         return self.catalog.declare(name, req.shape, req.dtype, req.part_rows, req.part_bytes, device=device,

@@ -13,6 +13,11 @@ buffer all along). Requests on one connection arrive in order, so the shard refu
 data op after the recovery from every client that used it before the fence and has not been
 refused since: whatever that client sent before was computed on the state the restore
 replaced. Fresh clients, and the one that lifted the fence, are not refused.
+
+The clients that used data ops are remembered by routing id until the next fence; each new
+connection has a new one. So when that set passes ``MAX_USED_PEERS`` (and then twice the size it
+was last pruned to) the clients no longer connected are dropped from it, as the fence itself does:
+a routing id that is gone can send nothing more, so it has nothing in flight to refuse.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from ...state.store import PartKey, ShardStore
 from ...rpc import CallContext, op
 from ...wire.requests import ps as rq
 
-__all__ = ["FenceOps", "FENCED_OPS"]
+__all__ = ["FenceOps", "FENCED_OPS", "MAX_USED_PEERS"]
+
+MAX_USED_PEERS = 4096  # remembered routing ids before the unreachable ones are dropped
 
 # Ops that read or change training state: refused while the shard is fenced.
 FENCED_OPS = frozenset({"pull", "pull_bulk", "push_bulk", "assign", "scatter", "push", "global_step", "save",
@@ -41,12 +48,13 @@ class FenceOps:
     tables: dict[PartKey, HashTable]
     _table_specs: dict[PartKey, tuple]
     _advanced: dict[PartKey, asyncio.Event]
-    _reachable: Any
+    _reachable: Any = None  # routing id -> still connected; None: not known (nothing is dropped)
 
     def _fence_init(self) -> None:
         self.epoch = 0  # recoveries this shard has been through
         self.fenced = False
         self._used: set[bytes] = set()  # clients that used data ops since the last fence
+        self._used_cap = MAX_USED_PEERS  # the size of _used at which the gone ones are dropped
         self._behind: set[bytes] = set()  # clients whose next data op is refused: they have not heard
 
     def check_fence(self, name: str, peer: bytes) -> None:
@@ -61,7 +69,18 @@ class FenceOps:
             raise Recovering(f"ps.{name} refused: the first request since this shard was restored (recovery epoch "
                              f"{self.epoch}); it may have been computed on the state the restore replaced: read "
                              f"again", epoch=self.epoch, fenced=False)
-        self._used.add(peer)
+        used = self._used
+        if peer not in used:
+            used.add(peer)
+            if len(used) > self._used_cap:
+                self._prune_used()
+
+    def _prune_used(self) -> None:
+        """Drop the clients no longer connected; the next prune waits for the set to double, so a
+        shard with many live clients probes each of them only now and then."""
+        if self._reachable is not None:
+            self._used = {p for p in self._used if self._reachable(p)}
+        self._used_cap = max(MAX_USED_PEERS, 2 * len(self._used))
 
     @op(rq.Empty)
     def fence(self, ctx: CallContext, req: rq.Empty) -> int:
@@ -72,6 +91,7 @@ class FenceOps:
         # clients still connected (the others can send nothing more): bounded by the live ones
         self._behind = {p for p in self._behind | self._used if self._reachable is None or self._reachable(p)}
         self._used = set()
+        self._used_cap = MAX_USED_PEERS
         for p in self.store.parts.values():
             if p.sync is not None:
                 p.sync.discard()  # gradients of a step that will never complete as it was
@@ -106,4 +126,5 @@ class FenceOps:
         return [[name, part] for name, part in dropped]
 
     def fence_state(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "fenced": self.fenced}
+        """The recovery epoch, whether fenced, and how many clients the next fence may refuse once."""
+        return {"epoch": self.epoch, "fenced": self.fenced, "data_clients": len(self._used)}

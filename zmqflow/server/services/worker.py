@@ -11,6 +11,10 @@ starting with ``_``, nothing a module merely imported (``json:codecs``), no clas
 The string is checked first, then the allow-list, and only then is the module imported, so a
 refused name runs no code at all. Every refusal is ``PermissionDenied`` naming the function.
 Arguments and results are msgpack values and tensor frames; nothing is unpickled.
+
+A plain function runs on a thread of its own, which nothing can stop: when the call's deadline
+cancels it, the RPC server stops counting it in flight, but the thread runs on. So the threads
+are counted here until each ends, and a call past ``max_threads`` is refused (``ResourceExhausted``).
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import InvalidArgument, NotFound, PermissionDenied
+from ...errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from ...rpc import CallContext, Service, op
 from ...wire.requests import OPEN
 from ...wire.requests import cluster as rq
 
-__all__ = ["WorkerService"]
+__all__ = ["WorkerService", "MAX_RUN_THREADS"]
+
+MAX_RUN_THREADS = 128  # plain functions a task runs at once (ServerLimits.max_run_threads)
 
 _HINT = ("a task runs only functions it registered (server.register_function) or public functions defined in "
          "a module on its allow-list (--allow-module)")
@@ -47,10 +53,21 @@ def _is_async(fn: Callable[..., Any]) -> bool:
 class WorkerService(Service):
     name = "worker"
 
-    def __init__(self, allow_modules: list[str] | None = None):
+    def __init__(self, allow_modules: list[str] | None = None, max_threads: int = MAX_RUN_THREADS):
         super().__init__()
+        if isinstance(max_threads, bool) or not isinstance(max_threads, int) or max_threads < 1:
+            raise InvalidArgument(f"max_threads must be a positive integer, got {max_threads!r}")
         self.allow_modules = tuple(m.strip() for m in (allow_modules or []) if m.strip())
         self.functions: dict[str, Callable[..., Any]] = {}
+        self.max_threads = max_threads
+        self._running = 0  # threads started and not yet ended (under _count: they end on their own)
+        self._count = threading.Lock()
+
+    @property
+    def running(self) -> int:
+        """Plain functions whose threads have not ended, cancelled calls included."""
+        with self._count:
+            return self._running
 
     def register(self, name: str, fn: Callable[..., Any]) -> None:
         """Let sessions call ``fn`` as ``sess.run(name, task=...)``; a name registered again is replaced."""
@@ -119,12 +136,26 @@ class WorkerService(Service):
         args, kwargs = req.args or [], req.kwargs or {}
         if _is_async(fn):
             return await fn(*args, **kwargs)
-        return await _on_a_thread(lambda: fn(*args, **kwargs))
+        with self._count:
+            full = self._running >= self.max_threads
+            if not full:
+                self._running += 1
+        if full:
+            raise ResourceExhausted(
+                f"worker.run {req.function!r}: {self.max_threads} plain functions are already running on this "
+                f"task (cancelled calls' threads run until they return), its limit max_run_threads "
+                f"{self.max_threads} (zmqflow serve --max-run-threads)", function=req.function, limit=self.max_threads)
+        return await _on_a_thread(lambda: fn(*args, **kwargs), self._ended)
+
+    def _ended(self) -> None:
+        with self._count:
+            self._running -= 1
 
 
-def _on_a_thread(call: Callable[[], Any]) -> "asyncio.Future[Any]":
-    """``call()`` on a daemon thread of its own: the loop's default executor is joined when the
-    loop closes and at exit, so a function that blocks would keep a stopped task's process alive."""
+def _on_a_thread(call: Callable[[], Any], ended: Callable[[], None]) -> "asyncio.Future[Any]":
+    """``call()`` on a daemon thread of its own, then ``ended()`` on it once ``call`` returns. Not the
+    loop's default executor: it is joined when the loop closes and at exit, so a function that
+    blocks would keep a stopped task's process alive."""
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
 
@@ -141,10 +172,16 @@ def _on_a_thread(call: Callable[[], Any]) -> "asyncio.Future[Any]":
             outcome: tuple[Any, BaseException | None] = (call(), None)
         except BaseException as exc:  # handed to the caller, as the executor would
             outcome = (None, exc)
+        finally:
+            ended()  # before the caller hears of it, so its next call finds the slot free
         try:
             loop.call_soon_threadsafe(settle, *outcome)
         except RuntimeError:  # the loop closed meanwhile: nobody waits for it
             pass
 
-    threading.Thread(target=run, name="zmqflow-run", daemon=True).start()
+    try:
+        threading.Thread(target=run, name="zmqflow-run", daemon=True).start()
+    except BaseException:  # no thread (RuntimeError: can't start new thread): it never counted
+        ended()
+        raise
     return fut
