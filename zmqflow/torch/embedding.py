@@ -1,13 +1,18 @@
 """``EmbeddingBag`` and ``Embedding`` whose tables live sharded on the ps tasks.
 
 Called as ``torch.nn.EmbeddingBag``/``torch.nn.Embedding`` are, they hold no local copy of the
-table and no ``nn.Parameter`` (a torch optimizer never touches it). A forward fetches the rows of
-the batch's *unique* ids only, one request per shard that owns some of them, into a small leaf
-tensor ``rows`` [n_unique, dim], and computes the result with ``F.embedding_bag`` /
-``F.embedding`` over the inverse indices. The gradient autograd computes for ``rows`` is therefore
-already summed per unique id: a hook on ``rows`` sends it to the shards as a sparse gradient,
-where the table's server-side optimizer (``zmqflow.optim``) applies it, as on any parameter server
-(each rank's gradient as pushed, not divided by the number of ranks).
+table. A forward fetches the rows of the batch's *unique* ids only, one request per shard that owns
+some of them, into a small tensor ``rows`` [n_unique, dim], and computes the result with
+``F.embedding_bag`` / ``F.embedding`` over the inverse indices. The gradient autograd computes for
+``rows`` is therefore already summed per unique id: backward sends it to the shards as a sparse
+gradient, where the table's server-side optimizer (``zmqflow.optim``) applies it, as on any
+parameter server (each rank's gradient as pushed, not divided by the number of ranks).
+
+The one parameter, ``trainable``, has no elements: it is the table's switch, so that every way
+torch freezes a model reaches the table (``model.requires_grad_(False)``, or ``requires_grad =
+False`` on each of its parameters): then backward pushes nothing. ``rows`` is made from it, so it
+gets an (empty) gradient whenever the table trains, as DDP expects of every parameter in use; an
+optimizer's step over it changes nothing.
 
 The push runs in the background: backward returns at once. The next forward of the table (from any
 module of this session), ``synchronize()``/``flush()``, ``weight``, ``export()``, ``size()`` and
@@ -70,7 +75,10 @@ class _ShardedModule(torch.nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.dtype = dtype
-        self.push_gradients = True
+        self.trainable = torch.nn.Parameter(torch.empty(0, dtype=dtype))
+        # a state dict holds no switch (nothing to keep: it has no value), as it held nothing before
+        self.register_state_dict_post_hook(_drop_switch)
+        self.register_load_state_dict_pre_hook(_add_switch)
         self._prefetched: tuple[torch.Tensor, np.ndarray, torch.Tensor, Any] | None = None
         self.prefetch_s = 0.0  # seconds spent in prefetch(): embedding time outside forward
 
@@ -132,13 +140,10 @@ class _ShardedModule(torch.nn.Module):
         ``AsyncEmbedding.evict``."""
         return self.table.evict(older_than, **kwargs)
 
-    def requires_grad_(self, requires_grad: bool = True) -> "_ShardedModule":
-        """``False`` freezes the table: backward pushes nothing. Call it on this module: torch's
-        ``requires_grad_`` on a parent module sets its parameters' flags only, and the table has no
-        parameter, so ``model.requires_grad_(False)`` leaves it training (freeze every table of a
-        model with ``model.apply(lambda m: m.requires_grad_(False))``, or under ``torch.no_grad()``)."""
-        self.push_gradients = bool(requires_grad)
-        return super().requires_grad_(requires_grad)
+    @property
+    def push_gradients(self) -> bool:
+        """Whether backward pushes this table's gradients: its ``trainable`` switch requires grad."""
+        return self.trainable.requires_grad
 
     # forward machinery ---------------------------------------------------------------------
     def _ids(self, ids: Any) -> torch.Tensor:
@@ -176,24 +181,40 @@ class _ShardedModule(torch.nn.Module):
             ids, inverse = self._unique(flat)
             found = self.table.lookup(ids, create=self.training)
         rows = torch.from_numpy(found).to(flat.device)
-        if self.push_gradients and torch.is_grad_enabled() and len(ids):
-            rows.requires_grad_(True)
-            rows.register_hook(self._push_hook(ids))
+        if self.trainable.requires_grad and torch.is_grad_enabled() and len(ids):
+            rows = _PushRows.apply(self.trainable, rows, self.table, ids)
         return rows, inverse
-
-    def _push_hook(self, ids: np.ndarray) -> Any:
-        table = self.table
-
-        def push(grad: torch.Tensor) -> None:
-            # a copy: autograd may accumulate into this gradient in place while the push is queued
-            table.push_async(ids, grad.detach().cpu().numpy().copy())
-
-        return push
 
     def extra_repr(self) -> str:
         size = "dynamic" if self.num_embeddings is None else str(self.num_embeddings)
         kind = self.optimizer.get("kind") if self.optimizer else None
         return f"{self.name!r}, {size}, {self.embedding_dim}, parts={len(self.partitions)}, optimizer={kind}"
+
+
+class _PushRows(torch.autograd.Function):
+    """``rows`` as a function of the table's switch: backward sends their gradient to the shards
+    (in the background) and gives the switch its empty one."""
+
+    @staticmethod
+    def forward(ctx: Any, switch: torch.Tensor, rows: torch.Tensor, table: ShardedTable,
+                ids: np.ndarray) -> torch.Tensor:
+        ctx.table, ctx.ids, ctx.switch = table, ids, (switch.dtype, switch.device)
+        return rows
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        # a copy: autograd may accumulate into this gradient in place while the push is queued
+        ctx.table.push_async(ctx.ids, grad.detach().cpu().numpy().copy())
+        dtype, device = ctx.switch
+        return torch.empty(0, dtype=dtype, device=device), None, None, None
+
+
+def _drop_switch(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    state_dict.pop(prefix + "trainable", None)
+
+
+def _add_switch(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    state_dict.setdefault(prefix + "trainable", torch.empty(0, dtype=module.trainable.dtype))
 
 
 class EmbeddingBag(_ShardedModule):

@@ -82,9 +82,6 @@ class HybridStrategy:
             if table.max_norm is not None or table.padding_idx is not None or table.scale_grad_by_freq:
                 raise InvalidArgument(f"HybridStrategy: table {path!r} uses max_norm, padding_idx or "
                                       "scale_grad_by_freq, which tables on ps shards do not support")
-            if not table.weight.requires_grad:
-                raise InvalidArgument(f"HybridStrategy: table {path!r} is frozen (its weight needs no gradient); "
-                                      "a table on the ps shards would train: keep it local, out of the model given")
             if table.weight.dtype != torch.float32:
                 raise InvalidArgument(f"HybridStrategy: table {path!r} is {table.weight.dtype}; tables on the ps "
                                       "shards it makes are float32")
@@ -118,6 +115,7 @@ class HybridStrategy:
                 init = zf_init.normal(stddev=1.0, seed=zlib.crc32(name.encode()))
             new = EmbeddingBag(name, old.num_embeddings, old.embedding_dim, mode=old.mode, optimizer=optimizer,
                                initializer=init, include_last_offset=old.include_last_offset)
+            new.requires_grad_(old.weight.requires_grad)  # a frozen table stays frozen on the shards
             parent_path, _, attr = path.rpartition(".")
             setattr(self.model.get_submodule(parent_path), attr, new)
             dropped.add(id(old.weight))

@@ -1,0 +1,112 @@
+"""A sharded table's ``trainable`` switch: every way torch freezes a model reaches the table, DDP
+and optimizers over ``model.parameters()`` take it, and state dicts are as they were."""
+
+from __future__ import annotations
+
+import pytest
+
+import zmqflow as zf
+from zmqflow.ports import free_port
+
+torch = pytest.importorskip("torch")
+
+import zmqflow.torch as zt  # noqa: E402
+from zmqflow.torch.embedding import EmbeddingBag  # noqa: E402
+from zmqflow.torch.hybrid import HybridStrategy  # noqa: E402
+
+
+class Model(torch.nn.Module):
+    def __init__(self, name: str):
+        super().__init__()
+        self.table = EmbeddingBag(name, 20, 4, mode="sum", optimizer=zf.optim.SGD(0.5))
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.table(ids))
+
+
+IDS = torch.tensor([[1, 2], [3, 1]])
+
+
+def _train_step(model: torch.nn.Module) -> None:
+    model(IDS).sum().backward()
+    model.table.synchronize()
+
+
+@pytest.mark.parametrize("freeze", ["module", "parameters"])
+def test_freezing_the_model_freezes_its_tables(local, freeze):
+    model = Model(f"switch/{freeze}")
+    before = model.table.read(IDS).clone()
+    if freeze == "module":
+        model.requires_grad_(False)
+    else:
+        for p in model.parameters():
+            p.requires_grad = False
+    out = model(IDS)
+    assert not out.requires_grad  # nothing in the graph: no backward, no push
+    assert model.table.counters["pushes"] == 0 and torch.equal(model.table.read(IDS), before)
+    model.table.requires_grad_(True)  # the table alone trains again
+    model(IDS).sum().backward()
+    model.table.synchronize()
+    assert model.table.counters["pushes"] == 1 and not torch.equal(model.table.read(IDS), before)
+    assert model.head.weight.grad is None
+
+
+def test_the_switch_gets_an_empty_gradient_and_optimizers_step_over_it(local):
+    model = Model("switch/opt")
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    _train_step(model)
+    assert model.table.trainable.grad is not None and model.table.trainable.grad.numel() == 0
+    opt.step()
+    assert model.table.trainable.numel() == 0 and model.table.counters["pushes"] == 1
+
+
+def test_state_dicts_hold_no_switch_and_load_without_one(local):
+    model = Model("switch/state")
+    state = model.state_dict()
+    assert "table.trainable" not in state and set(state) == {"head.weight", "head.bias"}
+    model.load_state_dict(state, strict=True)  # a state dict saved before tables had a switch loads too
+
+
+@pytest.mark.parametrize("backend", ["ring", "ps"])
+def test_distributed_optimizers_take_the_switch(local, backend):
+    model = Model(f"switch/dist-{backend}")
+    head = model.head.weight.detach().clone()
+    opt = zt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                  backend=backend)
+    _train_step(model)
+    opt.step()
+    assert not torch.equal(model.head.weight.detach(), head) and model.table.trainable.numel() == 0
+
+
+def test_ddp_sees_the_switch_used_at_every_step(local):
+    """DDP fails a step whose parameters needing a gradient did not all get one (unless told to
+    look for unused ones): the switch must get one whenever the table trains."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(Model("switch/ddp"))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            ddp(IDS).sum().backward()
+            opt.step()
+        assert ddp.module.table.counters["pushes"] == 3
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hybrid_keeps_a_frozen_table_frozen_on_the_shards(local):
+    frozen = torch.nn.EmbeddingBag(10, 4, mode="sum")
+    frozen.weight.requires_grad_(False)
+    model = torch.nn.Sequential(frozen, torch.nn.Linear(4, 1))
+    hybrid = HybridStrategy(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+                            prefix="switch/hybrid/")
+    table = model[0]
+    before = table.read(IDS).clone()
+    hybrid.zero_grad()
+    model(IDS).sum().backward()
+    hybrid.step()
+    table.synchronize()
+    assert not table.push_gradients and table.counters["pushes"] == 0 and torch.equal(table.read(IDS), before)
