@@ -269,3 +269,47 @@ def test_the_one_pass_updates_refuse_what_they_cannot_do_and_change_nothing() ->
     assert not wrappers.adagrad_step(p, g, p, 0.1)
     assert not wrappers.adagrad_step(p[:, :1], g[:, :1], m[:, :1], 0.1)  # strided
     assert (p == 1).all() and (m == 1).all()
+
+
+def misaligned(n: int, dtype: str, offset: int, value: float) -> np.ndarray:
+    """A writable array ``offset`` bytes into its buffer, off its type's alignment, as a view
+    into a received frame may be."""
+    a = np.frombuffer(bytearray(n * np.dtype(dtype).itemsize + 8), dtype, n, offset)
+    a[...] = value
+    assert not a.flags.aligned and a.flags.writeable
+    return a
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_c_loops_refuse_arrays_off_their_alignment(dtype: str) -> None:
+    p, g, m, v = (misaligned(8, dtype, off, 1.0) for off in (1, 2, 3, 5))
+    q, h, lr = np.ones(8, dtype), np.ones(8, dtype), np.ones(8, dtype)
+    calls = [(kernels.axpy, (p, h, 0.5), "axpy: array 0"), (kernels.axpy, (q, g, 0.5), "axpy: array 1"),
+             (kernels.momentum, (q, h, m, 0.1, 0.9, False), "momentum: array 1"),
+             (kernels.adagrad, (q, h, v, 0.1), "adagrad: array 1"),
+             (kernels.adam, (q, h, m, v, 0.1, 0.9, 0.001, 0.999, 1e-8, lr), "adam: array 1"),
+             (kernels.adam, (q, h, np.ones(8, dtype), np.ones(8, dtype), 0.1, 0.9, 0.001, 0.999, 1e-8,
+                             misaligned(8, dtype, 2, 1.0)), "lr_rows is not aligned")]
+    for fn, args, match in calls:
+        with pytest.raises(ValueError, match=match):
+            fn(*args)
+    for a in (p, g, m, v, q, h):
+        assert (a == 1).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_arrays_off_their_alignment_are_stepped_by_numpy(dtype: str) -> None:
+    """The wrappers leave them to numpy (False: nothing done), with numpy's result."""
+    p, g, m, v = (misaligned(50, dtype, off, 0.5 + i) for i, off in enumerate((1, 2, 3, 5)))
+    lr_rows = np.full(50, 0.1, dtype)
+    assert not wrappers.momentum_step(p, g, m, 0.1, 0.9, False)
+    assert not wrappers.adagrad_step(p, g, m, 0.1)
+    assert not wrappers.adam_step(p, g, m, v, 0.9, 0.999, 1e-8, lr_rows)
+    assert not wrappers.add_into(p, g, 1.0)
+    assert not wrappers.fold_sum(np.empty(50, dtype), [g, m])
+    for a, want in ((p, 0.5), (g, 1.5), (m, 2.5), (v, 3.5)):
+        assert (a == want).all()
+    want = p - np.multiply(g, 0.1, dtype=dtype)
+    wrappers.sub_scaled(p, g, 0.1)
+    assert p.tobytes() == want.tobytes()

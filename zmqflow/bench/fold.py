@@ -6,8 +6,9 @@ ring's piece size) added in rank order into the result, piece after piece, numpy
 the result written past the cache from ``FOLD_STREAM_FROM``), alternating repetition by
 repetition (:mod:`.two_ways`). The pieces come from a few slots per rank that are used over and
 over, as the ring's segments are, so they are warm in the cache as a peer's freshly written
-piece is. Both sides must end with the same bits, or the run fails. Without
-``zmqflow/state/fold_c.c`` built the table says so and times numpy alone.
+piece is. Both sides must end with the same bits (the pieces hold no NaN, whose sign and
+payload the two may set differently), or the run fails. Without ``zmqflow/state/fold_c.c``
+built the table says so and times numpy alone.
 """
 
 from __future__ import annotations

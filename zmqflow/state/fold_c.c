@@ -7,8 +7,12 @@
        non-temporal stores when ``stream`` is set (a result bigger than the cache is not read back
        before it is whole). The bits are numpy's: the same additions in the same order, then the
        same division, each rounded to the arrays' type (vector lanes round as scalars do; the
-       build passes -ffp-contract=off). out writable; out and views all float32 or all float64,
-       of one length; out apart from every view (views may alias one another: they are only read).
+       build passes -ffp-contract=off). NaN is the exception: a NaN result is NaN in both, but its
+       sign and payload are unspecified (where two NaNs meet, which one an addition passes on
+       depends on the order the compiler puts its operands in, which may differ between the
+       scalar and the vector loop). out writable; out and views all float32 or all float64,
+       aligned to their type, of one length; out apart from every view (views may alias one
+       another: they are only read).
        On x86-64 the vector loop is SSE2's, or AVX's where the CPU has it (checked at run time, so
        the build runs on any x86-64).
    _avx(on)                               the AVX loop on (where the CPU has it) or off; returns
@@ -153,10 +157,18 @@ static PyObject *fold(PyObject *self, PyObject *args) {
         if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(views, j), &b[held], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
             goto done;
         held++;
+        uintptr_t item = type == 'f' ? sizeof(float) : sizeof(double);
         if (type == 0 || type_of(&b[held - 1]) != type) {
             PyErr_Format(PyExc_TypeError, "fold takes float32 arrays or float64 arrays, all alike; out is '%s' and "
                          "view %zd '%s'", b[0].format ? b[0].format : "B", j,
                          b[held - 1].format ? b[held - 1].format : "B");
+            goto done;
+        }
+        if ((uintptr_t)b[0].buf % item || (uintptr_t)b[held - 1].buf % item) {
+            if ((uintptr_t)b[0].buf % item)
+                PyErr_SetString(PyExc_ValueError, "fold: out is not aligned to its type");
+            else
+                PyErr_Format(PyExc_ValueError, "fold: view %zd is not aligned to its type", j);
             goto done;
         }
         if (b[held - 1].len != b[0].len) {

@@ -2,7 +2,8 @@
 
 ``zmqflow/state/kernels_c.c`` and ``fold_c.c`` are compiled by ``pip install`` where a C compiler
 is there (optional, as the hash probe). Each function here checks that the arrays are ones the C
-loop takes and otherwise does numpy's way, with the same result.
+loop takes and otherwise does numpy's way, with the same result: numpy's bits, except that a NaN
+result's sign and payload are unspecified (NaN either way; see kernels_c.c and fold_c.c).
 """
 
 from __future__ import annotations
@@ -58,15 +59,19 @@ def scaled(x: np.ndarray, scale: float, dtype: np.dtype) -> np.ndarray:
 
 
 def _takes(written: list[np.ndarray], read: list[np.ndarray]) -> bool:
-    """Whether a C loop takes these arrays: one dtype and shape, contiguous, the written ones
-    writeable and apart from every other array (the read ones are only read: they may share
-    memory with one another, as a fold's views of one array may)."""
+    """Whether a C loop takes these arrays: one dtype and shape, contiguous and aligned (the C
+    loops read and write whole elements of their type: a view at an odd offset of a frame is
+    left to numpy), the written ones writeable and apart from every other array (the read ones
+    are only read: they may share memory with one another, as a fold's views of one array may)."""
     arrays = written + read
     first = arrays[0]
-    if any(a.dtype != first.dtype or a.shape != first.shape or not a.flags.c_contiguous for a in arrays):
-        return False
-    if not all(a.flags.writeable for a in written):
-        return False
+    dtype, shape, nwritten = first.dtype, first.shape, len(written)
+    for i, a in enumerate(arrays):
+        flags = a.flags
+        if a.dtype != dtype or a.shape != shape or not (flags.c_contiguous and flags.aligned):
+            return False
+        if i < nwritten and not flags.writeable:
+            return False
     return not any(np.may_share_memory(w, a) for i, w in enumerate(written) for a in arrays[i + 1:])
 
 
@@ -148,7 +153,7 @@ def fold_sum(out: np.ndarray, views: list[np.ndarray], div: int = 0, stream: boo
     writing out."""
     if _folds is None or not 2 <= len(views) <= MAX_FOLD or out.dtype not in _FUSED:
         return False
-    if not (out.flags.aligned and all(v.flags.aligned for v in views)) or not _takes([out], views):
+    if not _takes([out], views):
         return False
     _folds.fold(out, views, div, stream)
     return True

@@ -6,6 +6,9 @@
    written once. The results have numpy's bits: the same operations in the same order, each
    rounded to the arrays' type (sqrt and division are correctly rounded in both), and the build
    passes -ffp-contract=off so that no fused multiply-add rounds once where numpy rounds twice.
+   NaN is the exception: a NaN result is NaN in both, but its sign and payload are unspecified
+   (where two NaNs meet, which one an operation passes on depends on the order the compiler puts
+   a commutative operation's operands in, and axpy adds a*x where numpy subtracts).
    Scalars come as Python floats and are taken in the arrays' precision, as numpy takes a weak
    scalar (NEP 50).
 
@@ -24,8 +27,9 @@
    adam(param, grad, m, v, c1, b1, c2, b2, eps, lr_rows)
                                           m = m*b1 + g*c1; v = v*b2 + g*g*c2;
                                           param -= m / (sqrt(v) + eps) * lr_rows[row]
-       The float arrays: C-contiguous, all float32 ('f') or all float64 ('d'), the same length,
-       none overlapping another; lr_rows: one value a row, of the same type (rows = its length).
+       The float arrays: C-contiguous, aligned to their type, all float32 ('f') or all float64
+       ('d'), the same length, none overlapping another; lr_rows: one value a row, of the same
+       type (rows = its length), aligned.
    copy(dst, src)                         dst writable, both C-contiguous, the same bytes, apart. */
 
 #include "kernels_common.h"
@@ -66,6 +70,11 @@ static int acquire(Arrays *a, const char *what, PyObject **objs, int n, int writ
         if (a->type == 0 || type_of(&a->b[i]) != a->type) {
             PyErr_Format(PyExc_TypeError, "%s takes float32 arrays or float64 arrays, all alike; array %d is '%s'",
                          what, i, a->b[i].format ? a->b[i].format : "B");
+            release(a);
+            return -1;
+        }
+        if ((uintptr_t)a->b[i].buf % (a->type == 'f' ? sizeof(float) : sizeof(double))) {
+            PyErr_Format(PyExc_ValueError, "%s: array %d is not aligned to its type", what, i);
             release(a);
             return -1;
         }
@@ -242,6 +251,8 @@ static PyObject *kernels_adam(PyObject *self, PyObject *args) {
     Py_ssize_t rows = lr.len / item, n = arr.count;
     if (type_of(&lr) != arr.type) {
         PyErr_SetString(PyExc_TypeError, "adam: lr_rows must be of the arrays' type");
+    } else if ((uintptr_t)lr.buf % item) {
+        PyErr_SetString(PyExc_ValueError, "adam: lr_rows is not aligned to its type");
     } else if (rows == 0 ? n != 0 : n % rows != 0) {
         PyErr_Format(PyExc_ValueError, "adam: %zd elements do not make %zd rows", n, rows);
     } else {

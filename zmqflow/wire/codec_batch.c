@@ -2,6 +2,8 @@
    to back at multiples of 8 bytes, and cut apart again.
 
    join(entries)                -> (lengths, data)   every frame's length, per entry; the joined bytes
+       entries: a list of lists or tuples of buffers; anything else raises TypeError or ValueError
+       before any entry is used up, and batch.py's own loop joins them
    split(lengths, data, frames) -> [[view, ...], ...] | None   views into data, per entry
 
    split returns None for anything batch.py would refuse (a length that is not a non-negative int,
@@ -12,42 +14,62 @@
 
 #define ALIGN 8
 
+/* an entry's frame ``j`` (a new reference), or NULL with ValueError when the entry no longer has
+   one: Python code run meanwhile (a finalizer) may change a list */
+static PyObject *frame_at(PyObject *seq, Py_ssize_t j) {
+    if (j >= PySequence_Fast_GET_SIZE(seq)) {
+        PyErr_SetString(PyExc_ValueError, "an entry changed while its envelope was made");
+        return NULL;
+    }
+    PyObject *f = PySequence_Fast_GET_ITEM(seq, j);
+    Py_INCREF(f);
+    return f;
+}
+
+/* Each entry is a list or tuple, read in both passes (measured, then copied): anything else
+   (a generator, a one-shot iterator) goes to batch.py's loop, untouched, so that nothing is used
+   up here. Every frame must still have the length measured, or the lengths would not describe
+   the data. */
 PyObject *codec_join(PyObject *self, PyObject *entries) {
     if (!PyList_CheckExact(entries)) {
         PyErr_SetString(PyExc_TypeError, "join takes a list of entries");
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(entries), total = 0;
-    PyObject *lengths = PyList_New(n), *data = NULL, *out = NULL;
-    if (lengths == NULL)
-        return NULL;
+    PyObject *lengths = PyList_New(n), *seqs = PyTuple_New(n), *data = NULL, *out = NULL;
+    if (lengths == NULL || seqs == NULL)
+        goto done;
     for (Py_ssize_t i = 0; i < n; i++) {  /* the lengths, and the size with padding */
-        PyObject *seq = PySequence_Fast(PyList_GET_ITEM(entries, i), "an entry is a sequence of frames");
-        if (seq == NULL)
-            goto done;
-        Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
-        PyObject *sizes = PyList_New(k);
-        if (sizes == NULL) {
-            Py_DECREF(seq);
+        if (i >= PyList_GET_SIZE(entries)) {
+            PyErr_SetString(PyExc_ValueError, "the entries changed while their envelope was made");
             goto done;
         }
+        PyObject *seq = PyList_GET_ITEM(entries, i);
+        if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
+            PyErr_SetString(PyExc_TypeError, "an entry is a list or tuple of frames");
+            goto done;
+        }
+        Py_INCREF(seq);
+        PyTuple_SET_ITEM(seqs, i, seq);  /* held for the second pass */
+        Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+        PyObject *sizes = PyList_New(k);
+        if (sizes == NULL)
+            goto done;
         PyList_SET_ITEM(lengths, i, sizes);  /* the list of lengths holds it */
         for (Py_ssize_t j = 0; j < k; j++) {
+            PyObject *f = frame_at(seq, j);
             Py_buffer view;
-            if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, j), &view, PyBUF_SIMPLE)) {
-                Py_DECREF(seq);
+            int bad = f == NULL || PyObject_GetBuffer(f, &view, PyBUF_SIMPLE);
+            Py_XDECREF(f);
+            if (bad)
                 goto done;
-            }
             total += (-total & (ALIGN - 1)) + view.len;
             PyObject *len = PyLong_FromSsize_t(view.len);
             PyBuffer_Release(&view);
-            if (len == NULL) {
-                Py_DECREF(seq);
+            if (len == NULL)
                 goto done;
-            }
             PyList_SET_ITEM(sizes, j, len);
         }
-        Py_DECREF(seq);
     }
     data = PyBytes_FromStringAndSize(NULL, total);
     if (data == NULL)
@@ -55,34 +77,37 @@ PyObject *codec_join(PyObject *self, PyObject *entries) {
     char *p = PyBytes_AS_STRING(data);
     Py_ssize_t pos = 0;
     for (Py_ssize_t i = 0; i < n; i++) {  /* the frames, each at a multiple of ALIGN */
-        PyObject *seq = PySequence_Fast(PyList_GET_ITEM(entries, i), "an entry is a sequence of frames");
-        if (seq == NULL)
-            goto done;
-        for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(seq); j++) {
+        PyObject *seq = PyTuple_GET_ITEM(seqs, i), *sizes = PyList_GET_ITEM(lengths, i);
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(sizes); j++) {
+            PyObject *f = frame_at(seq, j);
             Py_buffer view;
-            if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, j), &view, PyBUF_SIMPLE)) {
-                Py_DECREF(seq);
+            if (f == NULL || PyObject_GetBuffer(f, &view, PyBUF_SIMPLE)) {
+                Py_XDECREF(f);
                 goto done;
             }
+            Py_DECREF(f);  /* the view holds what it exports */
             Py_ssize_t pad = -pos & (ALIGN - 1);
-            int fits = pos + pad + view.len <= total;  /* a frame that grew since it was measured does not */
+            int fits = view.len == PyLong_AsSsize_t(PyList_GET_ITEM(sizes, j)) && pos + pad + view.len <= total;
             if (fits) {
                 memset(p + pos, 0, pad);
                 memcpy(p + pos + pad, view.buf, view.len);
                 pos += pad + view.len;
             }
             PyBuffer_Release(&view);
-            if (!fits) {
-                Py_DECREF(seq);
+            if (!fits) {  /* a frame that changed size since it was measured */
                 PyErr_SetString(PyExc_ValueError, "a frame changed size while its envelope was made");
                 goto done;
             }
         }
-        Py_DECREF(seq);
+    }
+    if (pos != total) {  /* every byte of data written: nothing stale goes out */
+        PyErr_SetString(PyExc_ValueError, "an entry changed while its envelope was made");
+        goto done;
     }
     out = PyTuple_Pack(2, lengths, data);
 done:
-    Py_DECREF(lengths);
+    Py_XDECREF(lengths);
+    Py_XDECREF(seqs);
     Py_XDECREF(data);
     return out;
 }

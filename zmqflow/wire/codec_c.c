@@ -73,33 +73,44 @@ static PyObject *configure(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* the bytes in outgoing frames (bytes and buffers): a frame that exports no buffer is an error */
+/* the bytes in outgoing frames (bytes and buffers): a frame that exports no buffer is an error.
+   A frame's ``nbytes`` runs Python code that may change the list: its size is checked at every
+   frame, and each frame held while it is measured. */
 static PyObject *codec_nbytes(PyObject *self, PyObject *frames) {
     PyObject *seq = PySequence_Fast(frames, "nbytes takes a sequence of frames");
     if (seq == NULL)
         return NULL;
-    Py_ssize_t n = 0, count = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (PyBytes_CheckExact(items[i])) {
-            n += PyBytes_GET_SIZE(items[i]);
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *f = PySequence_Fast_GET_ITEM(seq, i);
+        if (PyBytes_CheckExact(f)) {
+            n += PyBytes_GET_SIZE(f);
             continue;
         }
+        Py_INCREF(f);
         Py_buffer view;
-        if (PyObject_GetBuffer(items[i], &view, PyBUF_SIMPLE) < 0) {  /* a strided array: its nbytes, as numpy says */
+        Py_ssize_t k;
+        if (PyObject_GetBuffer(f, &view, PyBUF_SIMPLE) < 0) {  /* a strided array: its nbytes, as numpy says */
             PyErr_Clear();
-            PyObject *nb = PyObject_GetAttrString(items[i], "nbytes");
-            Py_ssize_t k = nb == NULL ? -1 : PyLong_AsSsize_t(nb);
+            PyObject *nb = PyObject_GetAttrString(f, "nbytes");
+            k = nb == NULL ? -1 : PyLong_AsSsize_t(nb);
             Py_XDECREF(nb);
-            if (k < 0) {
-                Py_DECREF(seq);
-                return NULL;
-            }
-            n += k;
-            continue;
+            if (k < 0 && !PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "a frame's nbytes is negative (%zd)", k);
+        } else {
+            k = view.len;
+            PyBuffer_Release(&view);
         }
-        n += view.len;
-        PyBuffer_Release(&view);
+        Py_DECREF(f);
+        if (k >= 0 && k > PY_SSIZE_T_MAX - n) {
+            PyErr_SetString(PyExc_OverflowError, "frames of more bytes than a size holds");
+            k = -1;
+        }
+        if (k < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        n += k;
     }
     Py_DECREF(seq);
     return PyLong_FromSsize_t(n);

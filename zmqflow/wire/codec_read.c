@@ -187,6 +187,9 @@ static PyObject *r_obj(R *r, int depth, Ref *ref) {
     }
 }
 
+/* ``limits``' values, each clamped to a long long (a bound past that range compares with every
+   size here as the Python int does); 1 when one is not an int, or a header or container bound is
+   past that range (the Python codec then decides), -1 with an error set when memory ran out */
 static int limits_of(PyObject *limits, Lim *out) {
     if (limits == LIMITS) {
         *out = CACHED;
@@ -197,10 +200,19 @@ static int limits_of(PyObject *limits, Lim *out) {
     long long v[6];
     for (int i = 0; i < 6; i++) {
         PyObject *x = PyObject_GetAttrString(limits, names[i]);
-        v[i] = x == NULL ? -1 : PyLong_AsLongLong(x);
+        int overflow = 0;
+        v[i] = x == NULL ? -1 : PyLong_AsLongLongAndOverflow(x, &overflow);
         Py_XDECREF(x);
-        if (v[i] == -1 && PyErr_Occurred())
-            return -1;
+        if (v[i] == -1 && PyErr_Occurred()) {
+            if (PyErr_ExceptionMatches(PyExc_MemoryError))
+                return -1;
+            PyErr_Clear();
+            return 1;
+        }
+        if (overflow && (i == 0 || i == 2))
+            return 1;  /* msgpack takes these as a Py_ssize_t and refuses more: the Python codec decides */
+        if (overflow)
+            v[i] = overflow > 0 ? LLONG_MAX : LLONG_MIN;
     }
     *out = (Lim){v[0], v[1], v[2], v[3], v[4], v[5]};
     CACHED = *out;  /* the values first: dropping the old Limits may run Python code */
@@ -359,8 +371,9 @@ PyObject *codec_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     PyObject *frames = args[0];
     Py_ssize_t nframes = PyList_GET_SIZE(frames);
     Lim lim;
-    if (limits_of(args[1], &lim))
-        return NULL;
+    int taken = limits_of(args[1], &lim);
+    if (taken)
+        return taken < 0 ? NULL : Py_NewRef(Py_None);
     if (nframes < 1 || nframes > lim.frames)
         Py_RETURN_NONE;
     Py_buffer hv;
@@ -372,7 +385,7 @@ PyObject *codec_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     PyObject *arrays = NULL, *out = NULL;
     R r = {.p = hv.buf, .end = (const unsigned char *)hv.buf + hv.len, .nrefs = 0};
     r.cap = lim.container < PY_SSIZE_T_MAX ? (Py_ssize_t)lim.container : PY_SSIZE_T_MAX;
-    r.max_depth = lim.depth < MAX_DEPTH ? (int)lim.depth : MAX_DEPTH;
+    r.max_depth = lim.depth < 0 ? 0 : lim.depth < MAX_DEPTH ? (int)lim.depth : MAX_DEPTH;  /* negative as 0 */
     if (hv.len > lim.header || r_head(&r, got))
         goto done;
     PyObject *v = got[F_V], *k = got[F_K], *id = got[F_ID], *dl = got[F_DL], *src = got[F_SRC];

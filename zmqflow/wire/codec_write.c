@@ -153,9 +153,9 @@ static int w_obj(W *w, PyObject *o, PyObject *arrays, int depth, int hooked) {
         return w_len(w, n, 0, 0, 0xc4, 0xc5, 0xc6) ? -1 : w_put(w, PyBytes_AS_STRING(o), n);
     }
     if (t == &PyDict_Type) {
-        if (w_len(w, PyDict_GET_SIZE(o), 0x80, 16, 0, 0xde, 0xdf))
+        Py_ssize_t n = PyDict_GET_SIZE(o), pos = 0, count = 0;
+        if (w_len(w, n, 0x80, 16, 0, 0xde, 0xdf))
             return -1;
-        Py_ssize_t pos = 0;
         PyObject *k, *v;
         while (PyDict_Next(o, &pos, &k, &v)) {
             Py_INCREF(k);
@@ -165,18 +165,34 @@ static int w_obj(W *w, PyObject *o, PyObject *arrays, int depth, int hooked) {
             Py_DECREF(v);
             if (r)
                 return -1;
+            count++;
+        }
+        if (count != n || PyDict_GET_SIZE(o) != n) {  /* changed by a hook: the size written is wrong */
+            PyErr_SetString(PyExc_RuntimeError, "a dict changed size while it was written");
+            return -1;
         }
         return 0;
     }
     if (t == &PyList_Type || t == &PyTuple_Type) {
-        PyObject *seq = PySequence_Fast(o, "");  /* a new reference: the list may change under a hook */
-        if (seq == NULL)
-            return -1;
-        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        /* a hook (an isinstance check, _extract, a field's __ne__) may change a list as it is
+           written: its size is checked at every item, and each item held while it is written */
+        Py_ssize_t n = Py_SIZE(o);
         int r = w_len(w, n, 0x90, 16, 0, 0xdc, 0xdd);
-        for (Py_ssize_t i = 0; !r && i < n; i++)
-            r = w_obj(w, PySequence_Fast_GET_ITEM(seq, i), arrays, depth + 1, hooked);
-        Py_DECREF(seq);
+        for (Py_ssize_t i = 0; !r && i < n; i++) {
+            if (Py_SIZE(o) != n) {
+                PyErr_SetString(PyExc_RuntimeError, "a list changed size while it was written");
+                r = -1;
+                break;
+            }
+            PyObject *item = t == &PyList_Type ? PyList_GET_ITEM(o, i) : PyTuple_GET_ITEM(o, i);
+            Py_INCREF(item);
+            r = w_obj(w, item, arrays, depth + 1, hooked);
+            Py_DECREF(item);
+        }
+        if (!r && Py_SIZE(o) != n) {  /* grown by the last item's hook: the length written is wrong */
+            PyErr_SetString(PyExc_RuntimeError, "a list changed size while it was written");
+            r = -1;
+        }
         return r;
     }
     if (arrays != NULL && t == (PyTypeObject *)NDARRAY) {
@@ -191,9 +207,13 @@ static int w_obj(W *w, PyObject *o, PyObject *arrays, int depth, int hooked) {
         PyErr_SetString(PyExc_TypeError, "not plain");
         return -1;
     }
-    PyObject *layout = layout_of(o);
-    if (layout != NULL)
-        return w_struct(w, o, layout, arrays, depth);
+    PyObject *layout = layout_of(o);  /* borrowed from the cache: held while a hook may run */
+    if (layout != NULL) {
+        Py_INCREF(layout);
+        int r = w_struct(w, o, layout, arrays, depth);
+        Py_DECREF(layout);
+        return r;
+    }
     if (PyErr_Occurred())
         return -1;
     PyObject *x = PyObject_CallFunctionObjArgs(EXTRACT, o, arrays, NULL);
@@ -205,6 +225,20 @@ static int w_obj(W *w, PyObject *o, PyObject *arrays, int depth, int hooked) {
 }
 
 #define MAX_FIELDS 64
+
+/* ``v != d`` as Python evaluates it (structs._sent): no identity shortcut, so a field holding its
+   own NaN default is sent, as the Python codec sends it. The shortcut is kept where ``==`` is
+   known to be reflexive (int, str, bool): the common defaults. 1, 0, or -1 with an error set. */
+static int differs(PyObject *v, PyObject *d) {
+    if (v == d && (PyLong_CheckExact(v) || PyUnicode_CheckExact(v) || PyBool_Check(v)))
+        return 0;
+    PyObject *ne = PyObject_RichCompare(v, d, Py_NE);
+    if (ne == NULL)
+        return -1;
+    int s = ne == Py_True ? 1 : ne == Py_False ? 0 : PyObject_IsTrue(ne);
+    Py_DECREF(ne);
+    return s;
+}
 
 /* a declared request (map of the fields that differ from their defaults) or item (list of its
    fields), as the codec's _extract writes it; ``layout`` is (array_like, names, defaults) */
@@ -229,7 +263,7 @@ static int w_struct(W *w, PyObject *o, PyObject *layout, PyObject *arrays, int d
         }
         int s = 1;
         if (!array_like && d != REQUIRED)
-            s = d == Py_None ? v != Py_None : Py_TYPE(v) != Py_TYPE(d) ? 1 : PyObject_RichCompareBool(v, d, Py_NE);
+            s = d == Py_None ? v != Py_None : Py_TYPE(v) != Py_TYPE(d) ? 1 : differs(v, d);
         if (s < 0) {
             got++;
             r = -1;
