@@ -174,3 +174,42 @@ def test_a_device_that_is_no_task_is_refused_by_name():
     with pytest.raises(InvalidArgument, match="device 'ps:1' is not a task of the cluster"):
         svc.declare(ctx, req)
     assert svc.catalog.records == {} and svc.catalog.held == {}
+
+
+def test_catalog_redeclaring_with_another_optimizer_conflicts_and_naming_none_attaches():
+    """Get-or-create: a declaration that names no optimizer attaches to the variable as it is;
+    one that names another (or a different synchronous setup) names both, where it used to
+    attach and have its pushes run the first one's optimizer."""
+    cat = Catalog(["ps:0"])
+    sync = {"kind": "sync_replicas", "optimizer": {"kind": "sgd", "learning_rate": 0.1}, "replicas_to_aggregate": 2}
+    first = _declare(cat, "w", optimizer=sync)
+    assert _declare(cat, "w") is first and _declare(cat, "w", optimizer=dict(sync)) is first
+    for other in ({"kind": "sgd", "learning_rate": 0.1}, {**sync, "replicas_to_aggregate": 3}):
+        with pytest.raises(VariableConflict, match="variable 'w' exists with optimizer .*; declared with"):
+            _declare(cat, "w", optimizer=other)
+    _declare(cat, "plain")
+    with pytest.raises(VariableConflict, match=r"'plain' exists with optimizer none \(a plain add\)"):
+        _declare(cat, "plain", optimizer={"kind": "sgd", "learning_rate": 0.1})
+    _declare(cat, "adam", optimizer={"kind": "adam"})
+    assert _declare(cat, "adam", optimizer={"kind": "adam", "learning_rate": 0.001})  # the same, spelled out
+    assert cat.lookup("plain")["optimizer"] is None
+
+
+@pytest.mark.parametrize("rows", [[[0, 2], [0, 2]], [[0, 2], [3, 6]], [[0, 4]], [[2, 6], [0, 2]], [[0, 4], [2, 6]],
+                                  [[0, 6], [6, 7]]])
+def test_catalog_refuses_part_rows_that_do_not_tile_the_variable(rows):
+    """Parts must cover [0, dim) in order: a gap would be read as memory no shard wrote, an
+    overlap as two shards' rows for one row. Nothing is recorded."""
+    cat = Catalog(["ps:0", "ps:1"])
+    with pytest.raises(InvalidArgument, match=r"variable 'g': part rows .* (do not cover \[0, 6\)|end at row)"):
+        cat.declare("g", [6, 2], "float32", rows, [16] * len(rows))
+    assert cat.records == {} and cat.parts == 0 and cat.held == {}
+    assert cat.declare("g", [6, 2], "float32", [[0, 2], [2, 2], [2, 6]], [16, 0, 32])  # an empty part is a part
+
+
+def test_catalog_refuses_an_optimizer_on_a_variable_that_is_not_floating_point():
+    cat = Catalog(["ps:0"])
+    with pytest.raises(InvalidArgument, match="variable 'i' is int32: the sgd optimizer updates floating-point"):
+        cat.declare("i", [4], "int32", [[0, 4]], [16], optimizer={"kind": "sgd"})
+    assert cat.records == {}
+    assert cat.declare("i", [4], "int32", [[0, 4]], [16])

@@ -126,3 +126,10 @@ def test_normal_and_uniform_values_do_not_depend_on_how_they_are_drawn():
 def test_unknown_initializer_spec(spec):
     with pytest.raises(InvalidArgument):
         init.from_spec(spec)
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 0), (4, 0), (0, 3, 2)])
+def test_glorot_uniform_of_an_empty_shape_is_empty(shape):
+    """As TF: fans of zero give no limit to divide by (max(1, fan_in + fan_out)), and no values."""
+    got = init.build(init.glorot_uniform(seed=1), shape, (0, shape[0]), F32)
+    assert got.shape == shape and got.dtype == F32

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -143,3 +144,35 @@ def test_bfloat16_variables_take_every_optimizer_dense_and_sparse(opt):
         stores[dt] = s.read("w").astype(np.float32)
     assert np.isfinite(stores["bfloat16"]).all()
     np.testing.assert_allclose(stores["bfloat16"], stores["float32"], rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda: SGD(-0.1), "sgd optimizer: learning_rate must be >= 0, got -0.1"),
+    (lambda: SGD(float("inf")), "sgd optimizer: learning_rate must be a finite number"),
+    (lambda: Momentum(0.1, momentum=-0.5), "momentum optimizer: momentum must be >= 0"),
+    (lambda: Adagrad(0.1, initial_accumulator_value=0.0), "adagrad optimizer: initial_accumulator_value must be > 0"),
+    (lambda: Adagrad(0.1, initial_accumulator_value=-1.0), "initial_accumulator_value must be > 0"),
+    (lambda: Adam(beta1=1.0), "adam optimizer: beta1 must be >= 0 and < 1, got 1.0"),
+    (lambda: Adam(beta2=-0.1), "adam optimizer: beta2 must be >= 0 and < 1"),
+    (lambda: Adam(epsilon=-1e-8), "adam optimizer: epsilon must be >= 0"),
+    (lambda: Momentum(nesterov=1), "momentum optimizer: nesterov must be a bool"),
+    (lambda: optim.from_spec({"kind": "adagrad", "initial_accumulator_value": 0}), "initial_accumulator_value must"),
+    (lambda: optim.from_spec({"kind": "sync_replicas", "optimizer": {"kind": "adam", "beta1": 1}}), "beta1 must be"),
+], ids=["sgd_lr", "sgd_inf", "momentum", "adagrad_zero", "adagrad_negative", "adam_beta1", "adam_beta2", "adam_eps",
+        "nesterov", "spec_adagrad", "spec_sync_adam"])
+def test_hyperparameters_out_of_range_are_refused_where_the_optimizer_is_made(make, needle):
+    """Each would make every update NaN or infinite (0/0 for a zero Adagrad accumulator beside a
+    zero gradient; Adam's bias correction divides by 1 - beta1**t): refused on the client, and on
+    the shard for a peer's spec."""
+    with pytest.raises(InvalidArgument, match=re.escape(needle)):
+        make()
+
+
+def test_the_accumulator_floor_the_torch_backend_gives_adagrad_is_accepted():
+    """torch's Adagrad(initial_accumulator_value=0, eps) maps to a floor of eps**2: still > 0."""
+    floor = 1e-10 ** 2
+    store = ShardStore()
+    store.create("w", 0, [3], [0, 3], "float32", optimizer=Adagrad(0.1, initial_accumulator_value=floor).spec(),
+                 value=np.ones(3, np.float32))
+    store.apply_dense("w", 0, np.array([1.0, 0.0, 1.0], np.float32))
+    assert np.isfinite(store.read("w")).all()

@@ -9,7 +9,7 @@ import pytest
 
 from zmqflow.state import init
 from zmqflow.errors import InvalidArgument, NotFound, VariableConflict
-from zmqflow.state.optim import Adam, Momentum
+from zmqflow.state.optim import SGD, Adam, Momentum, SyncReplicas
 from zmqflow.state.store import ShardStore
 
 F32, F64 = np.dtype("float32"), np.dtype("float64")
@@ -346,3 +346,33 @@ def test_a_write_while_a_view_is_out_goes_to_a_copy_and_only_then():
     second = id(p.value)
     store.apply_dense("w", 0, np.ones((4, 2)))
     assert id(p.value) == second  # the view is gone: in place again
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int8", "uint16", "bool", "complex64"])
+def test_an_optimizer_on_a_variable_that_is_not_floating_point_is_refused_when_planned(dtype):
+    """As TF: an optimizer's update is fractional, so an integer or bool part would fail in the
+    middle of a push, after the push's other parts were applied. Refused at creation instead."""
+    store = ShardStore()
+    for opt in (Adam(), SyncReplicas(Momentum(0.1), 2)):
+        with pytest.raises(InvalidArgument, match=rf"variable i \(part 1\) is {dtype}: the (adam|momentum) optimizer"):
+            store.create("i", 1, [4], [2, 4], dtype, num_parts=2, optimizer=opt.spec())
+    assert store.parts == {} and store.held_bytes() == 0
+    assert store.create("i", 0, [4], [0, 4], dtype)  # without an optimizer: a plain add
+    for dt in ("float16", "bfloat16", "float32", "float64"):
+        assert store.create("f" + dt, 0, [4], [0, 4], dt, optimizer=Adam().spec())
+
+
+def test_a_part_declared_again_with_another_optimizer_conflicts_and_one_naming_none_attaches():
+    store = ShardStore()
+    sync = SyncReplicas(Momentum(0.1), 2)
+    store.create("w", 0, [4], [0, 4], "float32", optimizer=sync.spec())
+    for other in (Momentum(0.2), SyncReplicas(Momentum(0.1), 3), SyncReplicas(Adam(), 2), SGD(0.1)):
+        with pytest.raises(VariableConflict, match="variable w exists with optimizer .*; declared with"):
+            store.create("w", 0, [4], [0, 4], "float32", optimizer=other.spec())
+    assert not store.create("w", 0, [4], [0, 4], "float32", optimizer=sync.spec())
+    assert not store.create("w", 0, [4], [0, 4], "float32")  # none named: get-or-create attaches
+    store.create("plain", 0, [4], [0, 4], "float32")
+    with pytest.raises(VariableConflict, match=r"plain exists with optimizer none \(a plain add\)"):
+        store.create("plain", 0, [4], [0, 4], "float32", optimizer=SGD(0.1).spec())
+    p = store.get("w")
+    assert p.optimizer == Momentum(0.1) and p.sync.replicas_to_aggregate == 2

@@ -79,3 +79,31 @@ def test_sync_a_replica_ahead_counts_for_the_current_step():
     assert s.offer(0, "w1", {(0, 1): np.array([1.0])}) == READY
     s.take()
     assert s.step == 1
+
+
+def test_sync_half_precision_gradients_are_summed_in_float32_and_averaged_back():
+    """Summed in their own dtype, 300 bfloat16 ones stop at 256 and eight float16 10000s
+    overflow; summed in float32, the means are exact and come back in the gradients' dtype."""
+    import ml_dtypes
+
+    for dtype, n, value in ((ml_dtypes.bfloat16, 300, 1.0), (np.float16, 8, 10000.0), (np.float16, 3000, 1.0)):
+        s = SyncState(n)
+        for i in range(n):
+            s.offer(0, f"w{i}", {(0, 4): np.full(4, value, dtype)})
+        dense, _ = s.take()
+        assert dense[(0, 4)].dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(dense[(0, 4)].astype(np.float32), np.full(4, value, np.float32))
+
+
+def test_sync_a_replica_counts_once_per_step_and_its_repeat_is_dropped():
+    """A replica pushing again in a step that already counts it (a retry after its deadline)
+    adds nothing: it cannot complete the step in another replica's place."""
+    s = SyncState(2, total_num_replicas=3)
+    assert s.offer(0, "w0", {(0, 1): np.array([1.0])}) == PENDING
+    assert s.offer(0, "w0", {(0, 1): np.array([100.0])}) == PENDING
+    assert s.contributors == ["w0"] and s.dropped == 1 and s.missing(["w0", "w1", "w2"]) == ["w1", "w2"]
+    assert s.offer(0, "w2", {(0, 1): np.array([3.0])}) == READY
+    dense, _ = s.take()
+    np.testing.assert_allclose(dense[(0, 1)], [2.0])  # the repeat is not in the mean
+    assert s.offer(1, "w0", {(0, 1): np.array([1.0])}) == PENDING  # counted again in the next step
+    assert s.contributors == ["w0"]

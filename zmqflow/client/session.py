@@ -259,8 +259,18 @@ class AsyncSession:
                    timeout: float | None = None) -> int | None:
         """Apply each variable's optimizer to its gradient (an array, ``(indices, rows)``, or
         ``None`` for none this step: a synchronous round counts this replica, adding nothing).
-        Synchronous variables return the new global step once this step is applied."""
-        infos = {await self._info(k): v for k, v in grads.items()}
+        Synchronous variables return the new global step once this step is applied. Two keys for
+        one variable (two handles, or a name and a handle) are refused before anything is sent:
+        their gradients would be merged by no rule."""
+        infos: dict[VarInfo, Any] = {}
+        names: set[str] = set()
+        for k, v in grads.items():
+            info = await self._info(k)
+            if info.name in names:
+                raise InvalidArgument(f"push names variable {info.name!r} twice: one gradient per variable and step",
+                                      name=info.name)
+            names.add(info.name)
+            infos[info] = v
         result = await _push(self, infos, self.step if step is None else step, timeout)
         if result["step"] is not None:
             self.step = result["step"]

@@ -13,7 +13,6 @@ import asyncio
 import math
 from collections import defaultdict
 from collections.abc import Awaitable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -21,7 +20,7 @@ import numpy as np
 from ..state import init as _init
 from ..state import optim as _optim
 from ..cluster import TaskId
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, VariableConflict
 from ..observe import timeline
 from ..transport.bulk import as_bytes
 from .bulk_lanes import Lanes, streams
@@ -29,95 +28,20 @@ from .bulk_pull import Piece, pull_into
 from .bulk_push import push_from
 from .port import SessionPort
 from .placement import current_device, current_policy
+from .var_info import SLICE_BYTES, VarInfo, check_apart, check_out, rows_of
 from ..state.kernels import copy_into
 from ..state.partition import num_partitions, row_splits
-from ..wire.dtypes import dtype_from_name, dtype_name
+from ..wire.dtypes import dtype_name
 from ..wire.requests import cluster as crq
 from ..wire.requests import ps as rq
 
 
 __all__ = ["SLICE_BYTES", "VarInfo", "check_out", "AsyncVariable", "declare", "create_parts", "pull", "push", "assign", "scatter"]
 
-SLICE_BYTES = 4 << 20
 # a one-part variable pulled without out= up to this size comes whole, as one frame that becomes
 # the result (no copy); bigger ones come in slices, copied into a new array as they land
 WHOLE_PULL_BYTES = 1 << 30
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, eq=False)
-class VarInfo:
-    """What the catalog says about a variable."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    parts: tuple[tuple[TaskId, int, int], ...]  # (task, first row, end row)
-    optimizer: Any
-    initializer: Any
-
-    @classmethod
-    def from_record(cls, r: Mapping[str, Any]) -> "VarInfo":
-        return cls(
-            r["name"],
-            tuple(r["shape"]),
-            dtype_from_name(r["dtype"]),
-            tuple((TaskId.parse(p["task"]), p["rows"][0], p["rows"][1]) for p in r["parts"]),
-            r.get("optimizer"),
-            r.get("initializer"),
-        )
-
-    @property
-    def sync(self) -> bool:
-        return isinstance(self.optimizer, dict) and self.optimizer.get("kind") == "sync_replicas"
-
-    @property
-    def row_bytes(self) -> int:
-        return math.prod(self.shape[1:]) * self.dtype.itemsize if self.shape else self.dtype.itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    def chunks(self, part: int) -> list[tuple[int | None, int | None]]:
-        """Part-local row ranges of at most SLICE_BYTES (one row at least); scalars are one chunk.
-        Computed once per part: every read, write and push of the variable asks again."""
-        cache = self.__dict__.setdefault("_chunks", {})  # frozen: the cache is no field
-        got = cache.get(part)
-        if got is None:
-            got = cache[part] = self._chunks_of(part)
-        return got
-
-    def _chunks_of(self, part: int) -> list[tuple[int | None, int | None]]:
-        if not self.shape:
-            return [(None, None)]
-        _, r0, r1 = self.parts[part]
-        per = max(1, SLICE_BYTES // max(1, self.row_bytes))
-        return [(a, min(a + per, r1 - r0)) for a in range(0, r1 - r0, per)] or [(0, 0)]
-
-    def describe(self) -> list[dict[str, Any]]:
-        return [{"task": str(t), "rows": [a, b]} for t, a, b in self.parts]
-
-
-def _rows_of(info: VarInfo, part: int, chunk: tuple[int | None, int | None], x: np.ndarray) -> np.ndarray:
-    """The slice of a full-shape array ``x`` for one chunk of one part (a view, no copy)."""
-    if not info.shape:
-        return x
-    _, r0, _ = info.parts[part]
-    return x[r0 + chunk[0]: r0 + chunk[1]]
-
-
-def check_out(info: VarInfo, out: Any) -> np.ndarray:
-    """``out`` as the buffer a read of ``info`` fills: a writeable C-contiguous array of the
-    variable's shape and dtype (checked before any request is sent, so a bad one changes nothing)."""
-    if not isinstance(out, np.ndarray):
-        raise InvalidArgument(f"out= for {info.name!r}: expected a numpy array, got {type(out).__name__}")
-    if out.shape != info.shape or out.dtype != info.dtype:
-        raise InvalidArgument(f"out= for {info.name!r}: expected shape {list(info.shape)} {info.dtype}, "
-                              f"got {list(out.shape)} {out.dtype}")
-    if not out.flags.c_contiguous or not out.flags.writeable:
-        raise InvalidArgument(f"out= for {info.name!r}: the array must be writeable and C-contiguous")
-    return out
 
 
 def _bundle(items: Iterable[tuple[TaskId, int, T]]) -> dict[TaskId, list[list[T]]]:
@@ -141,7 +65,7 @@ def _pieces(info: VarInfo, part: int, x: np.ndarray, lanes: Lanes) -> list[Piece
         lanes.whole(info.row_bytes)
         return [Piece(rq.PullItem(name, part, None, None), as_bytes(x), dtype)]
     _, r0, r1 = info.parts[part]
-    return [Piece(rq.PullItem(name, part, a, b), as_bytes(_rows_of(info, part, (a, b), x)), dtype)
+    return [Piece(rq.PullItem(name, part, a, b), as_bytes(rows_of(info, part, (a, b), x)), dtype)
             for a, b in lanes.rows(r1 - r0, info.row_bytes)]
 
 
@@ -152,6 +76,15 @@ async def _bulk_streams(sess: SessionPort, infos: Iterable[VarInfo], kind: str =
         for task, r0, r1 in info.parts:
             shares[task] += (r1 - r0) * info.row_bytes if info.shape else info.row_bytes
     return await streams(sess, shares, kind)
+
+
+async def _in_process(sess: SessionPort, tasks: set[TaskId]) -> set[TaskId]:
+    """Those of ``tasks`` reached over inproc: a large reply from one is not a copy but the
+    shard's own memory, shared with the client until the array goes."""
+    if not tasks:
+        return set()
+    spec = await sess.cluster()
+    return {t for t in tasks if spec.address(t).scheme == "inproc"}
 
 
 async def _all(calls: list[Any]) -> list[Any]:
@@ -266,9 +199,12 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
     (the session's by default). ``out`` maps names to arrays to fill (reused by a caller that
     reads the same variables every step: no fresh pages to fault in); each reply is copied in as
     it lands, while the others are still in flight. A one-part variable not in ``out`` (up to
-    WHOLE_PULL_BYTES) comes whole and is the received frame itself (writeable, nothing copied);
-    others get new arrays. A task whose share is at least ``bulk_pull.BULK_FROM`` bytes sends
-    its parts on its bulk stream where it offers one: they land in their arrays, copied by no one."""
+    WHOLE_PULL_BYTES) comes whole and is the received frame itself (writeable, nothing copied;
+    read-only from an inproc shard, whose frame is the shard's own memory: a write to the part
+    goes to a copy meanwhile, ``Part.own``); others get new arrays. A task whose share is at least
+    ``bulk_pull.BULK_FROM`` bytes sends its parts on its bulk stream where it offers one: they
+    land in their arrays, copied by no one. Every reply's shape and dtype are checked against
+    what the session knows of the part: VariableConflict when the part has changed since."""
     given = out or {}
     extra = set(given) - {info.name for info in infos}
     if extra:
@@ -281,6 +217,9 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
             outs[info.name] = None  # the reply's array, once it lands
         else:
             outs[info.name] = np.empty(info.shape, dtype=info.dtype)
+    if len(given) > 1:
+        check_apart(given)
+    shared = await _in_process(sess, {info.parts[0][0] for info in infos if outs[info.name] is None})
     bulk_to = await _bulk_streams(sess, infos)
     bulk: dict[TaskId, list[Piece]] = defaultdict(list)
     where: dict[int, tuple[VarInfo, int, tuple[int | None, int | None]]] = {}
@@ -301,19 +240,25 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
                 nbytes = ((chunk[1] or 0) - (chunk[0] or 0)) * info.row_bytes if info.shape else info.row_bytes
                 items.append((task, nbytes, (key, nbytes, rq.PullItem(info.name, p, chunk[0], chunk[1]))))
 
-    def place(keys: list[int], arrays: list[np.ndarray]) -> None:
+    def place(task: TaskId, keys: list[int], arrays: list[np.ndarray]) -> None:
         for key, arr in zip(keys, arrays):
             info, p, chunk = where[key]
             target = outs[info.name]
-            if target is None:
-                if arr.shape == info.shape and arr.dtype == info.dtype:
-                    outs[info.name] = arr
-                    continue
-                target = outs[info.name] = np.empty(info.shape, dtype=info.dtype)
-            copy_into(_rows_of(info, p, chunk, target), arr)
+            dst = None if target is None else rows_of(info, p, chunk, target)
+            if arr.dtype != info.dtype or arr.shape != (info.shape if dst is None else dst.shape):
+                raise VariableConflict(
+                    f"variable {info.name!r} (part {p}) on {task} is now {list(arr.shape)} {arr.dtype} where this "
+                    f"session expects {list(info.shape if dst is None else dst.shape)} {info.dtype}: the part "
+                    "changed since the session learned of it; get the variable again", name=info.name)
+            if dst is not None:
+                copy_into(dst, arr)
+                continue
+            if task in shared:
+                arr.flags.writeable = False
+            outs[info.name] = arr
 
-    async def fetch(keys: list[int], call: Awaitable[list[np.ndarray]]) -> None:
-        place(keys, await call)
+    async def fetch(task: TaskId, keys: list[int], call: Awaitable[list[np.ndarray]]) -> None:
+        place(task, keys, await call)
 
     calls = []
     for task, batches in _bundle(items).items():
@@ -321,7 +266,7 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
             keys = [key for key, _, _ in batch]
             call = sess.call_task(task, "ps", "pull", rq.Pull(items=[it for _, _, it in batch]), timeout=timeout,
                                   size=sum(n for _, n, _ in batch))  # the reply's bytes pick its stream
-            calls.append(fetch(keys, call))
+            calls.append(fetch(task, keys, call))
     for task, pieces in bulk.items():
         calls += [pull_into(sess, task, stream, batch, timeout) for stream, batch in bulk_to[task].spread(pieces)]
     await _all(calls)
@@ -338,7 +283,7 @@ async def assign(sess: SessionPort, info: VarInfo, x: Any, mode: str, timeout: f
     items = []
     for p, (task, _, _) in enumerate(info.parts):
         for chunk in info.chunks(p):
-            rows = _rows_of(info, p, chunk, x)
+            rows = rows_of(info, p, chunk, x)
             items.append((task, rows.nbytes, rq.RowsItem(info.name, p, chunk[0], chunk[1], rows)))
     await _all([
         sess.call_task(task, "ps", "assign", rq.Assign(items=batch, mode=mode), timeout=timeout)
@@ -387,7 +332,8 @@ async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None
                timeout: float | None = None) -> dict[str, Any]:
     """Dense gradients (arrays) or sparse ones (``(indices, rows)``) through each variable's
     optimizer; ``None``: no gradient this step (a sync variable's round counts this replica and
-    adds nothing; an async one is left alone). A task's async dense share from
+    adds nothing; an async one is left alone), as for each part of a sync variable that a sparse
+    gradient's rows miss. A task's async dense share from
     ``bulk_pull.BULK_FROM`` bytes goes out on its push stream where it offers one
     (:mod:`.bulk_push`), the rest over ZeroMQ."""
     async_items: list[tuple[TaskId, int, rq.RowsItem]] = []
@@ -405,8 +351,14 @@ async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None
                 absent[task].append(rq.PartItem(info.name, p))
             continue
         if isinstance(grad, tuple):
-            for p, i, r in _split_sparse(info, grad[0], grad[1], "sparse gradient"):
+            touched = _split_sparse(info, grad[0], grad[1], "sparse gradient")
+            for p, i, r in touched:
                 (sync_sparse if info.sync else async_sparse)[info.parts[p][0]].append(rq.SparseItem(info.name, p, i, r))
+            if info.sync and len(touched) < len(info.parts):  # a part none of the rows is in still counts this replica
+                hit = {p for p, _, _ in touched}
+                for p, (task, _, _) in enumerate(info.parts):
+                    if p not in hit:
+                        absent[task].append(rq.PartItem(info.name, p))
             continue
         g = dense[info]
         for p, (task, r0, r1) in enumerate(info.parts):
@@ -414,7 +366,7 @@ async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None
                 bulk[task] += _pieces(info, p, g, bulk_to[task])
                 continue
             for chunk in info.chunks(p):
-                rows = _rows_of(info, p, chunk, g)
+                rows = rows_of(info, p, chunk, g)
                 item = rq.RowsItem(info.name, p, chunk[0], chunk[1], rows)
                 if info.sync:
                     sync_dense[task].append(item)

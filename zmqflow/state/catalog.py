@@ -19,7 +19,7 @@ from ..wire.dtypes import dtype_from_name
 from .limits import DEFAULT_STATE_LIMITS, StateLimits, check_count, check_variable, table_capacity
 from .tables import HashTable
 
-__all__ = ["Catalog", "MAX_CATALOG_PARTS", "MAX_SPEC_BYTES", "canonical_device"]
+__all__ = ["Catalog", "MAX_CATALOG_PARTS", "MAX_SPEC_BYTES", "canonical_device", "check_tiling"]
 
 # Records are kept for good and a part costs its record a few hundred bytes, so the parts of all
 # records have a bound of their own beside the count of names; and each spec a client hands over
@@ -73,6 +73,11 @@ class Catalog:
                     f"variable {name!r} exists with shape {mine[0]} {mine[1]} in {len(mine[2])} part(s) {mine[2]}; "
                     f"declared with shape {theirs[0]} {theirs[1]} in {len(theirs[2])} part(s) {theirs[2]}"
                 )
+            # no optimizer named: attach to the variable as it is (get-or-create); else the same one
+            if optimizer is not None and _optim.from_spec(optimizer) != _optim.from_spec(found["optimizer"]):
+                have = found["optimizer"] or "none (a plain add)"
+                raise VariableConflict(f"variable {name!r} exists with optimizer {have}; declared with {optimizer}",
+                                       name=name)
             return found
         for what, spec in (("optimizer", optimizer), ("initializer", initializer), ("table", table)):
             _check_spec(name, what, spec)
@@ -109,6 +114,7 @@ class Catalog:
             raise InvalidArgument(f"variable {name!r}: unknown dtype {dtype!r}") from None
         check_variable(name, shape, itemsize, limits)
         opt = _optim.from_spec(optimizer)
+        _optim.check_dtype(opt, dtype_from_name(dtype), repr(name))
         if isinstance(opt, _optim.SyncReplicas):
             opt = opt.optimizer
         copies = 1 + (len(opt.slot_names) if opt is not None else 0)
@@ -121,12 +127,12 @@ class Catalog:
             table_capacity(name, capacity, HashTable.row_size(shape[-1] if shape else 1, dtype_from_name(dtype), optimizer),
                            limits)
             return [0 for _ in part_rows], copies  # rows are made on demand, up to the capacity
-        out = []
-        for r in part_rows:
+        if table is None:
+            check_tiling(name, part_rows, dim0)
+        for r in part_rows:  # a table's parts count their rows each from 0
             if not (0 <= r[0] <= r[1] <= dim0):
                 raise InvalidArgument(f"variable {name!r}: part rows {r} are not a range within [0, {dim0}]")
-            out.append((r[1] - r[0]) * row_bytes)
-        return out, copies
+        return [(r[1] - r[0]) * row_bytes for r in part_rows], copies
 
     def _placed(self, name: str, device: str | None, policy: str, part_bytes: list[int], held_bytes: list[int]) -> list[str]:
         """The parts' tasks, placed by the sizes the declaring client gave (a heuristic); refused,
@@ -180,6 +186,21 @@ class Catalog:
 
     def uninitialized(self, names: list[str]) -> list[str]:
         return [n for n in names if not self.ready(n)]
+
+
+def check_tiling(name: str, part_rows: Any, dim0: int) -> None:
+    """``part_rows`` as a variable's parts: ranges that cover ``[0, dim0)`` in order, each starting
+    where the one before ends. Any gap would be read as memory no part ever wrote; any overlap
+    would be two shards' rows for one row."""
+    end = 0
+    for r in part_rows:
+        if not (isinstance(r, (list, tuple)) and len(r) == 2 and r[0] == end and r[0] <= r[1] <= dim0):
+            raise InvalidArgument(f"variable {name!r}: part rows {list(part_rows)} do not cover [0, {dim0}) in order, "
+                                  f"each part starting where the one before ends (at {r!r})", name=name)
+        end = r[1]
+    if end != dim0:
+        raise InvalidArgument(f"variable {name!r}: part rows {list(part_rows)} end at row {end}, not at {dim0}",
+                              name=name)
 
 
 def canonical_device(name: str, device: object) -> str:

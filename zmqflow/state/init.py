@@ -120,7 +120,7 @@ def build(init: Initializer, full_shape: tuple[int, ...], rows: tuple[int, int],
     flat = out.reshape(-1)
     if init.kind == "glorot_uniform":
         fan_in, fan_out = _fans(full_shape)
-        limit = math.sqrt(6.0 / (fan_in + fan_out))
+        limit = math.sqrt(6.0 / max(1, fan_in + fan_out))  # as TF: an empty shape has no fans
     step = _CHUNK if init.kind == "truncated_normal" else _DRAW
     for start in range(0, flat.size, step):
         n = min(step, flat.size - start)

@@ -9,6 +9,7 @@ slots of exactly those rows. Adam keeps its step count per row: a dense push adv
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -19,7 +20,19 @@ from . import kernels as _kernels
 from .kernels import scaled as _scaled
 from .kernels import sub_scaled as _sub_scaled
 
-__all__ = ["Optimizer", "SGD", "Momentum", "Adagrad", "Adam", "SyncReplicas", "from_spec"]
+__all__ = ["Optimizer", "SGD", "Momentum", "Adagrad", "Adam", "SyncReplicas", "from_spec", "check_dtype"]
+
+# Each hyperparameter's allowed range, as (low, low included, high): one out of range makes every
+# update NaN or infinite (Adam's beta1 = 1 divides by zero, a zero Adagrad accumulator beside a
+# zero gradient is 0/0), so it is refused where the optimizer is made, on the client or the shard.
+_RANGES: dict[str, tuple[float, bool, float]] = {
+    "learning_rate": (0.0, True, math.inf),
+    "momentum": (0.0, True, math.inf),
+    "initial_accumulator_value": (0.0, False, math.inf),
+    "beta1": (0.0, True, 1.0),
+    "beta2": (0.0, True, 1.0),
+    "epsilon": (0.0, True, math.inf),
+}
 
 
 @dataclass(frozen=True)
@@ -33,6 +46,20 @@ class Optimizer:
     # them on every push)
     uses_step: ClassVar[bool] = False
     learning_rate: float = 0.01
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(f.default, bool):
+                if not isinstance(value, bool):
+                    raise InvalidArgument(f"{self.kind} optimizer: {f.name} must be a bool, got {value!r}")
+                continue
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+                raise InvalidArgument(f"{self.kind} optimizer: {f.name} must be a finite number, got {value!r}")
+            low, closed, high = _RANGES.get(f.name, (-math.inf, True, math.inf))
+            if not ((value >= low if closed else value > low) and value < high):
+                want = f"{'>=' if closed else '>'} {low:g}" + (f" and < {high:g}" if high < math.inf else "")
+                raise InvalidArgument(f"{self.kind} optimizer: {f.name} must be {want}, got {value!r}")
 
     def spec(self) -> dict[str, Any]:
         return {"kind": self.kind, **asdict(self)}
@@ -172,6 +199,20 @@ class SyncReplicas:
             "total_num_replicas": self.total_num_replicas,
             "drop_dead_replicas": self.drop_dead_replicas,
         }
+
+
+def check_dtype(opt: "Optimizer | SyncReplicas | None", dtype: Any, label: str) -> None:
+    """Refuse an optimizer on a variable that is not floating point, as TF does: its update makes
+    fractional values an integer or bool variable cannot hold, so a push would fail halfway. Checked
+    on metadata when a variable or part is declared, never on a push."""
+    if opt is None:
+        return
+    dt = np.dtype(dtype)
+    if dt.kind == "f" or (dt.kind == "V" and dt.itemsize == 2):  # bfloat16 (ml_dtypes) is kind 'V'
+        return
+    inner = opt.optimizer if isinstance(opt, SyncReplicas) else opt
+    raise InvalidArgument(f"variable {label} is {dt}: the {inner.kind} optimizer updates floating-point variables "
+                          "only (float16, bfloat16, float32, float64)")
 
 
 def _count(value: Any, name: str) -> int:

@@ -232,11 +232,14 @@ class ShardStore:
                     f"rows {list(existing.rows)} of {existing.num_parts} parts; declared as shape {list(full)} {dt} "
                     f"rows {[r0, r1]} of {num_parts} parts"
                 )
+            if optimizer is not None:  # none named: attach to the part as it is (get-or-create)
+                _same_optimizer(existing, _optim.from_spec(optimizer))
             return None
         limits = self.limits
         check_variable(name, full, dt.itemsize, limits)
         check_count(name, len(self.parts) + len(self._reserved), limits.max_variables, "this shard")
         opt = _optim.from_spec(optimizer)
+        _optim.check_dtype(opt, dt, part_label(key))
         sync = None
         if isinstance(opt, _optim.SyncReplicas):
             sync = SyncState(opt.replicas_to_aggregate, opt.total_num_replicas, opt.drop_dead_replicas)
@@ -427,6 +430,18 @@ class ShardStore:
                 p.grid(p.slots[k])[rows] = s
 
 # validation ---------------------------------------------------------------------------------
+
+
+def _same_optimizer(p: Part, declared: "_optim.Optimizer | _optim.SyncReplicas | None") -> None:
+    """VariableConflict unless ``declared`` is the optimizer (and synchronous replication) ``p`` has."""
+    have: _optim.Optimizer | _optim.SyncReplicas | None = p.optimizer
+    if p.sync is not None and p.optimizer is not None:
+        have = _optim.SyncReplicas(p.optimizer, p.sync.replicas_to_aggregate, p.sync.total_num_replicas,
+                                   p.sync.drop_dead)
+    if have != declared:
+        def spec(o: Any) -> Any:
+            return "none (a plain add)" if o is None else o.spec()
+        raise VariableConflict(f"variable {p.label} exists with optimizer {spec(have)}; declared with {spec(declared)}")
 
 
 def _dtype(name: object, var: str) -> np.dtype:

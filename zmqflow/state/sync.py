@@ -3,7 +3,10 @@
 Gradients for the current step are summed; when ``replicas_to_aggregate`` have arrived their mean
 is handed back to be applied and the step advances. A gradient computed at an older step is
 dropped and counted. Extra (backup) replicas beyond the aggregate count simply arrive late and
-are dropped as stale, which is how backup workers hide stragglers.
+are dropped as stale, which is how backup workers hide stragglers. Each replica counts once per
+step: a second push of one it already counted (a retry after its deadline) adds nothing and is
+dropped, so it cannot complete a step in another replica's place. Half-precision gradients are
+summed in float32: 300 bfloat16 ones stop adding up at 256, eight float16 10000s overflow.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ class SyncState:
         self.step = 0
         self.dropped = 0
         self._dense: dict[tuple[int, int], np.ndarray] = {}  # row range -> summed gradient
+        self._dtype: np.dtype | None = None  # the gradients' dtype, when summed in another
         self._sparse: list[tuple[np.ndarray, np.ndarray]] = []
         self.contributors: list[str] = []
+        self._counted: set[str] = set()  # ``contributors``, to look up
         self.last_contributors: list[str] = []  # whose gradients the last applied step averaged
 
     def describe(self) -> dict[str, Any]:
@@ -47,29 +52,36 @@ class SyncState:
         if step > self.step:
             # a replica cannot be ahead of the step it read; treat it as the current one
             step = self.step
+        if worker in self._counted:  # already counted: the step is pending (else it would have been taken)
+            self.dropped += 1
+            return PENDING
         for rows, g in (dense or {}).items():
             acc = self._dense.get(rows)
             if acc is None:
-                self._dense[rows] = np.array(g, copy=True)
+                half = g.dtype.itemsize == 2 and g.dtype.kind in "fV"  # float16, bfloat16 (kind 'V')
+                if half:
+                    self._dtype = g.dtype
+                self._dense[rows] = np.array(g, dtype=np.float32 if half else g.dtype, copy=True)
             else:
                 acc += g
         if sparse is not None:
             self._sparse.append((np.asarray(sparse[0], dtype=np.int64).copy(), np.array(sparse[1], copy=True)))
         self.contributors.append(worker)
+        self._counted.add(worker)
         return READY if len(self.contributors) >= self.replicas_to_aggregate else PENDING
 
     def take(self) -> tuple[dict[tuple[int, int], np.ndarray], tuple[np.ndarray, np.ndarray] | None]:
         """The mean gradients to apply now (over the contributions received: all of them, or fewer
         when dead replicas were dropped); advances the step and starts the next one."""
         n = float(max(1, len(self.contributors)))
-        dense = {rows: (g / n).astype(g.dtype, copy=False) for rows, g in self._dense.items()}
+        dense = {rows: (g / n).astype(self._dtype or g.dtype, copy=False) for rows, g in self._dense.items()}
         sparse = None
         if self._sparse:
             idx = np.concatenate([i for i, _ in self._sparse])
             vals = np.concatenate([v for _, v in self._sparse])
             sparse = (idx, (vals / n).astype(vals.dtype, copy=False))
         self.last_contributors = self.contributors
-        self._dense, self._sparse, self.contributors = {}, [], []
+        self._dense, self._sparse, self.contributors, self._counted, self._dtype = {}, [], [], set(), None
         self.step += 1
         return dense, sparse
 
@@ -77,10 +89,10 @@ class SyncState:
         """Drop what has arrived for the current step without applying it (a recovery replaces
         the state it was computed on); the step stays. Returns how many gradients were dropped."""
         n = len(self.contributors)
-        self._dense, self._sparse, self.contributors = {}, [], []
+        self._dense, self._sparse, self.contributors, self._counted, self._dtype = {}, [], [], set(), None
         self.dropped += n
         return n
 
     def missing(self, expected: list[str]) -> list[str]:
         """Which of ``expected`` have not pushed for the current step."""
-        return [w for w in expected if w not in self.contributors]
+        return [w for w in expected if w not in self._counted]

@@ -213,10 +213,22 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
         by_part: dict[PartKey, dict[str, Any]] = defaultdict(lambda: {"dense": {}, "sparse": None})
         for it in req.dense:
             r = self.store.rows(it.name, it.part, it.start, it.stop, it.value, "gradient")
-            by_part[(it.name, it.part)]["dense"][(r.start, r.stop)] = r.value
+            dense = by_part[(it.name, it.part)]["dense"]
+            if (r.start, r.stop) in dense:
+                _twice(r.part.label, f"rows [{r.start}, {r.stop})")
+            dense[(r.start, r.stop)] = r.value
         for sp in req.sparse:
             checked = self.store.sparse(sp.name, sp.part, sp.indices, sp.rows, "sparse gradient")
-            by_part[(sp.name, sp.part)]["sparse"] = (checked.indices, checked.rows)
+            grads = by_part[(sp.name, sp.part)]
+            if grads["sparse"] is not None or grads["dense"]:
+                _twice(checked.part.label, "a sparse gradient beside another gradient")
+            grads["sparse"] = (checked.indices, checked.rows)
+        for key, grads in by_part.items():  # metadata only: most parts come in one item
+            if len(grads["dense"]) > 1:
+                ranges = sorted(grads["dense"])
+                for (_, end), (start, _) in zip(ranges, ranges[1:]):
+                    if start < end:
+                        _twice(part_label(key), f"overlapping rows {ranges}")
         for it in req.absent:  # a replica without a gradient: counted in its round, adds nothing
             key = (it.name, it.part)
             if key in by_part:
@@ -342,3 +354,9 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
             if m not in self.sync_missing and len(self.sync_missing) >= MAX_LABELS:
                 m = "other"
             self.sync_missing[m] = self.sync_missing.get(m, 0) + 1
+
+
+def _twice(label: str, what: str) -> None:
+    """One push carries at most one gradient for each row of a part: two would be merged by no
+    rule (one overwriting the other, or both applied), so the push is refused before any applies."""
+    raise InvalidArgument(f"push names variable {label} twice ({what}): one gradient per variable and step", name=label)

@@ -34,6 +34,9 @@ MAX_OPEN = 4096  # sessions kept per task: a caller cannot grow this task's memo
 @dataclass
 class _TaskSessions:
     open: set[str] = field(default_factory=set)
+    # sessions opened past MAX_OPEN: not named, but counted, so the task stays unfinished until as
+    # many goodbyes of sessions not in ``open`` came (waiting too long beats exiting under one)
+    unnamed: int = 0
     finished: bool = False
 
 
@@ -56,6 +59,8 @@ class SessionLedger:
             return False
         if len(entry.open) < MAX_OPEN:
             entry.open.add(session)
+        elif session not in entry.open:
+            entry.unnamed += 1
         entry.finished = False
         return True
 
@@ -64,10 +69,13 @@ class SessionLedger:
         entry = self._counted(task)
         if entry is None:
             return False
-        entry.open.discard(session)
+        if session in entry.open:
+            entry.open.remove(session)
+        elif entry.unnamed:
+            entry.unnamed -= 1
         if not finished:
             entry.finished = False
-        elif not entry.open:
+        elif not entry.open and not entry.unnamed:
             entry.finished = True
         return True
 
@@ -82,4 +90,4 @@ class SessionLedger:
 
     def describe(self) -> dict[str, dict[str, object]]:
         """Per training task: sessions open and whether it finished (for ``status``)."""
-        return {t: {"open": len(e.open), "finished": e.finished} for t, e in self._tasks.items()}
+        return {t: {"open": len(e.open) + e.unnamed, "finished": e.finished} for t, e in self._tasks.items()}

@@ -1,0 +1,113 @@
+"""What a client knows of a variable (its catalog record, checked), and the arrays a read fills.
+
+A record's parts must cover the variable's rows in order, as the catalog makes them: a read
+assembles the variable from its parts' rows, so a gap would leave memory no shard ever wrote.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..cluster import TaskId
+from ..errors import InvalidArgument
+from ..state.catalog import check_tiling
+from ..wire.dtypes import dtype_from_name
+
+__all__ = ["SLICE_BYTES", "VarInfo", "rows_of", "check_out", "check_apart"]
+
+SLICE_BYTES = 4 << 20
+
+
+@dataclass(frozen=True, eq=False)
+class VarInfo:
+    """What the catalog says about a variable."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    parts: tuple[tuple[TaskId, int, int], ...]  # (task, first row, end row)
+    optimizer: Any
+    initializer: Any
+
+    @classmethod
+    def from_record(cls, r: Mapping[str, Any]) -> "VarInfo":
+        """The record's variable; InvalidArgument when its parts do not cover its rows in order."""
+        shape = tuple(r["shape"])
+        rows = [p["rows"] for p in r["parts"]]
+        if r.get("table") is None:  # a table's parts count their rows each from 0
+            check_tiling(r["name"], rows, shape[0] if shape else 1)
+        return cls(
+            r["name"],
+            shape,
+            dtype_from_name(r["dtype"]),
+            tuple((TaskId.parse(p["task"]), p["rows"][0], p["rows"][1]) for p in r["parts"]),
+            r.get("optimizer"),
+            r.get("initializer"),
+        )
+
+    @property
+    def sync(self) -> bool:
+        return isinstance(self.optimizer, dict) and self.optimizer.get("kind") == "sync_replicas"
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * self.dtype.itemsize if self.shape else self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def chunks(self, part: int) -> list[tuple[int | None, int | None]]:
+        """Part-local row ranges of at most SLICE_BYTES (one row at least); scalars are one chunk.
+        Computed once per part: every read, write and push of the variable asks again."""
+        cache = self.__dict__.setdefault("_chunks", {})  # frozen: the cache is no field
+        got = cache.get(part)
+        if got is None:
+            got = cache[part] = self._chunks_of(part)
+        return got
+
+    def _chunks_of(self, part: int) -> list[tuple[int | None, int | None]]:
+        if not self.shape:
+            return [(None, None)]
+        _, r0, r1 = self.parts[part]
+        per = max(1, SLICE_BYTES // max(1, self.row_bytes))
+        return [(a, min(a + per, r1 - r0)) for a in range(0, r1 - r0, per)] or [(0, 0)]
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"task": str(t), "rows": [a, b]} for t, a, b in self.parts]
+
+
+def rows_of(info: VarInfo, part: int, chunk: tuple[int | None, int | None], x: np.ndarray) -> np.ndarray:
+    """The slice of a full-shape array ``x`` for one chunk of one part (a view, no copy)."""
+    if not info.shape:
+        return x
+    _, r0, _ = info.parts[part]
+    return x[r0 + chunk[0]: r0 + chunk[1]]
+
+
+def check_out(info: VarInfo, out: Any) -> np.ndarray:
+    """``out`` as the buffer a read of ``info`` fills: a writeable C-contiguous array of the
+    variable's shape and dtype (checked before any request is sent, so a bad one changes nothing)."""
+    if not isinstance(out, np.ndarray):
+        raise InvalidArgument(f"out= for {info.name!r}: expected a numpy array, got {type(out).__name__}")
+    if out.shape != info.shape or out.dtype != info.dtype:
+        raise InvalidArgument(f"out= for {info.name!r}: expected shape {list(info.shape)} {info.dtype}, "
+                              f"got {list(out.shape)} {out.dtype}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise InvalidArgument(f"out= for {info.name!r}: the array must be writeable and C-contiguous")
+    return out
+
+
+def check_apart(outs: Mapping[str, np.ndarray]) -> None:
+    """InvalidArgument naming two ``out=`` arrays that share memory: each would be filled over the
+    other. The arrays are C-contiguous (``check_out``), so each spans exactly its byte range, and
+    sorting the ranges finds any overlap in one pass."""
+    spans = sorted((a.__array_interface__["data"][0], a.nbytes, name) for name, a in outs.items() if a.nbytes)
+    for (start, size, name), (later, _, other) in zip(spans, spans[1:]):
+        if later < start + size:
+            raise InvalidArgument(f"out= for {name!r} and {other!r} share memory: each needs an array of its own")
