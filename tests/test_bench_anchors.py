@@ -5,6 +5,7 @@ installed) both sides do the same work. Figures are reported, never asserted."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 from click.testing import CliRunner
@@ -15,8 +16,8 @@ from zmqflow.bench.anchors.tf1_side import DENSE_LR
 from zmqflow.cli.bench import bench
 
 TINY = {"reps": 2, "trips": 20, "rows": 2000, "batches": 3}
-MEASURES = ["assign_add", "dense pull", "dense push", "dense step", "embedding lookup", "embedding push",
-            "embedding step"]
+MEASURES = ["assign_add", "dense pull", "dense pull out=", "dense push", "dense step", "embedding lookup",
+            "embedding push", "embedding step"]
 needs_tf = pytest.mark.skipif(not tf1.tf_available(), reason="tensorflow is not installed (the [anchors] extra)")
 
 
@@ -72,6 +73,7 @@ def _check_rows(rows: list[dict], shards: tuple[int, ...], with_tf: bool) -> Non
     assert [(r["ps"], r["measure"]) for r in rows] == [(n, m) for n in shards for m in MEASURES]
     for r in rows:
         assert r["zmqflow"] > 0 and r["zmqflow_ms"] > 0
+        assert r["security"] == "plaintext"  # as TF's gRPC: no keys on either side
         if with_tf:
             assert r["tf1"] > 0 and r["tf1_ms"] > 0
             assert r["ratio"] == pytest.approx(r["zmqflow"] / r["tf1"])
@@ -147,6 +149,12 @@ def test_allreduce_runs_the_ranks_and_sizes_asked(tmp_path):
     for r in rows:
         assert r["zf_ms"] > 0 and r["ps_ms"] is None  # the PS columns left out
         assert (r["gloo_ms"] is None) == (not allreduce_bench.gloo_available())
+        assert r["security"] == "plaintext" and r["memcpy_gbps"] > 0
+        # each side's figure is the median of its own repetitions, taken side by side
+        assert r["zf_ms"] == pytest.approx(statistics.median(r["zf_ms_reps"]))
+        if r["gloo_ms"] is not None:
+            assert len(r["gloo_ms_reps"]) == len(r["zf_ms_reps"])
+            assert r["busbw_vs_gloo"] == pytest.approx(r["gloo_ms"] / r["zf_ms"])  # the ratio of the medians
 
 
 @pytest.mark.parametrize("sizes, words", [("64K,1X", "malformed size '1X'"), ("6", "multiple of 4"), (",", "no size")])

@@ -52,3 +52,29 @@ def test_a_tiny_run_reports_every_ratio_and_its_cpu() -> None:
     table = ps.format_table(rows)
     assert "CPU s/GB" in table and "targets:" in table and "2 shard(s):" in table
     assert "awaited on the asyncio loop" in table
+
+
+def test_raw_opens_a_connection_per_zmqflow_stream(monkeypatch) -> None:
+    """The baseline gets as many connections (each with an I/O thread) as zmqflow's session opens
+    streams: its lanes in all for a pull, one a shard at least; one a shard below the bulk size."""
+    monkeypatch.delenv("ZMQFLOW_BULK_LANES", raising=False)
+    monkeypatch.delenv("ZMQFLOW_BULK", raising=False)
+    assert ps.zf_streams(1, 20_000_000) == [2]
+    assert ps.zf_streams(2, 20_000_000) == [1, 1]
+    assert ps.zf_streams(4, 100_000_000) == [1, 1, 1, 1]
+    assert ps.zf_streams(1, 500_000) == [1]  # a share under BULK_FROM stays on ZeroMQ
+    monkeypatch.setenv("ZMQFLOW_BULK_LANES", "3")
+    assert ps.zf_streams(2, 64_000_000) == [2, 1]
+    monkeypatch.setenv("ZMQFLOW_BULK", "0")
+    assert ps.zf_streams(1, 64_000_000) == [1]
+
+
+def test_both_sides_run_plaintext_whatever_zmqflow_keys_says(monkeypatch, tmp_path) -> None:
+    """A ZMQFLOW_KEYS in the environment reaches neither zmqflow's servers nor its client (here a
+    directory that does not exist: any process reading it would fail), and is put back after."""
+    monkeypatch.setenv("ZMQFLOW_KEYS", str(tmp_path / "no-such-keys"))
+    (row,) = ps.run(shards=(1,), model_mb=20, nvars=4, reps=1, trips=8, echo=lambda _: None)
+    assert row["security"] == "plaintext"
+    assert row["zf_pull_streams"] == row["raw_pull_conns"] and row["raw_io_threads"] >= sum(row["raw_pull_conns"])
+    assert os.environ["ZMQFLOW_KEYS"] == str(tmp_path / "no-such-keys")
+    assert "raw pyzmq over as many connections" in ps.format_table([row])

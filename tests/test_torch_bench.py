@@ -16,6 +16,7 @@ def test_quick_ddp_ratio_reports_both_step_times():
     assert result["zmqflow_step_ms"] > 0 and result["ddp_step_ms"] > 0
     assert result["ratio"] == pytest.approx(result["zmqflow_step_ms"] / result["ddp_step_ms"])
     assert len(result["zmqflow_rounds_ms"]) == len(result["ddp_rounds_ms"]) == result["rounds"]
+    assert result["security"] == "plaintext"
     # the same model, data and steps on both sides: the two trained models agree
     assert result["max_param_diff"] < 1e-4
     assert "ratio zmqflow/DDP" in torch_ddp.format_table(result)

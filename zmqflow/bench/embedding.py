@@ -1,8 +1,8 @@
 """Embedding benchmark: sharded lookups and sparse pushes, and the memory of a big table.
 
 Batches of 4096 Zipf-distributed ids (dim 64, float32) are looked up in, and pushed to (SGD), a
-static table spread over 1, 2 and 4 ps shards, each a separate process on tcp loopback. Beside
-it, in the same run: numpy ``take`` of the same ids from one in-process array of the same size,
+static table spread over 1, 2 and 4 ps shards, each a separate process on tcp loopback, plaintext.
+Beside it, in the same run: numpy ``take`` of the same ids from one in-process array of the same size,
 the physical reference for a gather. Then a ``num_rows`` x 64 float32 table (10,000,000 rows,
 2.56 GB, by default) is created over 4 shards and each shard's resident memory is compared with
 the bytes it holds (target: within 1.3x; reported, never asserted), and the same for a dynamic
@@ -41,7 +41,7 @@ from ..state.hash_index import HashIndex
 from ..state.tables import HashTable
 from ..transport.memory import keep_big_blocks
 from .machine import rss_bytes
-from .procs import Procs, Served, zf_task_process
+from .procs import SECURITY, Procs, Served, plaintext, zf_task_process
 from .report import align, script_main, write_jsonl
 from .stats import seconds, seconds_async
 
@@ -351,10 +351,16 @@ def run(quick: bool = False, shards: Sequence[int] = (1, 2, 4), json_out: str | 
     """``{"throughput": [one row per shard count], "memory": {...}, "dynamic": {...},
     "dynamic_memory": {...}}`` (the ``parts`` asked for), appended to ``json_out``."""
     keep_big_blocks()
+    with plaintext():  # the shards and this process's sessions: no keys, as numpy's side has none
+        return _run(quick, shards, json_out, memory_rows, echo, parts)
+
+
+def _run(quick: bool, shards: Sequence[int], json_out: str | None, memory_rows: int | None, echo: Any,
+         parts: Sequence[str]) -> dict[str, Any]:
     rows, batches = (200_000, 20) if quick else (1_000_000, 50)
     out: dict[str, Any] = {"throughput": [], "memory": None, "dynamic": None, "dynamic_memory": None}
     for n in shards if "throughput" in parts else ():
-        row = _throughput(n, rows, batches)
+        row = {**_throughput(n, rows, batches), "security": SECURITY}
         echo(f"{n} shard(s): lookup {row['lookup_rows_per_s']:,.0f} rows/s, push {row['push_rows_per_s']:,.0f} rows/s")
         out["throughput"].append(row)
     mem_rows = memory_rows or (1_000_000 if quick else 10_000_000)

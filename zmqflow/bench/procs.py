@@ -7,6 +7,11 @@ benchmark that dies leaves no server behind.
 
 Where what is measured is the task process itself (its resident memory), :class:`Served` runs the
 real one instead, ``zmqflow serve`` per task, which the OS stops (SIGTERM) if the benchmark dies.
+
+Every baseline (raw pyzmq, gloo, TF's gRPC) runs plaintext, so every zmqflow process a benchmark
+starts does too: ``ZMQFLOW_KEYS`` is dropped in each of them (:func:`zf_task_process`, the ranks of
+:func:`run_to_end`, :class:`Served`), and :func:`plaintext` drops it from the benchmark's own
+process (its zmqflow clients) while it runs. Rows say so (``security``: :data:`SECURITY`).
 """
 
 from __future__ import annotations
@@ -19,18 +24,34 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .. import loop as zf_loop
 from ..cluster import ClusterSpec
 from ..server.idle_trim import IDLE_TRIM
 from ..server.task import AsyncServer
+from ..transport.curve import KEYS_ENV
 from ..transport.memory import keep_big_blocks
 
-__all__ = ["Child", "Procs", "Served", "reap", "run_to_end", "spawn_queue", "zf_task_process"]
+__all__ = ["SECURITY", "Child", "Procs", "Served", "plaintext", "reap", "run_to_end", "spawn_queue",
+           "zf_keyed_task_process", "zf_task_process"]
 
 _SPAWN = multiprocessing.get_context("spawn")  # no forked copies of this process's sockets and threads
+SECURITY = "plaintext"  # what both sides of every benchmark but the transport's CURVE pass run
+
+
+@contextlib.contextmanager
+def plaintext() -> Iterator[str]:
+    """``ZMQFLOW_KEYS`` out of this process's environment meanwhile (put back after): its zmqflow
+    clients, and every process started meanwhile, run plaintext as the baselines do. Yields
+    :data:`SECURITY`, for the rows."""
+    saved = os.environ.pop(KEYS_ENV, None)
+    try:
+        yield SECURITY
+    finally:
+        if saved is not None:
+            os.environ[KEYS_ENV] = saved
 
 
 def reap(proc: Any, grace: float = 10.0) -> None:
@@ -45,7 +66,17 @@ def reap(proc: Any, grace: float = 10.0) -> None:
 
 
 def zf_task_process(spec_json: str, task: str, conn: Any) -> None:
-    """Process entry: the zmqflow task server of ``task`` on ``zmqflow.loop.run``; answers its target."""
+    """Process entry: the zmqflow task server of ``task`` on ``zmqflow.loop.run``, plaintext
+    whatever ``ZMQFLOW_KEYS`` it inherited; answers its target."""
+    zf_keyed_task_process(spec_json, task, "", conn)
+
+
+def zf_keyed_task_process(spec_json: str, task: str, keys: str, conn: Any) -> None:
+    """:func:`zf_task_process` with CurveZMQ keys from the directory ``keys`` ('': plaintext)."""
+    if keys:
+        os.environ[KEYS_ENV] = keys
+    else:
+        os.environ.pop(KEYS_ENV, None)
     keep_big_blocks()  # as `zmqflow serve` does
     zf_loop.run(_serve(spec_json, task, conn))
 
@@ -141,13 +172,14 @@ class Served:
         self.logs: list[Any] = []
         argv = [sys.executable, "-c", _ORPHAN_STOP, str(os.getpid())] if sys.platform.startswith("linux") else \
             [sys.executable, "-m", "zmqflow", "serve"]
+        env = {k: v for k, v in os.environ.items() if k != KEYS_ENV}  # plaintext, as the baselines
         try:
             for t in spec.tasks:
                 log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close())
                 self.logs.append(log)
                 self.procs.append(subprocess.Popen(
                     [*argv, "--cluster", spec.to_json(), "--task", str(t), "--log-level", "warning", *args],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env))
         except BaseException:
             self.close()
             raise
@@ -178,10 +210,16 @@ class Served:
             log.close()
 
 
+def _plaintext_rank(target: Callable[..., None], *args: Any) -> None:
+    """Process entry of :func:`run_to_end`: ``target(*args)`` without ``ZMQFLOW_KEYS``."""
+    os.environ.pop(KEYS_ENV, None)
+    target(*args)
+
+
 def run_to_end(target: Callable[..., None], argsets: Sequence[tuple], timeout: float) -> None:
-    """Run one process per argument tuple (every rank of a collective) and wait for all of them;
-    raises RuntimeError if any fails or is still running after ``timeout`` seconds."""
-    procs = [_SPAWN.Process(target=target, args=a, daemon=True) for a in argsets]
+    """Run one process per argument tuple (every rank of a collective), plaintext, and wait for all
+    of them; raises RuntimeError if any fails or is still running after ``timeout`` seconds."""
+    procs = [_SPAWN.Process(target=_plaintext_rank, args=(target, *a), daemon=True) for a in argsets]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout

@@ -3,19 +3,23 @@
 A model of ``nvars`` float32 variables (100 MB in all by default, 20 MB with ``--quick``) lives
 on 1, 2 and 4 ps shards, each a separate process on tcp loopback; one client pulls every variable
 and pushes a gradient for every variable (no optimizer: the shard adds it in place). Beside it,
-in the same run, raw pyzmq moves the same bytes between the same number of processes: a DEALER
-per shard asking for (or sending) the same ``SLICE_BYTES`` (4 MiB) slices, all in flight at
-once, to a ROUTER that answers each with a ready buffer (or an ack); the two alternate
-repetition by repetition. zmqflow's pull is timed twice: into the same ``out=`` arrays each time,
-and without ``out=`` (the received frames themselves, which is what raw keeps). Then scalar
-``assign_add`` round trips per second against a raw pyzmq request/reply of a few bytes, in
-alternating quarters, and beside them the same raw request/reply awaited on the asyncio loop
-(:mod:`.loop_floor`): the floor of any loop-driven client, which the scalar ratio is read
-against. Reported as ratios, with the CPU seconds each side spent per GB (every thread of the
-client process and of the servers: :class:`Phases`), which is what bounds a ratio where every
-core is busy;
-targets: pull >= 0.9x and push >= 0.8x raw GB/s, scalar updates >= 0.7x raw round trips
-(reported, never asserted).
+in the same run, raw pyzmq moves the same bytes between the same number of processes, over as
+many connections as zmqflow opens (:class:`RawWire`): zmqflow pulls a large share over plain-TCP
+bulk streams, ``ZMQFLOW_BULK_LANES`` (2) in all (so 2 to one shard, 1 to each of 2 or 4), each
+stream's ends on threads of their own, and pushes over one more stream a shard; raw gets a
+DEALER per pull stream and one for the push, to a ROUTER per shard, with one ZeroMQ I/O thread
+per connection at each end, and asks for (or sends) the same ``SLICE_BYTES`` (4 MiB) slices,
+all in flight at once, dealt in turn to a shard's pull connections; the ROUTER answers each with
+a ready buffer (or an ack). The two alternate repetition by repetition. zmqflow's pull is timed
+twice: into the same ``out=`` arrays each time, and without ``out=`` (the received frames
+themselves, which is what raw keeps). Then scalar ``assign_add`` round trips per second against
+a raw pyzmq request/reply of a few bytes, and the same raw request/reply awaited on the asyncio
+loop (:mod:`.loop_floor`): the floor of any loop-driven client, which the scalar ratio is read
+against; in quarters, the order reversed each quarter. Both sides plaintext. Reported as ratios,
+with the CPU seconds each side spent per GB (every thread of the client process and of the
+servers: :class:`Phases`), which is what bounds a ratio where every core is busy; targets: pull
+>= 0.9x and push >= 0.8x raw GB/s, scalar updates >= 0.7x raw round trips (reported, never
+asserted).
 
 Run ``zmqflow bench ps [--quick] [--shards N ...] [--json FILE]``.
 """
@@ -32,18 +36,21 @@ import numpy as np
 import zmq
 
 from .. import loop as zf_loop
+from ..client.bulk_lanes import LANE_BYTES, lanes
+from ..client.bulk_pull import BULK_FROM
 from ..client.session import AsyncSession
 from ..client.variables import SLICE_BYTES
 from ..cluster import ClusterSpec
 from ..ports import free_port
+from ..transport.bulk import bulk_enabled
 from ..transport.memory import keep_big_blocks
 from .loop_floor import awaited_round_trips
 from .machine import cpu_seconds
-from .procs import Procs, zf_task_process
+from .procs import SECURITY, Procs, plaintext, zf_task_process
 from .report import align, cell, script_main, write_jsonl
 from .stats import seconds, seconds_async
 
-__all__ = ["RawWire", "format_table", "run", "zf_model", "zf_round_trips"]
+__all__ = ["RawWire", "format_table", "run", "zf_model", "zf_round_trips", "zf_streams"]
 
 MB = 1e6
 SCALAR_ROUNDS = 4  # the scalar round trips alternate raw and zmqflow this many times each
@@ -52,11 +59,28 @@ _RATIOS = (("pull", "zf_pull", "raw_pull"), ("pull_fresh", "zf_fresh", "raw_pull
 PULL_TARGET, PUSH_TARGET, SCALAR_TARGET = 0.9, 0.8, 0.7  # zmqflow / raw: reported, never asserted
 
 
-def _raw_ps_process(port: int, nbytes: int, conn: Any) -> None:
+def zf_streams(shards: int, model_bytes: int) -> list[int]:
+    """The bulk pull streams zmqflow's session opens to each of ``shards`` shards for a model of
+    ``model_bytes`` split evenly: ``ZMQFLOW_BULK_LANES`` in all (2 by default), at least LANE_BYTES
+    each, one a shard at least; all ones where a share stays on ZeroMQ (under BULK_FROM, or
+    ``ZMQFLOW_BULK=0``). Its push opens one stream a shard beside them."""
+    if not _bulk(shards, model_bytes):
+        return [1] * shards
+    total, share = lanes(), model_bytes // shards
+    return [max(1, min(total // shards + (r < total % shards), share // LANE_BYTES)) for r in range(shards)]
+
+
+def _bulk(shards: int, model_bytes: int) -> bool:
+    """Whether zmqflow moves each shard's share of the model over bulk streams, not ZeroMQ."""
+    return bulk_enabled() and model_bytes // shards >= BULK_FROM
+
+
+def _raw_ps_process(port: int, nbytes: int, io_threads: int, conn: Any) -> None:
     """Process entry (see :mod:`zmqflow.bench.procs`): a ROUTER that answers b"pull a,b" with
-    those bytes of its buffer, anything else (a pushed slice) with an ack."""
+    those bytes of its buffer, anything else (a pushed slice) with an ack; ``io_threads`` I/O
+    threads, one per connection to it, as each of zmqflow's streams has a thread at each end."""
     keep_big_blocks()  # the same allocator as the zmqflow side
-    ctx = zmq.Context()
+    ctx = zmq.Context(io_threads)
     sock = ctx.socket(zmq.ROUTER)
     sock.bind(f"tcp://127.0.0.1:{port}")
     buf = np.ones(max(nbytes, SLICE_BYTES) // 4, np.float32)
@@ -77,24 +101,28 @@ def _raw_ps_process(port: int, nbytes: int, conn: Any) -> None:
     ctx.term()
 
 
-def _pull(socks: list[zmq.Socket], plan: list[list[tuple[int, int]]]) -> None:
+# a move's plan: for each shard, its (connection, start, stop) slices in the order they are sent
+_Plan = list[list[tuple[zmq.Socket, int, int]]]
+
+
+def _pull(plan: _Plan) -> None:
     """Pull every shard's slices, all in flight at once."""
-    for sock, ranges in zip(socks, plan):
-        for a, b in ranges:
+    for slices in plan:
+        for sock, a, b in slices:
             sock.send(b"pull %d,%d" % (a, b))
-    for sock, ranges in zip(socks, plan):
-        for _ in ranges:
+    for slices in plan:
+        for sock, _, _ in slices:
             sock.recv_multipart(copy=False)
 
 
-def _push(socks: list[zmq.Socket], plan: list[list[tuple[int, int]]], payload: np.ndarray) -> None:
+def _push(plan: _Plan, payload: np.ndarray) -> None:
     """Push every shard's slices, all in flight at once."""
     view = payload.view(np.uint8)
-    for sock, ranges in zip(socks, plan):
-        for a, b in ranges:
+    for slices in plan:
+        for sock, a, b in slices:
             sock.send_multipart([b"push", view[a:b]], copy=False)
-    for sock, ranges in zip(socks, plan):
-        for _ in ranges:
+    for slices in plan:
+        for sock, _, _ in slices:
             sock.recv_multipart()
 
 
@@ -152,47 +180,64 @@ def _slices(total: int, shards: int) -> list[list[tuple[int, int]]]:
 
 
 class RawWire:
-    """The baseline: ``shards`` raw ROUTER processes (started in ``procs``, which stops them) and
-    a DEALER to each, moving up to ``max_bytes`` of model in SLICE_BYTES slices, all in flight."""
+    """The baseline: ``shards`` raw ROUTER processes (started in ``procs``, which stops them)
+    moving up to ``max_bytes`` of model in SLICE_BYTES slices, all in flight, over as many
+    connections as zmqflow's session opens: to each shard, a DEALER per pull stream of
+    :func:`zf_streams` (a pull deals its slices to them in turn) and, where zmqflow pushes over a
+    stream of its own, a DEALER for the push; one I/O thread per connection at each end."""
 
     def __init__(self, procs: Procs, shards: int, max_bytes: int):
         self.shards = shards
-        self._ctx = zmq.Context()
-        self.socks: list[zmq.Socket] = []
+        own_push = _bulk(shards, max_bytes)
+        per_shard = [n + own_push for n in zf_streams(shards, max_bytes)]
+        self.io_threads = sum(per_shard)
+        self._ctx = zmq.Context(self.io_threads)
         ports = [free_port() for _ in range(shards)]
-        for port in ports:
-            procs.start(_raw_ps_process, port, max_bytes // shards)
-        for port in ports:
-            s = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(f"tcp://127.0.0.1:{port}")
-            self.socks.append(s)
+        for port, n in zip(ports, per_shard):
+            procs.start(_raw_ps_process, port, max_bytes // shards, n)
+        self.pull_socks: list[list[zmq.Socket]] = []
+        self.push_socks: list[zmq.Socket] = []
+        for port, n in zip(ports, per_shard):
+            conns = [self._ctx.socket(zmq.DEALER) for _ in range(n)]
+            for s in conns:
+                s.setsockopt(zmq.LINGER, 0)
+                s.connect(f"tcp://127.0.0.1:{port}")
+            self.pull_socks.append(conns[:n - own_push])
+            self.push_socks.append(conns[-1])
         self._payload = np.ones(max(max_bytes // shards, SLICE_BYTES) // 4, np.float32)
 
     def nbytes(self, model_bytes: int) -> int:
         """The bytes one move of a ``model_bytes`` model carries each way (split evenly)."""
         return model_bytes // self.shards * self.shards
 
+    def conns(self, model_bytes: int) -> list[int]:
+        """The pull connections a move of ``model_bytes`` uses to each shard: zmqflow's streams."""
+        return [min(n, len(socks)) for n, socks in zip(zf_streams(self.shards, model_bytes), self.pull_socks)]
+
     def move(self, model_bytes: int, phases: Phases | None = None) -> tuple[float, float]:
         """Seconds to pull every shard's slices of the model, then to push them (noted in
         ``phases`` as raw_pull and raw_push where given)."""
         phases = phases or Phases()
-        plan = _slices(model_bytes, self.shards)
-        return (phases.timed("raw_pull", lambda: _pull(self.socks, plan)),
-                phases.timed("raw_push", lambda: _push(self.socks, plan, self._payload)))
+        slices = _slices(model_bytes, self.shards)
+        pulls = [[(socks[i % n], a, b) for i, (a, b) in enumerate(ranges)]
+                 for socks, n, ranges in zip(self.pull_socks, self.conns(model_bytes), slices)]
+        push_socks = self.push_socks if _bulk(self.shards, model_bytes) else [p[0] for p in self.pull_socks]
+        pushes = [[(sock, a, b) for a, b in ranges] for sock, ranges in zip(push_socks, slices)]
+        return (phases.timed("raw_pull", lambda: _pull(pulls)),
+                phases.timed("raw_push", lambda: _push(pushes, self._payload)))
 
     def round_trips(self, n: int) -> float:
         """Request/reply round trips per second of a few bytes, one in flight, to the first shard."""
-        return _round_trips(self.socks[0], n)
+        return _round_trips(self.pull_socks[0][0], n)
 
     async def loop_round_trips(self, n: int) -> float:
         """The same round trips per second, each reply awaited on the running loop."""
-        sock = self.socks[0]
+        sock = self.pull_socks[0][0]
         took = await awaited_round_trips(sock, lambda: sock.send(b"add 1"), n)
         return n / (sum(took) / 1e6)
 
     def close(self) -> None:
-        for s in self.socks:
+        for s in {*self.push_socks, *(s for socks in self.pull_socks for s in socks)}:
             s.close(0)
         self._ctx.term()
 
@@ -255,15 +300,22 @@ def _measure(shards: int, model_bytes: int, nvars: int, reps: int, trips: int) -
                     await sess.variable(n, shape=(per_var,))
                 await zf_model(sess, names, grads, 1)  # warm up connections and pages
                 await zf_model(sess, names, grads, reps, phases, lambda: wire.move(model_bytes, phases))
-                for _ in range(SCALAR_ROUNDS):  # alternating, as above
-                    raw_rates.append(wire.round_trips(trips // SCALAR_ROUNDS))
-                    zf_rates.append(await zf_round_trips(sess, trips // SCALAR_ROUNDS))
-                    floor_rates.append(await wire.loop_round_trips(trips // SCALAR_ROUNDS))
+                n = trips // SCALAR_ROUNDS
+                for i in range(SCALAR_ROUNDS):  # raw, zmqflow, floor; then the other way round
+                    for side in ("raw", "zf", "floor")[::1 if i % 2 == 0 else -1]:
+                        if side == "raw":
+                            raw_rates.append(wire.round_trips(n))
+                        elif side == "zf":
+                            zf_rates.append(await zf_round_trips(sess, n))
+                        else:
+                            floor_rates.append(await wire.loop_round_trips(n))
 
         wire.move(model_bytes)  # warm up
         zf_loop.run(zf_all(wire))
         gb, raw_gb = per_var * 4 * nvars / 1e9, wire.nbytes(model_bytes) / 1e9
-        row: dict[str, Any] = {"shards": shards, "model_mb": round(per_var * 4 * nvars / MB, 1)}
+        row: dict[str, Any] = {"shards": shards, "model_mb": round(per_var * 4 * nvars / MB, 1),
+                               "security": SECURITY, "zf_pull_streams": zf_streams(shards, model_bytes),
+                               "raw_pull_conns": wire.conns(model_bytes), "raw_io_threads": wire.io_threads}
         for name in ("zf_pull", "zf_fresh", "zf_push", "raw_pull", "raw_push"):
             moved = raw_gb if name.startswith("raw") else gb
             row[f"{name}_gbps"] = moved / phases.median_wall(name)
@@ -296,7 +348,8 @@ def run(quick: bool = False, shards: Sequence[int] = (1, 2, 4), model_mb: float 
     trips = max(SCALAR_ROUNDS, trips or (2000 if quick else 8000))
     rows = []
     for n in shards:
-        row = _measure(n, model_bytes, nvars, reps, trips)
+        with plaintext():
+            row = _measure(n, model_bytes, nvars, reps, trips)
         echo(f"measured {n} shard(s): pull {row['pull_ratio']:.2f}x (no out= {row['pull_fresh_ratio']:.2f}x) push {row['push_ratio']:.2f}x scalar {row['scalar_ratio']:.2f}x raw")
         rows.append(row)
         if json_out:
@@ -317,6 +370,9 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         ])
     out = align(lines)
     out.append("pull: into the same out= arrays each time; no out=: the received frames themselves")
+    out.append("raw pyzmq over as many connections as zmqflow's streams, one I/O thread each; pull connections a "
+               "shard: " + ", ".join(f"{r['shards']} shard(s) {'/'.join(map(str, r['raw_pull_conns']))}"
+                                     for r in rows if "raw_pull_conns" in r))
     out.append("scalar beside raw awaited on the asyncio loop (the floor of a loop-driven client): "
                + ", ".join(f"{r['shards']} shard(s) {r['raw_loop_rtt_per_s']:.0f}/s, x{r['scalar_loop_ratio']:.2f}"
                            for r in rows if "raw_loop_rtt_per_s" in r))

@@ -1,9 +1,10 @@
 """Training step time: ``zmqflow.torch.DistributedOptimizer`` (ring) beside torch DDP over gloo.
 
-Two ranks, separate processes on this machine (tcp loopback), each running both: the same MLP
+Two ranks, separate processes on this machine, each running both: the same MLP
 (about 4.2 M float32 parameters) from the same seed, the same batches, plain SGD, one thread of
-torch compute per rank, 25 MB buckets on both sides. Phases alternate within the same processes
-(zmqflow, DDP, zmqflow, DDP, ...) so both see the same machine; each phase warms up first
+torch compute per rank, 25 MB buckets on both sides. Phases alternate within the same processes,
+who goes first flipping every round (zmqflow, DDP; DDP, zmqflow; ...), so both see the same
+machine and neither always runs just after the other; each phase warms up first
 (untimed), then times ``steps`` steps from a barrier: step time = elapsed / steps on the slower
 rank. Reported: the median over phases of each, and ratio = zmqflow / DDP (target <= 1.0). Both
 models train on identical data for the same steps, so ``max_param_diff`` (their largest
@@ -12,6 +13,9 @@ difference at the end) shows the two did the same work.
 With ``device="cuda"`` (``zmqflow bench torch --only ddp --device cuda``) both models, their
 batches and gradients live on the GPU: DDP's gloo reduces CUDA tensors, zmqflow's ring stages
 them through the host's shared memory; each timed span ends when the GPU is done.
+
+The paths differ by design: zmqflow's ring reduces over same-host shared memory, DDP's gloo over
+tcp loopback; both plaintext (no ``ZMQFLOW_KEYS`` in the ranks).
 
 Run ``python -m zmqflow.bench.torch_ddp [--quick] [--json FILE]``, or call :func:`ddp_ratio`.
 """
@@ -27,7 +31,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..ports import free_port
 from ..transport.memory import keep_big_blocks
-from .procs import run_to_end, spawn_queue
+from .procs import plaintext, run_to_end, spawn_queue
 from .report import script_main, write_jsonl
 
 __all__ = ["ddp_ratio", "run", "format_table", "MODEL_SIZES"]
@@ -83,7 +87,8 @@ def _rank(spec_json: str, port: int, rank: int, quick: bool, out: Any, device: s
 
         phases = {"zf": (zf_model, zf_opt, zt.barrier), "ddp": (ddp_model, ddp_opt, dist.barrier)}
         for r in range(cfg["rounds"]):
-            for kind, (model, opt, barrier) in phases.items():
+            for kind in ("zf", "ddp") if r % 2 == 0 else ("ddp", "zf"):  # who goes first flips every round
+                model, opt, barrier = phases[kind]
                 for i in range(cfg["warmup"]):
                     step(model, opt, i)
                 done()
@@ -116,7 +121,8 @@ def ddp_ratio(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     spec = json.dumps({"worker": [f"127.0.0.1:{free_port()}" for _ in range(2)]})
     out = spawn_queue()
     port = free_port()  # gloo's rendezvous: one for both ranks
-    run_to_end(_rank, [(spec, port, r, quick, out, device) for r in range(2)], 900)
+    with plaintext() as security:
+        run_to_end(_rank, [(spec, port, r, quick, out, device) for r in range(2)], 900)
     got: dict[tuple[str, int], float] = {}
     diff = 0.0
     while not out.empty():
@@ -131,7 +137,7 @@ def ddp_ratio(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     zf_ms, ddp_ms = statistics.median(zf) * 1e3, statistics.median(ddp) * 1e3
     return {
         "bench": "torch_ddp", "device": device, "ranks": 2, "params": params, "batch_per_rank": BATCH, "bucket_mb": BUCKET_MB,
-        "threads_per_rank": 1, "cpus": os.cpu_count(), **cfg,
+        "threads_per_rank": 1, "cpus": os.cpu_count(), "security": security, **cfg,
         "zmqflow_step_ms": zf_ms, "ddp_step_ms": ddp_ms, "ratio": zf_ms / ddp_ms,
         "zmqflow_rounds_ms": [x * 1e3 for x in zf], "ddp_rounds_ms": [x * 1e3 for x in ddp],
         "max_param_diff": diff,

@@ -6,7 +6,9 @@ and their gradient pushed (SGD) to, a table spread over 2 ps shards, each a sepa
 loopback; the push runs in the background and the next step's lookup waits for it, so the timed
 steps include every lookup and push. Beside it, in the same run and on the same ids: a local
 ``torch.nn.EmbeddingBag(sparse=True)`` with ``torch.optim.SGD``, the same work without a network.
-Rows/s counts the ids in the batches (with repeats), as torch's own throughput would.
+The timed steps run in rounds, the two alternating, who goes first flipping every round, so both
+see the same machine. Rows/s counts the ids in the batches (with repeats), as torch's own
+throughput would. zmqflow's side runs plaintext.
 
 Run ``python -m zmqflow.bench.torch_embedding [--quick] [--json FILE]``.
 """
@@ -26,7 +28,7 @@ from ..ports import free_port
 from ..state import init, optim
 from ..torch.embedding import EmbeddingBag
 from .embedding import zipf_ids
-from .procs import Procs, zf_task_process
+from .procs import Procs, plaintext, zf_task_process
 from .report import align, script_main, write_jsonl
 
 __all__ = ["embedding_rows", "run", "format_table"]
@@ -36,14 +38,18 @@ SHARDS = 2
 LR = 0.05
 
 
-def _steps(model: "_Zmqflow | _Torch", batches: list[torch.Tensor], weights: torch.Tensor, warmup: int) -> tuple[float, list[float]]:
-    """Seconds for every batch after ``warmup`` (with whatever ``step`` leaves to finish), and each step's."""
-    for ids in batches[:warmup]:
+def _warm(model: "_Zmqflow | _Torch", batches: list[torch.Tensor], weights: torch.Tensor) -> None:
+    """Untimed steps (and what they leave to finish)."""
+    for ids in batches:
         model.step(ids, weights)
     model.finish()
+
+
+def _steps(model: "_Zmqflow | _Torch", batches: list[torch.Tensor], weights: torch.Tensor) -> tuple[float, list[float]]:
+    """Seconds for every batch (with whatever ``step`` leaves to finish), and each step's."""
     times = []
     start = time.perf_counter()
-    for ids in batches[warmup:]:
+    for ids in batches:
         t0 = time.perf_counter()
         model.step(ids, weights)
         times.append(time.perf_counter() - t0)
@@ -86,19 +92,31 @@ def embedding_rows(quick: bool) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     batches = [torch.from_numpy(zipf_ids(rng, bags * per_bag, rows).reshape(bags, per_bag)) for _ in range(warmup + steps)]
     weights = torch.from_numpy(rng.standard_normal((bags, DIM)).astype(np.float32))
+    rounds = 2 if quick else 4
+    chunks = [batches[warmup + steps * k // rounds:warmup + steps * (k + 1) // rounds] for k in range(rounds)]
+    took: dict[str, list[float]] = {"zf": [], "torch": []}  # seconds of each round
+    step_s: dict[str, list[float]] = {"zf": [], "torch": []}
     procs = Procs()
     try:
-        spec = ClusterSpec({"ps": [f"127.0.0.1:{free_port()}" for _ in range(SHARDS)]})
-        for t in spec.tasks:
-            procs.start(zf_task_process, spec.to_json(), str(t))
-        with Session(cluster=spec, task="ps:0", timeout=120) as sess:
-            zf = _Zmqflow(sess, rows)
-            zf_total, zf_steps = _steps(zf, batches, weights, warmup)
-            counters = zf.m.counters
+        with plaintext() as security:
+            spec = ClusterSpec({"ps": [f"127.0.0.1:{free_port()}" for _ in range(SHARDS)]})
+            for t in spec.tasks:
+                procs.start(zf_task_process, spec.to_json(), str(t))
+            with Session(cluster=spec, task="ps:0", timeout=120) as sess:
+                zf = _Zmqflow(sess, rows)
+                models: dict[str, _Zmqflow | _Torch] = {"zf": zf, "torch": _Torch(rows)}
+                for model in models.values():
+                    _warm(model, batches[:warmup], weights)
+                for k, chunk in enumerate(chunks):  # who goes first flips every round
+                    for side in ("zf", "torch") if k % 2 == 0 else ("torch", "zf"):
+                        total, per_step = _steps(models[side], chunk, weights)
+                        took[side].append(total)
+                        step_s[side] += per_step
+                counters = zf.m.counters
     finally:
         procs.close()
-    local = _Torch(rows)
-    torch_total, torch_steps = _steps(local, batches, weights, warmup)
+    zf_total, torch_total = sum(took["zf"]), sum(took["torch"])
+    zf_steps, torch_steps = step_s["zf"], step_s["torch"]
     ids_per_batch = bags * per_bag
     row = {
         "shards": SHARDS,
@@ -114,6 +132,8 @@ def embedding_rows(quick: bool) -> dict[str, Any]:
         "torch_step_p50_ms": statistics.median(torch_steps) * 1e3,
         "torch_threads": torch.get_num_threads(),
         "pushes": counters["pushes"],
+        "rounds": rounds,
+        "security": security,
     }
     row["ratio"] = row["zmqflow_rows_per_s"] / row["torch_rows_per_s"]
     return row

@@ -6,16 +6,23 @@ For 1 and 2 ps tasks (each a separate process on tcp loopback, for both systems)
 * ``dense``: a model of ``nvars`` float32 variables (64 MB in all by default, placed round robin)
   pulled whole, then an SGD step pushed with a fed gradient for every variable (TF:
   ``apply_gradient_descent`` on the ps); the step is the pull and the push one after the other.
-  After each repetition raw pyzmq moves the same bytes between processes of its own (pull then
-  push, 4 MiB slices all in flight: :class:`zmqflow.bench.ps.RawWire`): the wire's own time, which
-  the step is also reported against;
+  TF's ``sess.run`` returns fresh arrays, so ``dense pull`` and the step time zmqflow's pull
+  without ``out=`` (fresh arrays too); ``dense pull out=`` is zmqflow's pull into the same arrays
+  each time, which TF's session cannot do, against the same TF pull. Beside each repetition (first
+  in odd ones, last in even ones) raw pyzmq moves the same bytes between processes of its own
+  (pull then push, 4 MiB slices all in flight, over as many connections as zmqflow's streams:
+  :class:`zmqflow.bench.ps.RawWire`): the wire's own time, which the step is also reported against;
 * ``embedding``: 4096 Zipf ids (dim 64) looked up in a table of one partition per ps (``mod``
-  ids), then their SGD rows pushed (TF: ``tf.nn.embedding_lookup`` over a partitioned variable,
-  the lookup's gradient applied with ``scatter_sub`` on each partition).
+  ids), then their SGD rows pushed. Both sides move each batch's unique ids' rows only (about a
+  third of the ids): zmqflow's client dedups them; TF takes ``tf.unique`` of the ids, looks those
+  up (``tf.nn.embedding_lookup`` over a partitioned variable) and gathers back by the inverse
+  index, and sums repeated ids' gradients (``unsorted_segment_sum``) before ``scatter_sub`` on
+  each partition: the same SGD result.
 
 TF runs as deployed in TF1 between-graph replication (:mod:`.tf1_side`): a ``tf.distribute.Server``
-per task, the worker's ``tf.compat.v1.Session`` on its own server. Medians of several repetitions;
-ratio = zmqflow's throughput / TF's (above 1: zmqflow faster). Needs the ``[anchors]`` extra.
+per task, the worker's ``tf.compat.v1.Session`` on its own server. Both sides plaintext (no
+``ZMQFLOW_KEYS`` for zmqflow's processes or client). Medians of several repetitions; ratio =
+zmqflow's throughput / TF's (above 1: zmqflow faster). Needs the ``[anchors]`` extra.
 
 Run ``zmqflow bench ps --vs tf1 [--quick] [--shards N ...] [--model-mb MB ...] [--json FILE]``.
 """
@@ -39,8 +46,8 @@ from ...state import init, optim
 from ...transport.memory import keep_big_blocks
 from ..embedding import BATCH, DIM
 from ..machine import OtherLoad
-from ..procs import Procs, zf_task_process
-from ..ps import RawWire, zf_model, zf_round_trips
+from ..procs import SECURITY, Procs, plaintext, zf_task_process
+from ..ps import RawWire, zf_round_trips
 from ..report import align, cell, write_jsonl
 from ..stats import seconds_async
 from .tf1_side import DENSE_LR, EMB_LR, id_batches, tf_ps_process, tf_worker_process
@@ -121,15 +128,20 @@ async def _lockstep(spec: ClusterSpec, p: dict[str, Any], tf: _TfWorker | None,
             for name in names:
                 await sess.variable(name, shape=(per_var,), optimizer=optim.SGD(DENSE_LR))
             grads = {name: np.full(per_var, 1e-3, np.float32) for name in names}
+            out = {name: np.empty_like(g) for name, g in grads.items()}
 
-            async def dense() -> list[float]:
-                pulls, pushes = await zf_model(sess, names, grads, 1)
-                return [pulls[0], pushes[0]]
+            async def dense() -> list[float]:  # [pull, push, pull into out=]: TF's session has no out=
+                into = await seconds_async(lambda: sess.pull(names, out=out))
+                fresh = await seconds_async(lambda: sess.pull(names))
+                return [fresh, await seconds_async(lambda: sess.push(grads)), into]
 
             zf["dense"][mb], theirs["dense"][mb], zf["wire"][mb] = [], [], []
-            for i in range(reps + 1):
+            for i in range(reps + 1):  # the wire first in odd repetitions, last in even ones
+                if i % 2:
+                    zf["wire"][mb].append(sum(wire.move(per_var * 4 * p["nvars"])))
                 await _pair(dense, tf, "dense", mb, i, zf["dense"][mb], theirs["dense"][mb])
-                zf["wire"][mb].append(sum(wire.move(per_var * 4 * p["nvars"])))
+                if not i % 2:
+                    zf["wire"][mb].append(sum(wire.move(per_var * 4 * p["nvars"])))
         first = f"d{p['model_mbs'][0]:g}_0"
         zf["check"] = float(np.mean((await sess.pull([first]))[first][:4]))
         theirs["check"] = None if tf is None else tf.call("check", p["model_mbs"][0])
@@ -196,19 +208,21 @@ def _rows(n_ps: int, p: dict[str, Any], zf: dict[str, Any], tf: dict[str, Any] |
           load: float | None) -> list[dict[str, Any]]:
     """The table's rows for ``n_ps`` ps tasks; TF's columns are ``None`` where TF did not run."""
     def col(side: dict[str, Any] | None, key: Any, sub: Any = None, j: int | None = None) -> list[float] | None:
+        """A side's seconds per repetition: all of them, the ``j``-th of each, or (``j=-1``) a
+        step's, the first two (pull and push, lookup and push) added."""
         if side is None:
             return None
         got = side[key] if sub is None else side[key][sub]
-        return got if j is None else [x[j] if j >= 0 else sum(x) for x in got]
+        return got if j is None else [x[j] if j >= 0 else x[0] + x[1] for x in got]
 
     rows = [_row("assign_add", n_ps, "4 B", 4, "calls/s", p["trips"], zf["scalar_s"], col(tf, "scalar_s"),
                  calls=p["trips"])]
     for mb in p["model_mbs"]:
         nbytes = int(mb * 1e6) // p["nvars"] // 4 * 4 * p["nvars"]
         size = f"{mb:g} MB"
-        for j, what in enumerate(("pull", "push")):
+        for what, j, k in (("pull", 0, 0), ("pull out=", 2, 0), ("push", 1, 1)):  # zmqflow's j-th, TF's k-th
             rows.append(_row(f"dense {what}", n_ps, size, nbytes, "GB/s", nbytes / 1e9, col(zf, "dense", mb, j),
-                             col(tf, "dense", mb, j)))
+                             col(tf, "dense", mb, k)))
         rows.append(_row("dense step", n_ps, size, nbytes, "GB/s", 2 * nbytes / 1e9, col(zf, "dense", mb, -1),
                          col(tf, "dense", mb, -1)))
         wire_s = statistics.median(zf["wire"][mb])  # raw pyzmq pulling and pushing the same bytes
@@ -222,6 +236,7 @@ def _rows(n_ps: int, p: dict[str, Any], zf: dict[str, Any], tf: dict[str, Any] |
     for r in rows:
         r["table_rows"] = p["rows"] if r["measure"].startswith("embedding") else None
         r["other_load_cpus"] = load
+        r["security"] = SECURITY
     return rows
 
 
@@ -233,7 +248,8 @@ def run(quick: bool = False, shards: Sequence[int] = (1, 2), model_mbs: Sequence
     p = plan(quick, model_mbs, **sizes)
     out: list[dict[str, Any]] = []
     for n in shards:
-        rows = _rows(n, p, *_measure(n, p, tf))
+        with plaintext():
+            rows = _rows(n, p, *_measure(n, p, tf))
         step = next(r for r in rows if r["measure"] == "dense step")
         echo(f"measured {n} ps: dense step {step['zmqflow_ms']:.1f} ms"
              + (f" vs tf1 {step['tf1_ms']:.1f} ms" if step["tf1_ms"] is not None else ""))
@@ -257,6 +273,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     out.append(f"medians of {'/'.join(map(str, sorted(reps)))} repetitions (embedding: of "
                f"{'/'.join(map(str, sorted(batches)))} id batches); ratio = zmqflow throughput / tf1 throughput "
                "(above 1: zmqflow faster); dense step GB/s counts the bytes pulled and pushed")
+    out.append("dense pull and step: zmqflow's pull into fresh arrays, as TF's sess.run returns them; "
+               "dense pull out=: into the same arrays each time (TF's session has no out=)")
     for r in rows:
         if r.get("wire_ms") is not None:
             out.append(f"dense step, {r['ps']} ps, {r['size']}: {r['zmqflow_ms']:.1f} ms against {r['wire_ms']:.1f} ms "

@@ -6,7 +6,9 @@ TF1 between-graph replication as it was deployed: every task runs a ``tf.distrib
 (gRPC); variables are placed on ``/job:ps/task:i`` by ``replica_device_setter`` (round robin, as
 zmqflow's default placement); the worker's ``tf.compat.v1.Session`` talks to its own server, which
 runs each step's ops on the ps tasks. Every measurement mirrors one of zmqflow's in
-:mod:`.tf1`: same shapes, dtypes, ids, gradients and learning rates.
+:mod:`.tf1`: same shapes, dtypes, ids, gradients and learning rates, and the same rows on the
+wire (an embedding step moves a batch's unique ids' rows, as zmqflow's client does), so each is
+the strongest TF1 program for the same work.
 """
 
 from __future__ import annotations
@@ -83,17 +85,23 @@ def _dense_block(tf: Any, graph: Any, n_ps: int, mb: float, nvars: int) -> tuple
 
 
 def _embedding_block(tf: Any, graph: Any, n_ps: int, rows: int) -> tuple[Any, Any, Any, Any]:
-    """A ``rows`` x DIM table in ``n_ps`` partitions; a ``mod`` lookup and its sparse SGD push
-    (the lookup's gradient per partition, applied with ``scatter_sub`` on that partition's ps)."""
+    """A ``rows`` x DIM table in ``n_ps`` partitions; a ``mod`` lookup and its sparse SGD push,
+    each moving a batch's unique rows only, as zmqflow's client does: the lookup takes
+    ``tf.unique`` of the ids, looks those up and gathers them back by the inverse index; the push
+    sums the gradients of repeated ids (``unsorted_segment_sum`` over that index) and applies the
+    sums with ``scatter_sub`` on each partition's ps (the unique lookup's gradient per partition)."""
     with graph.device(tf.compat.v1.train.replica_device_setter(ps_tasks=n_ps, worker_device="/job:worker/task:0")):
         table = tf.compat.v1.get_variable("emb", shape=(rows, DIM),
                                           initializer=tf.compat.v1.random_normal_initializer(stddev=0.01),
                                           partitioner=tf.compat.v1.fixed_size_partitioner(n_ps))
         ids = tf.compat.v1.placeholder(tf.int64, (BATCH,))
-        looked = tf.compat.v1.nn.embedding_lookup(table, ids, partition_strategy="mod")
+        uniq, inverse = tf.unique(ids)
+        rows_u = tf.compat.v1.nn.embedding_lookup(table, uniq, partition_strategy="mod")
+        looked = tf.gather(rows_u, inverse)
         upstream = tf.compat.v1.placeholder(tf.float32, (BATCH, DIM))
+        summed = tf.math.unsorted_segment_sum(upstream, inverse, tf.size(uniq))
         parts = list(table)
-        grads = tf.gradients(looked, parts, grad_ys=upstream)
+        grads = tf.gradients(rows_u, parts, grad_ys=summed)
         push = tf.group(*[tf.compat.v1.scatter_sub(p, g.indices, EMB_LR * g.values) for p, g in zip(parts, grads)])
     return ids, upstream, looked, push
 

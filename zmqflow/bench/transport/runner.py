@@ -1,6 +1,7 @@
 """Runs the transport benchmark: both servers per transport, then for each size a warm-up and
 ``plan.reps`` repetitions in which raw pyzmq and zmqflow alternate (the order flips every
-repetition), so drift in the machine's load falls on both sides alike.
+repetition; the loop floor of the small sizes runs first in one repetition and last in the next),
+so drift in the machine's load falls on every side alike.
 
 With ``curve`` each ipc and tcp pass runs twice, plaintext and then with CurveZMQ on both sides
 (zmqflow's task server with keys, raw pyzmq as a CURVE server), so the table shows what
@@ -28,6 +29,7 @@ from ...transport.context import context
 from ...transport.curve import Keys, generate
 from ...transport.memory import keep_big_blocks
 from ..machine import OtherLoad, cpu_idle_fraction, machine_info
+from ..procs import plaintext
 from ..report import size_label, write_jsonl
 from ..stats import memcpy_gbps, percentile
 from . import raw_pyzmq, zmqflow_rpc
@@ -55,14 +57,18 @@ __all__ = ["build_parser", "main", "run"]
 _MEMCPY_BATCHES = 5
 
 
-async def _both(raw: Callable[[], Any], zf: Callable[[], Awaitable[Any]], raw_first: bool) -> tuple[Any, Any]:
-    """One measurement of each side in the order asked, each after a collection, so neither pays
-    for the other's garbage; returns (raw, zmqflow)."""
-    out: dict[str, Any] = {}
-    for side in ("raw", "zf") if raw_first else ("zf", "raw"):
+async def _both(raw: Callable[[], Any], zf: Callable[[], Awaitable[Any]], raw_first: bool,
+                floor: Callable[[], Awaitable[Any]] | None = None) -> tuple[Any, Any, Any]:
+    """One measurement of each side in the order asked (raw pyzmq's first or zmqflow's first; the
+    loop floor, where given, first in the one order and last in the other), each after a
+    collection, so none pays for another's garbage; returns (raw, zmqflow, floor)."""
+    waits: dict[str, Callable[[], Awaitable[Any]]] = {"zf": zf} if floor is None else {"zf": zf, "floor": floor}
+    out: dict[str, Any] = {"floor": None}
+    order = ["floor", "raw", "zf"] if floor is not None else ["raw", "zf"]
+    for side in order if raw_first else order[::-1]:
         gc.collect()
-        out[side] = raw() if side == "raw" else await zf()
-    return out["raw"], out["zf"]
+        out[side] = raw() if side == "raw" else await waits[side]()
+    return out["raw"], out["zf"], out["floor"]
 
 
 async def _measure_size(
@@ -88,21 +94,21 @@ async def _measure_size(
     loop_lat: list[float] = []  # raw pyzmq awaited on this loop, at the sizes the latency target judges
     for rep in range(plan.reps):
         raw_first = rep % 2 == 0
-        r, z = await _both(
+        r, z, _ = await _both(
             lambda: raw_pyzmq.throughput(raw, arr, n_tput, window),
             lambda: zmqflow_rpc.throughput(client, zf_ep, arr, n_tput, window),
             raw_first,
         )
         raw_secs.append(r)
         zf_secs.append(z)
-        r, z = await _both(
-            lambda: raw_pyzmq.latency(raw, arr, n_lat), lambda: zmqflow_rpc.latency(client, zf_ep, arr, n_lat), not raw_first
+        floor = (lambda: raw_pyzmq.loop_latency(raw, arr, n_lat)) if size <= LAT_TARGET_MAX_BYTES else None
+        r, z, f = await _both(
+            lambda: raw_pyzmq.latency(raw, arr, n_lat), lambda: zmqflow_rpc.latency(client, zf_ep, arr, n_lat),
+            not raw_first, floor,
         )
         raw_lat += r
         zf_lat += z
-        if size <= LAT_TARGET_MAX_BYTES:
-            gc.collect()
-            loop_lat += await raw_pyzmq.loop_latency(raw, arr, n_lat)
+        loop_lat += f or []
     row = _row(transport, size, window, n_tput, n_lat, plan.reps, zf_secs, raw_secs, zf_lat, raw_lat, memcpy)
     if loop_lat:  # the floor of any asyncio client: what part of zmqflow's p50 the loop's wake-up costs
         row["loop_p50_us"] = percentile(loop_lat, 50)
@@ -237,6 +243,7 @@ def run(
     rows: list[dict[str, Any]] = []
     uvloop_used = False
     with contextlib.ExitStack() as stack:
+        stack.enter_context(plaintext())  # the plaintext passes: keys only where given, to both sides
         pair = _bench_keys(stack, keys) if curve or keys else None
         for transport in transports:
             for keyed in (None, pair) if pair is not None and transport != "inproc" else (None,):

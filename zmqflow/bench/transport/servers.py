@@ -22,8 +22,8 @@ from collections.abc import Iterator
 
 from ...ports import free_port
 from ...server.task import Server
-from ...transport.curve import KEYS_ENV, Keys
-from ..procs import Child, zf_task_process
+from ...transport.curve import Keys
+from ..procs import Child, zf_keyed_task_process
 from . import raw_pyzmq
 
 __all__ = ["servers"]
@@ -33,16 +33,6 @@ _TASK = "worker:0"
 
 def _spec(address: str) -> str:
     return json.dumps({"worker": [address]})
-
-
-def _zf_process(spec_json: str, task: str, keys: str, conn: object) -> None:
-    """Process entry: the task server with ``keys`` (a directory), or without any ('' : whatever
-    ZMQFLOW_KEYS this process inherited is ignored)."""
-    if keys:
-        os.environ[KEYS_ENV] = keys
-    else:
-        os.environ.pop(KEYS_ENV, None)
-    zf_task_process(spec_json, task, conn)
 
 
 @contextlib.contextmanager
@@ -72,7 +62,7 @@ def servers(transport: str, keys: Keys | None = None) -> Iterator[tuple[str, str
         for attempt in range(5):  # a picked tcp port can be taken before the server binds it
             address = f"ipc://{tmpdir}/zf-{attempt}.sock" if transport == "ipc" else f"127.0.0.1:{free_port()}"
             key_dir = str(keys.directory) if keys is not None else ""
-            zf_child = Child(_zf_process, (_spec(address), _TASK, key_dir), f"zmqflow {transport} server")
+            zf_child = Child(zf_keyed_task_process, (_spec(address), _TASK, key_dir), f"zmqflow {transport} server")
             try:
                 zf_ep = zf_child.wait_ready()
             except RuntimeError as exc:
