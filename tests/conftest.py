@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import pytest
@@ -18,6 +18,7 @@ from zmqflow.errors import InvalidArgument
 from zmqflow.loop import run
 from zmqflow.rpc import CallContext, Service, op
 from zmqflow.transport.zeromq import open_connections
+from zmqflow.wire import codec
 
 
 @pytest.fixture(autouse=True)
@@ -198,3 +199,13 @@ def pid_alive(pid: int) -> bool:
             return fh.read().split(")")[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.fixture
+def compiled_codec() -> Iterator[None]:
+    """The compiled codec switched on for the test, and back as it was after."""
+    before = codec.use_compiled(True)
+    try:
+        yield
+    finally:
+        codec.use_compiled(before)

@@ -9,7 +9,6 @@ then decides. These tests call both sides directly, on generated, mutated and ha
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -26,17 +25,11 @@ from zmqflow.wire.requests.ps import Assign, Pull, PullItem, RowsItem
 
 from .test_fuzz import FAST, SMALL, messages, mutated, same, values
 
-pytestmark = pytest.mark.skipif(codec._built is None, reason="the compiled codec (zmqflow/wire/codec_c.c) is not "
-                                "built here: the Python codec runs alone, and test_codec/test_fuzz test it")
+pytestmark = [pytest.mark.skipif(codec._built is None, reason="the compiled codec (zmqflow/wire/codec_c.c) is not "
+                                 "built here: the Python codec runs alone, and test_codec/test_fuzz test it"),
+              pytest.mark.usefixtures("compiled_codec")]
 
 
-@pytest.fixture(autouse=True)
-def compiled_on() -> Iterator[None]:
-    before = codec.use_compiled(True)
-    try:
-        yield
-    finally:
-        codec.use_compiled(before)
 
 
 def python_encode(msg: Message) -> list[Any]:

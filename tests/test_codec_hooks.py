@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +23,10 @@ from zmqflow.wire.message import REPLY, REQUEST
 
 ROOT = Path(__file__).resolve().parent.parent
 fast = codec.compiled_module()
-pytestmark = pytest.mark.skipif(fast is None, reason="the compiled codec (zmqflow/wire/codec_c.c) is not built here")
+pytestmark = [pytest.mark.skipif(fast is None, reason="the compiled codec (zmqflow/wire/codec_c.c) is not built here"),
+              pytest.mark.usefixtures("compiled_codec")]
 
 
-@pytest.fixture(autouse=True)
-def compiled_on() -> Iterator[None]:
-    before = codec.use_compiled(True)
-    try:
-        yield
-    finally:
-        codec.use_compiled(before)
 
 
 def python_side(make: Callable[[], Any]) -> Any:
