@@ -114,6 +114,10 @@ def init(cluster: "ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | No
         private = False
         if cluster is None and task is None and not (os.environ.get("ZMQFLOW_CLUSTER") or os.environ.get("TF_CONFIG")
                                                      or is_slurm(os.environ)):
+            for var in ("ZMQFLOW_TASK", "ZMQFLOW_TASK_JOB"):  # a task was meant to join a cluster, not train alone
+                if os.environ.get(var):
+                    raise ConfigError(f"{var} is set ({os.environ[var]!r}) but no cluster is: set ZMQFLOW_CLUSTER "
+                                      "(or TF_CONFIG), pass cluster=, or unset it to train alone")
             spec = ClusterSpec({"worker": [f"127.0.0.1:{free_port()}"], "ps": [f"127.0.0.1:{free_port()}"]})
             me = TaskId("worker", 0)
             private = True
@@ -134,17 +138,21 @@ def init(cluster: "ClusterSpec | Mapping[str, Any] | str | os.PathLike[str] | No
             if endpoint is not None:
                 endpoint.close()
             raise
+        session: Session | None = None
         try:
             members = default_members(spec)
             ring = Ring(server, members, timeout=timeout) if me in members else None
             local_rank, local_size = _local(spec, me, members)
-            session = Session(server.target, name=str(me), timeout=timeout)
+            # the task's own keys (not whatever the environment names): its session is this task
+            session = Session(server.target, name=str(me), timeout=timeout, keys=server.async_server.keys)
             runtime = Runtime(spec, me, server, session, ring, members, local_rank, local_size, timeout, extra, endpoint)
             if wait:
                 server.wait_for_cluster(timeout)
             runtime.presence = Presence(session, spec, me)
             runtime.presence.hello()
         except BaseException:
+            if session is not None:
+                session.close()
             server.stop()
             for s in extra:
                 s.stop()
@@ -172,11 +180,24 @@ def _local(spec: ClusterSpec, me: TaskId, members: list[TaskId]) -> tuple[int, i
     """(local rank, ranks on this host): ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` when a launcher
     set them, else counted over the ranks whose address names the same host."""
     if "LOCAL_RANK" in os.environ:
-        rank = int(os.environ["LOCAL_RANK"])
-        return rank, int(os.environ.get("LOCAL_WORLD_SIZE", rank + 1))
+        rank = _env_int("LOCAL_RANK", 0)
+        size = _env_int("LOCAL_WORLD_SIZE", 1) if "LOCAL_WORLD_SIZE" in os.environ else rank + 1
+        if rank >= size:
+            raise ConfigError(f"LOCAL_RANK={rank} is not below LOCAL_WORLD_SIZE={size}")
+        return rank, size
     host = spec.address(me).host
     same = [m for m in members if spec.address(m).host == host]
     return (same.index(me) if me in same else 0), max(1, len(same))
+
+
+def _env_int(var: str, least: int) -> int:
+    try:
+        value = int(os.environ[var])
+    except ValueError:
+        raise ConfigError(f"{var}={os.environ[var]!r} is not an integer") from None
+    if value < least:
+        raise ConfigError(f"{var}={value} is below {least}")
+    return value
 
 
 def _stopped_error() -> Unavailable:

@@ -100,7 +100,9 @@ class AsyncSession:
     def client(self) -> RpcClient:
         self.ensure_open()
         if self._client is None:
-            self._client = RpcClient(identity=f"{self.name}-{uuid.uuid4().hex[:8]}", source=self.name, default_timeout=self.timeout,
+            # a full 128-bit random suffix: another holder of the same key must not guess this routing id
+            self._client = RpcClient(identity=f"{self.name}-{uuid.uuid4().hex}", source=self.name,
+                                     default_timeout=self.timeout,
                                      transport=self.transport, keys=self.keys)
         return self._client
 

@@ -2,7 +2,9 @@
 
 A key directory holds one keypair per task (or one shared task keypair), a client keypair, and
 ``allow.json``: every public key by role, which is what a server admits. Secret files are mode
-0600 and never leave the directory; ``allow.json`` and the ``.key`` files are public. The
+0600 and never leave the directory; ``allow.json`` and the ``.key`` files are public, its folders
+0700. A secret that does not match its public key, or a folder or ``allow.json`` that another user
+could change, is refused at load. The
 certificate files are pyzmq's (``zmq.auth.load_certificate`` reads them)::
 
     DIR/allow.json                 {"format": 1, "tasks": {name: z85}, "clients": {name: z85},
@@ -23,6 +25,7 @@ import ipaddress
 import json
 import os
 import socket
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,12 +97,12 @@ def generate(directory: str | os.PathLike[str], spec: ClusterSpec | None = None,
     root = Path(directory)
     if (root / ALLOW_FILE).exists() and not force:
         raise ConfigError(f"{root} already holds keys ({ALLOW_FILE}); pass --force to replace them")
-    root.mkdir(parents=True, exist_ok=True)
+    _private_dir(root)
     allow: dict[str, Any] = {"format": _FORMAT, "tasks": {}, "clients": {}, "addresses": {}}
     names = [str(t) for t in spec.tasks] if spec is not None else [ANY_TASK]
     for role, sub, entries in ((TASK, "tasks", names), (CLIENT, "clients", ["client"])):
         folder = root / sub
-        folder.mkdir(mode=0o700, exist_ok=True)
+        _private_dir(folder)
         for name in entries:
             public, secret = zmq.curve_keypair()
             base = folder / (task_file(name) if role == TASK else name)
@@ -116,6 +119,32 @@ def generate(directory: str | os.PathLike[str], spec: ClusterSpec | None = None,
     os.chmod(tmp, 0o644)
     os.replace(tmp, root / ALLOW_FILE)
     return allow
+
+
+def _private_dir(path: Path) -> None:
+    """Make ``path`` mode 0700 (its parents as the umask allows), or check the one already there."""
+    if path.is_dir():
+        _check_owned(path)
+        return
+    path.mkdir(mode=0o700, parents=True)
+    os.chmod(path, 0o700)  # whatever the umask
+
+
+def _check_owned(path: Path) -> None:
+    """Refuse, as ssh's StrictModes does, a key directory or allow-list that another user could
+    change: owned by someone other than this user or root, or writable by group or others. A
+    root-owned directory with the sticky bit (a Kubernetes Secret's mount point) may be writable
+    by all: others cannot replace what is in it, and what they add is theirs, which is refused."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return
+    if st.st_uid not in (0, os.geteuid()):
+        raise ConfigError(f"{path} is owned by another user (uid {st.st_uid}): keys must be this user's or root's")
+    sticky_root = stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and st.st_mode & stat.S_ISVTX
+    if st.st_mode & 0o022 and not sticky_root:
+        raise ConfigError(f"{path} is writable by others (mode {oct(st.st_mode & 0o777)}): "
+                          f"chmod go-w it (700 for a directory, 644 for {ALLOW_FILE})")
 
 
 def _z85(value: Any, where: str) -> bytes:
@@ -149,6 +178,8 @@ class Keys:
         """Read ``directory``; this process is ``task`` when its task key (or the shared one) is
         there, else the client. ``require_task``: a server must hold a task key."""
         root = Path(directory)
+        _check_owned(root)
+        _check_owned(root / ALLOW_FILE)
         try:
             allow = json.loads((root / ALLOW_FILE).read_text())
         except FileNotFoundError:
@@ -172,6 +203,7 @@ class Keys:
             if not path.exists():
                 continue
             listed = (tasks.get(name if pinned else ANY_TASK) if role == TASK else clients.get(name))
+            _check_owned(path.parent)
             public, secret = _load_secret(path)
             if listed != public:
                 raise ConfigError(f"{path}: its public key is not the one {ALLOW_FILE} lists for {role} {name!r}")
@@ -218,9 +250,17 @@ def _load_secret(path: Path) -> tuple[bytes, bytes]:
     if loose:
         allowed = "600 (or 640 when owned by root)" if st.st_uid == 0 else "600"
         raise ConfigError(f"{path} is readable by others (mode {oct(st.st_mode & 0o777)}): chmod {allowed} it")
+    if st.st_uid not in (0, os.geteuid()):
+        raise ConfigError(f"{path} is owned by another user (uid {st.st_uid}): keys must be this user's or root's")
     public, secret = zmq.auth.load_certificate(path)
     if not secret:
         raise ConfigError(f"{path} holds no secret key")
+    try:
+        matches = zmq.curve_public(secret) == public
+    except zmq.ZMQError:
+        matches = False
+    if not matches:
+        raise ConfigError(f"{path}: its secret key does not belong to its public key (a damaged or edited file?)")
     return public, secret
 
 

@@ -32,7 +32,7 @@ _POLL_MS = 500
 _lock = threading.Lock()
 _domains: dict[bytes, Mapping[bytes, str]] = {}  # zap domain -> client public key (raw) -> user id
 _counter = itertools.count(1)
-_started_pid = 0
+_started: tuple[int, zmq.Context] | None = None  # (pid, context) the running handler is bound on
 
 
 def _serve(sock: zmq.Socket) -> None:
@@ -67,15 +67,17 @@ def _answer(frames: list[bytes]) -> list[bytes]:
 
 
 def _ensure_started() -> None:
-    """Bind the handler on this process's context, once (again in a forked child)."""
-    global _started_pid
-    if _started_pid == os.getpid():
+    """Bind the handler on this process's context, once per context (again in a forked child, and
+    on a new context once the previous one was closed: its handler ended with it)."""
+    global _started
+    ctx = context()
+    if _started is not None and _started[0] == os.getpid() and _started[1] is ctx:
         return
     ready = threading.Event()
     failure: list[BaseException] = []
 
     def main() -> None:
-        sock = context().socket(zmq.REP)
+        sock = ctx.socket(zmq.REP)
         sock.linger = 0
         try:
             sock.bind(ZAP_ENDPOINT)
@@ -92,7 +94,7 @@ def _ensure_started() -> None:
     if failure or not ready.is_set():
         raise Unavailable(f"cannot start the ZAP handler at {ZAP_ENDPOINT}: {failure[0] if failure else 'timed out'} "
                           "(another authenticator on this process's ZeroMQ context?)")
-    _started_pid = os.getpid()
+    _started = (os.getpid(), ctx)
 
 
 def register(allow: Mapping[bytes, str]) -> bytes:

@@ -282,6 +282,8 @@ class ZmqTransport:
                 sock.close(linger=0)
                 raise
             sock.zap_domain = domain
+            if hasattr(zmq, "ZAP_ENFORCE_DOMAIN"):  # libzmq >= 4.3: no ZAP handler means refused, not admitted
+                sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         released = _released.get(endpoint)
         rebind = endpoint.startswith("inproc://") or (released is not None and time.monotonic() - released < REBIND_S)
         until = loop.time() + (REBIND_S if rebind else 0.0)
