@@ -209,3 +209,14 @@ def compiled_codec() -> Iterator[None]:
         yield
     finally:
         codec.use_compiled(before)
+
+
+@pytest.fixture
+def alone(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """This process as the only rank of a private JAX cluster (worker:0 beside ps:0)."""
+    zj = pytest.importorskip("zmqflow.jax")
+    for name in ("ZMQFLOW_CLUSTER", "ZMQFLOW_TASK", "ZMQFLOW_TASK_JOB", "TF_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    runtime = zj.init(timeout=20)
+    yield runtime
+    zj.shutdown()

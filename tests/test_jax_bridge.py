@@ -25,16 +25,6 @@ from zmqflow.errors import ConfigError, InvalidArgument, VariableConflict  # noq
 from .conftest import ZMQFLOW, Proc  # noqa: E402
 
 
-@pytest.fixture
-def alone(monkeypatch):
-    """This process as the only rank of a private cluster (worker:0 beside ps:0)."""
-    for name in ("ZMQFLOW_CLUSTER", "ZMQFLOW_TASK", "TF_CONFIG"):
-        monkeypatch.delenv(name, raising=False)
-    runtime = zj.init(timeout=20)
-    yield runtime
-    zj.shutdown()
-
-
 def _tree(r: float = 0.0):
     return {
         "w": jnp.arange(6, dtype=jnp.float32).reshape(2, 3) + r,

@@ -27,16 +27,6 @@ import zmqflow.jax.collectives as zj_collectives  # noqa: E402
 from zmqflow.errors import ConfigError, DeadlineExceeded, InvalidArgument  # noqa: E402
 
 
-@pytest.fixture
-def alone(monkeypatch):
-    """This process as the only rank of a private cluster (worker:0 beside ps:0)."""
-    for name in ("ZMQFLOW_CLUSTER", "ZMQFLOW_TASK", "TF_CONFIG"):
-        monkeypatch.delenv(name, raising=False)
-    runtime = zj.init(timeout=20)
-    yield runtime
-    zj.shutdown()
-
-
 # 64-bit values -------------------------------------------------------------------------------
 def test_int64_values_past_int32_are_refused_not_wrapped(alone):
     assert not jax.config.jax_enable_x64
