@@ -1,5 +1,6 @@
-"""A sharded table's ``trainable`` switch: every way torch freezes a model reaches the table, DDP
-and optimizers over ``model.parameters()`` take it, and state dicts are as they were."""
+"""A sharded table inside a torch model: its ``trainable`` switch (every way torch freezes a model
+reaches the table, DDP and optimizers over ``model.parameters()`` take it, state dicts are as they
+were), a model cast to bfloat16, ``torch.compile``, deep copies and pickling."""
 
 from __future__ import annotations
 
@@ -110,3 +111,36 @@ def test_hybrid_keeps_a_frozen_table_frozen_on_the_shards(local):
     hybrid.step()
     table.synchronize()
     assert not table.push_gradients and table.counters["pushes"] == 0 and torch.equal(table.read(IDS), before)
+
+
+def test_a_model_cast_to_bfloat16_computes_in_it_and_pushes_in_the_tables_dtype(local):
+    model = Model("switch/bf16").to(torch.bfloat16)
+    before = model.table.read(IDS).clone()
+    out = model(IDS)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    model.table.synchronize()
+    after = model.table.read(IDS)
+    assert after.dtype == torch.float32 and model.table.counters["pushes"] == 1 and not torch.equal(after, before)
+
+
+def test_a_compiled_model_runs_the_tables_eagerly_and_pushes(local):
+    model = Model("switch/compiled")
+    before = model.table.read(IDS).clone()
+    compiled = torch.compile(model, backend="eager")
+    torch.testing.assert_close(compiled(IDS), model(IDS))
+    compiled(IDS).sum().backward()
+    model.table.synchronize()
+    assert model.table.counters["pushes"] == 1 and not torch.equal(model.table.read(IDS), before)
+
+
+def test_a_deep_copy_shares_the_table_and_pickling_says_how_to_save(local):
+    import copy
+    import io
+
+    model = Model("switch/copy")
+    twin = copy.deepcopy(model)  # an EMA or teacher copy: its dense layers are its own
+    assert twin.table.table is model.table.table and twin.head.weight is not model.head.weight
+    torch.testing.assert_close(twin(IDS), model(IDS))
+    with pytest.raises(zf.errors.InvalidArgument, match="cannot be pickled .* zmqflow.checkpoint"):
+        torch.save(model, io.BytesIO())

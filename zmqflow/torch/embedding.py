@@ -14,7 +14,13 @@ False`` on each of its parameters): then backward pushes nothing. ``rows`` is ma
 gets an (empty) gradient whenever the table trains, as DDP expects of every parameter in use; an
 optimizer's step over it changes nothing.
 
-The push runs in the background: backward returns at once. The next forward of the table (from any
+Each backward pass through a table pushes its gradient then, as a parameter server's async
+workers do: it is applied on the shards without waiting for ``optimizer.step()``. So gradient
+accumulation over several backward passes applies each pass's gradient as it comes (the next
+pass reads rows the last one moved), a module called twice in a step is updated twice,
+``clip_grad_norm_`` over ``model.parameters()`` does not reach the table's gradient, and
+``torch.autograd.grad`` through a table pushes too (detach the rows, or freeze the table, to
+probe gradients). The push runs in the background: backward returns at once. The next forward of the table (from any
 module of this session), ``synchronize()``/``flush()``, ``weight``, ``export()``, ``size()`` and
 ``evict()`` first wait for this process's pushes, so a session reads its own writes, and an error of
 a background push is raised there.
@@ -162,6 +168,7 @@ class _ShardedModule(torch.nn.Module):
         self._prefetched = (input, ids, inverse, self.table.lookup_async(ids, create=self.training))
         self.prefetch_s += time.perf_counter() - began  # it waits for the table's pending pushes first
 
+    @torch.compiler.disable  # network calls and numpy: outside any compiled graph, run eagerly
     def _unique(self, flat: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
         """(the unique ids, checked against the table's range, as numpy; the inverse indices)."""
         uniq, inverse = torch.unique(flat, return_inverse=True)  # sorted: the ends are the extremes
@@ -171,8 +178,11 @@ class _ShardedModule(torch.nn.Module):
             raise InvalidArgument(f"{self.kind} {self.name!r}: id {bad} out of range [0, {num})")
         return uniq.cpu().numpy(), inverse
 
+    @torch.compiler.disable
     def _rows(self, flat: torch.Tensor, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows of the unique ids, requiring grad when a backward should push; inverse indices)."""
+        """(rows of the unique ids, requiring grad when a backward should push; inverse indices).
+        The rows come in the switch's dtype, so a model cast with ``.to(torch.bfloat16)`` computes
+        in it; their gradient goes back to the table in the table's own."""
         pre, self._prefetched = self._prefetched, None
         if pre is not None and pre[0] is input:  # prefetched for this tensor: its lookup is under way
             _, ids, inverse, fut = pre
@@ -182,8 +192,8 @@ class _ShardedModule(torch.nn.Module):
             found = self.table.lookup(ids, create=self.training)
         rows = torch.from_numpy(found).to(flat.device)
         if self.trainable.requires_grad and torch.is_grad_enabled() and len(ids):
-            rows = _PushRows.apply(self.trainable, rows, self.table, ids)
-        return rows, inverse
+            return _PushRows.apply(self.trainable, rows, self.table, ids), inverse
+        return rows.to(self.trainable.dtype), inverse
 
     def extra_repr(self) -> str:
         size = "dynamic" if self.num_embeddings is None else str(self.num_embeddings)
@@ -198,13 +208,13 @@ class _PushRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, switch: torch.Tensor, rows: torch.Tensor, table: ShardedTable,
                 ids: np.ndarray) -> torch.Tensor:
-        ctx.table, ctx.ids, ctx.switch = table, ids, (switch.dtype, switch.device)
-        return rows
+        ctx.table, ctx.ids, ctx.switch, ctx.rows_dtype = table, ids, (switch.dtype, switch.device), rows.dtype
+        return rows.to(switch.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         # a copy: autograd may accumulate into this gradient in place while the push is queued
-        ctx.table.push_async(ctx.ids, grad.detach().cpu().numpy().copy())
+        ctx.table.push_async(ctx.ids, grad.detach().to(ctx.rows_dtype).cpu().numpy().copy())
         dtype, device = ctx.switch
         return torch.empty(0, dtype=dtype, device=device), None, None, None
 
@@ -285,8 +295,9 @@ class EmbeddingBag(_ShardedModule):
         if not isinstance(weights, torch.Tensor) or weights.shape != input.shape:
             got = list(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
             raise InvalidArgument(f"{where}: per_sample_weights must have the input's shape {list(input.shape)}, got {got}")
-        if weights.dtype != self.dtype:
-            raise InvalidArgument(f"{where}: per_sample_weights must be {self.dtype} (the table's dtype), got {weights.dtype}")
+        if weights.dtype != self.trainable.dtype:
+            raise InvalidArgument(f"{where}: per_sample_weights must be {self.trainable.dtype} (the module's dtype), "
+                                  f"got {weights.dtype}")
         return weights.reshape(-1)
 
     def extra_repr(self) -> str:

@@ -110,6 +110,16 @@ class ShardedTable:
         self._lock = threading.Lock()
         self.counters = {"lookups": 0, "ids_looked_up": 0, "pushes": 0, "ids_pushed": 0, "rows_updated": 0}
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ShardedTable":
+        """The same table: a copied model (an EMA or teacher copy) shares its rows on the shards,
+        which are not the model's to copy (copy them with ``zmqflow.checkpoint``)."""
+        return self
+
+    def __reduce__(self) -> Any:
+        raise InvalidArgument(f"embedding {self.handle.name!r}: a table on the ps shards cannot be pickled (as "
+                              "torch.save(model) would); save the model's state_dict, and the table with "
+                              "zmqflow.checkpoint")
+
     @classmethod
     def open(cls, session: Session, name: str, num_embeddings: int | None, dim: int, *, dtype: np.dtype,
              initializer: Any, optimizer: Any, partitions: Any, partition_strategy: str, min_frequency: int,
