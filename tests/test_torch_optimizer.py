@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 import zmqflow.torch as zt  # noqa: E402
 from zmqflow.bridge import runtime  # noqa: E402
-from zmqflow.errors import ConfigError, InvalidArgument  # noqa: E402
+from zmqflow.errors import ConfigError, InvalidArgument, VariableConflict  # noqa: E402
 from zmqflow.torch.buckets import GradientBuckets, plan_buckets  # noqa: E402
 
 from .conftest import launch_script  # noqa: E402
@@ -394,3 +394,16 @@ def test_ps_backend_refuses_what_the_shards_cannot_run(local):
     sched.step()
     with pytest.raises(ConfigError, match="hyperparameters changed"):
         _step(model, opt, 1)
+
+
+def test_ps_backend_refuses_a_second_model_whose_parameter_names_are_taken(local):
+    """Two Sequentials both have '0.weight': the second must not attach to the first's variables."""
+    gen, disc = torch.nn.Sequential(torch.nn.Linear(3, 3)), torch.nn.Sequential(torch.nn.Linear(3, 3))
+    first = zt.DistributedOptimizer(torch.optim.SGD(gen.parameters(), lr=0.1), gen.named_parameters(), backend="ps")
+    before = [p.detach().clone() for p in disc.parameters()]
+    with pytest.raises(VariableConflict, match="'torch/0.weight' already holds a parameter of another"):
+        zt.DistributedOptimizer(torch.optim.SGD(disc.parameters(), lr=0.1), disc.named_parameters(), backend="ps")
+    assert all(torch.equal(p, b) for p, b in zip(disc.parameters(), before))  # not loaded from gen's
+    named = [(f"disc.{n}", p) for n, p in disc.named_parameters()]
+    zt.DistributedOptimizer(torch.optim.SGD(disc.parameters(), lr=0.1), named, backend="ps")
+    assert first is not None

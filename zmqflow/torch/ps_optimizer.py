@@ -20,12 +20,15 @@ for torch's ``g / (sqrt(acc) + eps)``).
 
 from __future__ import annotations
 
+import gc
+import threading
+import weakref
 from typing import Any
 
 import torch
 
 from ..bridge.runtime import Runtime
-from ..errors import ConfigError
+from ..errors import ConfigError, VariableConflict
 from ..observe.progress import counts_steps
 from ..state import optim as _optim
 from .tensors import to_array, write_into
@@ -33,6 +36,29 @@ from .tensors import to_array, write_into
 __all__ = ["server_optimizer", "PsOptimizerMixin", "VARIABLE_PREFIX"]
 
 VARIABLE_PREFIX = "torch/"
+
+# which live optimizer of this process holds each variable of a session: two models whose
+# parameters share names (two Sequentials both have "0.weight") must not silently share variables
+_holders: "weakref.WeakKeyDictionary[Any, weakref.WeakValueDictionary[str, Any]]" = weakref.WeakKeyDictionary()
+_holders_lock = threading.Lock()
+
+
+def _hold(session: Any, names: list[str], optimizer: Any) -> None:
+    """Claim ``names`` for ``optimizer``, or VariableConflict when another live one holds any (one
+    only unreachable, waiting for the garbage collector, holds nothing)."""
+    with _holders_lock:
+        held = _holders.setdefault(session, weakref.WeakValueDictionary())
+        taken = [n for n in names if held.get(n) not in (None, optimizer)]
+        if taken:
+            gc.collect()
+            taken = [n for n in taken if held.get(n) not in (None, optimizer)]
+        if taken:
+            raise VariableConflict(
+                f"backend='ps': variable {taken[0]!r} already holds a parameter of another DistributedOptimizer in "
+                "this process (two models with the same parameter names?); give each model's names a prefix: "
+                "named_parameters=[(f'gen.{n}', p) for n, p in gen.named_parameters()]")
+        for name in names:
+            held[name] = optimizer
 
 
 def _refuse(kind: type, group: dict[str, Any], defaults: dict[str, Any]) -> None:
@@ -81,6 +107,7 @@ class PsOptimizerMixin:
         self._zf_runtime = runtime
         self._zf_named = named
         self._zf_names = [VARIABLE_PREFIX + n for n, _ in named]
+        _hold(runtime.session, self._zf_names, self)
         groups = {id(p): g for g in self.param_groups for p in g["params"]}  # type: ignore[attr-defined]
         self._zf_hyper = [_hyper(g) for g in self.param_groups]  # type: ignore[attr-defined]
         sess = runtime.session
