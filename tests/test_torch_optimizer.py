@@ -407,3 +407,20 @@ def test_ps_backend_refuses_a_second_model_whose_parameter_names_are_taken(local
     named = [(f"disc.{n}", p) for n, p in disc.named_parameters()]
     zt.DistributedOptimizer(torch.optim.SGD(disc.parameters(), lr=0.1), named, backend="ps")
     assert first is not None
+
+
+@pytest.mark.parametrize("backend", ["ring", "ps"])
+def test_a_parameter_unfrozen_after_wrapping_is_refused_at_step_not_left_behind(local, backend):
+    """A parameter frozen when the optimizer was wrapped has no hook, bucket or variable: once
+    unfrozen its gradient would be neither averaged nor stepped, and ranks would drift apart."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    model[0].requires_grad_(False)
+    names = [(f"unfrozen-{backend}.{n}", p) for n, p in model.named_parameters()]
+    opt = zt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), names, backend=backend)
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()  # as planned: only the second layer trains
+    opt.zero_grad()
+    model[0].requires_grad_(True)
+    model(torch.ones(2, 3)).sum().backward()
+    with pytest.raises(InvalidArgument, match=r"shape \[3, 3\] has a gradient but was not trainable"):
+        opt.step()

@@ -24,7 +24,7 @@ from ..errors import ConfigError, InvalidArgument
 from ..observe.progress import counts_steps
 from .buckets import GradientBuckets
 from .collectives import ring
-from .ps_optimizer import PsOptimizerMixin
+from .ps_optimizer import PsOptimizerMixin, refuse_unplanned
 
 __all__ = ["DistributedOptimizer", "RingOptimizerMixin", "BACKENDS"]
 
@@ -40,6 +40,7 @@ class RingOptimizerMixin:
                                            timeout=timeout)
         self._zf_synced = False
         self._zf_skip = False
+        self._zf_planned = frozenset(id(p) for _, p in named)
 
     @property
     def buckets(self) -> GradientBuckets:
@@ -71,6 +72,7 @@ class RingOptimizerMixin:
                 loss = closure()
         if not self._zf_skip and (not self._zf_synced or self._zf_buckets.in_flight):
             self.synchronize()
+        refuse_unplanned(self, self._zf_planned)
         self._zf_synced = False
         super().step()  # type: ignore[misc]
         return loss

@@ -28,12 +28,12 @@ from typing import Any
 import torch
 
 from ..bridge.runtime import Runtime
-from ..errors import ConfigError, VariableConflict
+from ..errors import ConfigError, InvalidArgument, VariableConflict
 from ..observe.progress import counts_steps
 from ..state import optim as _optim
 from .tensors import to_array, write_into
 
-__all__ = ["server_optimizer", "PsOptimizerMixin", "VARIABLE_PREFIX"]
+__all__ = ["server_optimizer", "PsOptimizerMixin", "VARIABLE_PREFIX", "refuse_unplanned"]
 
 VARIABLE_PREFIX = "torch/"
 
@@ -98,6 +98,19 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k in _HYPER}
 
 
+def refuse_unplanned(optimizer: Any, planned: frozenset[int]) -> None:
+    """InvalidArgument when a parameter of ``optimizer``'s groups has a gradient but is not one the
+    distributed optimizer was made for (frozen then, unfrozen since; or a group added later): its
+    gradient would be neither averaged nor stepped, and the ranks would part ways in silence."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None and id(p) not in planned:
+                raise InvalidArgument(
+                    f"a parameter of shape {list(p.shape)} has a gradient but was not trainable when "
+                    "DistributedOptimizer was made (unfrozen since, or added with add_param_group): make the "
+                    "DistributedOptimizer again over the parameters to train")
+
+
 class PsOptimizerMixin:
     """Methods of the torch optimizer subclass for ``backend='ps'`` (see the module docstring)."""
 
@@ -107,6 +120,7 @@ class PsOptimizerMixin:
         self._zf_runtime = runtime
         self._zf_named = named
         self._zf_names = [VARIABLE_PREFIX + n for n, _ in named]
+        self._zf_planned = frozenset(id(p) for _, p in named)
         _hold(runtime.session, self._zf_names, self)
         groups = {id(p): g for g in self.param_groups for p in g["params"]}  # type: ignore[attr-defined]
         self._zf_hyper = [_hyper(g) for g in self.param_groups]  # type: ignore[attr-defined]
@@ -153,6 +167,7 @@ class PsOptimizerMixin:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        refuse_unplanned(self, self._zf_planned)
         now = [_hyper(g) for g in self.param_groups]  # type: ignore[attr-defined]
         if now != self._zf_hyper:
             raise ConfigError("backend='ps': the optimizer's hyperparameters changed after DistributedOptimizer was "
