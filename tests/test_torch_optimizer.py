@@ -424,3 +424,23 @@ def test_a_parameter_unfrozen_after_wrapping_is_refused_at_step_not_left_behind(
     model(torch.ones(2, 3)).sum().backward()
     with pytest.raises(InvalidArgument, match=r"shape \[3, 3\] has a gradient but was not trainable"):
         opt.step()
+
+
+def test_a_scheduler_made_before_wrapping_goes_on_after_load_state_dict(local):
+    """torch's load_state_dict puts new param_groups on the distributed optimizer; the scheduler,
+    which kept the wrapped one, must still set the learning rate the steps use."""
+    model = torch.nn.Linear(2, 1)
+    base = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(base, 1, gamma=0.1)
+    opt = zt.DistributedOptimizer(base, model.named_parameters())
+    for i in range(2):
+        opt.zero_grad()
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        if i == 0:
+            with pytest.warns(UserWarning, match="overridden after learning rate scheduler initialization"):
+                sched.step()  # said once: the step it counted was replaced by the distributed one
+        else:
+            sched.step()
+        opt.load_state_dict(opt.state_dict())  # as a resume from a checkpoint would
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.01) == sched.get_last_lr()[0]

@@ -25,13 +25,14 @@ from ..observe.progress import counts_steps
 from .buckets import GradientBuckets
 from .collectives import ring
 from .ps_optimizer import PsOptimizerMixin, refuse_unplanned
+from .wrapped import SharesState
 
 __all__ = ["DistributedOptimizer", "RingOptimizerMixin", "BACKENDS"]
 
 BACKENDS = ("ring", "ps")
 
 
-class RingOptimizerMixin:
+class RingOptimizerMixin(SharesState):
     """Methods of the torch optimizer subclass for ``backend='ring'``."""
 
     def init_distributed(self, named: list[tuple[str, torch.Tensor]], bucket_bytes: int, op: str, passes: int,
@@ -104,6 +105,7 @@ def _subclass(optimizer: torch.optim.Optimizer, mixin: type) -> Any:
     # puts a counting ``step`` there, which steps the plain optimizer) must not hide this class's
     shadowing = {k for k, v in optimizer.__dict__.items() if callable(v) and callable(getattr(cls, k, None))}
     obj.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in shadowing})
+    obj._zf_wrapped = optimizer
     if "step" in shadowing:
         # code that kept the wrapped optimizer (that scheduler) steps this one too; the scheduler
         # warns once that the step it counted was replaced, as it was

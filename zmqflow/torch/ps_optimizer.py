@@ -32,6 +32,7 @@ from ..errors import ConfigError, InvalidArgument, VariableConflict
 from ..observe.progress import counts_steps
 from ..state import optim as _optim
 from .tensors import to_array, write_into
+from .wrapped import SharesState
 
 __all__ = ["server_optimizer", "PsOptimizerMixin", "VARIABLE_PREFIX", "refuse_unplanned"]
 
@@ -111,7 +112,7 @@ def refuse_unplanned(optimizer: Any, planned: frozenset[int]) -> None:
                     "DistributedOptimizer again over the parameters to train")
 
 
-class PsOptimizerMixin:
+class PsOptimizerMixin(SharesState):
     """Methods of the torch optimizer subclass for ``backend='ps'`` (see the module docstring)."""
 
     def init_distributed(self, named: list[tuple[str, torch.Tensor]], runtime: Runtime, sync: bool, kind: type) -> None:
