@@ -444,3 +444,19 @@ def test_a_scheduler_made_before_wrapping_goes_on_after_load_state_dict(local):
             sched.step()
         opt.load_state_dict(opt.state_dict())  # as a resume from a checkpoint would
     assert opt.param_groups[0]["lr"] == pytest.approx(0.01) == sched.get_last_lr()[0]
+
+
+def test_a_dropped_optimizer_averages_nothing_and_a_live_one_keeps_its_parameters(local):
+    model, x = torch.nn.Linear(2, 1), torch.ones(1, 2)
+    first = zt.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), model.named_parameters())
+    first.zero_grad()
+    model(x).sum().backward()
+    first.step()
+    with pytest.raises(InvalidArgument, match="'weight' is already averaged by another live DistributedOptimizer"):
+        zt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    del first  # dropped: its hooks must go with it, whenever the collector gets to it
+    second = zt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    for _ in range(3):  # the first's hooks counted these gradients too, and failed the second step
+        second.zero_grad()
+        model(x).sum().backward()
+        second.step()

@@ -20,7 +20,10 @@ step: until then the ranks may have started different numbers of buckets.)
 
 from __future__ import annotations
 
+import functools
+import gc
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +68,35 @@ def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> li
     return out
 
 
+# which live buckets average each parameter: a second set over the same parameters would average
+# their gradients twice, and a dropped optimizer's hooks must not go on starting allreduces
+# by id (a tensor compares elementwise, so it cannot key a WeakKeyDictionary), with a weak
+# reference to the parameter that tells a reused id apart
+_owners: "dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[GradientBuckets]]]" = {}
+
+
+def _ready(owner: "weakref.ref[GradientBuckets]", p: torch.Tensor) -> None:
+    """A hook that holds its buckets weakly: once they are dropped, it does nothing."""
+    buckets = owner()
+    if buckets is not None:
+        buckets.grad_ready(p)
+
+
+def _remove(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()
+
+
+def _owned(named: list[tuple[str, torch.Tensor]], mine: Any) -> str | None:
+    """The name of a parameter another live set of buckets averages, if any."""
+    for name, p in named:
+        param, owner = _owners.get(id(p), (None, None))
+        other = owner() if owner is not None and param is not None and param() is p else None
+        if other is not None and other is not mine and other.hooked:
+            return name
+    return None
+
+
 class GradientBuckets:
     """The bucketed, overlapped gradient allreduce of one set of parameters on one ring.
 
@@ -93,7 +125,24 @@ class GradientBuckets:
         self._next = 0
         self._lock = threading.RLock()
         self._reset()
-        self._hooks = [p.register_post_accumulate_grad_hook(self.grad_ready) for b in self.buckets for p in b.params]
+        if _owned(named, self) is not None:
+            gc.collect()  # an optimizer dropped but not yet collected averages nothing
+        taken = _owned(named, self)
+        if taken is not None:
+            raise InvalidArgument(f"parameter {taken!r} is already averaged by another live DistributedOptimizer; "
+                                  "drop it, or call its remove_hooks(), before making another over the same parameters")
+        hook = functools.partial(_ready, weakref.ref(self))
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for b in self.buckets for p in b.params]
+        weakref.finalize(self, _remove, list(self._hooks))
+        for key in [k for k, (param, owner) in _owners.items() if param() is None or owner() is None]:
+            del _owners[key]  # parameters or buckets gone since
+        for _, p in named:
+            _owners[id(p)] = (weakref.ref(p), weakref.ref(self))
+
+    @property
+    def hooked(self) -> bool:
+        """Whether the hooks are on the parameters (until :meth:`remove_hooks`)."""
+        return bool(self._hooks)
 
     @property
     def in_flight(self) -> bool:
