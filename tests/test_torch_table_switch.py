@@ -89,9 +89,9 @@ def test_ddp_sees_the_switch_used_at_every_step(local):
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(Model("switch/ddp"))
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for _ in range(3):
+        for ids in (IDS, IDS, torch.empty(2, 0, dtype=torch.long), IDS):  # a batch of empty bags too
             opt.zero_grad()
-            ddp(IDS).sum().backward()
+            ddp(ids).sum().backward()
             opt.step()
         assert ddp.module.table.counters["pushes"] == 3
     finally:

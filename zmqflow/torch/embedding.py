@@ -191,8 +191,8 @@ class _ShardedModule(torch.nn.Module):
             ids, inverse = self._unique(flat)
             found = self.table.lookup(ids, create=self.training)
         rows = torch.from_numpy(found).to(flat.device)
-        if self.trainable.requires_grad and torch.is_grad_enabled() and len(ids):
-            return _PushRows.apply(self.trainable, rows, self.table, ids), inverse
+        if self.trainable.requires_grad and torch.is_grad_enabled():  # a batch with no ids too: DDP
+            return _PushRows.apply(self.trainable, rows, self.table, ids), inverse  # expects the switch used
         return rows.to(self.trainable.dtype), inverse
 
     def extra_repr(self) -> str:
@@ -213,8 +213,8 @@ class _PushRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        # a copy: autograd may accumulate into this gradient in place while the push is queued
-        ctx.table.push_async(ctx.ids, grad.detach().to(ctx.rows_dtype).cpu().numpy().copy())
+        if len(ctx.ids):  # a copy: autograd may accumulate into this gradient in place while the push is queued
+            ctx.table.push_async(ctx.ids, grad.detach().to(ctx.rows_dtype).cpu().numpy().copy())
         dtype, device = ctx.switch
         return torch.empty(0, dtype=dtype, device=device), None, None, None
 

@@ -105,7 +105,7 @@ def _subclass(optimizer: torch.optim.Optimizer, mixin: type) -> Any:
     # puts a counting ``step`` there, which steps the plain optimizer) must not hide this class's
     shadowing = {k for k, v in optimizer.__dict__.items() if callable(v) and callable(getattr(cls, k, None))}
     obj.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in shadowing})
-    obj._zf_wrapped = optimizer
+    obj.made_from(optimizer)
     if "step" in shadowing:
         # code that kept the wrapped optimizer (that scheduler) steps this one too; the scheduler
         # warns once that the step it counted was replaced, as it was

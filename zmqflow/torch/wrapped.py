@@ -20,6 +20,10 @@ class SharesState:
 
     _zf_wrapped: Any = None  # the torch optimizer this one was made from
 
+    def made_from(self, optimizer: Any) -> None:
+        """Record the torch optimizer this one was made from (and shares its attributes with)."""
+        self._zf_wrapped = optimizer
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)  # type: ignore[misc]
         wrapped = self._zf_wrapped
