@@ -61,7 +61,8 @@ def test_bad_table_arguments_are_refused_before_anything_changes():
                         await sess.embedding("d", None, 2, **kw)
                 dyn = await sess.embedding("d", None, 2)  # the name is free: no half-made record
                 await dyn.lookup(np.arange(10))
-                for kw in ({"older_than_steps": -1}, {"older_than_seconds": -5.0}, {"older_than_seconds": float("nan")}):
+                ages = ({"older_than_steps": -1}, {"older_than_seconds": -5.0}, {"older_than_seconds": float("nan")})
+                for kw in ages:
                     with pytest.raises(errors.InvalidArgument, match="must be >= 0"):
                         await dyn.evict(**kw)
                 task = dyn.info.tasks[0]
@@ -76,7 +77,8 @@ def test_bad_table_arguments_are_refused_before_anything_changes():
                 assert await dyn.size() == 10
                 static = await sess.embedding("s", 10, 2)
                 with pytest.raises(errors.InvalidArgument, match="row -3 out of range"):
-                    await sess.call_task(task, "ps", "emb_lookup", rq.EmbLookup(name="s", part=0, ids=np.array([4, -3])))
+                    await sess.call_task(task, "ps", "emb_lookup",
+                                         rq.EmbLookup(name="s", part=0, ids=np.array([4, -3])))
                 with pytest.raises(errors.InvalidArgument, match="num_segments 2 must be >= 0 and above every"):
                     await static.lookup_sparse([1, 2], [0, 5], num_segments=2)
                 with pytest.raises(errors.InvalidArgument, match="num_segments -1"):

@@ -233,7 +233,8 @@ class EmbEvict(Request):
     name: Name
     part: Part
     older_than_step: Count | None = None
-    older_than_seconds: Annotated[float, msgspec.Meta(ge=0, le=1e18, description="a number of seconds >= 0")] | None = None
+    older_than_seconds: Annotated[float, msgspec.Meta(ge=0, le=1e18,
+                                                      description="a number of seconds >= 0")] | None = None
 
 
 class EmbExport(Request):
