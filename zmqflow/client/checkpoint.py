@@ -21,12 +21,15 @@ a time, so a restore does not hold a second copy of the whole checkpoint.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import re
 import secrets
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,11 +39,11 @@ from .checkpoint_check import check_files, check_live, declared_rows, is_hash
 from .checkpoint_files import FORMAT, Saved, checkpoints, field, latest, manifest_name, next_seq
 from .embedding import create_table_parts
 from ..state.tables import hash_owner
-from ..errors import NotFound, Recovering
+from ..errors import NotFound, Recovering, Unavailable
 from ..observe.metrics import record_checkpoint
 from ..observe import timeline
 from ..state.partition import fixed_size_partitioner
-from ..state.dirfd import opened_dir
+from ..state.dirfd import is_file, opened_dir
 from ..state.snapshot import (FILE_FORMAT, TEMP_SUFFIX, abandoned_temporary, crash_point, fsync_dir, open_shard_file,
                               part_prefix, write_atomic)
 from ..state.store import part_label
@@ -101,12 +104,36 @@ async def async_save(sess: "AsyncSession", directory: str, *, step: int | None =
 
 def _commit(directory: str, fd: int, manifest: dict[str, Any], keep: int) -> str:
     """Write the manifest (``seq``: after every save in the directory), then prune; both through
-    ``fd``, a descriptor of the directory, so both act on the directory the manifest went into."""
+    ``fd``, a descriptor of the directory, so both act on the directory the manifest went into.
+    Under an exclusive lock on the directory: two writers (a chief handing over beside its
+    successor) would otherwise read the same newest ``seq``, and the later commit of a step could
+    carry a lower one than an earlier step's, which would then stand as the latest."""
     path = os.path.join(directory, manifest_name(int(manifest["step"])))
-    manifest["seq"] = next_seq(ckfiles.saved(directory, fd))
-    write_atomic(path, text=json.dumps(manifest, indent=1), dir_fd=fd)
-    _prune(directory, fd, keep)
+    with _locked(fd):
+        gone = [sh["file"] for sh in manifest["shards"] if not is_file(fd, sh["file"])]
+        if gone:  # a manifest is committed whole or not at all
+            raise Unavailable(f"checkpoint of step {manifest['step']}: {gone[0]!r} was removed by another writer "
+                              f"saving into {directory!r} at the same time (a save begun later pruned it); "
+                              "nothing was committed: save again")
+        manifest["seq"] = next_seq(ckfiles.saved(directory, fd))
+        write_atomic(path, text=json.dumps(manifest, indent=1), dir_fd=fd)
+        _prune(directory, fd, keep)
     return path
+
+
+@contextlib.contextmanager
+def _locked(fd: int) -> Iterator[None]:
+    """``flock`` on the directory's descriptor, held for the block; where the file system takes no
+    such lock (some network ones), the block runs unlocked, as every save did before."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def _prune(directory: str, fd: int, keep: int) -> None:
