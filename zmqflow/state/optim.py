@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import InvalidArgument
+from ..wire.dtypes import half_precision
 from . import kernels as _kernels
 from .kernels import scaled as _scaled
 from .kernels import sub_scaled as _sub_scaled
@@ -208,7 +209,7 @@ def check_dtype(opt: "Optimizer | SyncReplicas | None", dtype: Any, label: str) 
     if opt is None:
         return
     dt = np.dtype(dtype)
-    if dt.kind == "f" or (dt.kind == "V" and dt.itemsize == 2):  # bfloat16 (ml_dtypes) is kind 'V'
+    if dt.kind == "f" or half_precision(dt):
         return
     inner = opt.optimizer if isinstance(opt, SyncReplicas) else opt
     raise InvalidArgument(f"variable {label} is {dt}: the {inner.kind} optimizer updates floating-point variables "

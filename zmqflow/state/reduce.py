@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgument
+from ..wire.dtypes import half_precision
 
 __all__ = ["OPS", "reduce_in_order", "NumpyBackend", "CupyBackend", "backend_for", "finish_mean", "is_cupy", "array_module",
            "as_array", "write_back", "to_host", "to_device", "Joined", "unfuse", "mean_dtype", "mean_into"]
@@ -160,7 +161,7 @@ def mean_dtype(dtype: Any) -> "np.dtype | None":
     summed in float32 it cannot, for any ring size, and the mean is rounded once, which is more
     exact than dividing each term first. bfloat16 has float32's range, so it gains the single
     rounding only. Only half-precision means pay the wider pass; None for every other dtype."""
-    return np.dtype(np.float32) if dtype == np.float16 or str(dtype) == "bfloat16" else None
+    return np.dtype(np.float32) if half_precision(dtype) else None
 
 
 def mean_into(out: np.ndarray, parts: Sequence[np.ndarray]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InvalidArgument
+from ..wire.dtypes import half_precision
 
 __all__ = ["unique_sum", "has_repeats", "int64_ids"]
 
@@ -21,7 +22,7 @@ def unique_sum(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarra
     starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
     if len(starts) == len(ids):  # already unique: just reorder
         return ordered, rows[order]
-    if rows.dtype.kind not in "fV" or rows.dtype.itemsize >= 4:  # bfloat16 is numpy kind V
+    if not half_precision(rows.dtype):
         return ordered[starts], np.add.reduceat(rows[order], starts, axis=0)
     summed = np.add.reduceat(rows[order].astype(np.float32), starts, axis=0)
     return ordered[starts], summed.astype(rows.dtype)

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from ..wire.dtypes import half_precision
+
 __all__ = ["SyncState", "STALE", "PENDING", "READY"]
 
 STALE, PENDING, READY = "stale", "pending", "ready"
@@ -58,7 +60,7 @@ class SyncState:
         for rows, g in (dense or {}).items():
             acc = self._dense.get(rows)
             if acc is None:
-                half = g.dtype.itemsize == 2 and g.dtype.kind in "fV"  # float16, bfloat16 (kind 'V')
+                half = half_precision(g.dtype)
                 if half:
                     self._dtype = g.dtype
                 self._dense[rows] = np.array(g, dtype=np.float32 if half else g.dtype, copy=True)

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import InvalidArgument
 
-__all__ = ["AS_IS", "LOADED", "WIRE_DTYPES", "dtype_name", "dtype_from_name"]
+__all__ = ["AS_IS", "LOADED", "WIRE_DTYPES", "dtype_name", "dtype_from_name", "half_precision"]
 
 _BASE = (
     "bool",
@@ -117,3 +117,10 @@ def dtype_from_name(name: object) -> np.dtype:
     if dt is None:
         raise InvalidArgument(f"unknown wire dtype {name!r}")
     return dt
+
+
+def half_precision(dtype: object) -> bool:
+    """Whether ``dtype`` is float16 or bfloat16 (ml_dtypes': numpy kind 'V'), whose sums of many
+    terms are taken in float32: float16 overflows past 65504, bfloat16 stops counting at 256."""
+    dt = np.dtype(dtype)  # type: ignore[call-overload]
+    return dt == np.float16 or dt.name == "bfloat16"
