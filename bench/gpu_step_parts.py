@@ -2,6 +2,10 @@
 ``zmqflow bench torch``): ``zmqflow launch --workers 2 -- python bench/gpu_step_parts.py``.
 Each part is the median of 15 timed runs, each begun after a barrier and ended when the GPU is done."""
 import copy
+import cProfile
+import io
+import os
+import pstats
 import statistics
 import time
 
@@ -72,14 +76,53 @@ cases = {
     "D2H 16.8MB pinned": lambda: cp.asnumpy(flat, out=np.frombuffer(cp.cuda.alloc_pinned_memory(flat.nbytes), np.float32, flat.size)),
     "H2D 16.8MB from pinned": lambda: cp.asarray(np.frombuffer(cp.cuda.alloc_pinned_memory(flat.nbytes), np.float32, flat.size)),
 }
+spans: dict[str, list[float]] = {"  backward (hooks start the allreduce)": [], "  synchronize (wait, then .grad)": [],
+                                  "  inner step after synchronize": []}
+
+
+def split_step():
+    """One step timed in its three spans, each ended when the GPU is done."""
+    marks = []
+    opt.zero_grad()
+    loss = loss_fn(model(x), y)
+    torch.cuda.synchronize()
+    marks.append(time.perf_counter())
+    loss.backward()
+    marks.append(time.perf_counter())
+    opt.synchronize()
+    torch.cuda.synchronize()
+    marks.append(time.perf_counter())
+    with opt.skip_synchronize():
+        opt.step()
+    torch.cuda.synchronize()
+    marks.append(time.perf_counter())
+    for key, a, b in zip(spans, marks, marks[1:]):
+        spans[key].append((b - a) * 1e3)
+
+
+cases["zf step, split:"] = split_step
 for k, f in cases.items():
     try:
         f()
         out[k] = f"{med(f):8.2f} ms"
     except Exception as exc:
         out[k] = f"failed: {exc!r}"[:200]
+for k, v in spans.items():
+    out[k] = f"{statistics.median(v[-15:]):8.2f} ms" if v else "not run"
+prof = cProfile.Profile()
+zt.barrier()
+prof.enable()
+for _ in range(30):
+    step_zf()
+torch.cuda.synchronize()
+prof.disable()
 if r == 0:
     for k, v in out.items():
         print(f"{k:45s} {v}", flush=True)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
+    print("cProfile of 30 steps on rank 0, by own time:", text.getvalue()[-6000:], sep="\n")
+    if os.environ.get("OUT"):
+        prof.dump_stats(os.path.join(os.environ["OUT"], "step.prof"))
 zt.barrier()
 zt.shutdown()

@@ -199,3 +199,53 @@ def test_a_rank_that_exits_without_shutdown_exits_cleanly(procs, tmp_path):
         # the race zt.shutdown()'s barrier exists for
         line = p.wait_for_line(f"{task} exited with code", 1)
         assert line.endswith(("code 3", "code 1")), p.output
+
+
+GPU_OPTIMIZER = '''
+import torch
+import zmqflow.torch as zt
+
+zt.init()
+r = zt.rank()
+torch.manual_seed(0)  # the same start on both ranks
+model = torch.nn.Sequential(torch.nn.Linear(6, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3)).cuda()
+extra = torch.nn.Linear(3, 2).cuda()  # used on rank 1 only: rank 0 contributes zeros
+idle = torch.nn.Linear(2, 2).cuda()  # used on no rank: keeps no gradient and does not move
+named = [*model.named_parameters(), *(("extra." + n, p) for n, p in extra.named_parameters()),
+         *(("idle." + n, p) for n, p in idle.named_parameters())]
+start = [p.detach().clone() for _, p in named]
+# buckets of about 1 KB: several in flight from backward, each fused on the GPU with its flags
+opt = zt.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.5), named, bucket_mb=1 / 1024)
+g = torch.Generator().manual_seed(10 + r)
+x, y = torch.randn(5, 6, generator=g).cuda(), torch.randn(5, 3, generator=g).cuda()
+for step in range(2):
+    out = model(x)
+    loss = torch.nn.functional.mse_loss(out, y) + (extra(out).pow(2).sum() if r == 1 else 0)
+    opt.zero_grad()
+    loss.backward()
+    local = [None if p.grad is None else p.grad.detach().clone() for _, p in named]
+    opt.step()
+    for (name, p), mine, before in zip(named, local, start):
+        if name.startswith("idle."):
+            assert p.grad is None and torch.equal(p, before), name
+            continue
+        mine = torch.zeros_like(p) if mine is None else mine
+        mean = zt.allreduce(mine, zt.Sum) / 2  # each rank's own gradient, averaged here by hand
+        assert p.grad.is_cuda and torch.allclose(p.grad, mean, rtol=1e-6, atol=1e-7), (step, name)
+        assert torch.allclose(p, before - 0.5 * mean, rtol=1e-6, atol=1e-6), (step, name)
+    start = [p.detach().clone() for _, p in named]
+print(f"rank {r} gpu optimizer done", flush=True)
+zt.shutdown()
+'''
+
+
+def test_two_ranks_average_cuda_gradients_in_several_buckets(procs, tmp_path):
+    """The CUDA step across processes: gradients fused on the GPU bucket by bucket, flags that
+    tell a gradient one rank lacks (zeros) from one no rank has (None), the step on the mean."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the GPU optimizer across ranks runs where torch.cuda.is_available()")
+    pytest.importorskip("cupy", reason="cupy is needed to reduce CUDA tensors")
+    p = launch_script(procs, tmp_path / "gpu_opt.py", GPU_OPTIMIZER, workers=2)
+    assert p.wait(100) == 0, p.output
+    for r in (0, 1):
+        p.wait_for_line(f"rank {r} gpu optimizer done", 1)

@@ -198,22 +198,23 @@ class GradientBuckets:
             self._next += 1
 
     def _start(self, b: Bucket) -> None:
-        """Hand the bucket's gradients (and flags) to the ring as one fused call."""
+        """Hand the bucket's gradients (and flags) to the ring as one fused call. On a GPU they are
+        fused there first (one pass at device bandwidth), so the ring stages one array through the
+        host, not one per parameter: each array costs a DLPack export, a stream sync and a copy."""
         template = b.params[0]
-        flags = torch.zeros(len(b.params), dtype=template.dtype, device=template.device)
         grads = []
-        for i, (name, p) in enumerate(zip(b.names, b.params)):
+        for name, p in zip(b.names, b.params):
             g = p.grad
             if g is None:
                 g = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            else:
-                if g.layout != torch.strided:
-                    raise InvalidArgument(f"the gradient of {name!r} is sparse: the ring reduces dense gradients only")
-                flags[i] = 1
+            elif g.layout != torch.strided:
+                raise InvalidArgument(f"the gradient of {name!r} is sparse: the ring reduces dense gradients only")
             grads.append(g.detach().reshape(-1))
+        # one small copy of the flags, where setting them one by one would launch a kernel each on a GPU
+        flags = torch.tensor([p.grad is not None for p in b.params], dtype=template.dtype, device=template.device)
         parts = [*grads, flags]
-        if b.nbytes + flags.nbytes > self.ring.async_ring.bucket_bytes:
-            parts = [torch.cat(parts)]  # the ring would cut a list this big into calls of its own
+        if template.is_cuda or b.nbytes + flags.nbytes > self.ring.async_ring.bucket_bytes:
+            parts = [torch.cat(parts)]  # on the CPU: only when the ring would cut a list this big into calls of its own
         arrays = [to_array(t.contiguous(), f"gradient bucket {b.index}") for t in parts]
         cuda_ready(template)
         b.keep = arrays
@@ -223,9 +224,10 @@ class GradientBuckets:
         self.start_order.append(b.index)
 
     def _finish(self, b: Bucket, out: list[Any]) -> None:
-        fused = out[0] if len(out) == 1 else None
+        # the fused result as one tensor, cut by torch: one DLPack import, not one per parameter
+        fused = from_array(out[0], b.params[0]) if len(out) == 1 else None
         start = 0
-        flags = from_array(out[-1] if fused is None else fused[-len(b.params):]).cpu().tolist()
+        flags = (from_array(out[-1]) if fused is None else fused[-len(b.params):]).cpu().tolist()
         with torch.no_grad():
             for i, p in enumerate(b.params):
                 n = p.numel()
@@ -234,7 +236,8 @@ class GradientBuckets:
                 if not flags[i]:
                     p.grad = None  # no rank had a gradient: the optimizer skips it, as alone
                     continue
-                value = from_array(part, p).view(p.shape)  # the ring's result buffer, its own for this call
+                value = part if fused is not None else from_array(part, p)
+                value = value.view(p.shape)  # the ring's result buffer, its own for this call
                 if p.grad is None or p.grad.layout != torch.strided or p.grad.dtype != p.dtype:
                     # in the parameter's own strides (channels_last, say), as autograd lays gradients out
                     p.grad = value if p.is_contiguous() else torch.empty_like(p).copy_(value)
