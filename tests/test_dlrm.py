@@ -207,3 +207,41 @@ def test_hybrid_refuses_what_it_cannot_do(runtime):
         HybridStrategy(model, opt)
     with pytest.raises(InvalidArgument, match="dense_optimizer must be a torch.optim.Optimizer"):
         HybridStrategy(torch.nn.Linear(2, 2), "adam")
+
+
+def test_hybrid_accumulates_passes_and_pushes_each_table_once_a_step(runtime):
+    """backward_passes_per_step=2: the dense gradients are summed over both passes before their
+    average, and each table's two passes reach the shards as one push at step()."""
+    import torch
+
+    from zmqflow.errors import InvalidArgument as Invalid
+    from zmqflow.state.optim import Adagrad
+    from zmqflow.torch.hybrid import HybridStrategy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.EmbeddingBag(10, 4, mode="sum"), torch.nn.Linear(4, 1))
+    hybrid = HybridStrategy(model, torch.optim.SGD(model.parameters(), lr=0.1), embedding_optimizer=Adagrad(0.5),
+                            prefix="accum/", backward_passes_per_step=2)
+    table = model[0]
+    assert table.push == "step"
+    ids = torch.arange(10)
+    rows, dense = table.read(ids).clone(), model[1].weight.detach().clone()
+    batches = [torch.tensor([[1, 2], [3, 1]]), torch.tensor([[4, 1], [2, 2]])]
+    grads = []
+    for b in batches:
+        model(b).sum().backward()
+        grads.append(model[1].weight.grad.clone())
+    assert torch.equal(table.read(ids), rows)  # both passes read the step's rows: nothing pushed yet
+    assert table.held_passes == 2 and table.counters["pushes"] == 0
+    with pytest.raises(Invalid, match="before step"):
+        hybrid.zero_grad()  # mid-accumulation: refused, and what the table holds stays
+    assert table.held_passes == 2
+    hybrid.step()
+    hybrid.flush()
+    assert table.held_passes == 0 and table.counters["pushes"] == 1
+    moved = (table.read(ids) != rows).any(dim=1)
+    assert moved.tolist() == [i in (1, 2, 3, 4) for i in range(10)]
+    torch.testing.assert_close(model[1].weight, dense - 0.1 * grads[1])  # the sum of both passes, one rank
+    with pytest.raises(Invalid, match="backward_passes_per_step must be an integer >= 1, got 0"):
+        HybridStrategy(torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]),
+                       backward_passes_per_step=0)

@@ -14,14 +14,23 @@ False`` on each of its parameters): then backward pushes nothing. ``rows`` is ma
 gets an (empty) gradient whenever the table trains, as DDP expects of every parameter in use; an
 optimizer's step over it changes nothing.
 
-Each backward pass through a table pushes its gradient then, as a parameter server's async
-workers do: it is applied on the shards without waiting for ``optimizer.step()``. So gradient
-accumulation over several backward passes applies each pass's gradient as it comes (the next
-pass reads rows the last one moved), a module called twice in a step is updated twice,
-``clip_grad_norm_`` over ``model.parameters()`` does not reach the table's gradient, and
-``torch.autograd.grad`` through a table pushes too (detach the rows, or freeze the table, to
-probe gradients). The push runs in the background: backward returns at once. The next forward of the table (from any
-module of this session), ``synchronize()``/``flush()``, ``weight``, ``export()``, ``size()`` and
+By default (``push="backward"``) each backward pass through a table pushes its gradient then, as
+a parameter server's async workers do (and as torchrec's optimizer fused into backward does): it
+is applied on the shards without waiting for ``optimizer.step()``. So gradient accumulation over
+several backward passes applies each pass's gradient as it comes (the next pass reads rows the
+last one moved), a module called twice in a step is updated twice, ``clip_grad_norm_`` over
+``model.parameters()`` does not reach the table's gradient, and ``torch.autograd.grad`` through a
+table pushes too (detach the rows, or freeze the table, to probe gradients). The push runs in the
+background: backward returns at once.
+
+With ``push="step"`` backward holds each pass's gradient in this process instead, and
+``push_held()`` (``HybridStrategy.step()`` calls it) sends what was held as one push of the sum:
+accumulated passes all read the rows as the last step left them, and the shards apply their
+optimizer once per step, as a local table under gradient accumulation. ``zero_grad()`` on the
+module drops what is held.
+
+The next forward of the table (from any module of this session), ``synchronize()``, ``flush()``
+(which first starts the push of what is held), ``weight``, ``export()``, ``size()`` and
 ``evict()`` first wait for this process's pushes, so a session reads its own writes, and an error of
 a background push is raised there.
 
@@ -49,6 +58,7 @@ from .sharded import ShardedTable
 __all__ = ["EmbeddingBag", "Embedding", "MODES"]
 
 MODES = ("sum", "mean", "max")
+PUSH_AT = ("backward", "step")  # when a table's gradients go to the shards
 _DTYPES = {torch.float16: np.dtype("float16"), torch.float32: np.dtype("float32"), torch.float64: np.dtype("float64")}
 
 
@@ -65,10 +75,12 @@ class _ShardedModule(torch.nn.Module):
     def __init__(self, name: str, num_embeddings: int | None, embedding_dim: int, optimizer: Any = None, *,
                  initializer: Any = None, dtype: torch.dtype = torch.float32, partitions: Any = None,
                  partition_strategy: str = "mod", min_frequency: int = 1, capacity: int | None = None,
-                 session: Session | None = None):
+                 session: Session | None = None, push: str = "backward"):
         super().__init__()
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"{self.kind}: name must be a non-empty string, got {name!r}")
+        if push not in PUSH_AT:
+            raise InvalidArgument(f"{self.kind} {name!r}: push must be one of {', '.join(PUSH_AT)}, got {push!r}")
         if dtype not in _DTYPES:
             raise InvalidArgument(f"{self.kind} {name!r}: dtype must be one of {', '.join(map(str, _DTYPES))}, got {dtype}")
         if initializer is None:  # torch's nn.Embedding init, N(0, 1); seeded by the name so every rank agrees
@@ -81,6 +93,7 @@ class _ShardedModule(torch.nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.dtype = dtype
+        self.push = push
         self.trainable = torch.nn.Parameter(torch.empty(0, dtype=dtype))
         # a state dict holds no switch (nothing to keep: it has no value), as it held nothing before
         self.register_state_dict_post_hook(_drop_switch)
@@ -113,11 +126,29 @@ class _ShardedModule(torch.nn.Module):
         """Background pushes of this table not finished yet."""
         return len(self.table.pending)
 
+    @property
+    def held_passes(self) -> int:
+        """Backward passes whose gradients are held for :meth:`push_held` (``push="step"``)."""
+        return self.table.held
+
     def synchronize(self) -> None:
         """Wait until this process's pushes to the table have landed; raise what any of them raised."""
         self.table.synchronize()
 
-    flush = synchronize
+    def push_held(self) -> int:
+        """Start one push of the gradients backward held (``push="step"``), their sum, without
+        waiting for it; the passes it carries (0 when none was held)."""
+        return self.table.push_held()
+
+    def flush(self) -> None:
+        """Push what is held, then wait until every push of this process has landed."""
+        self.table.push_held()
+        self.table.synchronize()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients held for the next push, as local gradients are dropped."""
+        self.table.drop_held()
+        super().zero_grad(set_to_none)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -192,7 +223,8 @@ class _ShardedModule(torch.nn.Module):
             found = self.table.lookup(ids, create=self.training)
         rows = torch.from_numpy(found).to(flat.device)
         if self.trainable.requires_grad and torch.is_grad_enabled():  # a batch with no ids too: DDP
-            return _PushRows.apply(self.trainable, rows, self.table, ids), inverse  # expects the switch used
+            # expects the switch used
+            return _PushRows.apply(self.trainable, rows, self.table, ids, self.push == "step"), inverse
         return rows.to(self.trainable.dtype), inverse
 
     def extra_repr(self) -> str:
@@ -207,16 +239,21 @@ class _PushRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, switch: torch.Tensor, rows: torch.Tensor, table: ShardedTable,
-                ids: np.ndarray) -> torch.Tensor:
+                ids: np.ndarray, hold: bool) -> torch.Tensor:
         ctx.table, ctx.ids, ctx.switch, ctx.rows_dtype = table, ids, (switch.dtype, switch.device), rows.dtype
+        ctx.hold = hold
         return rows.to(switch.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         if len(ctx.ids):  # a copy: autograd may accumulate into this gradient in place while the push is queued
-            ctx.table.push_async(ctx.ids, grad.detach().to(ctx.rows_dtype).cpu().numpy().copy())
+            rows = grad.detach().to(ctx.rows_dtype).cpu().numpy().copy()
+            if ctx.hold:
+                ctx.table.hold(ctx.ids, rows)
+            else:
+                ctx.table.push_async(ctx.ids, rows)
         dtype, device = ctx.switch
-        return torch.empty(0, dtype=dtype, device=device), None, None, None
+        return torch.empty(0, dtype=dtype, device=device), None, None, None, None
 
 
 def _drop_switch(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
@@ -238,7 +275,9 @@ class EmbeddingBag(_ShardedModule):
     table's, or SGD(0.01) when this creates it. ``initializer`` is a ``zmqflow.init`` initializer,
     by default N(0, 1) as torch's. ``partitions`` (parts, one per ps shard by default, or a
     partitioner) and ``partition_strategy`` ("mod" or "div") place a static table's rows as TF's
-    ``embedding_lookup`` does. ``session`` defaults to the process-wide runtime's.
+    ``embedding_lookup`` does. ``session`` defaults to the process-wide runtime's. ``push``:
+    ``"backward"`` sends each backward pass's gradient at once, ``"step"`` holds them for
+    ``push_held()`` (gradient accumulation; see the module's docstring).
     """
 
     kind = "EmbeddingBag"

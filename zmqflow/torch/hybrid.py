@@ -66,11 +66,16 @@ class HybridStrategy:
     ``root_rank`` so every rank starts from the same weights. ``initializer`` (a ``zmqflow.init``
     initializer) fills new tables; by default each is N(0, 1) as torch's.
 
+    ``backward_passes_per_step``: backward passes accumulated before each :meth:`step`. Above 1,
+    the dense gradients are summed locally before their average, and the tables this strategy
+    places hold their gradients (``push="step"``) until :meth:`step` pushes each table's sum, so the
+    shards' optimizer runs once per step, as it would on one process.
+
     Call ``zmqflow.torch.init()`` first; every rank must build the same model and optimizers.
     """
 
     def __init__(self, model: torch.nn.Module, dense_optimizer: torch.optim.Optimizer, embedding_optimizer: Any = None,
-                 *, prefix: str = "", initializer: Any = None, root_rank: int = 0):
+                 *, prefix: str = "", initializer: Any = None, root_rank: int = 0, backward_passes_per_step: int = 1):
         if not isinstance(model, torch.nn.Module):
             raise InvalidArgument(f"HybridStrategy: model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(dense_optimizer, torch.optim.Optimizer):
@@ -85,14 +90,19 @@ class HybridStrategy:
             if table.weight.dtype != torch.float32:
                 raise InvalidArgument(f"HybridStrategy: table {path!r} is {table.weight.dtype}; tables on the ps "
                                       "shards it makes are float32")
+        passes = backward_passes_per_step
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise InvalidArgument(f"HybridStrategy: backward_passes_per_step must be an integer >= 1, got {passes!r}")
         if local and dense_optimizer.state:
             raise InvalidArgument("HybridStrategy: dense_optimizer has already stepped; build the strategy before "
                                   "training")
-        dropped = self._place_tables(local, prefix, embedding_optimizer, initializer)
+        push = "step" if passes > 1 else "backward"
+        dropped = self._place_tables(local, prefix, embedding_optimizer, initializer, push)
         for group in dense_optimizer.param_groups:  # the shards' optimizer updates the tables now
             group["params"] = [p for p in group["params"] if id(p) not in dropped]
         self.tables = [m for m in model.modules() if isinstance(m, EmbeddingBag)]
-        self.optimizer = DistributedOptimizer(dense_optimizer, named_parameters=model.named_parameters(), backend="ring")
+        self.optimizer = DistributedOptimizer(dense_optimizer, named_parameters=model.named_parameters(),
+                                              backend="ring", backward_passes_per_step=passes)
         collectives.broadcast_parameters(model.state_dict(), root_rank=root_rank)
         self.times = StepTimes()
         self._in_tables = 0.0
@@ -105,7 +115,7 @@ class HybridStrategy:
 
     # setting up ------------------------------------------------------------------------------
     def _place_tables(self, local: list[tuple[str, torch.nn.EmbeddingBag]], prefix: str, optimizer: Any,
-                      initializer: Any) -> set[int]:
+                      initializer: Any, push: str) -> set[int]:
         """Swap each local table for a sharded one; the ids of the weights dropped."""
         dropped: set[int] = set()
         for path, old in local:
@@ -114,7 +124,7 @@ class HybridStrategy:
             if init is None:  # torch's N(0, 1), a seed of its own per table so tables differ
                 init = zf_init.normal(stddev=1.0, seed=zlib.crc32(name.encode()))
             new = EmbeddingBag(name, old.num_embeddings, old.embedding_dim, mode=old.mode, optimizer=optimizer,
-                               initializer=init, include_last_offset=old.include_last_offset)
+                               initializer=init, include_last_offset=old.include_last_offset, push=push)
             new.requires_grad_(old.weight.requires_grad)  # a frozen table stays frozen on the shards
             parent_path, _, attr = path.rpartition(".")
             setattr(self.model.get_submodule(parent_path), attr, new)
@@ -133,12 +143,16 @@ class HybridStrategy:
     # training --------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none)
+        for table in self.tables:  # what tables that push at the step hold goes too
+            table.zero_grad(set_to_none)
 
     def step(self) -> None:
-        """Finish this step: wait for the dense gradients' average, then update the dense
-        parameters. (Backward already sent the tables' sparse gradients to their shards; the
-        next lookup of each table waits for them.)"""
+        """Finish this step: start the push of what tables hold (``push="step"``), wait for the
+        dense gradients' average, then update the dense parameters. (Tables that push at backward
+        sent their sparse gradients already; the next lookup of each table waits for its pushes.)"""
         began = time.perf_counter()
+        for table in self.tables:
+            table.push_held()
         self.optimizer.synchronize()
         waited = time.perf_counter() - began
         with self.optimizer.skip_synchronize():

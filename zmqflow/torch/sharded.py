@@ -2,7 +2,11 @@
 sparse pushes that run in the background.
 
 A push is started on the session's loop and its future kept here, so backward never waits for the
-network. Because a session must read its own writes, every lookup of the table first waits for the
+network. A table that pushes at the step instead holds each backward pass's gradient here until
+:meth:`ShardedTable.push_held` sends them as one push (their sum): gradient accumulation then
+applies the shards' optimizer once per step, on the summed gradient, as a local table would.
+
+Because a session must read its own writes, every lookup of the table first waits for the
 pushes this process started on it (``PendingPushes`` is shared by every module of one session that
 names the table), and an error of any of them is raised there instead of being lost.
 """
@@ -108,6 +112,7 @@ class ShardedTable:
         self.optimizer = optimizer  # the spec the shards apply
         self.pending = _pending_for(session, handle.name)
         self._lock = threading.Lock()
+        self._held: list[tuple[np.ndarray, np.ndarray]] = []  # backward passes' gradients not pushed yet
         self.counters = {"lookups": 0, "ids_looked_up": 0, "pushes": 0, "ids_pushed": 0, "rows_updated": 0}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "ShardedTable":
@@ -177,11 +182,37 @@ class ShardedTable:
         return self.session.submit(self.handle.lookup(ids, create=create))
 
     def push_async(self, ids: np.ndarray, grads: np.ndarray) -> "concurrent.futures.Future[int]":
-        """Start a sparse push of unique ``ids`` on the session's loop; returns its future."""
+        """Start a sparse push of ``ids`` (repeats summed) on the session's loop; returns its future."""
         fut = self.session.submit(self._push(ids, grads))
         self.pending.add(fut)
         self._count(pushes=1, ids_pushed=len(ids))
         return fut
+
+    def hold(self, ids: np.ndarray, grads: np.ndarray) -> None:
+        """Keep one backward pass's gradient of unique ``ids`` for :meth:`push_held`."""
+        with self._lock:
+            self._held.append((ids, grads))
+
+    @property
+    def held(self) -> int:
+        """Backward passes whose gradients are held, not pushed yet."""
+        with self._lock:
+            return len(self._held)
+
+    def push_held(self) -> int:
+        """Start one push of every gradient held since the last (repeated ids are summed by the
+        push, so the shards apply their optimizer once, to the sum); the passes it carried."""
+        with self._lock:
+            held, self._held = self._held, []
+        if held:
+            self.push_async(np.concatenate([ids for ids, _ in held]), np.concatenate([g for _, g in held]))
+        return len(held)
+
+    def drop_held(self) -> int:
+        """Forget the gradients held (as ``zero_grad`` forgets local ones); the passes dropped."""
+        with self._lock:
+            held, self._held = self._held, []
+        return len(held)
 
     async def _push(self, ids: np.ndarray, grads: np.ndarray) -> int:
         updated = await self.handle.push(ids, grads)
