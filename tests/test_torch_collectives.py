@@ -249,3 +249,43 @@ def test_two_ranks_average_cuda_gradients_in_several_buckets(procs, tmp_path):
     assert p.wait(100) == 0, p.output
     for r in (0, 1):
         p.wait_for_line(f"rank {r} gpu optimizer done", 1)
+
+
+CLIP_AFTER_BACKWARD = '''
+import torch
+import zmqflow.torch as zt
+
+zt.init()
+r = zt.rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+plain = [p.detach().clone() for p in model.parameters()]
+opt = zt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(),
+                              bucket_mb=0.02)
+g = torch.Generator().manual_seed(r)
+x = torch.randn(16, 64, generator=g) * (1 + 10 * r)  # rank 1's gradients are far larger
+for step in range(2):
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    # as under DDP: backward returned with the averaged gradients, so this clips the average
+    averaged = [p.grad.clone() for p in model.parameters()]
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    scale = min(1.0, 0.1 / (float(norm) + 1e-6))
+    opt.step()
+    for p, before, avg in zip(model.parameters(), plain, averaged):
+        assert torch.allclose(p, before - 0.5 * scale * avg, rtol=1e-5, atol=1e-6), step
+    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert torch.equal(zt.allreduce(mine, zt.Max), zt.allreduce(mine, zt.Min))  # the same on both ranks
+    plain = [p.detach().clone() for p in model.parameters()]
+print(f"rank {r} clip done", flush=True)
+zt.shutdown()
+'''
+
+
+def test_clipping_right_after_backward_clips_the_average_on_every_rank(procs, tmp_path):
+    """DDP-style code (backward, clip_grad_norm_, step) clips the averaged gradients: backward waits
+    for its buckets, so the clip neither acts on a rank's own gradients nor races the ring reading them."""
+    p = launch_script(procs, tmp_path / "clip.py", CLIP_AFTER_BACKWARD, workers=2)
+    assert p.wait(100) == 0, p.output
+    for r in (0, 1):
+        p.wait_for_line(f"rank {r} clip done", 1)

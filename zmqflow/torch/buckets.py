@@ -16,6 +16,12 @@ left unstarted when backward ends (their parameters were unused) start at :meth:
 in order, so no rank waits for a call another rank never makes. (So where a parameter may go
 unused on some ranks only, call ``synchronize()`` before any other collective between backward and
 step: until then the ranks may have started different numbers of buckets.)
+
+When the last bucket starts from a hook (every parameter got its gradient), that hook waits for
+every bucket and sets the averaged gradients before backward returns, as DDP's backward does: code
+that reads or changes gradients between ``backward()`` and ``step()`` (``clip_grad_norm_``,
+``GradScaler.unscale_``) sees the average, and never races the ring, which reads CPU gradients in
+place. Only the last bucket's wait moves into backward: the earlier ones still overlap it.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import functools
 import gc
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,6 +130,8 @@ class GradientBuckets:
         self._where: dict[int, Bucket] = {id(p): b for b in self.buckets for p in b.params}
         self._counts: dict[int, int] = {}
         self._next = 0
+        self.averaged = False  # this step's gradients were averaged by backward itself
+        self.wait_s = 0.0  # seconds backward spent waiting for the last buckets, over every step
         self._lock = threading.RLock()
         self._reset()
         if _owned(named, self) is not None:
@@ -158,7 +167,7 @@ class GradientBuckets:
         """The hook: ``p``'s gradient was accumulated; start what became startable, in order."""
         with self._lock:
             bucket = self._where[id(p)]
-            n = self._counts.get(id(p), 0) + 1
+            n = self._counts.get(id(p), 0) + 1 + (self.passes if self.averaged else 0)
             if n > self.passes:
                 name = bucket.names[next(i for i, q in enumerate(bucket.params) if q is p)]
                 raise InvalidArgument(
@@ -168,11 +177,20 @@ class GradientBuckets:
             if n == self.passes:
                 bucket.waiting -= 1
                 self._launch_ready()
+            last = self._next == len(self.buckets)
+        if last:  # every bucket started during this backward: it returns with the average, as DDP's
+            began = time.perf_counter()
+            self.synchronize()
+            self.averaged = True  # until step() or zero_grad() takes it: another gradient before is refused
+            self.wait_s += time.perf_counter() - began
 
     def synchronize(self) -> None:
         """Start every bucket not yet started (in order), wait for all, and leave each averaged
-        gradient in its parameter's ``.grad``."""
+        gradient in its parameter's ``.grad``; nothing more where backward already did."""
         with self._lock:
+            if self.averaged:
+                self.averaged = False  # taken: the next call (a second step without backward) averages again
+                return
             for b in self.buckets:
                 b.waiting = 0
             self._launch_ready()

@@ -112,6 +112,7 @@ class HybridStrategy:
             table.register_forward_pre_hook(self._enter_table)
             table.register_forward_hook(self._leave_table)
         self._step_began = time.perf_counter()
+        self._backward_wait = self.optimizer.buckets.wait_s
 
     # setting up ------------------------------------------------------------------------------
     def _place_tables(self, local: list[tuple[str, torch.nn.EmbeddingBag]], prefix: str, optimizer: Any,
@@ -154,7 +155,10 @@ class HybridStrategy:
         for table in self.tables:
             table.push_held()
         self.optimizer.synchronize()
-        waited = time.perf_counter() - began
+        buckets = self.optimizer.buckets
+        # backward itself waits for the last buckets when every gradient started them: counted here too
+        waited = time.perf_counter() - began + buckets.wait_s - self._backward_wait
+        self._backward_wait = buckets.wait_s
         with self.optimizer.skip_synchronize():
             self.optimizer.step()
         now = time.perf_counter()
@@ -172,6 +176,7 @@ class HybridStrategy:
         self._in_tables = 0.0
         self._prefetched = sum(t.prefetch_s for t in self.tables)
         self._step_began = time.perf_counter()
+        self._backward_wait = self.optimizer.buckets.wait_s
 
     def flush(self) -> None:
         """Wait until this rank's sparse gradients have landed on the shards."""

@@ -49,7 +49,8 @@ class RingOptimizerMixin(SharesState):
         return self._zf_buckets
 
     def synchronize(self) -> None:
-        """Finish this step's allreduces: every ``.grad`` holds the average over the ranks. Call it
+        """Finish this step's allreduces: every ``.grad`` holds the average over the ranks. Where
+        backward already did (every parameter got its gradient) nothing more is sent; else call it
         before reading or clipping gradients, then ``step()`` inside :meth:`skip_synchronize`."""
         self._zf_buckets.synchronize()
         self._zf_synced = True
@@ -65,7 +66,7 @@ class RingOptimizerMixin(SharesState):
 
     @counts_steps
     def step(self, closure: Any = None) -> Any:
-        """Average the gradients (unless :meth:`synchronize` already did for this backward), then step.
+        """Average the gradients (unless backward or :meth:`synchronize` already did), then step.
         A ``closure`` runs first (its backward feeds the buckets); the wrapped step gets none."""
         loss = None
         if closure is not None:
@@ -82,6 +83,7 @@ class RingOptimizerMixin(SharesState):
         if self._zf_buckets.in_flight:
             raise InvalidArgument("zero_grad() was called after backward() but before step() or synchronize(): the "
                                   "gradients' allreduce is in flight; call step() (or synchronize()) first")
+        self._zf_buckets.averaged = False  # the averaged gradients go: the next backward starts a step
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
     def remove_hooks(self) -> None:
@@ -150,7 +152,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     """``optimizer`` distributed over the ranks of ``zmqflow.torch.init()``'s cluster.
 
     backend ``'ring'``: gradients averaged (``op='mean'``, or ``'sum'``) over the ring in buckets of
-    about ``bucket_mb`` MB started from backward, then the wrapped optimizer steps. A parameter
+    about ``bucket_mb`` MB started from backward (which returns with the averages, as DDP's, when
+    every parameter got its gradient), then the wrapped optimizer steps. A parameter
     without a gradient on a rank contributes zeros; one without a gradient on every rank keeps
     ``.grad`` None (the optimizer skips it, as alone). ``backward_passes_per_step``: backward passes
     accumulated locally (summed, as torch accumulates) before each average.
