@@ -108,6 +108,8 @@ class RingAllReduceStrategy(Strategy):
         """The holder's values, optimizer slots, per-row steps and step, committed only once all arrived."""
         assert self.elastic is not None and self.elastic.ring is not None
         ring = self.elastic.ring
+        if root == ring.rank and self._claim < 0:
+            self._restore_latest()  # no member holds a replica: every one started afresh
         step = int(ring.broadcast(np.array([self._claim], np.int64), root=root)[0])
         mine = [a for name in self.local.names for a in _state_arrays(self.local.store.get(name))]
         # one broadcast per dtype, of every array of it end to end, not one ring call per array
@@ -125,6 +127,24 @@ class RingAllReduceStrategy(Strategy):
                 start += mine[i].size
         self.step = max(step, 0)
         self._claim = self.step
+
+    def _restore_latest(self) -> None:
+        """The holder of a generation where no member holds a replica (each one restarted, the
+        last live holder died handing its state over): go on from the newest checkpoint, which
+        every member then adopts, rather than from initial values under a step of 0."""
+        directory = self.ctx.checkpoint_dir
+        path = _ckpt.latest(directory) if directory else None
+        if path is None:
+            log.warning("%s: no member of ring generation %d holds a replica and %s holds no checkpoint: training "
+                        "starts from the initial values", self.ctx.task_name, self.generation,
+                        directory or "no checkpoint_dir")
+            return
+        step, saved = _ckpt.restore_store(path)
+        self.local.load(saved)
+        self._claim = step
+        self.ctx.restored_from = path
+        log.warning("%s: no member of ring generation %d holds a replica: restored step %d from %s",
+                    self.ctx.task_name, self.generation, step, path)
 
     # training ---------------------------------------------------------------------------
     def save(self, directory: str, step: int, keep: int) -> str:
