@@ -33,6 +33,11 @@ lines, untagged, to ``DIR/job-index.log`` with a marker line per start and exit.
 fails (and is not brought back) is summarised at the end: its exit code or signal and last lines.
 Restarted processes see ``ZMQFLOW_RESTART_COUNT`` (0 on the first start). Ctrl-C is passed to
 every task's process group; launch exits 130 once none is left.
+
+Process groups (:mod:`zmqflow.cli.launch_groups`): when a task's process exits, whatever it left
+in its process group is ended (SIGTERM, then SIGKILL) before the task is restarted or reported,
+so a restart finds its port free; launch's stop ends every group it started. On Linux a task also
+gets SIGTERM if launch itself is killed outright.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from ..transport.curve import KEYS_ENV, Keys, is_loopback
 from .cluster_arg import load_cluster_arg
 from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, LOG_LEVELS, TAGGED_ENV, FiniteFloatRange, fail
 from .launch_exit import exit_env, let_finish
+from .launch_groups import ProcessGroups, die_with
 from .launch_output import TaskOutput, describe_exit
 from .launch_roles import EVALUATOR_GRACE, await_side_tasks, is_side_task, with_evaluator
 
@@ -175,6 +181,7 @@ class Launcher:
         self._interrupt: int | None = None  # the signal launch itself received, if any
         self._interrupted_at = 0.0
         self._announced = False
+        self._groups = ProcessGroups()  # every task's group that may still hold processes
         self.master = master_endpoint(spec)
         self.children = [self._child(t) for t in spec.tasks]
 
@@ -208,6 +215,8 @@ class Launcher:
         self.output.say(line, tag)
 
     def start(self) -> None:
+        """Start every task. Call :meth:`start` and :meth:`wait` from one thread that outlives the
+        tasks (the main thread under ``zmqflow launch``): see :meth:`_start`."""
         self.say(f"cluster {self.spec.to_json()}")
         roots = self.checkpoint_roots
         hint = " (--checkpoint-root DIR confines them)" if roots.anywhere else \
@@ -220,6 +229,9 @@ class Launcher:
         if self._signalled:  # interrupted while starting: start no more
             return
         # Each child gets its own session so a terminal's Ctrl-C reaches it once, through us.
+        # Children, restarts included, are started only here, from the thread that runs start() and
+        # wait() (never a waiter thread, which ends before the task does): the parent-death signal
+        # fires when the forking thread ends, so it must be the one that lives as long as launch.
         child.proc = subprocess.Popen(
             child.argv,
             env=self.env_for(child.task, child.restarts),
@@ -227,7 +239,9 @@ class Launcher:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=die_with(os.getpid()),
         )
+        self._groups.add(child.proc.pid)  # its own session: the group id is its pid
         self.output.started(child.task, child.proc.pid, child.restarts)
         child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
         child.pump.start()
@@ -240,8 +254,11 @@ class Launcher:
 
     def _waiter(self, child: _Child, proc: subprocess.Popen, pump: threading.Thread) -> None:
         """The process's end, reported when it exits: not when its output ends, which a process it
-        started and left running (holding the pipe) can put off for good. Its last lines first."""
+        started and left running (holding the pipe) can put off for good. Its last lines first.
+        What it left in its group is ended first (here, not on launch's loop, which the grace would
+        hold up): a helper holding the task's port would make every restart fail."""
         code = proc.wait()
+        self._groups.end(proc.pid)
         pump.join(EXIT_DRAIN_S)
         self.output.ended(child.task, code)
         if code != 0 and not (self._stopping and not child.runs_command):
@@ -250,15 +267,18 @@ class Launcher:
             self._events.append(("exit", child))
             self._cond.notify_all()
 
-    def signal_all(self, sig: int) -> None:
-        """``sig`` to every running task's process group (its own children too)."""
+    def signal_all(self, sig: int) -> set[int]:
+        """``sig`` to every running task's process group (its own children too); the groups sent it."""
         self._signalled = True  # tasks ending now were asked to: never restart them
+        sent: set[int] = set()
         for child in self.children:
             if child.proc is not None and child.proc.poll() is None:
                 try:
                     os.killpg(child.proc.pid, sig)  # its own session: the group id is its pid
+                    sent.add(child.proc.pid)
                 except (ProcessLookupError, PermissionError):
                     pass
+        return sent
 
     def interrupt(self, sig: int) -> None:
         """Launch got ``sig`` (Ctrl-C, SIGTERM): pass it on. Safe in a signal handler: it writes
@@ -334,9 +354,11 @@ class Launcher:
                 and child.restarts < self.max_restarts)
 
     def stop(self) -> None:
-        """SIGTERM to whatever still runs, SIGKILL after a grace period."""
+        """SIGTERM to whatever still runs, SIGKILL after a grace period: every task and every group
+        launch started, earlier runs' included (a waiter may still be ending one)."""
         self._stopping = True
-        self.signal_all(signal.SIGTERM)
+        running = self.signal_all(signal.SIGTERM)
+        self._groups.signal(signal.SIGTERM, skip=running)  # groups whose task's process already exited
         deadline = time.monotonic() + STOP_GRACE
         for child in self.children:
             if child.proc is None:
@@ -347,10 +369,8 @@ class Launcher:
                 self.say(f"{child.task} did not stop within {STOP_GRACE:g}s; killing it")
                 child.proc.kill()
                 child.proc.wait()
-            try:  # whatever the task itself started and left behind in its group
-                os.killpg(child.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        self._groups.kill_left(deadline)  # whatever the tasks started and left behind in their groups
+        for child in self.children:
             if child.pump is not None:
                 child.pump.join(2.0)
 
