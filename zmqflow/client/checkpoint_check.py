@@ -18,7 +18,7 @@ from ..state import optim as _optim
 from ..state.partition import row_splits
 from ..state.snapshot import entry_tensor
 from ..state.tables import static_part_rows
-from ..wire.dtypes import dtype_from_name
+from ..wire.dtypes import dtype_from_name, dtype_name
 from .checkpoint_files import Piece, fields
 
 __all__ = ["check_files", "check_live", "declared_rows", "is_hash"]
@@ -166,13 +166,24 @@ def _check_part_piece(path: str, record: dict[str, Any], i: int, piece: Piece, r
     _expect(path, name, i, "value", _tensor(piece, "value"), dtype, part_shape, required=True)
     for field in fields(piece):
         if field.startswith("slot."):
-            _expect(path, name, i, field, _tensor(piece, field), dtype, part_shape)
+            got = _tensor(piece, field)
+            _expect(path, name, i, field, got, _slot_dtype(dtype, got), part_shape)
     steps = (max(rows, 1),) if shape else (1,)
     _expect(path, name, i, "steps", _tensor(piece, "steps"), "int64", steps)
     sync = _tensor(piece, "sync_step")
     if sync is not None and sync[1] not in ((), (1,)):
         raise _bad(path, name, f"part {i}'s sync_step has shape {list(sync[1])}, expected one number")
     _expect(path, name, i, "sync_step", sync, None, None)
+
+
+def _slot_dtype(dtype: str, got: tuple[str, tuple[int, ...]] | None) -> str:
+    """The dtype a slot of a variable of ``dtype`` may have in a file: its slots' dtype
+    (``optim.slot_dtype``: float32 for half precision), or the variable's own (files written when
+    half-precision slots were kept in it; the shards widen them). The file's when it is one of
+    them, else the slots' dtype, named in the refusal."""
+    if got is not None and got[0] in (dtype, dtype_name(_optim.slot_dtype(dtype_from_name(dtype)))):
+        return got[0]
+    return dtype_name(_optim.slot_dtype(dtype_from_name(dtype)))
 
 
 def _check_table_piece(path: str, record: dict[str, Any], i: int, piece: Piece) -> None:
@@ -185,7 +196,8 @@ def _check_table_piece(path: str, record: dict[str, Any], i: int, piece: Piece) 
     _expect(path, name, i, "values", _tensor(piece, "value"), dtype, (n, dim), required=True)
     for field in fields(piece):
         if field.startswith("slot."):
-            _expect(path, name, i, field, _tensor(piece, field), dtype, (n, dim))
+            got = _tensor(piece, field)
+            _expect(path, name, i, field, got, _slot_dtype(dtype, got), (n, dim))
     for field in ("steps", "changed"):
         _expect(path, name, i, field, _tensor(piece, field), None, (n,))
     if not _count(piece[0].get("clock", 0)):

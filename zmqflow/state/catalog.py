@@ -81,8 +81,8 @@ class Catalog:
             return found
         for what, spec in (("optimizer", optimizer), ("initializer", initializer), ("table", table)):
             _check_spec(name, what, spec)
-        held, copies = self._check_new(name, shape, dtype, part_rows, optimizer, table)
-        tasks = self._placed(name, device, policy, part_bytes, [b * copies for b in held])
+        held = self._check_new(name, shape, dtype, part_rows, optimizer, table)
+        tasks = self._placed(name, device, policy, part_bytes, held)
         record = {
             "name": name,
             "shape": list(shape),
@@ -98,10 +98,10 @@ class Catalog:
         return record
 
     def _check_new(self, name: str, shape: list[int], dtype: str, part_rows: list[list[int]], optimizer: Any,
-                   table: dict[str, Any] | None) -> tuple[list[int], int]:
-        """A new variable's limits, checked before anything is recorded: its parts' value bytes
-        (computed here, not taken from the peer) and how many copies a shard holds (value and
-        optimizer slots)."""
+                   table: dict[str, Any] | None) -> list[int]:
+        """A new variable's limits, checked before anything is recorded; the bytes a shard holds
+        for each part (computed here, not taken from the peer): its value and optimizer slots,
+        which are float32 for a half-precision variable (``optim.slot_dtype``)."""
         limits = self.limits
         check_count(name, len(self.records), limits.max_variables, "the catalog")
         if self.parts + len(part_rows) > MAX_CATALOG_PARTS:
@@ -115,24 +115,22 @@ class Catalog:
         check_variable(name, shape, itemsize, limits)
         opt = _optim.from_spec(optimizer)
         _optim.check_dtype(opt, dtype_from_name(dtype), repr(name))
-        if isinstance(opt, _optim.SyncReplicas):
-            opt = opt.optimizer
-        copies = 1 + (len(opt.slot_names) if opt is not None else 0)
+        held = _optim.held_itemsize(opt, dtype_from_name(dtype))  # per element; the value's is ``itemsize``
         dim0 = shape[0] if shape else 1
-        row_bytes = math.prod(shape[1:]) * itemsize if shape else itemsize
+        row_held = (math.prod(shape[1:]) if shape else 1) * held
         if table is not None and table.get("kind") == "hash":
             capacity = table.get("capacity")
             if capacity is not None and not isinstance(capacity, int):
                 raise InvalidArgument(f"embedding {name!r}: capacity must be an int or None, got {capacity!r}")
             table_capacity(name, capacity, HashTable.row_size(shape[-1] if shape else 1, dtype_from_name(dtype), optimizer),
                            limits)
-            return [0 for _ in part_rows], copies  # rows are made on demand, up to the capacity
+            return [0 for _ in part_rows]  # rows are made on demand, up to the capacity
         if table is None:
             check_tiling(name, part_rows, dim0)
         for r in part_rows:  # a table's parts count their rows each from 0
             if not (0 <= r[0] <= r[1] <= dim0):
                 raise InvalidArgument(f"variable {name!r}: part rows {r} are not a range within [0, {dim0}]")
-        return [(r[1] - r[0]) * row_bytes for r in part_rows], copies
+        return [(r[1] - r[0]) * row_held for r in part_rows]
 
     def _placed(self, name: str, device: str | None, policy: str, part_bytes: list[int], held_bytes: list[int]) -> list[str]:
         """The parts' tasks, placed by the sizes the declaring client gave (a heuristic); refused,

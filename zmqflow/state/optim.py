@@ -4,6 +4,12 @@ Updates work on a variable viewed as rows (axis 0) and act on any subset of rows
 shard applies a dense push slice by slice and a sparse push to the touched rows only, with the
 slots of exactly those rows. Adam keeps its step count per row: a dense push advances every row
 (plain Adam), a sparse push advances only the rows it touches (lazy Adam).
+
+The slots of a half-precision variable (float16, bfloat16) are float32 (:func:`slot_dtype`), and
+its update is computed in float32 and rounded to the variable's dtype once (:meth:`Optimizer.apply`):
+in float16, Adam's epsilon (1e-8) and small squared gradients are zero, so its step is 0/0 or x/0;
+in bfloat16 (8 bits of mantissa) ``v * 0.999`` rounds back to ``v``, so no average ever decays.
+Float32 and float64 variables keep their slots in their own dtype and their update as it was.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from . import kernels as _kernels
 from .kernels import scaled as _scaled
 from .kernels import sub_scaled as _sub_scaled
 
-__all__ = ["Optimizer", "SGD", "Momentum", "Adagrad", "Adam", "SyncReplicas", "from_spec", "check_dtype"]
+__all__ = ["Optimizer", "SGD", "Momentum", "Adagrad", "Adam", "SyncReplicas", "from_spec", "check_dtype", "slot_dtype",
+           "held_itemsize", "restorable_slot"]
 
 # Each hyperparameter's allowed range, as (low, low included, high): one out of range makes every
 # update NaN or infinite (Adam's beta1 = 1 divides by zero, a zero Adagrad accumulator beside a
@@ -72,6 +79,20 @@ class Optimizer:
         """New rows for ``param``; ``slots`` are updated in place; ``t`` is each row's step (from 1),
         None for an optimizer that does not use it."""
         raise NotImplementedError
+
+    def apply(self, param: np.ndarray, grad: np.ndarray, slots: dict[str, np.ndarray],
+              t: np.ndarray | None) -> np.ndarray:
+        """``update`` as a shard runs it, on slots made by :func:`slot_dtype`'s rule: a float32 or
+        float64 ``param`` is updated as it is (the same call, the same bits); a half-precision one
+        is widened to its slots' float32 (copies of the request's rows, which the C loops then
+        take: one dtype throughout), updated there and rounded back into ``param`` once."""
+        if param.dtype in _AS_IS:  # the common case first, without the rule's lookup (a push's few us)
+            return self.update(param, grad, slots, t)
+        wide = slot_dtype(param.dtype)
+        if wide == param.dtype:
+            return self.update(param, grad, slots, t)
+        param[...] = self.update(param.astype(wide), grad.astype(wide), slots, t)
+        return param
 
 
 @dataclass(frozen=True)
@@ -214,6 +235,38 @@ def check_dtype(opt: "Optimizer | SyncReplicas | None", dtype: Any, label: str) 
     inner = opt.optimizer if isinstance(opt, SyncReplicas) else opt
     raise InvalidArgument(f"variable {label} is {dt}: the {inner.kind} optimizer updates floating-point variables "
                           "only (float16, bfloat16, float32, float64)")
+
+
+_WIDE = np.dtype(np.float32)
+_AS_IS = frozenset((_WIDE, np.dtype(np.float64)))  # dtypes whose slots are their own (the rule's answer, known)
+_SLOT_DTYPES: dict[np.dtype, np.dtype] = {}  # the rule's answers: it runs on every push, half_precision takes ~2 us
+
+
+def slot_dtype(dtype: Any) -> np.dtype:
+    """The dtype of the optimizer slots of a variable or table of ``dtype``: float32 for float16
+    and bfloat16 (optimizer state kept in float32, as mixed-precision training does: see the module
+    docstring for what half-precision slots do), the variable's own dtype otherwise."""
+    dt = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
+    found = _SLOT_DTYPES.get(dt)
+    if found is None:
+        found = _SLOT_DTYPES[dt] = _WIDE if half_precision(dt) else dt
+    return found
+
+
+def held_itemsize(opt: "Optimizer | SyncReplicas | None", dtype: Any) -> int:
+    """Bytes a shard holds per element of a variable of ``dtype`` under ``opt``: its value and
+    each optimizer slot, in :func:`slot_dtype` (step counts are per row, counted apart)."""
+    inner = opt.optimizer if isinstance(opt, SyncReplicas) else opt
+    dt = np.dtype(dtype)
+    return dt.itemsize + (len(inner.slot_names) * slot_dtype(dt).itemsize if inner is not None else 0)
+
+
+def restorable_slot(dtype: Any, saved: Any) -> bool:
+    """Whether a saved slot of dtype ``saved`` restores into a variable of ``dtype``: the slot
+    dtype of today, or the variable's own dtype (checkpoints written when half-precision slots
+    were kept in the variable's dtype: widened to float32 on restore, exactly)."""
+    dt, got = np.dtype(dtype), np.dtype(saved)
+    return got == slot_dtype(dt) or got == dt
 
 
 def _count(value: Any, name: str) -> int:

@@ -8,7 +8,9 @@ only under an optimizer that reads them), a sync step ``name/sync_step``; a dyna
 ``name/part_0/ids``, ``/values``, ``/slot/m``, ``/steps`` (the same), ``/changed`` (the step each
 row last changed) and its admission state ``/pending_ids``, ``/pending_counts``. The file's
 ``__metadata__`` holds ``format`` and ``entries`` (JSON: each part and table, its rows and
-tensor prefix), so a file describes itself without its manifest.
+tensor prefix), so a file describes itself without its manifest. Slots are written in the dtype
+they are held in: float32 for a float16 or bfloat16 variable or table (``optim.slot_dtype``); files
+written when such slots were kept in the variable's own dtype restore too, widened to float32.
 
 Files are written to a temporary name in the same directory, flushed and fsynced, then renamed
 over the final name, and the directory is fsynced: a crash at any moment leaves either the old

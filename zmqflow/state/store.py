@@ -1,7 +1,8 @@
 """The variable store of one parameter-server shard, sans-IO.
 
 A shard holds parts of variables: a part is rows ``[r0, r1)`` (axis 0) of a variable's full
-shape, kept as one owned numpy array with its optimizer slots beside it. Every operation checks
+shape, kept as one owned numpy array with its optimizer slots beside it (in float32 for a
+float16 or bfloat16 part: :func:`zmqflow.state.optim.slot_dtype`). Every operation checks
 its input completely before it writes, so bad input changes nothing; each runs to completion
 without awaiting, so it is atomic on the shard.
 """
@@ -133,7 +134,7 @@ def build(plan: Plan) -> Part:
         opt = p.optimizer
         if opt is not None:
             for slot in opt.slot_names:
-                p.slots[slot] = np.full(p.part_shape, opt.slot_init(slot), dtype=p.dtype)
+                p.slots[slot] = np.full(p.part_shape, opt.slot_init(slot), dtype=_optim.slot_dtype(p.dtype))
             if opt.uses_step:
                 p.steps = np.zeros(max(p.nrows, 1) if p.full_shape else 1, dtype=np.int64)
     except MemoryError:
@@ -248,7 +249,7 @@ class ShardStore:
         if value is not None:
             value = _check_array(value, p.part_shape, dt, "initial value", p)
         init = None if value is not None else _init.from_spec(initializer) if initializer is not None else _init.zeros()
-        nbytes = math.prod(p.part_shape) * dt.itemsize * (1 + (len(opt.slot_names) if opt is not None else 0))
+        nbytes = math.prod(p.part_shape) * _optim.held_itemsize(opt, dt)
         if opt is not None and opt.uses_step:
             nbytes += 8 * (max(p.nrows, 1) if p.full_shape else 1)  # each row's step count (int64)
         held = self.held_bytes() + extra_bytes
@@ -417,12 +418,14 @@ class ShardStore:
         value2d = p.grid(p.value)
         fancy = not isinstance(rows, slice)
         param = value2d[rows].copy() if fancy else value2d[rows]
-        slots = {k: (p.grid(s)[rows].copy() if fancy else p.grid(s)[rows]) for k, s in p.slots.items()}
+        slots: dict[str, np.ndarray] = {}  # SGD has none: no comprehension (it costs more than ``apply``'s check)
+        if p.slots:
+            slots = {k: (p.grid(s)[rows].copy() if fancy else p.grid(s)[rows]) for k, s in p.slots.items()}
         t = None
         if p.steps is not None:  # only for an optimizer that reads them (Adam's t)
             p.steps[rows] += 1
             t = p.steps[rows]
-        out = p.optimizer.update(param, grad2d, slots, t)
+        out = p.optimizer.apply(param, grad2d, slots, t)
         if fancy or out is not param:
             value2d[rows] = out
         if fancy:

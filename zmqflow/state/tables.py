@@ -141,7 +141,8 @@ class HashTable:
         n = min(1024, self.capacity)
         self.ids = np.zeros(n, np.int64)
         self.values = np.zeros((n, self.dim), self.dtype)
-        self.slots = {k: np.zeros((n, self.dim), self.dtype) for k in (opt.slot_names if opt else ())}
+        wide = _optim.slot_dtype(self.dtype)  # float32 for a half-precision table
+        self.slots = {k: np.zeros((n, self.dim), wide) for k in (opt.slot_names if opt else ())}
         # per-row update counts only for an optimizer that reads them (Adam's t): 8 B a row otherwise idle
         self.steps: np.ndarray | None = np.zeros(n, np.int64) if opt is not None and opt.uses_step else None
         self.last_used = np.zeros(n, np.int64)  # lookup/push tick, for LRU
@@ -173,7 +174,7 @@ class HashTable:
         if isinstance(opt, _optim.SyncReplicas):
             opt = opt.optimizer
         steps = cls.STEP_BYTES if opt is not None and opt.uses_step else 0
-        return int(dim) * np.dtype(dtype).itemsize * (1 + (len(opt.slot_names) if opt else 0)) + cls.ROW_OVERHEAD + steps
+        return int(dim) * _optim.held_itemsize(opt, dtype) + cls.ROW_OVERHEAD + steps
 
     @property
     def row_bytes(self) -> int:
@@ -209,7 +210,7 @@ class HashTable:
         grown_v[:old] = self.values
         self.values = grown_v
         for k, s in self.slots.items():
-            g = pages.zeros((new, self.dim), self.dtype)
+            g = pages.zeros((new, self.dim), s.dtype)
             g[:old] = s
             self.slots[k] = g
         if new >= 1 << 20:
@@ -374,12 +375,12 @@ class HashTable:
             self.values[slots] += g
         else:
             param = self.values[slots]
-            slot_rows = {k: s[slots] for k, s in self.slots.items()}
+            slot_rows = {k: s[slots] for k, s in self.slots.items()} if self.slots else {}
             t = None
             if self.steps is not None:
                 self.steps[slots] += 1
                 t = self.steps[slots]
-            self.values[slots] = self.optimizer.update(param, g, slot_rows, t)
+            self.values[slots] = self.optimizer.apply(param, g, slot_rows, t)
             for k, rows in slot_rows.items():
                 self.slots[k][slots] = rows
         self.last_used[slots] = self.tick
@@ -403,7 +404,9 @@ class HashTable:
              changed: np.ndarray | None = None, clock: int | None = None) -> int:
         """Put rows back (from a checkpoint): ids with their values, slots, step counts and the
         step each last changed (the clock now, when not given). ``clock``, the saved clock, moves
-        this one forward; deletions before it are unknown, so the drop log starts there."""
+        this one forward; deletions before it are unknown, so the drop log starts there. Slot rows
+        are in the slots' dtype, or in the table's own (half-precision slots of older checkpoints:
+        widened to float32 here, exactly)."""
         ids = np.asarray(ids, dtype=np.int64)
         if values.shape != (len(ids), self.dim) or values.dtype != self.dtype:
             raise InvalidArgument(f"rows must be {self.dtype} {[len(ids), self.dim]}, got {values.dtype} {list(values.shape)}")
@@ -411,9 +414,10 @@ class HashTable:
         if unknown:
             raise InvalidArgument(f"the table has no optimizer slots {sorted(unknown)}")
         for k, v in slots.items():  # all checked before anything changes
-            if not isinstance(v, np.ndarray) or v.shape != values.shape or v.dtype != self.dtype:
+            ok = isinstance(v, np.ndarray) and v.shape == values.shape and _optim.restorable_slot(self.dtype, v.dtype)
+            if not ok:
                 got = f"{v.dtype} {list(v.shape)}" if isinstance(v, np.ndarray) else type(v).__name__
-                raise InvalidArgument(f"slot {k!r} rows must be {self.dtype} {list(values.shape)}, got {got}")
+                raise InvalidArgument(f"slot {k!r} rows must be {self.slots[k].dtype} {list(values.shape)}, got {got}")
         for what, a in (("step counts", steps), ("change steps", changed)):
             if a is not None and (not isinstance(a, np.ndarray) or a.shape != ids.shape or a.dtype.kind not in "iu"):
                 got = f"{a.dtype} {list(a.shape)}" if isinstance(a, np.ndarray) else type(a).__name__

@@ -77,7 +77,9 @@ class LocalParams:
         return {n: self.store.read(n) for n in self.names}
 
     def load(self, saved: dict[str, dict[str, np.ndarray]]) -> None:
-        """Values, optimizer slots and step counts from a replica checkpoint."""
+        """Values, optimizer slots and step counts from a replica checkpoint. The assignment casts:
+        a half-precision parameter's float32 slots take the half-precision slots of a checkpoint
+        written when they were kept in the parameter's dtype, widened exactly."""
         for name in self.names:
             got = saved.get(name)
             if got is None:

@@ -13,6 +13,7 @@ import numpy as np
 from ...errors import InvalidArgument
 from ...observe.metrics import Histogram
 from ..checkpoint_roots import CheckpointRoots
+from ...state.optim import restorable_slot
 from ...state.tables import HashTable
 from ...state.snapshot import (FILE_FORMAT, check_file_name, part_arrays, part_prefix, table_arrays,
                                table_prefix, write_atomic)
@@ -95,7 +96,9 @@ class SnapshotOps:
 
     @op(rq.RestorePart)
     def restore_part(self, ctx: CallContext, req: rq.RestorePart) -> bool:
-        """Put a part's value, optimizer slots, step counts and sync step back (all checked first)."""
+        """Put a part's value, optimizer slots, step counts and sync step back (all checked first).
+        A half-precision part's slots are float32; a checkpoint written when they were kept in the
+        part's own dtype restores too, its slots widened to float32 here (exactly)."""
         value, steps, sync_step = req.value, req.steps, req.sync_step
         p = self.store.get(req.name, req.part)
         _same(value, p.value, f"{p.label} value")
@@ -103,7 +106,7 @@ class SnapshotOps:
         for k, v in slots.items():
             if k not in p.slots:
                 raise InvalidArgument(f"{p.label} has no optimizer slot {k!r} (slots: {', '.join(p.slots) or 'none'})")
-            _same(v, p.slots[k], f"{p.label} slot {k!r}")
+            _same(v, p.slots[k], f"{p.label} slot {k!r}", saved_in=p.dtype)
         if steps is not None and p.steps is not None:
             _same(steps, p.steps, f"{p.label} steps")
         p.own()
@@ -129,7 +132,13 @@ class SnapshotOps:
                           changed=changed, clock=req.clock)
 
 
-def _same(x: Any, like: np.ndarray, what: str) -> None:
-    if not isinstance(x, np.ndarray) or x.dtype != like.dtype or x.shape != like.shape:
+def _same(x: Any, like: np.ndarray, what: str, saved_in: np.dtype | None = None) -> None:
+    """``x`` has ``like``'s dtype and shape; with ``saved_in`` (an optimizer slot's variable
+    dtype), any dtype a slot of such a variable restores from (``optim.restorable_slot``)."""
+    if isinstance(x, np.ndarray) and saved_in is not None:
+        dtype_ok = restorable_slot(saved_in, x.dtype)
+    else:
+        dtype_ok = isinstance(x, np.ndarray) and x.dtype == like.dtype
+    if not dtype_ok or x.shape != like.shape:
         got = f"{x.dtype} {list(x.shape)}" if isinstance(x, np.ndarray) else type(x).__name__
         raise InvalidArgument(f"{what}: expected {like.dtype} {list(like.shape)}, got {got}")
