@@ -10,13 +10,14 @@ import numpy as np
 
 from ..client import checkpoint as _ckpt
 from ..client.blocking import Session
+from ..client.checkpoint_files import load_manifest
 from ..cluster import TaskId, shard_tasks
 from ..errors import DeadlineExceeded, NotFound, Recovering, Unavailable
 from ..observe.progress import note_error
 from ..observe import timeline
 from ..state import optim as _optim
 from .context import TrainingContext
-from .strategy import Strategy
+from .strategy import Strategy, refuse_other_model
 
 __all__ = ["ParameterServerStrategy"]
 
@@ -63,6 +64,9 @@ class ParameterServerStrategy(Strategy):
             live = {v["name"] for v in sess.variables()}
             restored = set(live)
             if restore and not (set(self.names) & live):
+                records = load_manifest(restore, "checkpoint").get("records", [])
+                saved = {r["name"]: (r["shape"], r["dtype"]) for r in records if not r.get("table")}
+                refuse_other_model({n: (np.shape(v), np.asarray(v).dtype) for n, v in params.items()}, saved, restore)
                 _ckpt.restore(sess, restore)
                 restored = {v["name"] for v in sess.variables()}
             elif restore:  # a chief that comes back finds live state: it takes its role, restores nothing

@@ -67,7 +67,7 @@ class RingAllReduceStrategy(Strategy):
         claim = 0 if ctx.task == ctx.chief_task else -1  # the chief's initial values win a first formation
         if restore:
             claim, saved = _ckpt.restore_store(restore)
-            self.local.load(saved)
+            self.local.load(saved, restore)
         kwargs = {} if self.bucket_bytes is None else {"bucket_bytes": self.bucket_bytes}
         assert ctx.server is not None, "the ring needs this task's server"
         self.elastic = ElasticRing(ctx.server, ctx.members, join_window=self.join_window,
@@ -140,7 +140,7 @@ class RingAllReduceStrategy(Strategy):
                         directory or "no checkpoint_dir")
             return
         step, saved = _ckpt.restore_store(path)
-        self.local.load(saved)
+        self.local.load(saved, path)
         self._claim = step
         self.ctx.restored_from = path
         log.warning("%s: no member of ring generation %d holds a replica: restored step %d from %s",

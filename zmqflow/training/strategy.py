@@ -15,11 +15,12 @@ import numpy as np
 
 from ..client import checkpoint as _ckpt
 from ..cluster import TaskId
+from ..errors import ConfigError
 from ..state.store import ShardStore
-from ..wire.dtypes import dtype_name
+from ..wire.dtypes import dtype_from_name, dtype_name
 from .context import TrainingContext
 
-__all__ = ["LocalParams", "LocalStrategy", "Strategy"]
+__all__ = ["LocalParams", "LocalStrategy", "Strategy", "refuse_other_model"]
 
 
 class Strategy:
@@ -76,15 +77,25 @@ class LocalParams:
     def params(self) -> dict[str, np.ndarray]:
         return {n: self.store.read(n) for n in self.names}
 
-    def load(self, saved: dict[str, dict[str, np.ndarray]]) -> None:
-        """Values, optimizer slots and step counts from a replica checkpoint. The assignment casts:
-        a half-precision parameter's float32 slots take the half-precision slots of a checkpoint
-        written when they were kept in the parameter's dtype, widened exactly."""
-        for name in self.names:
-            got = saved.get(name)
-            if got is None:
-                continue
-            p = self.store.get(name)
+    def load(self, saved: dict[str, dict[str, np.ndarray]], path: str = "checkpoint") -> None:
+        """Values, optimizer slots and step counts from a replica checkpoint, all checked first
+        (:func:`refuse_other_model`). The assignment casts: a half-precision parameter's float32
+        slots take the half-precision slots of a checkpoint written when they were kept in the
+        parameter's dtype, widened exactly."""
+        held = {n: self.store.get(n) for n in self.names}
+        found = {n: (got["value"].shape, got["value"].dtype) for n, got in saved.items() if "value" in got}
+        refuse_other_model({n: (p.full_shape, p.dtype) for n, p in held.items()}, found, path)
+        for name, p in held.items():
+            got = saved[name]
+            for k, s in p.slots.items():
+                if f"slot.{k}" in got and got[f"slot.{k}"].shape != s.shape:
+                    raise ConfigError(f"checkpoint {path!r}: slot {k!r} of {name!r} has shape "
+                                      f"{list(got[f'slot.{k}'].shape)}, expected {list(s.shape)}")
+            if p.steps is not None and "steps" in got and got["steps"].shape != p.steps.shape:
+                raise ConfigError(f"checkpoint {path!r}: the step counts of {name!r} have shape "
+                                  f"{list(got['steps'].shape)}, expected {list(p.steps.shape)}")
+        for name, p in held.items():
+            got = saved[name]
             p.value[...] = got["value"]
             for k in p.slots:
                 if f"slot.{k}" in got:
@@ -100,6 +111,27 @@ class LocalParams:
             self.store.apply(rows)
 
 
+def refuse_other_model(model: dict[str, tuple[Any, Any]], saved: dict[str, tuple[Any, Any]], path: str) -> None:
+    """Refuse, before anything is restored, a checkpoint written for another model: one that lacks
+    a parameter of ``model``, or holds it in another shape or dtype (numpy would broadcast or cast
+    it in silence). ``model`` and ``saved`` map names to (shape, dtype). Names the checkpoint holds
+    beyond the model's are left alone, as TF's Saver leaves them."""
+    for name, (shape, dtype) in model.items():
+        if name not in saved:
+            held = ", ".join(repr(n) for n in sorted(saved)[:8]) + (", ..." if len(saved) > 8 else "")
+            raise ConfigError(f"checkpoint {path!r} holds no parameter {name!r} (it holds {held}): it was written "
+                              "for another model; train into another checkpoint_dir, or restore it by hand")
+        then_shape, then_dtype = saved[name]
+        now, then = (list(shape), _named(dtype)), (list(then_shape), _named(then_dtype))
+        if now != then:
+            raise ConfigError(f"parameter {name!r} is {now[1]} {now[0]} in the model but {then[1]} {then[0]} in "
+                              f"checkpoint {path!r}: it was written for another model")
+
+
+def _named(dtype: Any) -> str:
+    return dtype_name(dtype_from_name(dtype) if isinstance(dtype, str) else np.dtype(dtype))
+
+
 class LocalStrategy(Strategy):
     """One process, no cluster: the reference every other strategy must agree with."""
 
@@ -111,7 +143,7 @@ class LocalStrategy(Strategy):
         self.step = 0
         if restore:
             self.step, saved = _ckpt.restore_store(restore)
-            self.local.load(saved)
+            self.local.load(saved, restore)
         return self.step
 
     def save(self, directory: str, step: int, keep: int) -> str:
