@@ -246,3 +246,24 @@ def test_hybrid_accumulates_passes_and_pushes_each_table_once_a_step(runtime):
     with pytest.raises(Invalid, match="backward_passes_per_step must be an integer >= 1, got 0"):
         HybridStrategy(torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]),
                        backward_passes_per_step=0)
+
+
+def test_hybrid_pushes_the_sharded_embeddings_the_model_already_holds(runtime):
+    """A zmqflow.torch.Embedding (not an EmbeddingBag) kept as it is: step() pushes what it holds."""
+    import torch
+
+    from zmqflow.state.optim import SGD
+    from zmqflow.torch.embedding import Embedding
+    from zmqflow.torch.hybrid import HybridStrategy
+
+    emb = Embedding("kept/emb", 10, 3, optimizer=SGD(1.0), push="step")
+    model = torch.nn.Sequential(emb, torch.nn.Linear(3, 1))
+    hybrid = HybridStrategy(model, torch.optim.SGD(model[1].parameters(), lr=0.1), prefix="kept/")
+    assert emb in hybrid.tables
+    ids = torch.arange(10)
+    rows = emb.read(ids).clone()
+    model(torch.tensor([1, 2, 2])).sum().backward()
+    hybrid.step()
+    hybrid.flush()
+    assert emb.held_passes == 0 and emb.counters["pushes"] == 1
+    assert (emb.read(ids) != rows).any(dim=1).tolist() == [i in (1, 2) for i in range(10)]

@@ -254,6 +254,7 @@ def test_two_ranks_average_cuda_gradients_in_several_buckets(procs, tmp_path):
 CLIP_AFTER_BACKWARD = '''
 import torch
 import zmqflow.torch as zt
+from zmqflow.errors import InvalidArgument
 
 zt.init()
 r = zt.rank()
@@ -261,7 +262,7 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
 plain = [p.detach().clone() for p in model.parameters()]
 opt = zt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(),
-                              bucket_mb=0.02)
+                              bucket_mb=0.02, average_in_backward=True)
 g = torch.Generator().manual_seed(r)
 x = torch.randn(16, 64, generator=g) * (1 + 10 * r)  # rank 1's gradients are far larger
 for step in range(2):
@@ -277,15 +278,34 @@ for step in range(2):
     mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     assert torch.equal(zt.allreduce(mine, zt.Max), zt.allreduce(mine, zt.Min))  # the same on both ranks
     plain = [p.detach().clone() for p in model.parameters()]
+
+# a parameter rank 1 leaves unused: its backward cannot average as rank 0's did, so its step refuses
+aux = torch.nn.Linear(4, 1)
+opt.remove_hooks()
+opt = zt.DistributedOptimizer(torch.optim.SGD([*model.parameters(), *aux.parameters()], lr=0.5),
+                              [*model.named_parameters(), *(("aux." + n, p) for n, p in aux.named_parameters())],
+                              bucket_mb=0.02, average_in_backward=True)
+out = model(x)
+(out.pow(2).mean() + (aux(out).sum() if r == 0 else 0)).backward()
+try:
+    opt.step()
+except InvalidArgument as exc:
+    assert r == 1 and "'aux.bias', 'aux.weight' got no gradient in this step on this rank" in str(exc), exc
+    print(f"rank {r} refused", flush=True)
+else:
+    assert r == 0
+zt.barrier()
 print(f"rank {r} clip done", flush=True)
 zt.shutdown()
 '''
 
 
 def test_clipping_right_after_backward_clips_the_average_on_every_rank(procs, tmp_path):
-    """DDP-style code (backward, clip_grad_norm_, step) clips the averaged gradients: backward waits
-    for its buckets, so the clip neither acts on a rank's own gradients nor races the ring reading them."""
+    """DDP-style code (backward, clip_grad_norm_, step) under average_in_backward clips the averaged
+    gradients: backward waits for its buckets, so the clip neither acts on a rank's own gradients
+    nor races the ring reading them; a rank that leaves a parameter unused refuses at step()."""
     p = launch_script(procs, tmp_path / "clip.py", CLIP_AFTER_BACKWARD, workers=2)
     assert p.wait(100) == 0, p.output
     for r in (0, 1):
         p.wait_for_line(f"rank {r} clip done", 1)
+    assert "rank 1 refused" in p.output and "rank 0 refused" not in p.output

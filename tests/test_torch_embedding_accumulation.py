@@ -100,3 +100,26 @@ def test_a_frozen_held_table_holds_nothing(cluster):
     out = table(BATCHES[0])
     assert not out.requires_grad and table.held_passes == 0
     assert np.array_equal(table.read(torch.arange(8)).numpy(), table.read(torch.arange(8)).numpy())
+
+
+def test_the_model_s_zero_grad_drops_what_is_held_and_a_copy_holds_its_own(cluster):
+    """torch's Module.zero_grad never calls its children's: the table sees the switch's gradient
+    gone at its next forward. A deep copy shares the rows, not what the original holds."""
+    import copy
+
+    table = EmbeddingBag("t", 8, 2, mode="sum", optimizer=zf.optim.SGD(1.0), session=cluster.sess, push="step")
+    model = torch.nn.Sequential(table)
+    ids = torch.arange(8)
+    before = table.read(ids).clone()
+    _loss(table, 0).backward()
+    model.zero_grad()  # the pass is discarded
+    _loss(table, 1).backward()  # the next forward dropped pass 0's held gradient
+    assert table.held_passes == 1
+    twin = copy.deepcopy(model)
+    twin.zero_grad()
+    twin[0].push_held()
+    assert table.held_passes == 1 and twin[0].held_passes == 0  # the twin dropped only its own
+    table.flush()
+    moved = (table.read(ids) != before).any(dim=1)
+    assert moved.tolist() == [i in (1, 2, 5, 6, 7) for i in range(8)]  # batch 1's ids only
+    assert torch.equal(twin[0].read(ids), table.read(ids))  # the same rows

@@ -270,27 +270,6 @@ def test_zero_grad_before_step_refuses_and_skip_synchronize_lets_gradients_be_cl
     opt.zero_grad()
 
 
-def test_backward_returns_with_the_average_when_every_bucket_started_in_it(local):
-    """As DDP's backward: gradients read after backward are averaged, step() sends nothing more, a
-    second backward before step() is refused, and zero_grad() starts the next step."""
-    model = _model()
-    opt = zt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_mb=1e-4)  # several buckets
-    assert len(opt.buckets.buckets) > 1
-    x = torch.randn(4, 6)
-    model(x).pow(2).sum().backward()
-    assert opt.buckets.averaged and not opt.buckets.in_flight and opt.buckets.wait_s > 0
-    with pytest.raises(InvalidArgument, match="computed 2 times before step"):
-        model(x).pow(2).sum().backward()
-    opt.zero_grad()  # allowed: nothing is in flight; the averaged gradients go
-    assert not opt.buckets.averaged and all(p.grad is None for p in model.parameters())
-    model(x).pow(2).sum().backward()
-    sent = zt.collectives.ring().async_ring.seq
-    opt.step()
-    assert zt.collectives.ring().async_ring.seq == sent  # the average was backward's: step() started no allreduce
-    opt.step()  # a second step without backward averages what .grad holds again, bucket by bucket
-    assert zt.collectives.ring().async_ring.seq == sent + len(opt.buckets.buckets)
-
-
 def test_bad_arguments_are_refused_naming_them(local):
     model = _model()
     with pytest.raises(InvalidArgument, match="backend"):

@@ -140,7 +140,9 @@ def test_a_deep_copy_shares_the_table_and_pickling_says_how_to_save(local):
 
     model = Model("switch/copy")
     twin = copy.deepcopy(model)  # an EMA or teacher copy: its dense layers are its own
-    assert twin.table.table is model.table.table and twin.head.weight is not model.head.weight
+    # the same rows on the shards and the same pushes to wait for; what it holds for a push is its own
+    assert twin.table.table.handle is model.table.table.handle and twin.head.weight is not model.head.weight
+    assert twin.table.table.pending is model.table.table.pending and twin.table.table is not model.table.table
     torch.testing.assert_close(twin(IDS), model(IDS))
     with pytest.raises(zf.errors.InvalidArgument, match="cannot be pickled .* zmqflow.checkpoint"):
         torch.save(model, io.BytesIO())

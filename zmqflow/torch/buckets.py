@@ -17,11 +17,16 @@ in order, so no rank waits for a call another rank never makes. (So where a para
 unused on some ranks only, call ``synchronize()`` before any other collective between backward and
 step: until then the ranks may have started different numbers of buckets.)
 
-When the last bucket starts from a hook (every parameter got its gradient), that hook waits for
-every bucket and sets the averaged gradients before backward returns, as DDP's backward does: code
-that reads or changes gradients between ``backward()`` and ``step()`` (``clip_grad_norm_``,
-``GradScaler.unscale_``) sees the average, and never races the ring, which reads CPU gradients in
-place. Only the last bucket's wait moves into backward: the earlier ones still overlap it.
+With ``in_backward`` (``DistributedOptimizer(average_in_backward=True)``), the hook that starts
+the last bucket waits for every bucket and sets the averaged gradients before backward returns, as
+DDP's backward does: code that reads or changes gradients between ``backward()`` and ``step()``
+(``clip_grad_norm_``, ``GradScaler.unscale_``) sees the average, and never races the ring, which
+reads CPU gradients in place. Only the last bucket's wait moves into backward: the earlier ones
+still overlap it. As under DDP without ``find_unused_parameters``, every rank must then give every
+parameter a gradient in each step: a rank that leaves one unused would clip its own gradients
+where the others clip the average, so its ``step()`` starts the remaining buckets (the others
+are waiting for them) and then raises ``InvalidArgument`` naming the parameters, never stepping
+apart in silence. Off (the default, as Horovod), call ``synchronize()`` before touching gradients.
 """
 
 from __future__ import annotations
@@ -112,7 +117,7 @@ class GradientBuckets:
     raises ``InvalidArgument`` out of ``backward``."""
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], ring: Ring, *, bucket_bytes: int, op: str = "mean",
-                 passes: int = 1, timeout: float = 60.0):
+                 passes: int = 1, timeout: float = 60.0, in_backward: bool = False):
         if op not in ("mean", "sum"):
             raise InvalidArgument(f"gradients are averaged ('mean') or summed ('sum'), not {op!r}")
         if not isinstance(passes, int) or passes < 1:
@@ -130,8 +135,10 @@ class GradientBuckets:
         self._where: dict[int, Bucket] = {id(p): b for b in self.buckets for p in b.params}
         self._counts: dict[int, int] = {}
         self._next = 0
+        self.in_backward = bool(in_backward)
         self.averaged = False  # this step's gradients were averaged by backward itself
         self.wait_s = 0.0  # seconds backward spent waiting for the last buckets, over every step
+        self._averages: dict[int, Any] = {}  # the .grad tensors backward left averaged, by parameter
         self._lock = threading.RLock()
         self._reset()
         if _owned(named, self) is not None:
@@ -166,6 +173,8 @@ class GradientBuckets:
     def grad_ready(self, p: torch.Tensor) -> None:
         """The hook: ``p``'s gradient was accumulated; start what became startable, in order."""
         with self._lock:
+            if self.averaged and p.grad is not self._averages.get(id(p)):
+                self._taken()  # the average was dropped (zero_grad, or grad = None): this starts a step
             bucket = self._where[id(p)]
             n = self._counts.get(id(p), 0) + 1 + (self.passes if self.averaged else 0)
             if n > self.passes:
@@ -177,20 +186,34 @@ class GradientBuckets:
             if n == self.passes:
                 bucket.waiting -= 1
                 self._launch_ready()
-            last = self._next == len(self.buckets)
+            last = self.in_backward and self._next == len(self.buckets)
         if last:  # every bucket started during this backward: it returns with the average, as DDP's
             began = time.perf_counter()
             self.synchronize()
-            self.averaged = True  # until step() or zero_grad() takes it: another gradient before is refused
+            with self._lock:  # until step() or zero_grad() takes it: another gradient before is refused
+                self.averaged = True
+                self._averages = {id(q): q.grad for b in self.buckets for q in b.params}
             self.wait_s += time.perf_counter() - began
+
+    def _taken(self) -> None:
+        self.averaged = False
+        self._averages = {}
+
+    def take_average(self) -> None:
+        """The gradients backward averaged are used or dropped (``step()``, ``zero_grad()``): the
+        next backward starts a step."""
+        with self._lock:
+            self._taken()
 
     def synchronize(self) -> None:
         """Start every bucket not yet started (in order), wait for all, and leave each averaged
         gradient in its parameter's ``.grad``; nothing more where backward already did."""
         with self._lock:
             if self.averaged:
-                self.averaged = False  # taken: the next call (a second step without backward) averages again
+                self._taken()  # the next call (a second step without backward) averages again
                 return
+            # in_backward, but a backward here left parameters without their gradient
+            unused = self._unused() if self.in_backward and self._counts else []
             for b in self.buckets:
                 b.waiting = 0
             self._launch_ready()
@@ -202,6 +225,18 @@ class GradientBuckets:
         finally:
             with self._lock:
                 self._reset()
+        if unused:
+            shown = ", ".join(repr(n) for n in unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+            raise InvalidArgument(
+                f"average_in_backward: {shown} got no gradient in this step on this rank, so its backward could "
+                "not average as the other ranks' did (they may have clipped or unscaled the average where this "
+                "rank had its own gradients); use every parameter on every rank, or leave average_in_backward off "
+                "and call synchronize() before touching gradients")
+
+    def _unused(self) -> list[str]:
+        """Names of the parameters whose gradients did not come ``passes`` times (under the lock)."""
+        return [name for b in self.buckets for name, q in zip(b.names, b.params)
+                if self._counts.get(id(q), 0) < self.passes]
 
     # machinery -------------------------------------------------------------------------------
     def _reset(self) -> None:

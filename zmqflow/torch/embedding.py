@@ -222,6 +222,10 @@ class _ShardedModule(torch.nn.Module):
             ids, inverse = self._unique(flat)
             found = self.table.lookup(ids, create=self.training)
         rows = torch.from_numpy(found).to(flat.device)
+        if self.push == "step" and self.trainable.grad is None and self.table.held:
+            # the switch's gradient is gone since the last backward: the model's or an optimizer's
+            # zero_grad() dropped that step's gradients, so what is held for the push goes too
+            self.table.drop_held()
         if self.trainable.requires_grad and torch.is_grad_enabled():  # a batch with no ids too: DDP
             # expects the switch used
             return _PushRows.apply(self.trainable, rows, self.table, ids, self.push == "step"), inverse

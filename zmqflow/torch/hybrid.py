@@ -28,7 +28,7 @@ import torch
 from ..errors import InvalidArgument
 from ..state import init as zf_init
 from . import collectives
-from .embedding import EmbeddingBag
+from .embedding import Embedding, EmbeddingBag
 from .optimizer import DistributedOptimizer
 
 __all__ = ["HybridStrategy", "StepTimes"]
@@ -61,7 +61,8 @@ class HybridStrategy:
     the same shape and mode, named ``{prefix}{module path}`` on the cluster and updated by
     ``embedding_optimizer`` (a ``zmqflow.optim`` optimizer) on the shards; its local weight is
     dropped, from the model and from ``dense_optimizer``. Tables that already are
-    ``zmqflow.torch.EmbeddingBag`` modules are kept as they are. What remains, every
+    ``zmqflow.torch.EmbeddingBag`` and ``Embedding`` modules are kept as they are (and pushed,
+    flushed and timed as the placed ones). What remains, every
     ``nn.Parameter``, is wrapped in a ring ``DistributedOptimizer`` and broadcast from
     ``root_rank`` so every rank starts from the same weights. ``initializer`` (a ``zmqflow.init``
     initializer) fills new tables; by default each is N(0, 1) as torch's.
@@ -100,7 +101,8 @@ class HybridStrategy:
         dropped = self._place_tables(local, prefix, embedding_optimizer, initializer, push)
         for group in dense_optimizer.param_groups:  # the shards' optimizer updates the tables now
             group["params"] = [p for p in group["params"] if id(p) not in dropped]
-        self.tables = [m for m in model.modules() if isinstance(m, EmbeddingBag)]
+        # every sharded module: those placed here and those the model already held (Embedding too)
+        self.tables = [m for m in model.modules() if isinstance(m, (EmbeddingBag, Embedding))]
         self.optimizer = DistributedOptimizer(dense_optimizer, named_parameters=model.named_parameters(),
                                               backend="ring", backward_passes_per_step=passes)
         collectives.broadcast_parameters(model.state_dict(), root_rank=root_rank)

@@ -36,9 +36,9 @@ class RingOptimizerMixin(SharesState):
     """Methods of the torch optimizer subclass for ``backend='ring'``."""
 
     def init_distributed(self, named: list[tuple[str, torch.Tensor]], bucket_bytes: int, op: str, passes: int,
-                  timeout: float) -> None:
+                  timeout: float, in_backward: bool = False) -> None:
         self._zf_buckets = GradientBuckets(named, ring(), bucket_bytes=bucket_bytes, op=op, passes=passes,
-                                           timeout=timeout)
+                                           timeout=timeout, in_backward=in_backward)
         self._zf_synced = False
         self._zf_skip = False
         self._zf_planned = frozenset(id(p) for _, p in named)
@@ -49,9 +49,9 @@ class RingOptimizerMixin(SharesState):
         return self._zf_buckets
 
     def synchronize(self) -> None:
-        """Finish this step's allreduces: every ``.grad`` holds the average over the ranks. Where
-        backward already did (every parameter got its gradient) nothing more is sent; else call it
-        before reading or clipping gradients, then ``step()`` inside :meth:`skip_synchronize`."""
+        """Finish this step's allreduces: every ``.grad`` holds the average over the ranks (where
+        backward already did, ``average_in_backward``, nothing more is sent). Call it before reading
+        or clipping gradients, then ``step()`` inside :meth:`skip_synchronize`."""
         self._zf_buckets.synchronize()
         self._zf_synced = True
 
@@ -83,7 +83,7 @@ class RingOptimizerMixin(SharesState):
         if self._zf_buckets.in_flight:
             raise InvalidArgument("zero_grad() was called after backward() but before step() or synchronize(): the "
                                   "gradients' allreduce is in flight; call step() (or synchronize()) first")
-        self._zf_buckets.averaged = False  # the averaged gradients go: the next backward starts a step
+        self._zf_buckets.take_average()  # the averaged gradients go: the next backward starts a step
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
     def remove_hooks(self) -> None:
@@ -148,12 +148,15 @@ def _named(optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[st
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, Any]] | None = None, *,
                          backend: str = "ring", bucket_mb: float = 25, op: str = "mean", sync: bool = True,
-                         backward_passes_per_step: int = 1) -> Any:
+                         backward_passes_per_step: int = 1, average_in_backward: bool = False) -> Any:
     """``optimizer`` distributed over the ranks of ``zmqflow.torch.init()``'s cluster.
 
     backend ``'ring'``: gradients averaged (``op='mean'``, or ``'sum'``) over the ring in buckets of
-    about ``bucket_mb`` MB started from backward (which returns with the averages, as DDP's, when
-    every parameter got its gradient), then the wrapped optimizer steps. A parameter
+    about ``bucket_mb`` MB started from backward, then the wrapped optimizer steps (call
+    :meth:`synchronize` first to read or clip the averages, as under Horovod). With
+    ``average_in_backward=True`` backward itself returns with the averages, as DDP's does, so
+    ``clip_grad_norm_`` or ``GradScaler.unscale_`` right after it act on them; every rank must then
+    give every parameter a gradient each step (a rank that does not raises at ``step()``). A parameter
     without a gradient on a rank contributes zeros; one without a gradient on every rank keeps
     ``.grad`` None (the optimizer skips it, as alone). ``backward_passes_per_step``: backward passes
     accumulated locally (summed, as torch accumulates) before each average.
@@ -180,13 +183,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
         if not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
             raise InvalidArgument(f"bucket_mb must be a positive number, got {bucket_mb!r}")
         obj = _subclass(optimizer, RingOptimizerMixin)
-        obj.init_distributed(named, int(bucket_mb * (1 << 20)), op, backward_passes_per_step, rt.timeout)
+        obj.init_distributed(named, int(bucket_mb * (1 << 20)), op, backward_passes_per_step, rt.timeout,
+                             bool(average_in_backward))
         return obj
     if op != "mean":
         raise ConfigError(f"backend='ps' averages gradients (SyncReplicas) or applies each on arrival; op={op!r} "
                           "is for backend='ring'")
     if backward_passes_per_step != 1:
         raise ConfigError("backend='ps' pushes every step's gradients: backward_passes_per_step must be 1")
+    if average_in_backward:
+        raise ConfigError("average_in_backward is for backend='ring'; backend='ps' pushes at step()")
     obj = _subclass(optimizer, PsOptimizerMixin)
     obj.init_distributed(named, rt, bool(sync), type(optimizer))
     return obj

@@ -117,8 +117,11 @@ class ShardedTable:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "ShardedTable":
         """The same table: a copied model (an EMA or teacher copy) shares its rows on the shards,
-        which are not the model's to copy (copy them with ``zmqflow.checkpoint``)."""
-        return self
+        which are not the model's to copy (copy them with ``zmqflow.checkpoint``), and the pushes
+        this session waits for; the gradients it holds for a push and its counters are its own."""
+        twin = ShardedTable(self.session, self.handle, self.optimizer)
+        memo[id(self)] = twin
+        return twin
 
     def __reduce__(self) -> Any:
         raise InvalidArgument(f"embedding {self.handle.name!r}: a table on the ps shards cannot be pickled (as "
