@@ -26,8 +26,9 @@ background: backward returns at once.
 With ``push="step"`` backward holds each pass's gradient in this process instead, and
 ``push_held()`` (``HybridStrategy.step()`` calls it) sends what was held as one push of the sum:
 accumulated passes all read the rows as the last step left them, and the shards apply their
-optimizer once per step, as a local table under gradient accumulation. ``zero_grad()`` on the
-module drops what is held.
+optimizer once per step, as a local table under gradient accumulation. A ``zero_grad()`` that
+drops the table's switch gradient (the model's or an optimizer's, ``set_to_none`` as torch's
+default) drops what is held, seen at the table's next forward.
 
 The next forward of the table (from any module of this session), ``synchronize()``, ``flush()``
 (which first starts the push of what is held), ``weight``, ``export()``, ``size()`` and
