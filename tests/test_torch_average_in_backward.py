@@ -10,6 +10,8 @@ torch = pytest.importorskip("torch")
 import zmqflow.torch as zt  # noqa: E402
 from zmqflow.errors import ConfigError, InvalidArgument  # noqa: E402
 
+from .conftest import launch_script  # noqa: E402
+
 
 def _model():
     torch.manual_seed(0)
@@ -53,3 +55,49 @@ def test_average_in_backward_returns_with_the_average_as_ddp(local):
         model(x).pow(2).sum().backward()  # accumulated onto the average: refused as before
     with pytest.raises(ConfigError, match="average_in_backward is for backend='ring'"):
         zt.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1), backend="ps", average_in_backward=True)
+
+
+GPU_IN_BACKWARD = '''
+import copy
+import torch
+import zmqflow.torch as zt
+
+zt.init()
+r = zt.rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(6, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3)).cuda()
+alone = copy.deepcopy(model)  # the same weights, no hooks: each rank's own gradient
+opt = zt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(),
+                              bucket_mb=1 / 1024, average_in_backward=True)
+g = torch.Generator().manual_seed(10 + r)
+x = torch.randn(5, 6, generator=g).cuda()
+for step in range(2):
+    opt.zero_grad()
+    alone.zero_grad()
+    model(x).pow(2).mean().backward()
+    alone(x).pow(2).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), alone.parameters()):
+        mean = zt.allreduce(q.grad, zt.Sum) / 2
+        assert p.grad.is_cuda and torch.allclose(p.grad, mean, rtol=1e-5, atol=1e-6), (step, name)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    opt.step()
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), alone.parameters()):
+            q.copy_(p)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert torch.equal(zt.allreduce(flat, zt.Max), zt.allreduce(flat, zt.Min)), step
+print(f"rank {r} gpu in backward done", flush=True)
+zt.shutdown()
+'''
+
+
+def test_two_ranks_average_cuda_gradients_in_backward(procs, tmp_path):
+    """On the GPU, the hook that starts the last bucket waits on autograd's device thread and sets
+    the CUDA averages before backward returns; a clip right after acts on them on both ranks."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: averaging CUDA gradients in backward runs where torch.cuda.is_available()")
+    pytest.importorskip("cupy", reason="cupy is needed to reduce CUDA tensors")
+    p = launch_script(procs, tmp_path / "gpu_in_backward.py", GPU_IN_BACKWARD, workers=2)
+    assert p.wait(100) == 0, p.output
+    for r in (0, 1):
+        p.wait_for_line(f"rank {r} gpu in backward done", 1)
