@@ -400,3 +400,52 @@ def _free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+
+class Growing(np.ndarray):
+    """An array that, each time its size is read, calls ``on_read`` (when set): the loop thread
+    changing a shard (a part created, a slot made) while a scrape, on its own thread, reads it."""
+
+    on_read = None
+
+    @property
+    def nbytes(self) -> int:
+        if self.on_read is not None:
+            self.on_read()
+        return super().nbytes
+
+
+def test_a_scrape_reads_the_shard_while_its_parts_and_slots_change():
+    hub = metrics.MetricsHub()
+
+    async def main() -> tuple[dict, int, int]:
+        async with local_cluster({"ps": 1}, timeout=20, metrics_hub=hub) as servers:
+            store = servers["ps:0"].service("ps").store
+            for name in ("a", "b"):
+                store.create(name, 0, [4], [0, 4], "float32")
+            a, b = store.get("a"), store.get("b")
+            added: list = []
+
+            def add_part() -> None:
+                added.append(("added", len(added)))
+                store.parts[added[-1]] = b
+
+            held, slot = np.zeros(4, np.float32).view(Growing), np.zeros(4, np.float32).view(Growing)
+            a.value, a.slots["m"] = held, slot
+            held.on_read = add_part  # reading the part's size adds a part to the shard...
+            slot.on_read = lambda: a.slots.setdefault(f"s{len(a.slots)}", np.zeros(4, np.float32))  # ...and a slot
+            endpoint = serve_metrics(free_port(), hub=hub)
+            try:
+                samples = await asyncio.to_thread(scrape, endpoint.port)
+            finally:
+                endpoint.close()
+                held.on_read = slot.on_read = None
+                for key in added:
+                    del store.parts[key]
+            return samples, len(added), len(a.slots)
+
+    samples, parts_added, slots = arun(main())
+    assert parts_added >= 1 and slots > 1  # the scrape did read while both changed
+    assert value(samples, "zmqflow_variables", task="ps:0") == 2  # the parts as the scrape first saw them
+    assert value(samples, "zmqflow_shard_bytes", task="ps:0", kind="variables") >= 2 * 16

@@ -4,11 +4,13 @@ carries them, and the command as users (and readiness probes) run it, against re
 from __future__ import annotations
 
 import json
+import io
 import signal
 import socket
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -17,15 +19,17 @@ from hypothesis import strategies as st
 
 import zmqflow as zf
 from zmqflow.bridge import runtime
-from zmqflow.cli.status import cluster_status
-from zmqflow.cli.status_watch import error_text, rate_text
-from zmqflow.cluster import ClusterSpec
-from zmqflow.errors import InvalidArgument
+from zmqflow.cli.probe_client import PROBE_MAX_BYTES, PROBE_OPTIONS, probe_client
+from zmqflow.cli.status import cluster_status, format_status
+from zmqflow.cli.status_watch import error_text, json_value, rate_text, watch, watch_cells
+from zmqflow.cluster import ClusterSpec, TaskId
+from zmqflow.errors import InvalidArgument, Unavailable
 from zmqflow.observe import progress
 from zmqflow.observe.progress import MAX_ERROR_CHARS, Progress, counts_steps, restarts_from
-from zmqflow.observe.rates import RateTracker, Reading
+from zmqflow.observe.rates import Rates, RateTracker, Reading
 from zmqflow.ports import free_port
-from zmqflow.testing import wait_until
+from zmqflow.rpc import CallContext, Service, op
+from zmqflow.testing import local_cluster, make_spec, wait_until
 
 from .conftest import ZMQFLOW, arun
 
@@ -151,8 +155,18 @@ def test_a_restarted_task_starts_its_rates_afresh():
 
 def test_cells_for_rates_and_errors():
     assert rate_text(None) == "-" and rate_text(12.34) == "12.3" and rate_text(2_500_000, "B") == "2.5MB"
-    assert error_text({}, 0) == "-"
-    assert error_text({"error": "E: " + "y" * 100, "error_at": 90.0}, 100.0, limit=30) == "10s ago: E: " + "y" * 15 + "..."
+    assert error_text({}) == "-"
+    assert error_text({"error": "E: " + "y" * 100, "error_age_s": 10.0}, limit=30) == "10s ago: E: " + "y" * 15 + "..."
+    assert error_text({"error": "E", "error_at": 90.0}) == "E"  # a wall time alone: no age (the clocks may differ)
+
+
+def test_the_errors_age_is_measured_on_the_tasks_own_clock():
+    mono = [100.0]
+    rec = Progress(clock=lambda: 5000.0, monotonic=lambda: mono[0])
+    rec.note_error(RuntimeError("boom"))
+    mono[0] = 142.5
+    snap = rec.snapshot()
+    assert snap["error_at"] == 5000.0 and snap["error_age_s"] == 42.5
 
 
 # the status reply ---------------------------------------------------------------------------
@@ -303,3 +317,112 @@ def test_torch_optimizer_steps_are_counted_and_a_failed_step_noted(fresh, local)
     assert snap["step"] == 3 and snap["samples"] == 2 and snap["error"] == "RuntimeError: loss is nan"
     rows = arun(cluster_status(runtime.current().spec, 5.0, tasks=[zf.TaskId("worker", 0)]))
     assert rows[0]["progress"]["step"] == 3  # the worker's server answers with this process's progress
+
+
+# odd peers ------------------------------------------------------------------------------------
+class OddMaster(Service):
+    """A ``master`` that answers ping, and answers ``status`` with whatever it was given."""
+
+    name = "master"
+
+    def __init__(self, reply: object) -> None:
+        super().__init__()
+        self.reply = reply
+
+    @op
+    def ping(self, ctx: CallContext) -> dict:
+        return {}
+
+    @op
+    def status(self, ctx: CallContext) -> object:
+        return self.reply
+
+
+ODD_REPLIES = [
+    [1, 2, 3],  # not a map at all
+    {"counters": None, "uptime_s": 1.0},
+    {"uptime_s": "1.5", "pid": True, "roles": "ps"},
+    {"state": {"ps": 5}, "counters": {"bytes_in": "7", "msgs_in": 2}},
+    {"reachable": False, "task": "chief:9", "pid": 1},  # a reply may not say it is down, nor who it is
+    {"progress": {"step": "x", "error": 5, "error_age_s": float("nan"), "restarts": None}, "pad": b"x"},
+]
+
+
+def test_odd_status_replies_show_as_odd_rows_and_every_other_task_still_shows():
+    spec = make_spec({"worker": 1 + len(ODD_REPLIES)}, "tcp")
+
+    def services(task: TaskId) -> dict:
+        return {"master": OddMaster(ODD_REPLIES[task.index - 1])} if task.index else {}
+
+    async def main() -> tuple[list[dict], str, str]:
+        async with local_cluster(spec, timeout=30, services=services):
+            rows = await cluster_status(spec, 5.0)
+            table, lines = io.StringIO(), io.StringIO()
+            await watch(spec, spec.tasks, 5.0, 0.05, 1, out=table)
+            await watch(spec, spec.tasks, 5.0, 0.05, 2, as_json=True, out=lines)
+            return rows, table.getvalue(), lines.getvalue()
+
+    rows, table, lines = arun(main(), 60)
+    by_task = {r["task"]: r for r in rows}
+    assert list(by_task) == [str(t) for t in spec.tasks]  # the reply's own "task" does not rename a row
+    assert by_task["worker:0"]["reachable"] and by_task["worker:0"]["roles"]
+    assert by_task["worker:1"] == {"task": "worker:1", "address": str(spec.address(spec.tasks[1])),
+                                   "reachable": False, "error": "malformed status reply"}
+    assert all(by_task[f"worker:{i}"]["reachable"] for i in range(2, len(ODD_REPLIES) + 1))
+    text = format_status(rows).splitlines()
+    assert len(text) == 1 + len(rows) and text[2].endswith("malformed status reply")
+    assert " 0.0s " in text[4] and text[5].endswith(" 5") and " 2/0 " in text[5]  # what has the type it needs
+    for row in rows:
+        cells = watch_cells(row, Rates())
+        assert cells[0] == row["task"] and len(cells) == 9
+    assert watch_cells(by_task["worker:1"], Rates())[-1] == "malformed status reply"
+    assert watch_cells(by_task["worker:6"], Rates())[3] == "-"  # a step that is not an integer: none
+    readings = [Reading.from_status(by_task[f"worker:{i}"]) for i in (3, 4)]
+    assert (readings[0].t, readings[0].pid, readings[1].bytes) == (0.0, None, 0)
+    assert json.loads(json.dumps(rows, default=json_value))[6]["pad"] == "<bytes>"
+    assert sum(line.startswith("│ worker:") for line in table.splitlines()) == len(rows), table
+    refreshes = [json.loads(line) for line in lines.splitlines()]
+    assert [len(r["tasks"]) for r in refreshes] == [len(rows)] * 2
+
+
+def test_a_status_reply_too_large_is_cut_off_by_the_socket_before_it_is_held():
+    big = np.zeros(PROBE_MAX_BYTES // 4 * 2, np.float32)  # twice the limit, as one frame
+
+    spec = make_spec({"worker": 2}, "tcp")
+
+    async def main() -> list[dict]:
+        services = {TaskId("worker", 1): {"master": OddMaster({"pad": big})}}
+        async with local_cluster(spec, timeout=30, services=lambda t: services.get(t, {})):
+            rows = await cluster_status(spec, 5.0)
+            client = probe_client("status", 5.0)
+            try:
+                assert client.options.max_msg_bytes == PROBE_OPTIONS.max_msg_bytes == PROBE_MAX_BYTES
+                with pytest.raises(Unavailable, match="dropped"):  # libzmq cut the connection: never decoded
+                    await client.call(spec.address(spec.tasks[1]).endpoint, "master", "status", timeout=5.0)
+            finally:
+                client.close()
+            return rows
+
+    assert [r["reachable"] for r in arun(main(), 60)] == [True, False]
+
+
+def test_watch_ages_the_last_error_by_the_tasks_clock_not_the_watchers(monkeypatch):
+    mono = [100.0]
+    # the task's host: its wall clock an hour ahead of the watcher's, its own monotonic clock
+    progress.reset(Progress(clock=lambda: time.time() + 3600, monotonic=lambda: mono[0]))
+    monkeypatch.delenv("COLUMNS", raising=False)
+    try:
+        progress.note_error(RuntimeError("CUDA out of memory"))
+        mono[0] = 142.0  # 42 s on, as the task counts them
+
+        async def main() -> str:
+            async with local_cluster({"worker": 1}, timeout=30, transport="tcp") as servers:
+                spec = next(iter(servers.values())).spec
+                out = io.StringIO()
+                await watch(spec, spec.tasks, 5.0, 0.05, 1, out=out)
+                return out.getvalue()
+
+        cells = _table_rows(arun(main(), 60))[0]["worker:0"]
+        assert cells[-1].startswith("42s ago: RuntimeError: CUDA out of memory"), cells
+    finally:
+        progress.reset()

@@ -13,14 +13,17 @@ import sys
 import textwrap
 import uuid
 
+import numpy as np
 import pytest
 
 import zmqflow as zf
 from zmqflow import errors
 from zmqflow.bridge import runtime
-from zmqflow.rpc import RpcClient
+from zmqflow.cli.probe_client import PROBE_MAX_BYTES
+from zmqflow.cli.stop import UNREACHABLE, stop_tasks
+from zmqflow.rpc import CallContext, RpcClient, Service, op
 from zmqflow.server.services.sessions import SessionLedger
-from zmqflow.testing import free_port, make_spec, wait_until
+from zmqflow.testing import free_port, local_cluster, make_spec, wait_until
 from zmqflow.transport.curve import Keys, generate
 
 from .conftest import ZMQFLOW, arun
@@ -118,6 +121,30 @@ def test_tasks_stop_never_reached_are_unreachable_not_down(tmp_path, procs):
     assert outcome["worker:1"].startswith("unreachable: host no-such-host.invalid does not resolve"), p.output
     assert outcome["worker:2"] == (f"unreachable: 127.0.0.1:{mute_port} accepts connections but no zmqflow "
                                    "task answered there"), p.output
+
+
+class HugePing(Service):
+    """A ``master`` whose ping answers with twice what a probe's client takes."""
+
+    name = "master"
+
+    @op
+    def ping(self, ctx: CallContext) -> dict:
+        return {"pad": np.zeros(PROBE_MAX_BYTES // 2, np.float32)}
+
+
+def test_stop_takes_no_reply_larger_than_it_needs():
+    """The reply is cut off by the socket (the peer then counts as no task), not taken in whole:
+    stop asks tasks with a client of small replies, as status does."""
+    spec = make_spec({"worker": 1}, "tcp")
+
+    async def main() -> list:
+        async with local_cluster(spec, timeout=30, services=lambda t: {"master": HugePing()}):
+            return await stop_tasks(spec, list(spec.tasks), 3.0)
+
+    [(_, outcome)] = arun(main(), 60)
+    address = spec.address(spec.tasks[0])
+    assert outcome == f"{UNREACHABLE}: {address} accepts connections but no zmqflow task answered there"
 
 
 def test_stop_and_status_refuse_a_timeout_that_is_not_finite(tmp_path, procs):

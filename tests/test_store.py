@@ -376,3 +376,30 @@ def test_a_part_declared_again_with_another_optimizer_conflicts_and_one_naming_n
         store.create("plain", 0, [4], [0, 4], "float32", optimizer=SGD(0.1).spec())
     p = store.get("w")
     assert p.optimizer == Momentum(0.1) and p.sync.replicas_to_aggregate == 2
+
+
+class _SizeReadAdds(np.ndarray):
+    """An array whose size, when read, calls ``on_read``: another thread changing the store meanwhile."""
+
+    on_read = None
+
+    @property
+    def nbytes(self) -> int:
+        if self.on_read is not None:
+            self.on_read()
+        return super().nbytes
+
+
+def test_sizes_can_be_read_while_parts_and_slots_are_added():
+    store = ShardStore()
+    for name in ("a", "b"):
+        store.create(name, 0, [4], [0, 4], "float32", optimizer=Momentum(0.1, 0.9))
+    a = store.get("a")
+    held = a.value.view(_SizeReadAdds)
+    slot = next(iter(a.slots.values())).view(_SizeReadAdds)
+    a.value, a.slots["grown"] = held, slot
+    held.on_read = lambda: store.parts.setdefault((f"added{len(store.parts)}", 0), store.get("b"))
+    slot.on_read = lambda: a.slots.setdefault(f"s{len(a.slots)}", np.zeros(4, np.float32))
+    before = len(store.parts)
+    assert store.nbytes >= 2 * 16 and a.nbytes >= 16  # no "changed size during iteration"
+    assert len(store.parts) > before and len(a.slots) > 2

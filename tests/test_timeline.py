@@ -277,3 +277,23 @@ def test_a_task_named_only_by_tf_config_names_its_file_and_series(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["worker:1"]
     assert [e["name"] for e in _spans(read_trace(str(tmp_path / "t.worker-1.json")))] == ["one"]
+
+
+def test_merge_never_reads_its_own_output_or_one_file_twice(tmp_path):
+    """OUT spelled otherwise than the glob's match (./x, an absolute path, a link) is still OUT, and
+    a file named twice is read once: a rerun writes the same trace, not every event once more."""
+    for task in ("worker:0", "ps:0"):
+        timeline.start(str(tmp_path / "timeline.json"), task)
+        with timeline.span("push"):
+            pass
+        timeline.stop()
+    os.symlink(tmp_path / "timeline.all.json", tmp_path / "latest.json")
+    counts = []
+    for out in ("./timeline.all.json", str(tmp_path / "timeline.all.json"), "latest.json", "./timeline.all.json"):
+        r = subprocess.run([*ZMQFLOW, "timeline", "merge", out, "timeline.*.json", "./timeline.ps-0.json"],
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip().endswith("of 2 task(s) from 2 file(s)"), r.stdout
+        counts.append(len(json.loads((tmp_path / "timeline.all.json").read_text())["traceEvents"]))
+    assert len(set(counts)) == 1, counts
+    assert len(_spans(json.loads((tmp_path / "timeline.all.json").read_text())["traceEvents"])) == 2

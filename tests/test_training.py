@@ -127,7 +127,7 @@ def test_summary_hook_writes_json_lines_without_tensorboardx(tmp_path, monkeypat
             mon.apply({"w": np.ones(1)}, metrics={"loss": float(mon.step)})
     lines = [json.loads(x) for x in (tmp_path / "summaries-local.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 3, 5]  # the first step, then every 2 on (TF's SecondOrStepTimer)
-    assert [x["loss"] for x in lines] == [0.0, 2.0, 4.0]
+    assert [x["metrics"] for x in lines] == [{"loss": 0.0}, {"loss": 2.0}, {"loss": 4.0}]
 
 
 SYNC_CRASH = textwrap.dedent(

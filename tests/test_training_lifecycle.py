@@ -165,3 +165,59 @@ def test_the_loops_error_stays_the_one_raised_when_cleanup_fails():
                 raise ValueError("the loop failed")
         assert any("ring already gone" in note for note in info.value.__notes__)
         assert strategy.closed and mon.server.join(0)
+
+
+def test_a_metric_that_is_not_one_number_is_refused_before_the_step(tmp_path):
+    """Refused before the update: the step is not applied, nothing is saved, and a retry applies it once."""
+    with zf.MonitoredTrainingSession(checkpoint_dir=str(tmp_path), save_checkpoint_steps=1, progress=False) as mon:
+        mon.create({"w": np.zeros(2, np.float32)}, optimizer=zf.optim.SGD(1.0))
+        for bad in (np.array([0.5, 0.7]), "0.5", None, [0.5]):
+            with pytest.raises(InvalidArgument, match="metric 'loss': expected one number"):
+                mon.apply({"w": np.ones(2, np.float32)}, metrics={"loss": bad})
+        assert mon.step == 0 and checkpoint.latest(str(tmp_path)) is None
+        np.testing.assert_array_equal(mon.params()["w"], [0, 0])
+        mon.apply({"w": np.ones(2, np.float32)}, metrics={"loss": np.float32(0.5), "acc": np.array([0.25])})
+        assert mon.step == 1 and checkpoint.latest(str(tmp_path)).endswith(checkpoint.manifest_name(1))
+        np.testing.assert_array_equal(mon.params()["w"], [-1, -1])  # applied once
+
+
+class _FailsAt(zf.Hook):
+    """Raises at one step (a full disk, say); notes the newest checkpoint each step it is called."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.seen = step, []
+
+    def after_step(self, mon, step, metrics):
+        self.seen.append((step, checkpoint.latest(mon.checkpoint_dir)))
+        if step == self.step:
+            raise OSError(28, "No space left on device")
+
+
+def test_a_hook_that_raises_does_not_cost_the_checkpoint_due_at_its_step(tmp_path):
+    hook = _FailsAt(3)
+    with pytest.raises(OSError, match="No space left"):
+        with zf.MonitoredTrainingSession(checkpoint_dir=str(tmp_path), save_checkpoint_steps=3, hooks=[hook],
+                                         progress=False) as mon:
+            mon.create({"w": np.zeros(2, np.float32)}, optimizer=zf.optim.SGD(1.0))
+            for _ in range(5):
+                mon.apply({"w": np.ones(2, np.float32)})
+    assert mon.step == 3 and checkpoint.latest(str(tmp_path)).endswith(checkpoint.manifest_name(3))
+    # the hooks run on the step as the session left it: the checkpoint of step 3 is there when they do
+    assert hook.seen[-1] == (3, checkpoint.latest(str(tmp_path))) and hook.seen[1] == (2, None)
+
+
+def test_summary_lines_are_strict_json_whatever_the_metrics_are_named(tmp_path, no_tensorboardx):
+    def strict(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    hooks = [zf.SummaryHook(every_n_steps=1, output_dir=str(tmp_path)), zf.StopAtStep(2)]
+    with zf.MonitoredTrainingSession(hooks=hooks, progress=False) as mon:
+        mon.create({"w": np.zeros(2, np.float32)}, optimizer=zf.optim.SGD(1.0))
+        while not mon.should_stop():
+            mon.apply({"w": np.ones(2, np.float32)},
+                      metrics={"loss": float("nan"), "step": 0.0, "time": 0.25, "grad_norm": float("-inf")})
+    text = (tmp_path / "summaries-local.jsonl").read_text()
+    lines = [json.loads(x, parse_constant=strict) for x in text.splitlines()]
+    assert [(x["step"], x["metrics"]) for x in lines] == \
+        [(s, {"loss": None, "step": 0.0, "time": 0.25, "grad_norm": None}) for s in (1, 2)]
+    assert all(isinstance(x["time"], float) and x["time"] > 1e9 for x in lines)  # the record's own time

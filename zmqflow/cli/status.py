@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,10 +11,11 @@ import click
 from ..cluster import ClusterSpec, TaskId, resolve
 from ..errors import ConfigError
 from ..loop import run
-from ..rpc import RpcClient
+from ..observe.status_reply import clean_status
 from ..transport.curve import KEYS_ENV, Keys, keys_from
 from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, FiniteFloatRange, fail
-from .status_watch import probe_rows, watch
+from .probe_client import probe_client
+from .status_watch import json_value, probe_rows, watch
 
 __all__ = ["status", "cluster_status", "format_status"]
 
@@ -26,7 +26,7 @@ async def cluster_status(spec: ClusterSpec, timeout: float, keys: Keys | None = 
     ``timeout``, else ``reachable: False``."""
     if keys is not None:
         keys.learn(spec)
-    client = RpcClient(identity=f"status-{uuid.uuid4().hex[:8]}", default_timeout=timeout, keys=keys)
+    client = probe_client("status", timeout, keys)
     try:
         return await probe_rows(client, spec, list(spec.tasks if tasks is None else tasks), timeout)
     finally:
@@ -42,21 +42,24 @@ def _size(n: int) -> str:
 
 
 def format_status(rows: list[dict[str, Any]]) -> str:
+    """The rows of :func:`cluster_status` as a plain-text table, one line per task."""
     header = ["TASK", "ADDRESS", "UP", "ROLES", "PID", "UPTIME", "STEP", "RESTARTS", "MSGS IN/OUT", "BYTES IN/OUT",
               "ERRORS", "STATE"]
     table = [header]
-    for r in rows:
-        if r["reachable"]:
-            c, p = r.get("counters", {}), r.get("progress") or {}
+    for row in rows:
+        r = clean_status(row)  # a field of another type (an odd peer's reply) shows as absent
+        task, address = r.get("task", "?"), r.get("address", "?")
+        if r.get("reachable"):
+            c, p = r.get("counters", {}), r.get("progress", {})
             table.append([
-                r["task"], r["address"], "yes", ",".join(r.get("roles", [])), str(r.get("pid", "")),
+                task, address, "yes", ",".join(r.get("roles", [])), str(r.get("pid", "")),
                 f"{r.get('uptime_s', 0):.1f}s", str(p.get("step", "-")), str(p.get("restarts", 0)),
                 f"{c.get('msgs_in', 0)}/{c.get('msgs_out', 0)}",
                 f"{_size(c.get('bytes_in', 0))}/{_size(c.get('bytes_out', 0))}", str(c.get("errors", 0)),
                 "; ".join(r.get("state", {}).values()) or "-",
             ])
         else:
-            table.append([r["task"], r["address"], "NO", "-", "-", "-", "-", "-", "-", "-", "-", "down"])
+            table.append([task, address, "NO", "-", "-", "-", "-", "-", "-", "-", "-", r.get("error", "down")])
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)
 
@@ -108,7 +111,7 @@ def status(cluster: str | None, task_names: tuple[str, ...], as_json: bool, time
     rows = run(cluster_status(spec, timeout, loaded, tasks))
     up = all(r["reachable"] for r in rows)
     if as_json:
-        click.echo(json.dumps({"all_reachable": up, "tasks": rows}, indent=2))
+        click.echo(json.dumps({"all_reachable": up, "tasks": rows}, indent=2, default=json_value, skipkeys=True))
     else:
         click.echo(format_status(rows))
         down = [r["task"] for r in rows if not r["reachable"]]

@@ -13,17 +13,18 @@ import json
 import os
 import sys
 import time
-import uuid
 from collections.abc import Sequence
 from typing import Any, TextIO
 
 from ..cluster import ClusterSpec, TaskId
 from ..observe.rates import RateTracker, Reading, Rates
+from ..observe.status_reply import MALFORMED, clean_status
 from ..rpc import RpcClient
 from ..rpc.health import probe
 from ..transport.curve import Keys
+from .probe_client import probe_client
 
-__all__ = ["probe_rows", "watch", "watch_cells", "WATCH_HEADER", "rate_text", "error_text"]
+__all__ = ["probe_rows", "watch", "watch_cells", "WATCH_HEADER", "rate_text", "error_text", "json_value"]
 
 WATCH_HEADER = ("TASK", "UP", "ROLES", "STEP", "STEPS/S", "SAMPLES/S", "BYTES/S", "RESTARTS", "LAST ERROR")
 ERROR_CELL_CHARS = 60  # the table's last-error cell; --json carries the whole (already bounded) text
@@ -36,11 +37,20 @@ async def probe_rows(client: RpcClient, spec: ClusterSpec, tasks: Sequence[TaskI
     replies = await asyncio.gather(*(probe(client, spec, t, timeout) for t in tasks))
     rows = []
     for task, reply in zip(tasks, replies):
-        row: dict[str, Any] = {"task": str(task), "address": str(spec.address(task)), "reachable": reply is not None}
-        if reply is not None:
-            row.update({k: v for k, v in reply.items() if k not in ("task", "address")})
+        ours = {"task": str(task), "address": str(spec.address(task)), "reachable": isinstance(reply, dict)}
+        row: dict[str, Any] = dict(ours)
+        if isinstance(reply, dict):  # str keys only: the row is printed as JSON
+            row.update((k, v) for k, v in reply.items() if isinstance(k, str))
+        elif reply is not None:  # it answered, but not with a map: whatever it is, it is no status
+            row["error"] = MALFORMED
+        row.update(ours)  # last: a reply cannot claim another task, address or reachability
         rows.append(row)
     return rows
+
+
+def json_value(value: Any) -> str:
+    """What ``--json`` prints for a value of a reply that JSON has no form for (bytes, say)."""
+    return f"<{type(value).__name__}>"
 
 
 def _si(x: float) -> str:
@@ -56,26 +66,30 @@ def rate_text(value: float | None, unit: str = "") -> str:
     return "-" if value is None else _si(value) + unit
 
 
-def error_text(progress: dict[str, Any], now: float, limit: int = ERROR_CELL_CHARS) -> str:
-    """The last error for a cell: how long ago, then its text cut to ``limit`` characters."""
+def error_text(progress: dict[str, Any], limit: int = ERROR_CELL_CHARS) -> str:
+    """The last error for a cell: how long ago, then its text cut to ``limit`` characters. The
+    age is the one the task measured on its own monotonic clock (``error_age_s``): the watcher's
+    wall clock minus the task's would be off by however far the two hosts' clocks disagree."""
     text = progress.get("error")
     if not text:
         return "-"
-    at = progress.get("error_at")
-    age = f"{max(0.0, now - at):.0f}s ago: " if isinstance(at, (int, float)) else ""
+    age_s = progress.get("error_age_s")
+    age = f"{max(0.0, age_s):.0f}s ago: " if isinstance(age_s, (int, float)) else ""
     cell = age + str(text)
     return cell if len(cell) <= limit else cell[: limit - 3] + "..."
 
 
-def watch_cells(row: dict[str, Any], rates: Rates, now: float) -> list[str]:
+def watch_cells(row: dict[str, Any], rates: Rates) -> list[str]:
     """One table row: what a task said and the rates since its earlier replies."""
-    if not row["reachable"]:
-        return [row["task"], "NO", "-", "-", "-", "-", "-", "-", "-"]
-    p = row.get("progress") or {}
+    r = clean_status(row)
+    task = r.get("task", "?")
+    if not r.get("reachable"):
+        return [task, "NO", "-", "-", "-", "-", "-", "-", r.get("error", "-")]
+    p = r.get("progress", {})
     step = p.get("step")
-    return [row["task"], "yes", ",".join(row.get("roles", [])), "-" if step is None else str(step),
+    return [task, "yes", ",".join(r.get("roles", [])), "-" if step is None else str(step),
             rate_text(rates.steps), rate_text(rates.samples), rate_text(rates.bytes, "B"),
-            str(p.get("restarts", 0)), error_text(p, now)]
+            str(p.get("restarts", 0)), error_text(p)]
 
 
 def _rates_of(tracker: RateTracker, rows: list[dict[str, Any]]) -> list[Rates]:
@@ -95,16 +109,16 @@ def _table(rows: list[dict[str, Any]], rates: list[Rates], title: str) -> Any:
     table = Table(title=title, title_justify="left", expand=False)
     for name in WATCH_HEADER:
         table.add_column(name, no_wrap=name != "LAST ERROR", justify="right" if "/S" in name or name in ("STEP", "RESTARTS") else "left")
-    now = time.time()
     for row, r in zip(rows, rates):
-        table.add_row(*watch_cells(row, r, now))
+        table.add_row(*watch_cells(row, r))
     return table
 
 
 def _json_line(n: int, rows: list[dict[str, Any]], rates: list[Rates]) -> str:
     tasks = [{**row, "rates": {"steps_per_s": r.steps, "samples_per_s": r.samples, "bytes_per_s": r.bytes}}
              for row, r in zip(rows, rates)]
-    return json.dumps({"refresh": n, "time": time.time(), "tasks": tasks}, separators=(",", ":"))
+    return json.dumps({"refresh": n, "time": time.time(), "tasks": tasks}, separators=(",", ":"),
+                      default=json_value, skipkeys=True)
 
 
 async def watch(spec: ClusterSpec, tasks: Sequence[TaskId], timeout: float, interval: float, count: int | None,
@@ -119,7 +133,7 @@ async def watch(spec: ClusterSpec, tasks: Sequence[TaskId], timeout: float, inte
     console = Console(file=stream, width=width)
     if keys is not None:
         keys.learn(spec)
-    client = RpcClient(identity=f"status-{uuid.uuid4().hex[:8]}", default_timeout=timeout, keys=keys)
+    client = probe_client("status", timeout, keys)
     tracker = RateTracker()
     live = Live(console=console, auto_refresh=False) if terminal else None
     loop = asyncio.get_running_loop()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import uuid
 
 import click
 
@@ -30,6 +29,7 @@ from ..transport.curve import KEYS_ENV, Keys, keys_from
 from ..wire.requests import cluster as crq
 from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, FiniteFloatRange, fail
 from .cluster_arg import load_cluster_arg
+from .probe_client import probe_client
 
 __all__ = ["stop", "stop_tasks", "STOPPED", "ALREADY_DOWN", "UNREACHABLE"]
 
@@ -106,7 +106,7 @@ async def stop_tasks(spec: ClusterSpec, tasks: list[TaskId], timeout: float, key
     """Stop ``tasks`` (the ps tasks after all others); each task's outcome, in the order given."""
     if keys is not None:
         keys.learn(spec)
-    client = RpcClient(identity=f"stop-{uuid.uuid4().hex[:8]}", source="zmqflow-stop", default_timeout=timeout, keys=keys)
+    client = probe_client("stop", timeout, keys, source="zmqflow-stop")
     outcome: dict[TaskId, str] = {}
     try:
         for phase in ([t for t in tasks if t.job != "ps"], [t for t in tasks if t.job == "ps"]):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import os
 
 import click
 
@@ -26,12 +27,19 @@ def merge(out: str, files: tuple[str, ...]) -> None:
     """Join FILES (paths or quoted globs such as 'timeline.*.json') into OUT, one process track per
     task, for chrome://tracing or https://ui.perfetto.dev. Files of killed processes are read up to
     their last whole event."""
+    # Compared by real path: OUT spelled another way (./x, an absolute path, a link) than a glob's
+    # match is still OUT, and a file named twice is one file; either, read again, repeats its events.
     paths: list[str] = []
+    seen = {os.path.realpath(out)}
     for f in files:
         found = sorted(glob.glob(f)) if glob.has_magic(f) else [f]
         if not found:
             fail("timeline merge", f"no file matches {f!r}", EXIT_USAGE)
-        paths += [p for p in found if p not in paths and p != out]
+        for p in found:
+            real = os.path.realpath(p)
+            if real not in seen:
+                seen.add(real)
+                paths.append(p)
     try:
         events = merge_traces(paths)
         write_trace(out, events, paths)

@@ -51,11 +51,15 @@ def _clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
 
 
 class Progress:
-    """A thread-safe progress record (see the module docstring). ``clock``: wall time, injectable."""
+    """A thread-safe progress record (see the module docstring). ``clock``: wall time, for the
+    times a reader shows as dates; ``monotonic``: this process's own clock, for the error's age,
+    which a reader on another host can show as it is (both injectable)."""
 
-    def __init__(self, restarts: int = 0, clock: Callable[[], float] = time.time):
+    def __init__(self, restarts: int = 0, clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic):
         self._lock = threading.Lock()
         self._clock = clock
+        self._monotonic = monotonic
         self.restarts = restarts
         self._step: int | None = None
         self._explicit = False  # a step was reported by value: counted steps no longer move it
@@ -63,6 +67,7 @@ class Progress:
         self._reported_at: float | None = None
         self._error: str | None = None
         self._error_at: float | None = None
+        self._error_mono: float | None = None  # ``monotonic()`` when the last error was noted
         self._errors = 0
         self._error_id: int | None = None  # the exception last noted: noting it again changes nothing
 
@@ -95,15 +100,17 @@ class Progress:
         """Remember ``error`` as the last one (its type and message, cut to MAX_ERROR_CHARS)."""
         text = _clip(error if isinstance(error, str) else f"{type(error).__name__}: {error}")
         ident = None if isinstance(error, str) else id(error)
-        now = self._clock()
+        now, mono = self._clock(), self._monotonic()
         with self._lock:
             if ident is not None and ident == self._error_id and text == self._error:
                 return  # the same exception, seen again on its way out (a step, then the session's exit)
-            self._error, self._error_at, self._error_id = text, now, ident
+            self._error, self._error_at, self._error_mono, self._error_id = text, now, mono, ident
             self._errors += 1
 
     def snapshot(self) -> dict[str, Any]:
-        """What a status reply carries; keys with nothing to say are absent."""
+        """What a status reply carries; keys with nothing to say are absent. ``error_age_s``: the
+        seconds since the last error, on this process's clock (a watcher's clock may differ)."""
+        mono = self._monotonic()
         with self._lock:
             out: dict[str, Any] = {"restarts": self.restarts}
             if self._step is not None:
@@ -113,7 +120,8 @@ class Progress:
             if self._reported_at is not None:
                 out["reported_at"] = self._reported_at
             if self._error is not None:
-                out.update(error=self._error, error_at=self._error_at, errors=self._errors)
+                age = max(0.0, mono - self._error_mono) if self._error_mono is not None else None
+                out.update(error=self._error, error_at=self._error_at, error_age_s=age, errors=self._errors)
             return out
 
 
@@ -174,8 +182,9 @@ def snapshot() -> dict[str, Any]:
     return record().snapshot()
 
 
-def reset() -> None:
-    """Forget this process's record (tests; a fresh one reads the environment again)."""
+def reset(to: Progress | None = None) -> None:
+    """Forget this process's record (tests): a fresh one reads the environment again, or ``to``
+    takes its place (a record with clocks of the test's choosing)."""
     global _record
     with _record_lock:
-        _record = None
+        _record = to

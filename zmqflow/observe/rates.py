@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidArgument
+from .status_reply import clean_status
 
 __all__ = ["Reading", "Rates", "RateTracker", "rate"]
 
@@ -30,12 +31,13 @@ class Reading:
 
     @classmethod
     def from_status(cls, reply: Mapping[str, Any]) -> "Reading":
-        """From a ``master.status`` reply (its ``uptime_s``, ``pid``, ``counters``, ``progress``)."""
-        counters = reply.get("counters") or {}
-        progress = reply.get("progress") or {}
-        return cls(t=float(reply.get("uptime_s", 0.0)), pid=reply.get("pid"), step=progress.get("step"),
-                   samples=progress.get("samples"),
-                   bytes=int(counters.get("bytes_in", 0)) + int(counters.get("bytes_out", 0)))
+        """From a ``master.status`` reply (its ``uptime_s``, ``pid``, ``counters``, ``progress``); a
+        field of another type counts as absent (see :func:`.status_reply.clean_status`)."""
+        clean = clean_status(reply)
+        counters = clean.get("counters", {})
+        progress = clean.get("progress", {})
+        return cls(t=float(clean.get("uptime_s", 0.0)), pid=clean.get("pid"), step=progress.get("step"),
+                   samples=progress.get("samples"), bytes=counters.get("bytes_in", 0) + counters.get("bytes_out", 0))
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ def _shard(ps: PsService) -> Iterator[Sample]:
     parts = list(ps.store.parts.values())
     tables = list(ps.tables.items())
     yield "variables", (), len(parts)
-    yield "shard_bytes", ("variables",), ps.store.nbytes
+    yield "shard_bytes", ("variables",), sum(p.nbytes for p in parts)  # the copy: the loop may add parts meanwhile
     yield "shard_bytes", ("tables",), sum(t.nbytes for _, t in tables)
     for mode, n in list(ps.pushes_applied.items()):
         yield "pushes_applied_total", (mode,), n

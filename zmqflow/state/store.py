@@ -74,7 +74,8 @@ class Part:
     @property
     def nbytes(self) -> int:
         steps = self.steps.nbytes if self.steps is not None else 0
-        return self.value.nbytes + sum(s.nbytes for s in self.slots.values()) + steps
+        # a copy of the slots: a scrape reads this on its own thread while the loop may add one
+        return self.value.nbytes + sum(s.nbytes for s in list(self.slots.values())) + steps
 
     def own(self) -> None:
         """Call before writing ``value`` in place. Pulls send views of ``value`` zero-copy, and
@@ -294,7 +295,8 @@ class ShardStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts.values())
+        """Bytes held by every part; over a copy of the parts, so another thread (a scrape) may read it."""
+        return sum(p.nbytes for p in list(self.parts.values()))
 
     # reads and writes -------------------------------------------------------------------
     def read(self, name: str, part: int = 0, start: int | None = None, stop: int | None = None) -> np.ndarray:

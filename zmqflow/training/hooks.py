@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -152,7 +153,9 @@ class LoggingHook(Hook):
 
 class SummaryHook(Hook):
     """Scalars every ``every_n_steps`` (as :class:`LoggingHook`): TensorBoard event files with
-    tensorboardX, else JSON lines."""
+    tensorboardX, else JSON lines, one record per line: ``{"step": 3, "time": 1.7e9, "metrics":
+    {"loss": 0.25}}``. The metrics sit in a map of their own, so any name is one (``step``,
+    ``time`` too); a value that is not finite is ``null``, so every line is strict JSON."""
 
     def __init__(self, every_n_steps: int = 100, output_dir: str | None = None):
         self.every = max(1, int(every_n_steps))
@@ -180,7 +183,8 @@ class SummaryHook(Hook):
             for k, v in metrics.items():
                 self._writer.add_scalar(k, float(v), step)
         elif self._file is not None:
-            self._file.write(json.dumps({"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}) + "\n")
+            record = {"step": step, "time": time.time(), "metrics": {k: _finite_or_none(v) for k, v in metrics.items()}}
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
             self._file.flush()
 
     def end(self, mon: TrainingRun) -> None:
@@ -188,6 +192,12 @@ class SummaryHook(Hook):
             self._writer.close()
         if self._file is not None:
             self._file.close()
+
+
+def _finite_or_none(value: float) -> float | None:
+    """``value`` for a JSON line: NaN and the infinities have no JSON form, and are null there."""
+    number = float(value)
+    return number if math.isfinite(number) else None
 
 
 class ProgressHook(Hook):

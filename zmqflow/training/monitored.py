@@ -14,6 +14,7 @@ last checkpoint and runs the hooks' ``end``: after a failure the state may hold 
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -26,7 +27,7 @@ from ..client.blocking import Session
 from ..client.presence import Presence
 from ..client.ring import default_members
 from ..cluster import ClusterSpec, TaskId, resolve
-from ..errors import ConfigError
+from ..errors import ConfigError, InvalidArgument
 from ..observe import progress
 from ..server.task import Server
 from ..slurm import is_slurm
@@ -36,7 +37,7 @@ from .parameter_server import ParameterServerStrategy
 from .ring_allreduce import RingAllReduceStrategy
 from .strategy import LocalStrategy, Strategy
 
-__all__ = ["MonitoredTrainingSession"]
+__all__ = ["MonitoredTrainingSession", "scalar_metrics"]
 
 
 class MonitoredTrainingSession:
@@ -191,8 +192,11 @@ class MonitoredTrainingSession:
 
     def apply(self, grads: Mapping[str, Any], metrics: Mapping[str, float] | None = None) -> int:
         """Apply one step's gradients (PS: push, and pull on the next ``params``; ring: allreduce
-        the mean, then the optimizer locally). ``metrics`` go to the hooks. Returns the new step."""
+        the mean, then the optimizer locally). ``metrics`` (scalars) go to the hooks: checked
+        first, so that a refused one leaves the step unapplied and the call safe to repeat.
+        Returns the new step."""
         self._need_created()
+        shown = scalar_metrics(metrics)
         t = time.perf_counter()
         try:
             self.ctx.step = self.strategy.apply({k: np.asarray(v) for k, v in grads.items()})
@@ -202,11 +206,14 @@ class MonitoredTrainingSession:
         self.comm_seconds += time.perf_counter() - t
         self.steps_done += 1
         progress.report_progress(step=self.step)
-        shown = {k: float(v) for k, v in (metrics or {}).items()}
-        for hook in self.hooks:
-            hook.after_step(self, self.step, shown)
+        # The due save comes before the hooks: the update is applied, so its checkpoint is owed
+        # whatever a hook does next (one that raises ends the loop, and must not cost the save);
+        # and every hook then sees the step as the session left it, this step's checkpoint
+        # included, instead of some hooks seeing the step before its save and others after.
         if self._save_due():
             self.save_checkpoint()
+        for hook in self.hooks:
+            hook.after_step(self, self.step, shown)
         return self.step
 
     def _save_due(self) -> bool:
@@ -300,6 +307,23 @@ class MonitoredTrainingSession:
             return
         for error in errors:  # the loop's own error stays the one raised
             exc.add_note(f"closing the training session also failed: {error!r}")
+
+
+def scalar_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
+    """``metrics`` as floats, for the hooks; InvalidArgument naming the first that is not one
+    number (an array of several, a string, None), before anything of the step is done."""
+    shown: dict[str, float] = {}
+    for name, value in (metrics or {}).items():
+        shape = getattr(value, "shape", ())  # numpy, torch, jax: one element, whatever the shape
+        try:
+            number = value.item() if hasattr(value, "item") and math.prod(shape) == 1 else value
+            if isinstance(number, (str, bytes)) or math.prod(shape) != 1:
+                raise TypeError
+            shown[str(name)] = float(number)
+        except (TypeError, ValueError):
+            got = f"{type(value).__name__} of shape {tuple(shape)}" if shape else type(value).__name__
+            raise InvalidArgument(f"metric {name!r}: expected one number, got {got}", name=str(name)) from None
+    return shown
 
 
 def _attempt(errors: list[Exception], step: Callable[..., object], *args: object) -> bool:
