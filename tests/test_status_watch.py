@@ -3,6 +3,7 @@ carries them, and the command as users (and readiness probes) run it, against re
 
 from __future__ import annotations
 
+import asyncio
 import json
 import io
 import signal
@@ -426,3 +427,20 @@ def test_watch_ages_the_last_error_by_the_tasks_clock_not_the_watchers(monkeypat
         assert cells[-1].startswith("42s ago: RuntimeError: CUDA out of memory"), cells
     finally:
         progress.reset()
+
+
+def test_launch_takes_an_odd_answer_for_a_ps_that_is_not_stopping():
+    """launch's exit probe asks each ps whether it is stopping: an answer that is no map (whatever
+    serves at that address) is not one, so it is stopped as before, and launch does not crash."""
+    from zmqflow.cli.launch_exit import stopping
+
+    spec = make_spec({"worker": 2}, "tcp")
+
+    def services(task: TaskId) -> dict:
+        return {"master": OddMaster([1, 2, 3] if task.index else {"stopping": True})}
+
+    async def main() -> set:
+        async with local_cluster(spec, timeout=30, services=services):
+            return await asyncio.to_thread(stopping, spec, list(spec.tasks), None)
+
+    assert arun(main(), timeout=60) == {TaskId("worker", 0)}

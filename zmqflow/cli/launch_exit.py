@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import uuid
 
 from ..cluster import ClusterSpec, TaskId
 from ..errors import ConfigError
 from ..loop import run
-from ..rpc import RpcClient
 from ..rpc.health import probe
 from ..transport.curve import Keys, keys_from
+from .probe_client import probe_client
 
 __all__ = ["ENV", "EXIT_GRACE", "exit_env", "stopping", "let_finish"]
 
@@ -42,13 +41,15 @@ def stopping(spec: ClusterSpec, tasks: list[TaskId], keys: str | None) -> set[Ta
     except ConfigError:
         return set()
     replies = run(_ask(spec, tasks, loaded))
-    return {t for t, reply in zip(tasks, replies) if reply is None or reply.get("stopping")}
+    # an answer that is no map (whatever serves at that address) is not a ps stopping: SIGTERM, as before
+    return {t for t, reply in zip(tasks, replies)
+            if reply is None or (isinstance(reply, dict) and reply.get("stopping"))}
 
 
-async def _ask(spec: ClusterSpec, tasks: list[TaskId], keys: Keys | None) -> list[dict | None]:
+async def _ask(spec: ClusterSpec, tasks: list[TaskId], keys: Keys | None) -> list[object]:
     if keys is not None:
         keys.learn(spec)
-    client = RpcClient(identity=f"launch-{uuid.uuid4().hex[:8]}", default_timeout=_ASK_TIMEOUT, keys=keys)
+    client = probe_client("launch", _ASK_TIMEOUT, keys)  # a ping's answer is small: no 4 GiB frames
     try:
         return list(await asyncio.gather(*(probe(client, spec, t, _ASK_TIMEOUT) for t in tasks)))
     finally:
