@@ -143,7 +143,7 @@ def test_evaluator_restores_privately_and_writes_metrics(tmp_path, trainer, monk
     assert [(s, float(w[0])) for s, w in seen] == [(10, 1.0), (20, 2.0)]
     np.testing.assert_array_equal(trainer.session.get("w").read(), np.full(3, 100.0))  # training's shard untouched
     lines = [json.loads(x) for x in Path(ckpt, "eval", "metrics.jsonl").read_text().splitlines()]
-    assert [(x["step"], x["mean"]) for x in lines] == [(10, 1.0), (20, 2.0)]
+    assert [(x["step"], x["metrics"]["mean"]) for x in lines] == [(10, 1.0), (20, 2.0)]
     # and Prometheus: the process's registry holds the last evaluation
     assert metrics.HUB.registry.get_sample_value("zmqflow_eval", {"metric": "mean"}) == 2.0
     assert metrics.HUB.registry.get_sample_value("zmqflow_eval_step") == 20
@@ -225,7 +225,7 @@ def test_launch_evaluator_evaluates_every_checkpoint_and_ends_after_the_final_on
     assert '"evaluator": ["127.0.0.1:' in out and "stopping it" not in out, out
     lines = [json.loads(x) for x in (tmp_path / "ckpt" / "eval" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [5, 10, 15, 20, 25, 30], out
-    losses = [x["loss"] for x in lines]
+    losses = [x["metrics"]["loss"] for x in lines]
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.5 * losses[0], losses
     assert "[evaluator:0] last metrics {'loss': " in out and "[worker:0] last metrics None" in out, out
 

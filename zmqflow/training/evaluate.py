@@ -14,12 +14,10 @@ final checkpoint, which the chief marks when training ends.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +34,7 @@ from ..ports import free_port
 from ..server.task import Server
 from ..slurm import is_slurm
 from ..transport.curve import KEYS_ENV, Keys, generate
+from .hooks import metrics_line
 
 __all__ = ["EvalCheckpoint", "Evaluator", "train_and_evaluate", "task_role", "METRICS_FILE"]
 
@@ -115,7 +114,7 @@ class Evaluator:
         for name, value in metrics.items():
             observed.set_eval_metric(name, value, step)
         self._open_summaries()
-        self._jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        self._jsonl.write(metrics_line(step, metrics))
         self._jsonl.flush()
         if self._tb is not None:
             for name, value in metrics.items():

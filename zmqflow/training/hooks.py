@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["EveryNSteps", "Hook", "LoggingHook", "NamedStrategy", "ProgressHook", "StopAtStep", "SummaryHook",
+__all__ = ["metrics_line", "EveryNSteps", "Hook", "LoggingHook", "NamedStrategy", "ProgressHook", "StopAtStep", "SummaryHook",
            "TrainingRun"]
 
 log = logging.getLogger("zmqflow.training")
@@ -183,8 +183,7 @@ class SummaryHook(Hook):
             for k, v in metrics.items():
                 self._writer.add_scalar(k, float(v), step)
         elif self._file is not None:
-            record = {"step": step, "time": time.time(), "metrics": {k: _finite_or_none(v) for k, v in metrics.items()}}
-            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._file.write(metrics_line(step, metrics))
             self._file.flush()
 
     def end(self, mon: TrainingRun) -> None:
@@ -192,6 +191,14 @@ class SummaryHook(Hook):
             self._writer.close()
         if self._file is not None:
             self._file.close()
+
+
+def metrics_line(step: int, metrics: dict[str, float]) -> str:
+    """One strict JSON line of the summaries and of an evaluator's ``metrics.jsonl``: the metrics
+    nested (a metric named ``step`` or ``time`` cannot overwrite the record's own), non-finite
+    values null."""
+    record = {"step": step, "time": time.time(), "metrics": {k: _finite_or_none(v) for k, v in metrics.items()}}
+    return json.dumps(record, allow_nan=False) + "\n"
 
 
 def _finite_or_none(value: float) -> float | None:
