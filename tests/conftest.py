@@ -12,6 +12,7 @@ import time
 from collections.abc import Coroutine, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 from zmqflow.errors import InvalidArgument
@@ -220,3 +221,16 @@ def alone(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     runtime = zj.init(timeout=20)
     yield runtime
     zj.shutdown()
+
+
+class SizeReadCalls(np.ndarray):
+    """An array that, each time its size is read, calls ``on_read`` (when set): another thread
+    changing a shard (a part created, a slot made) while this one reads its sizes."""
+
+    on_read = None
+
+    @property
+    def nbytes(self) -> int:
+        if self.on_read is not None:
+            self.on_read()
+        return super().nbytes

@@ -26,7 +26,7 @@ from zmqflow.rpc import RpcClient
 from zmqflow.testing import free_port, local_cluster, wait_until
 from zmqflow.wire.requests.ps import Empty
 
-from .conftest import ZMQFLOW, arun
+from .conftest import ZMQFLOW, SizeReadCalls, arun
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "zmqflow.json"
 
@@ -403,19 +403,6 @@ def _free(port: int) -> bool:
 
 
 
-class Growing(np.ndarray):
-    """An array that, each time its size is read, calls ``on_read`` (when set): the loop thread
-    changing a shard (a part created, a slot made) while a scrape, on its own thread, reads it."""
-
-    on_read = None
-
-    @property
-    def nbytes(self) -> int:
-        if self.on_read is not None:
-            self.on_read()
-        return super().nbytes
-
-
 def test_a_scrape_reads_the_shard_while_its_parts_and_slots_change():
     hub = metrics.MetricsHub()
 
@@ -431,7 +418,7 @@ def test_a_scrape_reads_the_shard_while_its_parts_and_slots_change():
                 added.append(("added", len(added)))
                 store.parts[added[-1]] = b
 
-            held, slot = np.zeros(4, np.float32).view(Growing), np.zeros(4, np.float32).view(Growing)
+            held, slot = np.zeros(4, np.float32).view(SizeReadCalls), np.zeros(4, np.float32).view(SizeReadCalls)
             a.value, a.slots["m"] = held, slot
             held.on_read = add_part  # reading the part's size adds a part to the shard...
             slot.on_read = lambda: a.slots.setdefault(f"s{len(a.slots)}", np.zeros(4, np.float32))  # ...and a slot

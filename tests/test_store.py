@@ -12,6 +12,8 @@ from zmqflow.errors import InvalidArgument, NotFound, VariableConflict
 from zmqflow.state.optim import SGD, Adam, Momentum, SyncReplicas
 from zmqflow.state.store import ShardStore
 
+from .conftest import SizeReadCalls
+
 F32, F64 = np.dtype("float32"), np.dtype("float64")
 
 
@@ -378,25 +380,13 @@ def test_a_part_declared_again_with_another_optimizer_conflicts_and_one_naming_n
     assert p.optimizer == Momentum(0.1) and p.sync.replicas_to_aggregate == 2
 
 
-class _SizeReadAdds(np.ndarray):
-    """An array whose size, when read, calls ``on_read``: another thread changing the store meanwhile."""
-
-    on_read = None
-
-    @property
-    def nbytes(self) -> int:
-        if self.on_read is not None:
-            self.on_read()
-        return super().nbytes
-
-
 def test_sizes_can_be_read_while_parts_and_slots_are_added():
     store = ShardStore()
     for name in ("a", "b"):
         store.create(name, 0, [4], [0, 4], "float32", optimizer=Momentum(0.1, 0.9))
     a = store.get("a")
-    held = a.value.view(_SizeReadAdds)
-    slot = next(iter(a.slots.values())).view(_SizeReadAdds)
+    held = a.value.view(SizeReadCalls)
+    slot = next(iter(a.slots.values())).view(SizeReadCalls)
     a.value, a.slots["grown"] = held, slot
     held.on_read = lambda: store.parts.setdefault((f"added{len(store.parts)}", 0), store.get("b"))
     slot.on_read = lambda: a.slots.setdefault(f"s{len(a.slots)}", np.zeros(4, np.float32))
