@@ -7,6 +7,7 @@ wrap the async handles and reach the loop only through :class:`.port.LoopPort`.
 from __future__ import annotations
 
 import concurrent.futures
+import weakref
 
 from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
@@ -23,6 +24,8 @@ __all__ = ["Session", "Variable", "Embedding"]
 
 T = TypeVar("T")
 
+CLOSE_WAIT_S = 10.0  # what ``close`` waits for the connections to close and the loop to stop
+
 
 class Session:
     """The blocking twin of :class:`AsyncSession`, for scripts and notebooks."""
@@ -30,6 +33,10 @@ class Session:
     def __init__(self, target: str | None = None, **kwargs: Any):
         self._async = AsyncSession(target, **kwargs)
         self._thread = LoopThread(name="zmqflow-session")
+        # A session dropped unclosed would keep its loop thread and its connections (retrying dead
+        # peers) for the life of the process. The finalizer holds the loop and the async session,
+        # never this object, and waits for nothing: the garbage collector runs on any thread.
+        self._finalizer = weakref.finalize(self, self._thread.stop, 0.0, after=self._async.close)
 
     @property
     def name(self) -> str:
@@ -113,10 +120,11 @@ class Session:
         return self.run_on_loop(self._async.run(function, *args, task=task, timeout=timeout, **kwargs), timeout)
 
     def close(self) -> None:
-        if self._thread.loop.is_closed():
-            return
-        self._thread.call(self._async.close(), timeout=5)
-        self._thread.stop()
+        """Close the connections and stop the loop, waiting up to ``CLOSE_WAIT_S`` for both. Called on
+        the loop's own thread (a done callback of a future from ``submit``), it waits for nothing:
+        the close runs there once the callback has returned."""
+        self._finalizer()  # the finalizer's path, run once: later calls (and the collector) do nothing
+        self._thread.join(CLOSE_WAIT_S)
 
     def __enter__(self) -> "Session":
         return self
