@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 
 import zmqflow as zf
-from zmqflow.ports import free_port
 
 torch = pytest.importorskip("torch")
 
 import zmqflow.torch as zt  # noqa: E402
 from zmqflow.torch.embedding import EmbeddingBag  # noqa: E402
 from zmqflow.torch.hybrid import HybridStrategy  # noqa: E402
+
+from .conftest import launch_script  # noqa: E402
 
 
 class Model(torch.nn.Module):
@@ -80,22 +81,48 @@ def test_distributed_optimizers_take_the_switch(local, backend):
     assert not torch.equal(model.head.weight.detach(), head) and model.table.trainable.numel() == 0
 
 
-def test_ddp_sees_the_switch_used_at_every_step(local):
-    """DDP fails a step whose parameters needing a gradient did not all get one (unless told to
-    look for unused ones): the switch must get one whenever the table trains."""
-    import torch.distributed as dist
+DDP_SWITCH = '''
+import os
+import torch
+import torch.distributed as dist
+import zmqflow as zf
+from zmqflow.torch.embedding import EmbeddingBag
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        ddp = torch.nn.parallel.DistributedDataParallel(Model("switch/ddp"))
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for ids in (IDS, IDS, torch.empty(2, 0, dtype=torch.long), IDS):  # a batch of empty bags too
-            opt.zero_grad()
-            ddp(ids).sum().backward()
-            opt.step()
-        assert ddp.module.table.counters["pushes"] == 3
-    finally:
-        dist.destroy_process_group()
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = EmbeddingBag("switch/ddp", 20, 4, mode="sum", optimizer=zf.optim.SGD(0.5))
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, ids):
+        return self.head(self.table(ids))
+
+
+IDS = torch.tensor([[1, 2], [3, 1]])
+dist.init_process_group("gloo")  # launch gives RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+ddp = torch.nn.parallel.DistributedDataParallel(Model())
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+for ids in (IDS, IDS, torch.empty(2, 0, dtype=torch.long), IDS):  # a batch of empty bags too
+    opt.zero_grad()
+    ddp(ids).sum().backward()
+    opt.step()
+ddp.module.table.synchronize()
+print(f"pushes {ddp.module.table.counters['pushes']}", flush=True)
+# No teardown: torch's ProcessGroupGloo destructor joins its run loop while holding the GIL, and
+# the run loop may still need the GIL to free the last work's thread-local state (a deadlock that
+# depends on timing). This process's part is done; launch stops the ps.
+os._exit(0)
+'''
+
+
+def test_ddp_sees_the_switch_used_at_every_step(procs, tmp_path):
+    """DDP fails a step whose parameters needing a gradient did not all get one (unless told to
+    look for unused ones): the switch must get one whenever the table trains. In a process of its
+    own, so that torch's gloo teardown never runs inside the test process."""
+    p = launch_script(procs, tmp_path / "ddp_switch.py", DDP_SWITCH, workers=1, ps=1)
+    p.wait_for_line("[worker:0] pushes 3", 100)
+    assert p.wait(60) == 0, p.output
 
 
 def test_hybrid_keeps_a_frozen_table_frozen_on_the_shards(local):
