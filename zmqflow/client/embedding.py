@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,8 @@ import numpy as np
 from ..state import init as _init
 from ..state import optim as _optim
 from ..cluster import TaskId, shard_tasks
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, ProtocolError, Unavailable
+from .claims import settle
 from .embedding_delta import export_delta
 from ..observe import timeline
 from .port import SessionPort
@@ -35,6 +36,7 @@ from ..wire.requests import ps as rq
 __all__ = ["TableInfo", "AsyncEmbedding", "declare_embedding", "create_table_parts", "COMBINERS"]
 
 COMBINERS = ("sum", "mean", "sqrtn")
+MAX_HANDOVERS = 3  # declarations again after the claim passed on while this one created parts
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,7 +117,7 @@ async def declare_embedding(sess: SessionPort, name: str, num_embeddings: int | 
         "capacity": capacity,
     }
     device = current_device()
-    record = await sess.call_catalog("declare", crq.Declare(
+    request = crq.Declare(
         name=name,
         shape=[num_embeddings or 0, dim],
         dtype=dtype_name(dt),
@@ -126,18 +128,27 @@ async def declare_embedding(sess: SessionPort, name: str, num_embeddings: int | 
         optimizer=opt_spec,
         initializer=init_spec,
         table=table,
-    ))
-    info = TableInfo.from_record(record)
-    if not record["ready"]:
-        await create_table_parts(sess, info, record)
-        await sess.call_catalog("mark_ready", crq.ByName(name=name))
-    return info
+    )
+    for _ in range(MAX_HANDOVERS):
+        # a table's parts come from the record's initializer, whoever holds the claim to create them
+        record = await sess.call_catalog("declare", request)
+        info = TableInfo.from_record(record)
+        if record["ready"]:
+            return info
+        claim = record.get("claim")
+        if not claim:
+            raise ProtocolError(f"catalog.declare of {name!r} answered a record that is not ready without a claim")
+        parts = list(zip(info.tasks, range(info.parts)))
+        if await settle(sess, name, claim, _table_creates(sess, info, record), parts):
+            return info
+    raise Unavailable(f"embedding {name!r}: its claim passed to another declarer {MAX_HANDOVERS} times before it "
+                      "became ready; declare it again", name=name)
 
 
-async def create_table_parts(sess: SessionPort, info: TableInfo, record: dict[str, Any]) -> None:
-    """Create every part of a table on its shard (get-or-create: parts that exist are kept)."""
+def _table_creates(sess: SessionPort, info: TableInfo, record: dict[str, Any]) -> list[Awaitable[Any]]:
+    """One create per part of a table, on its shard, from the record's initializer."""
     t = record["table"]
-    await asyncio.gather(*(
+    return [
         sess.call_task(task, "ps", "emb_create", rq.EmbCreate(
             name=info.name, part=p, kind=t["kind"], dim=info.dim, dtype=dtype_name(info.dtype),
             rows=info.part_rows[p], num_embeddings=info.num_embeddings, num_parts=info.parts,
@@ -145,7 +156,12 @@ async def create_table_parts(sess: SessionPort, info: TableInfo, record: dict[st
             min_frequency=t["min_frequency"], capacity=t["capacity"],
         ))
         for p, task in enumerate(info.tasks)
-    ))
+    ]
+
+
+async def create_table_parts(sess: SessionPort, info: TableInfo, record: dict[str, Any]) -> None:
+    """Create every part of a table on its shard (get-or-create: parts that exist are kept)."""
+    await asyncio.gather(*_table_creates(sess, info, record))
 
 
 class AsyncEmbedding:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import defaultdict
-from collections.abc import Awaitable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -20,12 +20,13 @@ import numpy as np
 from ..state import init as _init
 from ..state import optim as _optim
 from ..cluster import TaskId
-from ..errors import InvalidArgument, VariableConflict
+from ..errors import InvalidArgument, ProtocolError, Unavailable, VariableConflict
 from ..observe import timeline
 from ..transport.bulk import as_bytes
 from .bulk_lanes import Lanes, streams
 from .bulk_pull import Piece, pull_into
 from .bulk_push import push_from
+from .claims import give_up, settle
 from .port import SessionPort
 from .placement import current_device, current_policy
 from .var_info import SLICE_BYTES, VarInfo, check_apart, check_out, rows_of
@@ -41,6 +42,8 @@ __all__ = ["SLICE_BYTES", "VarInfo", "check_out", "AsyncVariable", "declare", "c
 # a one-part variable pulled without out= up to this size comes whole, as one frame that becomes
 # the result (no copy); bigger ones come in slices, copied into a new array as they land
 WHOLE_PULL_BYTES = 1 << 30
+# a declaration whose claim lapsed and passed on while it created parts declares again: this many times in all
+MAX_HANDOVERS = 3
 T = TypeVar("T")
 
 
@@ -132,7 +135,10 @@ async def declare(
     optimizer: Any = None,
     partitioner: Any = None,
 ) -> VarInfo:
-    """Get-or-create: the catalog records (or returns) the placement; each part is created once."""
+    """Get-or-create: the catalog records (or returns) the placement. The declarer it hands the
+    claim to creates the parts (from the record's initializer, else its value) and marks the
+    record ready; any other waits for that (``claims``). A declaration by shape alone (neither a
+    value nor an initializer: zeros) gives way to one with a value until the parts are made."""
     value = None
     if initial_value is not None:
         value = initial_value if isinstance(initial_value, np.ndarray) else np.asarray(initial_value, dtype=dtype or "float32")
@@ -157,7 +163,7 @@ async def declare(
     if value is None:
         init_spec = _init.from_spec(initializer if initializer is not None else _init.zeros()).spec()
     device = current_device()
-    record = await sess.call_catalog("declare", crq.Declare(
+    request = crq.Declare(
         name=name,
         shape=list(full),
         dtype=dname,
@@ -167,16 +173,40 @@ async def declare(
         policy=current_policy().name,
         optimizer=opt_spec,
         initializer=init_spec,
-    ))
-    info = VarInfo.from_record(record)
-    if not record["ready"]:
-        await create_parts(sess, info, value)
-        await sess.call_catalog("mark_ready", crq.ByName(name=name))
-    return info
+        has_value=value is not None,
+        defaulted=value is None and initializer is None,
+    )
+    for _ in range(MAX_HANDOVERS):
+        record = await sess.call_catalog("declare", request)
+        info = VarInfo.from_record(record)
+        if record["ready"]:
+            return info
+        claim = record.get("claim")
+        if not claim:
+            raise ProtocolError(f"catalog.declare of {name!r} answered a record that is not ready without a claim")
+        # the parts come from the record's initializer where it names one (the first declaration's), else from
+        # this declarer's value: never from nothing, which a shard would make zeros
+        source = value if info.initializer is None else None
+        if source is None and info.initializer is None:
+            await give_up(sess, name, claim, keep=True)
+            raise InvalidArgument(f"variable {name!r} is not created yet and its first declaration gave an initial "
+                                  "value: declare it with its value to create it")
+        parts = [(task, i) for i, (task, _, _) in enumerate(info.parts)]
+        # a record this value took over from a declaration by shape alone: parts made meanwhile hold zeros
+        over = _overwrite(sess, info, source) if record.get("overwrite") and source is not None else None
+        if await settle(sess, name, claim, _creates(sess, info, source), parts, over):
+            return info
+    raise Unavailable(f"variable {name!r}: its claim passed to another declarer {MAX_HANDOVERS} times before it "
+                      "became ready; declare it again", name=name)
 
 
-async def create_parts(sess: SessionPort, info: VarInfo, value: np.ndarray | None) -> None:
-    """Create every part on its shard (get-or-create: parts that exist are kept as they are)."""
+def _overwrite(sess: SessionPort, info: VarInfo, value: np.ndarray) -> Callable[[], Awaitable[None]]:
+    """Writes ``value`` over every part (after they are created, before the record is ready)."""
+    return lambda: assign(sess, info, value, "set")
+
+
+def _creates(sess: SessionPort, info: VarInfo, value: np.ndarray | None) -> list[Awaitable[Any]]:
+    """One create per part, on its shard, from ``value`` (rows of it) or the record's initializer."""
     n = len(info.parts)
     calls = []
     for i, (task, r0, r1) in enumerate(info.parts):
@@ -186,7 +216,12 @@ async def create_parts(sess: SessionPort, info: VarInfo, value: np.ndarray | Non
             value=None if value is None else value[r0:r1] if info.shape else value,
         )
         calls.append(sess.call_task(task, "ps", "create", body))
-    await asyncio.gather(*calls)
+    return calls
+
+
+async def create_parts(sess: SessionPort, info: VarInfo, value: np.ndarray | None) -> None:
+    """Create every part on its shard (get-or-create: parts that exist are kept as they are)."""
+    await asyncio.gather(*_creates(sess, info, value))
 
 
 # moving values ------------------------------------------------------------------------------

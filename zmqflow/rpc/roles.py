@@ -36,8 +36,8 @@ _READ_STATUS = frozenset({"ping", "status"})
 CLIENT_OPS: Mapping[str, frozenset[str]] = {
     "master": _READ_STATUS | {"cluster", "wait_for_cluster", "shutdown"},  # shutdown: any admitted key (above)
     "worker": frozenset({"ping", "echo", "sink", "run"}),  # run: within the task's own allow-list of functions
-    "catalog": frozenset({"ping", "declare", "mark_ready", "lookup", "uninitialized", "records"}),
-    "ps": _READ_STATUS | {"global_step", "variables", "create", "pull", "assign", "scatter", "push",
+    "catalog": frozenset({"ping", "declare", "mark_ready", "abandon", "lookup", "uninitialized", "records"}),
+    "ps": _READ_STATUS | {"global_step", "variables", "create", "drop", "pull", "assign", "scatter", "push",
                           "bulk_offer", "pull_bulk", "push_bulk",
                           "emb_create", "emb_lookup", "emb_push", "emb_stats", "emb_export"},
     "ring": _READ_STATUS,

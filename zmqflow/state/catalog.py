@@ -3,29 +3,65 @@
 Every declaration goes through the catalog, which serializes them: two sessions declaring one
 name concurrently get the same record, and the placement counter (round-robin) or byte counts
 (greedy) see every variable of the cluster, as a single ``replica_device_setter`` would.
+
+Until a record is ready, one declarer at a time holds a claim on it: the right to create its
+parts. Others wait for it to become ready. Were every declarer to create the parts it found
+missing, each from what it holds, one attaching by shape would make zeros where the creator gave
+a value, and workers with different random values would mix them part by part. A claim passes on
+only when its lease lapses (its holder died or hangs) or its holder gives it up; a declarer with
+neither a value nor a record initializer to build from never gets one.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
 from . import optim as _optim
 from ..cluster import TaskId
-from ..errors import ConfigError, InvalidArgument, NotFound, ResourceExhausted, VariableConflict
+from ..errors import ConfigError, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, VariableConflict
 from ..wire.dtypes import dtype_from_name
 from .limits import DEFAULT_STATE_LIMITS, StateLimits, check_count, check_variable, table_capacity
 from .tables import HashTable
 
-__all__ = ["Catalog", "MAX_CATALOG_PARTS", "MAX_SPEC_BYTES", "canonical_device", "check_tiling"]
+__all__ = ["Catalog", "Claim", "Pending", "MAX_CATALOG_PARTS", "MAX_SPEC_BYTES", "canonical_device", "check_tiling"]
 
 # Records are kept for good and a part costs its record a few hundred bytes, so the parts of all
 # records have a bound of their own beside the count of names; and each spec a client hands over
 # (optimizer, initializer, table) is plain data of a few fields, kept as sent.
 MAX_CATALOG_PARTS = 1 << 20
 MAX_SPEC_BYTES = 4096
+
+
+@dataclass
+class Claim:
+    """The right to create a not-ready record's parts. ``owner`` is the caller as the RPC edge
+    names it (with keys, its key's name), so a token that reaches another caller is of no use to
+    it; ``token`` is unguessable and handed to the holder only; ``until`` is when the lease lapses;
+    ``overwrite``: the holder writes its value over the parts it finds (see ``Pending``)."""
+
+    owner: str
+    token: str
+    until: float
+    overwrite: bool = False
+
+
+@dataclass
+class Pending:
+    """What the catalog keeps of a record until it is ready. ``counted``: per part, its task and
+    the bytes it added to ``Catalog.bytes`` and ``Catalog.held``, given back if it is abandoned.
+    ``defaulted``: made by a declaration that gave neither a value nor an initializer (zeros): a
+    declaration with a value takes it over, as it would have made it had it come first; its parts
+    may then hold zeros already, so every later holder has to ``overwrite`` them."""
+
+    counted: list[tuple[str, int, int]]
+    claim: Claim | None = None
+    defaulted: bool = False
+    overwrite: bool = False
 
 
 class Catalog:
@@ -39,6 +75,7 @@ class Catalog:
         self.bytes = {s: 0 for s in self.shards}  # value bytes placed per shard (greedy placement)
         self.held: dict[str, int] = {}  # bytes placed per shard with optimizer slots (its budget)
         self.parts = 0  # parts of all records
+        self.pending: dict[str, Pending] = {}  # records not ready, by name
 
     def declare(
         self,
@@ -95,6 +132,7 @@ class Catalog:
         }
         self.records[name] = record
         self.parts += len(part_rows)
+        self.pending[name] = Pending([(t, int(b), h) for t, b, h in zip(tasks, part_bytes, held)])
         return record
 
     def _check_new(self, name: str, shape: list[int], dtype: str, part_rows: list[list[int]], optimizer: Any,
@@ -167,10 +205,93 @@ class Catalog:
         self.bytes[task] = self.bytes.get(task, 0) + int(nbytes)
         return task
 
-    def mark_ready(self, name: str) -> dict[str, Any]:
+    def claim(self, name: str, owner: str, now: float, lease: float, *, creator: bool = False,
+              has_value: bool = False, defaulted: bool = False) -> Claim | None:
+        """The claim on a not-ready record for ``owner``, or None: someone else holds it, or
+        ``owner`` has nothing to build parts from (neither a value nor, in the record, an
+        initializer). Its creator gets it (``defaulted``: it gave neither a value nor an
+        initializer), as does its holder again (a retry renews the lease); past the lease, or once
+        given up, any declarer that can build; at once, a declarer with a value when the record is
+        defaulted. Sessions that share one caller name (a key, a task) count as one declarer."""
         record = self.lookup(name)
+        pending = self.pending.get(name)
+        if record["ready"] or pending is None or not (creator or has_value or record["initializer"] is not None):
+            return None
+        held = pending.claim
+        if creator:
+            pending.defaulted = defaulted
+        elif has_value and pending.defaulted:  # its parts come from this value now, over any made meanwhile
+            pending.defaulted, pending.overwrite = False, True
+            record["initializer"] = None
+            held = None
+        if held is not None and held.owner == owner:
+            held.until = now + lease
+            return held
+        if held is not None and held.until > now:
+            return None
+        pending.claim = Claim(owner, secrets.token_hex(16), now + lease, pending.overwrite)
+        return pending.claim
+
+    def may_claim(self, name: str, has_value: bool) -> bool:
+        """Whether a declarer could take the claim on ``name`` once it lapses: it has something
+        to build the parts from."""
+        record = self.records.get(name)
+        return record is not None and (has_value or record["initializer"] is not None)
+
+    def holder(self, name: str) -> Claim | None:
+        """The claim on ``name`` (lapsed or not); None when nobody holds one."""
+        pending = self.pending.get(name)
+        return None if pending is None else pending.claim
+
+    def _check_claim(self, name: str, token: str | None, owner: str, op: str) -> Pending | None:
+        """What is kept of ``name`` while it is not ready, when ``token`` is its claim's and
+        ``owner`` its holder; PermissionDenied naming the holder otherwise."""
+        self.lookup(name)
+        pending = self.pending.get(name)
+        held = None if pending is None else pending.claim
+        if held is None and token is None:  # never claimed: made here, not through the service
+            return pending
+        if held is None or held.token != token or held.owner != owner:
+            who = "nobody" if held is None else repr(held.owner)
+            raise PermissionDenied(f"catalog.{op} of {name!r}: this caller holds no claim on it (the claim is "
+                                   f"held by {who}: it lapsed and passed on, or was given up)", name=name)
+        return pending
+
+    def mark_ready(self, name: str, token: str | None = None, owner: str = "") -> dict[str, Any]:
+        """The record, made ready by its claim's holder (once every part exists)."""
+        record = self.lookup(name)
+        if record["ready"]:
+            return record
+        self._check_claim(name, token, owner, "mark_ready")
         record["ready"] = True
+        self.pending.pop(name, None)
         return record
+
+    def abandon(self, name: str, token: str, owner: str, *, keep: bool = False) -> bool:
+        """Give up the claim on a not-ready record: with ``keep``, the record stays for the next
+        declarer (a shard was out: a retry goes on); else the record goes, and with it what it
+        counted against the shards' budgets (a shard refused a part: the name is free again).
+        True when the record went."""
+        record = self.lookup(name)
+        if record["ready"]:
+            raise InvalidArgument(f"catalog.abandon of {name!r}: the variable is ready; only a record whose parts "
+                                  "are still being created can be abandoned", name=name)
+        pending = self._check_claim(name, token, owner, "abandon")
+        if pending is not None:
+            pending.claim = None
+        if keep:
+            return False
+        for task, placed, held in [] if pending is None else pending.counted:
+            self.bytes[task] = self.bytes.get(task, 0) - placed
+            left = self.held.get(task, 0) - held
+            if left:
+                self.held[task] = left
+            else:
+                self.held.pop(task, None)
+        self.pending.pop(name, None)
+        self.parts -= len(record["parts"])
+        del self.records[name]
+        return True
 
     def lookup(self, name: str) -> dict[str, Any]:
         found = self.records.get(name)

@@ -2,22 +2,46 @@
 
 Records live on a ps task because ps tasks hold the state: any non-ps task may restart and find
 every variable again by name.
+
+A declaration of a record that is not ready gets the claim on it (the right to create its parts)
+or waits: until the record is ready, the claim is given up or lapses (and this declarer has
+something to build the parts from), or the request's deadline. The claim's holder is the caller
+the RPC edge names (with keys, its key's name, never a field), and its token is handed to it
+alone; ``mark_ready`` and ``abandon`` take both.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict
+from collections.abc import Coroutine
 from typing import Any
 
 from ...cluster import ClusterSpec, shard_tasks
-from ...errors import InvalidArgument, NotFound
+from ...errors import DeadlineExceeded, InvalidArgument, NotFound
 from ...state.catalog import Catalog, canonical_device
 from ...state.limits import DEFAULT_STATE_LIMITS, StateLimits
 from ...rpc import CallContext, Service, op
 from ...wire.requests import cluster as rq
 
-__all__ = ["CatalogService"]
+__all__ = ["CatalogService", "MIN_LEASE", "MAX_LEASE"]
+
+# A claim's lease is twice the declaring request's timeout (the session's): its holder's creates
+# run within one, so a live holder finishes well inside it; bounded both ways.
+MIN_LEASE = 1.0
+MAX_LEASE = 3600.0
+NO_DEADLINE_TIMEOUT = 30.0  # what a call made in-process, without a deadline, counts as its timeout
+# a wait ends this long before its caller's deadline, so its own error (naming why) gets back first
+WAIT_MARGIN = 0.1
+
+
+def _now() -> float:
+    """The loop's clock (which deadlines are on); the same clock outside a loop."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return time.monotonic()
 
 
 class CatalogService(Service):
@@ -33,23 +57,101 @@ class CatalogService(Service):
         self._waiters: dict[str, int] = defaultdict(int)
 
     @op(rq.Declare)
-    def declare(self, ctx: CallContext, req: rq.Declare) -> dict[str, Any]:
+    def declare(self, ctx: CallContext, req: rq.Declare) -> "dict[str, Any] | Coroutine[Any, Any, dict[str, Any]]":
+        """The record and the caller's claim on it (null when it is ready); a declaration of a
+        record whose claim another holds waits (the answer is then a coroutine)."""
         name, device = req.name, req.device
         if device is not None:
             device = canonical_device(name, device)
         if device is not None and device not in self.spec:
             raise InvalidArgument(f"variable {name!r}: device {device!r} is not a task of the cluster ({self.spec.describe()})")
-        return self.catalog.declare(name, req.shape, req.dtype, req.part_rows, req.part_bytes, device=device,
-                                    policy=req.policy, optimizer=req.optimizer, initializer=req.initializer,
-                                    table=req.table)
+        now = _now()
+        timeout = NO_DEADLINE_TIMEOUT if ctx.deadline is None else ctx.deadline - now
+        lease = min(max(2 * timeout, MIN_LEASE), MAX_LEASE)
+        reply = self._declare_once(ctx, req, device, now, lease)
+        return reply if reply is not None else self._declare_waiting(ctx, req, device, lease, timeout)
 
-    @op(rq.ByName)
-    def mark_ready(self, ctx: CallContext, req: rq.ByName) -> dict[str, Any]:
-        record = self.catalog.mark_ready(req.name)
-        event = self._ready.get(req.name)
+    def _declare_once(self, ctx: CallContext, req: rq.Declare, device: str | None, now: float,
+                      lease: float) -> dict[str, Any] | None:
+        """The reply when the record is ready or the caller gets the claim; None to wait."""
+        creator = req.name not in self.catalog.records
+        if creator and req.initializer is None and not req.has_value:
+            raise InvalidArgument(f"variable {req.name!r}: a first declaration names an initializer or holds an "
+                                  "initial value (has_value): its parts must not be made from nothing", name=req.name)
+        record = self.catalog.declare(req.name, req.shape, req.dtype, req.part_rows, req.part_bytes, device=device,
+                                      policy=req.policy, optimizer=req.optimizer, initializer=req.initializer,
+                                      table=req.table)
+        if record["ready"]:
+            return {**record, "claim": None, "overwrite": False}
+        held = self.catalog.claim(req.name, ctx.source, now, lease, creator=creator, has_value=req.has_value,
+                                  defaulted=req.defaulted)
+        return None if held is None else {**record, "claim": held.token, "overwrite": held.overwrite}
+
+    async def _declare_waiting(self, ctx: CallContext, req: rq.Declare, device: str | None, lease: float,
+                               timeout: float) -> dict[str, Any]:
+        """Declare again each time the record changes or the claim lapses, until the caller gets
+        the record ready or the claim; DeadlineExceeded, naming why, just before its deadline."""
+        name = req.name
+        end = None if ctx.deadline is None else ctx.deadline - WAIT_MARGIN
+        while True:
+            now = _now()
+            reply = self._declare_once(ctx, req, device, now, lease)
+            if reply is not None:
+                return reply
+            # a declarer that could take the claim wakes when it lapses; any wakes when it is given up
+            held = self.catalog.holder(name)
+            lapses = held.until if held is not None and self.catalog.may_claim(name, req.has_value) else None
+            if end is not None and now >= end:
+                raise DeadlineExceeded(self._not_ready(name, req.has_value, now, timeout), name=name)
+            until = min((t for t in (end, lapses) if t is not None), default=None)
+            await self._wait(name, None if until is None else until - now)
+
+    def _not_ready(self, name: str, has_value: bool, now: float, timeout: float) -> str:
+        """Why a declaration of ``name`` waited until its deadline, and for whom."""
+        held = self.catalog.holder(name)
+        start = f" within {timeout:.3g}s"
+        if held is not None and held.until > now:
+            return (f"variable {name!r} is being created by {held.owner!r} and did not become ready{start}: declare "
+                    f"it again (its claim lapses in {held.until - now:.3g}s if that declarer is gone)")
+        why = "the declarer that holds its claim gave it up or is gone"
+        if not self.catalog.may_claim(name, has_value):
+            why += ("; this declaration has no initial value and the record names no initializer (its creator gave "
+                    "a value), so it cannot create the parts: declare it with its value")
+        return f"variable {name!r} did not become ready{start}: {why}"
+
+    @op(rq.MarkReady)
+    def mark_ready(self, ctx: CallContext, req: rq.MarkReady) -> dict[str, Any]:
+        record = self.catalog.mark_ready(req.name, req.claim, ctx.source)
+        self._wake(req.name)
+        return record
+
+    @op(rq.Abandon)
+    def abandon(self, ctx: CallContext, req: rq.Abandon) -> bool:
+        """The claim's holder gives it up (``keep``: the record stays; else it goes, and what it
+        counted); the declarations waiting on it try again. True when the record went."""
+        gone = self.catalog.abandon(req.name, req.claim, ctx.source, keep=req.keep)
+        self._wake(req.name)
+        return gone
+
+    def _wake(self, name: str) -> None:
+        """Wake whoever waits on ``name``; a later waiter waits on a new event."""
+        event = self._ready.pop(name, None)
         if event is not None:
             event.set()
-        return record
+
+    async def _wait(self, name: str, timeout: float | None) -> None:
+        """Until ``name`` changes (ready, claim given up, record gone) or ``timeout`` passes."""
+        event = self._ready.setdefault(name, asyncio.Event())
+        self._waiters[name] += 1
+        try:
+            await asyncio.wait_for(event.wait(), None if timeout is None else max(timeout, 0.0))
+        except TimeoutError:
+            pass
+        finally:
+            self._waiters[name] -= 1
+            if not self._waiters[name]:  # nobody waits on any event of the name
+                del self._waiters[name]
+                self._ready.pop(name, None)
 
     @op(rq.Lookup)
     async def lookup(self, ctx: CallContext, req: rq.Lookup) -> dict[str, Any]:
@@ -59,19 +161,12 @@ class CatalogService(Service):
         if not self.catalog.ready(name):
             if not req.wait:
                 self._missing(name)
-            loop = asyncio.get_running_loop()
-            remaining = None if ctx.deadline is None else ctx.deadline - loop.time() - 0.1
-            event = self._ready.setdefault(name, asyncio.Event())
-            self._waiters[name] += 1
-            try:
-                await asyncio.wait_for(event.wait(), remaining)
-            except TimeoutError:
-                self._missing(name)
-            finally:
-                self._waiters[name] -= 1
-                if not self._waiters[name]:
-                    del self._waiters[name]
-                    self._ready.pop(name, None)
+            end = None if ctx.deadline is None else ctx.deadline - WAIT_MARGIN
+            while not self.catalog.ready(name):
+                left = None if end is None else end - _now()
+                if left is not None and left <= 0:
+                    self._missing(name)
+                await self._wait(name, left)
         return self.catalog.lookup(name)
 
     @staticmethod

@@ -67,6 +67,9 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
         self.store = ShardStore(limits)
         self.tables: dict[PartKey, HashTable] = {}
         self._table_specs: dict[PartKey, tuple] = {}
+        # who last created or declared each part and table (the caller's name, with keys its key's):
+        # ``drop`` takes only the caller's own, so a declarer that lost its claim drops nobody else's
+        self._makers: dict[PartKey, str] = {}
         self.replicas = list(replicas or [])
         self._advanced: dict[PartKey, asyncio.Event] = defaultdict(asyncio.Event)
         # what the metrics probe reads (plain ints: counting costs an add whether or not anyone scrapes)
@@ -133,6 +136,7 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
             return self._after_build(self._building[key], lambda: self.create_part(ctx, name, part, shape, rows, dtype, **kwargs))
         extra = sum(t.nbytes for t in self.tables.values())
         plan = self.store.plan(name, part, shape, rows, dtype, extra_bytes=extra, **kwargs)
+        self.note_maker(ctx, key)
         if plan is None:
             return False
         if plan.nbytes < OFF_LOOP_BYTES:
@@ -142,6 +146,34 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
                 self.store.release(plan)
             return self.store.commit(built)
         return self._wait_build(self._build_off_loop(plan))
+
+    def note_maker(self, ctx: CallContext | None, key: PartKey) -> None:
+        """Remember who last created or declared ``key``; entries of parts gone (swept, or a
+        build that failed) are dropped once they outnumber the parts held."""
+        makers = self._makers
+        makers[key] = "" if ctx is None else ctx.source
+        if len(makers) > 2 * (len(self.store.parts) + len(self.tables)) + 1024:
+            self._makers = {k: v for k, v in makers.items() if k in self.store.parts or k in self.tables}
+
+    @op(rq.Drop)
+    def drop(self, ctx: CallContext, req: rq.Drop) -> list[list[Any]]:
+        """Drop the parts and tables of a declaration its declarer abandoned (a shard refused
+        another of its parts): only those the caller made or last declared, and none being built.
+        Returns the dropped ``[name, part]`` pairs."""
+        who = "" if ctx is None else ctx.source
+        dropped = []
+        for item in req.items:
+            key = (item.name, item.part)
+            if self._makers.get(key) != who or key in self._building:
+                continue
+            del self._makers[key]
+            found = self.store.parts.pop(key, None) is not None  # the held count is recounted (held_bytes)
+            if self.tables.pop(key, None) is not None:
+                self._table_specs.pop(key, None)
+                found = True
+            if found:
+                dropped.append([item.name, item.part])
+        return dropped
 
     def _build_off_loop(self, plan: Plan) -> asyncio.Future:
         """Build ``plan`` in an executor; the future's result is the commit's. Registered at once,

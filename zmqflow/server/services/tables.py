@@ -33,6 +33,9 @@ class TableOps:
                     **kwargs: Any) -> "bool | Coroutine[Any, Any, bool]":
         raise NotImplementedError  # the ps service's: checked, and built off the loop when big
 
+    def note_maker(self, ctx: CallContext | None, key: PartKey) -> None:
+        raise NotImplementedError  # the ps service's: whose declaration a part is, for ps.drop
+
     @op(rq.EmbCreate)
     def emb_create(self, ctx: CallContext, req: rq.EmbCreate) -> "bool | Coroutine[Any, Any, bool]":
         """A static part as a store part (built off the loop when big); a dynamic part as a hash
@@ -48,6 +51,7 @@ class TableOps:
             if self._table_specs[key] != spec:
                 raise VariableConflict(f"embedding {name!r} part {part} exists as (dim, dtype, min_frequency, capacity, "
                                        f"parts) {self._table_specs[key]}; declared as {spec}")
+            self.note_maker(ctx, key)
             return False
         limits = self.limits
         check_count(name, len(self.store.parts) + len(self.tables), limits.max_variables, "this shard")
@@ -57,6 +61,7 @@ class TableOps:
                                      min_frequency=req.min_frequency, capacity=capacity, seed_salt=part + 1,
                                      max_pending=limits.max_pending_admission, room=self._room)
         self._table_specs[key] = spec
+        self.note_maker(ctx, key)
         return True
 
     def _room(self) -> int:

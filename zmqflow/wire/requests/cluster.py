@@ -10,7 +10,8 @@ import numpy as np
 from .base import MAX_ITEMS, MAX_PARTS, Count, Dtype, Name, Request, RowRange, Shape, Spec, Step
 from .ps import Empty
 
-__all__ = ["WaitForCluster", "Stop", "Hello", "Goodbye", "Run", "Declare", "ByName", "Lookup", "Uninitialized", "Records", "Deposit", "Abort",
+__all__ = ["WaitForCluster", "Stop", "Hello", "Goodbye", "Run", "Declare", "MarkReady", "Abandon", "Lookup",
+           "Uninitialized", "Records", "Deposit", "Abort",
            "Join", "MASTER", "WORKER", "CATALOG", "RING", "OPEN"]
 
 Task = Annotated[str, msgspec.Meta(min_length=1, max_length=128, description="a task name of 1..128 characters")]
@@ -60,7 +61,8 @@ class Run(Request):
 
 
 class Declare(Request):
-    """Record (or return) a variable's placement."""
+    """Record (or return) a variable's placement; the reply's ``claim`` (or null) says whether
+    this declarer is to create its parts. While another one holds the claim, it waits."""
 
     name: Name
     shape: Shape
@@ -74,12 +76,27 @@ class Declare(Request):
     optimizer: Spec | None = None
     initializer: Spec | None = None
     table: Spec | None = None
+    has_value: bool = False  # the declarer holds an initial value to build parts from
+    defaulted: bool = False  # it gave neither a value nor an initializer: a declaration with a value may take over
 
 
-class ByName(Request):
-    """Names one variable (``mark_ready``)."""
+Claim = Annotated[str, msgspec.Meta(min_length=1, max_length=64, description="a claim token of 1..64 characters")]
+
+
+class MarkReady(Request):
+    """Every part of ``name`` exists: the holder of its ``claim`` (from ``declare``) makes it ready."""
 
     name: Name
+    claim: Claim
+
+
+class Abandon(Request):
+    """The holder of the ``claim`` on a not-ready ``name`` gives it up: with ``keep``, the record
+    stays for the next declarer (a shard was out); else it goes (a shard refused a part)."""
+
+    name: Name
+    claim: Claim
+    keep: bool = False
 
 
 class Lookup(Request):
@@ -148,8 +165,8 @@ class Join(Request):
 MASTER: dict[str, type[Request]] = {"ping": Empty, "status": Empty, "cluster": Empty, "wait_for_cluster": WaitForCluster,
                                     "shutdown": Stop, "hello": Hello, "goodbye": Goodbye}
 WORKER: dict[str, type[Request]] = {"ping": Empty, "echo": OPEN, "sink": OPEN, "run": Run}
-CATALOG: dict[str, type[Request]] = {"ping": Empty, "declare": Declare, "mark_ready": ByName, "lookup": Lookup,
-                                     "uninitialized": Uninitialized, "records": Records}
+CATALOG: dict[str, type[Request]] = {"ping": Empty, "declare": Declare, "mark_ready": MarkReady, "abandon": Abandon,
+                                     "lookup": Lookup, "uninitialized": Uninitialized, "records": Records}
 RING: dict[str, type[Request]] = {"ping": Empty, "deposit": Deposit, "abort": Abort, "leave": Leave, "status": Empty,
                                   "join": Join}
 

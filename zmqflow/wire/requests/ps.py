@@ -18,7 +18,7 @@ from .base import (MAX_ITEMS, MAX_PARTS, PATH_MAX, ArraySpec, Count, Dtype, Int,
 __all__ = [
     "Empty", "Create", "PullItem", "Pull", "BulkOffer", "PullBulk", "PushBulk", "RowsItem", "Assign", "Scatter",
     "SparseItem", "PartItem", "Push", "Save",
-    "RestorePart", "Unfence", "Pair", "Sweep", "EmbCreate", "EmbIds", "EmbLookup", "EmbPush", "EmbEvict",
+    "RestorePart", "Unfence", "Pair", "Sweep", "Drop", "EmbCreate", "EmbIds", "EmbLookup", "EmbPush", "EmbEvict",
     "EmbExport", "EmbRestore", "EmbExportDelta", "OPS",
 ]
 
@@ -184,6 +184,12 @@ class Sweep(Request):
     keep: Annotated[list[Pair], msgspec.Meta(max_length=MAX_ITEMS, description="a list of [name, part] pairs")]
 
 
+class Drop(Request):
+    """Drop the parts and tables of an abandoned declaration (those the caller made)."""
+
+    items: Annotated[list[Pair], msgspec.Meta(max_length=MAX_PARTS, description="a list of [name, part] pairs")]
+
+
 class EmbCreate(Request):
     """Create a table part: ``static`` rows in the store, or a ``hash`` table."""
 
@@ -278,7 +284,7 @@ OPS: dict[str, type[Request]] = {
     "create": Create, "pull": Pull, "bulk_offer": BulkOffer, "pull_bulk": PullBulk,
     "push_bulk": PushBulk, "assign": Assign, "scatter": Scatter, "push": Push,
     "save": Save, "restore_part": RestorePart, "emb_restore": EmbRestore,
-    "fence": Empty, "unfence": Unfence, "sweep": Sweep,
+    "fence": Empty, "unfence": Unfence, "sweep": Sweep, "drop": Drop,
     "emb_create": EmbCreate, "emb_lookup": EmbLookup, "emb_push": EmbPush, "emb_stats": EmbIds,
     "emb_evict": EmbEvict, "emb_export": EmbExport, "emb_export_delta": EmbExportDelta,
 }
