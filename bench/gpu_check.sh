@@ -20,8 +20,8 @@ python3 -c "import cupy, torch, numpy, zmq; print('cupy', cupy.__version__, 'tor
 'pyzmq', zmq.__version__, 'gpus', cupy.cuda.runtime.getDeviceCount(), 'cpus', __import__('os').cpu_count())"
 python3 -c "from zmqflow.transport import sockops; print('C socket calls:', sockops.compiled() or sockops.why_not())"
 echo "== tests"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -rs --timeout 60 tests/test_ring_devices.py tests/test_torch_collectives.py \
-    tests/test_torch_optimizer.py 2>&1 | tee "$out/tests.log" | tail -15
+timeout 200 python3 -m pytest -q -p no:cacheprovider -rs --timeout 60 tests/test_ring_devices.py tests/test_torch_collectives.py \
+    tests/test_torch_optimizer.py tests/test_torch_average_in_backward.py 2>&1 | tee "$out/tests.log" | tail -15
 timeout 60 python3 -m pytest -q -p no:cacheprovider -rs --timeout 60 tests/test_jax_bridge.py 2>&1 | tee "$out/tests_jax.log" | tail -8
 echo "== allreduce on the GPU (one host: staged through shared memory) beside gloo on CUDA tensors"
 timeout 120 python3 -m zmqflow bench allreduce --device cuda --vs gloo --ranks 2 --ranks 3 --sizes "${SIZES:-64K,1M,16M,64M}" \
@@ -35,6 +35,9 @@ print(a.format_table(rows))" 2>&1 | tail -11
 echo "== allreduce on the CPU, same sizes, beside gloo"
 timeout 100 python3 -m zmqflow bench allreduce --vs gloo --ranks 2 --ranks 3 --sizes "${SIZES:-64K,1M,16M,64M}" --no-ps \
     --json "$out/allreduce_cpu.jsonl" 2>&1 | tail -11
+echo "== where a GPU step's time goes, part by part"
+timeout 100 python3 -m zmqflow launch --log-level warning --workers 2 -- python3 bench/gpu_step_parts.py \
+    > "$out/parts.log" 2>&1; grep -v "^\[launch\]" "$out/parts.log" | head -14
 echo "== a training step on the GPU: DistributedOptimizer (ring) beside DDP over gloo"
 timeout 120 python3 -m zmqflow bench torch --only ddp --device cuda --json "$out/torch_ddp_cuda.jsonl" 2>&1 | tail -5
 if [ -n "${CPU_TOO:-}" ]; then
