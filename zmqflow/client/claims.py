@@ -15,21 +15,46 @@ import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from ..cluster import TaskId
-from ..errors import InvalidArgument, PermissionDenied, ResourceExhausted, ZmqflowError
+from ..errors import InvalidArgument, PermissionDenied, ProtocolError, ResourceExhausted, Unavailable, ZmqflowError
 from ..wire.requests import cluster as crq
 from ..wire.requests import ps as rq
 from .port import SessionPort
 
-__all__ = ["REFUSALS", "settle", "give_up"]
+__all__ = ["REFUSALS", "MAX_HANDOVERS", "declare_claimed", "settle", "give_up"]
 
 log = logging.getLogger(__name__)
 
 # what a shard answers a create that would fail again as it is (VariableConflict is an InvalidArgument)
 REFUSALS = (InvalidArgument, ResourceExhausted)
 _BACKGROUND: set[asyncio.Task] = set()  # claims given up after their declaration was cancelled
+# a declaration whose claim lapsed and passed on while it created parts declares again: this many times in all
+MAX_HANDOVERS = 3
+InfoT = TypeVar("InfoT")
+
+
+async def declare_claimed(sess: SessionPort, what: str, name: str, request: crq.Declare,
+                          info_of: Callable[[dict[str, Any]], InfoT],
+                          create: Callable[[dict[str, Any], InfoT, str], Awaitable[bool]]) -> InfoT:
+    """Declare ``request`` until its record is ready; its info (``info_of`` the record). While it
+    is not, the catalog answers a declarer that holds the claim with the claim (the others wait
+    there): ``create(record, info, claim)`` then makes the parts, as :func:`settle` does, and says
+    whether the record became ready (else the claim passed on meanwhile: declare again). ``what``
+    names the kind (variable, embedding) in errors."""
+    for _ in range(MAX_HANDOVERS):
+        record = await sess.call_catalog("declare", request)
+        info = info_of(record)
+        if record["ready"]:
+            return info
+        claim = record.get("claim")
+        if not claim:
+            raise ProtocolError(f"catalog.declare of {name!r} answered a record that is not ready without a claim")
+        if await create(record, info, claim):
+            return info
+    raise Unavailable(f"{what} {name!r}: its claim passed to another declarer {MAX_HANDOVERS} times before it "
+                      "became ready; declare it again", name=name)
 
 
 async def settle(sess: SessionPort, name: str, claim: str, creates: Iterable[Awaitable[Any]],

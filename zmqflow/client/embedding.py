@@ -18,8 +18,8 @@ import numpy as np
 from ..state import init as _init
 from ..state import optim as _optim
 from ..cluster import TaskId, shard_tasks
-from ..errors import InvalidArgument, ProtocolError, Unavailable
-from .claims import settle
+from ..errors import InvalidArgument
+from .claims import declare_claimed, settle
 from .embedding_delta import export_delta
 from ..observe import timeline
 from .port import SessionPort
@@ -36,7 +36,6 @@ from ..wire.requests import ps as rq
 __all__ = ["TableInfo", "AsyncEmbedding", "declare_embedding", "create_table_parts", "COMBINERS"]
 
 COMBINERS = ("sum", "mean", "sqrtn")
-MAX_HANDOVERS = 3  # declarations again after the claim passed on while this one created parts
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,20 +128,13 @@ async def declare_embedding(sess: SessionPort, name: str, num_embeddings: int | 
         initializer=init_spec,
         table=table,
     )
-    for _ in range(MAX_HANDOVERS):
+
+    async def create(record: dict[str, Any], info: TableInfo, claim: str) -> bool:
         # a table's parts come from the record's initializer, whoever holds the claim to create them
-        record = await sess.call_catalog("declare", request)
-        info = TableInfo.from_record(record)
-        if record["ready"]:
-            return info
-        claim = record.get("claim")
-        if not claim:
-            raise ProtocolError(f"catalog.declare of {name!r} answered a record that is not ready without a claim")
         parts = list(zip(info.tasks, range(info.parts)))
-        if await settle(sess, name, claim, _table_creates(sess, info, record), parts):
-            return info
-    raise Unavailable(f"embedding {name!r}: its claim passed to another declarer {MAX_HANDOVERS} times before it "
-                      "became ready; declare it again", name=name)
+        return await settle(sess, name, claim, _table_creates(sess, info, record), parts)
+
+    return await declare_claimed(sess, "embedding", name, request, TableInfo.from_record, create)
 
 
 def _table_creates(sess: SessionPort, info: TableInfo, record: dict[str, Any]) -> list[Awaitable[Any]]:

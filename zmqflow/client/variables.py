@@ -20,13 +20,13 @@ import numpy as np
 from ..state import init as _init
 from ..state import optim as _optim
 from ..cluster import TaskId
-from ..errors import InvalidArgument, ProtocolError, Unavailable, VariableConflict
+from ..errors import InvalidArgument, VariableConflict
 from ..observe import timeline
 from ..transport.bulk import as_bytes
 from .bulk_lanes import Lanes, streams
 from .bulk_pull import Piece, pull_into
 from .bulk_push import push_from
-from .claims import give_up, settle
+from .claims import declare_claimed, give_up, settle
 from .port import SessionPort
 from .placement import current_device, current_policy
 from .var_info import SLICE_BYTES, VarInfo, check_apart, check_out, rows_of
@@ -42,8 +42,6 @@ __all__ = ["SLICE_BYTES", "VarInfo", "check_out", "AsyncVariable", "declare", "c
 # a one-part variable pulled without out= up to this size comes whole, as one frame that becomes
 # the result (no copy); bigger ones come in slices, copied into a new array as they land
 WHOLE_PULL_BYTES = 1 << 30
-# a declaration whose claim lapsed and passed on while it created parts declares again: this many times in all
-MAX_HANDOVERS = 3
 T = TypeVar("T")
 
 
@@ -176,14 +174,8 @@ async def declare(
         has_value=value is not None,
         defaulted=value is None and initializer is None,
     )
-    for _ in range(MAX_HANDOVERS):
-        record = await sess.call_catalog("declare", request)
-        info = VarInfo.from_record(record)
-        if record["ready"]:
-            return info
-        claim = record.get("claim")
-        if not claim:
-            raise ProtocolError(f"catalog.declare of {name!r} answered a record that is not ready without a claim")
+
+    async def create(record: dict[str, Any], info: VarInfo, claim: str) -> bool:
         # the parts come from the record's initializer where it names one (the first declaration's), else from
         # this declarer's value: never from nothing, which a shard would make zeros
         source = value if info.initializer is None else None
@@ -194,10 +186,9 @@ async def declare(
         parts = [(task, i) for i, (task, _, _) in enumerate(info.parts)]
         # a record this value took over from a declaration by shape alone: parts made meanwhile hold zeros
         over = _overwrite(sess, info, source) if record.get("overwrite") and source is not None else None
-        if await settle(sess, name, claim, _creates(sess, info, source), parts, over):
-            return info
-    raise Unavailable(f"variable {name!r}: its claim passed to another declarer {MAX_HANDOVERS} times before it "
-                      "became ready; declare it again", name=name)
+        return await settle(sess, name, claim, _creates(sess, info, source), parts, over)
+
+    return await declare_claimed(sess, "variable", name, request, VarInfo.from_record, create)
 
 
 def _overwrite(sess: SessionPort, info: VarInfo, value: np.ndarray) -> Callable[[], Awaitable[None]]:
