@@ -125,8 +125,8 @@ def test_half_variables_and_tables_follow_a_float32_reference_with_float32_slots
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_a_sync_replicas_half_variable_steps_in_float32(dtype):
-    """SyncReplicas sums the replicas' gradients in float32 and hands their mean, in the
-    variable's dtype, to the same update: float32 slots, no NaN."""
+    """SyncReplicas sums the replicas' gradients in float32 and hands their mean, still in
+    float32, to the same update: float32 slots, no NaN."""
     opt = Adam(0.01)
     init = np.random.default_rng(4).standard_normal((6, 4)).astype(dtype)
     grads = gradients((6, 4), dtype, 5)[:8]

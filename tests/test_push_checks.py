@@ -125,6 +125,30 @@ def test_a_replica_that_pushes_again_after_its_deadline_is_counted_once():
     arun(main())
 
 
+def test_a_sync_half_variable_rounds_once_with_the_update():
+    """The float32 mean of -2.797 and -0.3972 rounded to float16 first, then applied, gave -1.152
+    where the update rounded once gives -1.151 (with SGD(0.1) from -1.312)."""
+    grads = [np.float16(-2.797), np.float16(-0.3972)]
+    mean = (np.float32(grads[0]) + np.float32(grads[1])) / np.float32(2)
+    want = np.float16(np.float32(np.float16(-1.312)) - np.float32(0.1) * mean)
+    assert want != np.float16(np.float32(np.float16(-1.312)) - np.float32(0.1) * np.float32(np.float16(mean)))
+
+    async def main():
+        async with local_cluster({"ps": 1, "worker": 2}, timeout=10, transport="inproc") as servers:
+            ps = servers["ps:0"].service("ps")
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                opt = zf.optim.SyncReplicas(zf.optim.SGD(0.1), replicas_to_aggregate=2)
+                await sess.variable("w", np.full(2, -1.312, np.float16), optimizer=opt)
+            answers = [ps.push(CallContext("ps", "push", who.encode(), who, None),
+                               dense=[["w", 0, None, None, np.full(2, g, np.float16)]], step=0)
+                       for who, g in zip(("worker:0", "worker:1"), grads)]
+            assert asyncio.iscoroutine(answers[0]) and not asyncio.iscoroutine(answers[1])  # the first waits
+            assert (await answers[0])["replicas"] == answers[1]["replicas"] == ["worker:0", "worker:1"]
+            np.testing.assert_array_equal(ps.store.get("w").value, np.full(2, want, np.float16))
+
+    arun(main())
+
+
 def test_an_optimizer_on_an_integer_variable_is_refused_before_anything_is_recorded():
     async def main():
         async with local_cluster({"ps": 1, "worker": 1}, timeout=10, transport="inproc") as servers:

@@ -6,7 +6,9 @@ dropped and counted. Extra (backup) replicas beyond the aggregate count simply a
 are dropped as stale, which is how backup workers hide stragglers. Each replica counts once per
 step: a second push of one it already counted (a retry after its deadline) adds nothing and is
 dropped, so it cannot complete a step in another replica's place. Half-precision gradients are
-summed in float32: 300 bfloat16 ones stop adding up at 256, eight float16 10000s overflow.
+summed in float32: 300 bfloat16 ones stop adding up at 256, eight float16 10000s overflow. Their
+mean is handed back in float32, where the update widens a half-precision variable anyway: rounded
+once, with the update, not first on its own.
 """
 
 from __future__ import annotations
@@ -74,9 +76,11 @@ class SyncState:
 
     def take(self) -> tuple[dict[tuple[int, int], np.ndarray], tuple[np.ndarray, np.ndarray] | None]:
         """The mean gradients to apply now (over the contributions received: all of them, or fewer
-        when dead replicas were dropped); advances the step and starts the next one."""
+        when dead replicas were dropped; dense half-precision ones in float32); advances the step
+        and starts the next one."""
         n = float(max(1, len(self.contributors)))
-        dense = {rows: (g / n).astype(self._dtype or g.dtype, copy=False) for rows, g in self._dense.items()}
+        dense = {rows: g / n if self._dtype is not None else (g / n).astype(g.dtype, copy=False)
+                 for rows, g in self._dense.items()}
         sparse = None
         if self._sparse:
             idx = np.concatenate([i for i, _ in self._sparse])
