@@ -78,6 +78,7 @@ def test_one_declarer_at_a_time_holds_the_claim_and_only_one_that_can_build_take
     assert again is first and first.until == 16.0
     taken = cat.claim("w", "worker:0", 17.0, 10.0, has_value=True)
     assert taken is not None and taken.owner == "worker:0" and taken.token != first.token
+    assert not first.overwrite and taken.overwrite  # the chief may have made parts of its own value
     with pytest.raises(PermissionDenied, match=r"catalog.mark_ready of 'w': .* held by 'worker:0'"):
         cat.mark_ready("w", first.token, "chief")
     with pytest.raises(PermissionDenied):  # the token under another caller's name is of no use
@@ -88,7 +89,7 @@ def test_one_declarer_at_a_time_holds_the_claim_and_only_one_that_can_build_take
     cat.declare("i", [4], "float32", [[0, 4]], [16], initializer={"kind": "constant", "value": 2.0})
     assert cat.claim("i", "chief", 0.0, 1.0, creator=True) is not None
     later = cat.claim("i", "worker:0", 2.0, 1.0)  # an initializer in the record: anyone may build
-    assert later is not None and later.owner == "worker:0"
+    assert later is not None and later.owner == "worker:0" and not later.overwrite  # the same parts
 
 
 def test_a_value_takes_over_a_record_declared_by_shape_alone_and_writes_over_what_it_finds():
@@ -136,18 +137,19 @@ def test_a_first_declaration_with_neither_a_value_nor_an_initializer_is_refused(
     assert reply["claim"] and reply["ready"] is False and reply["overwrite"] is False
 
 
-def test_a_shard_drops_only_the_parts_the_caller_made():
+def test_a_shard_drops_only_the_parts_the_owner_made():
     ps = PsService()
-    alice, bob = CallContext("ps", "create", b"a", "alice", None), CallContext("ps", "drop", b"b", "bob", None)
+    alice, bob = CallContext("ps", "create", b"a", "alice", None), CallContext("ps", "create", b"b", "bob", None)
+    catalog = CallContext("ps", "drop", b"c", "ps:0", None)  # the catalog's task, for the declarer named
     assert ps.create(alice, name="w", part=0, shape=[4], rows=[0, 4], dtype="float32") is True
     assert ps.store.held_bytes() == 16
-    assert ps.drop(bob, rq.Drop(items=[rq.Pair("w", 0)])) == [] and ("w", 0) in ps.store.parts
-    assert ps.drop(alice, rq.Drop(items=[rq.Pair("w", 0), rq.Pair("ghost", 3)])) == [["w", 0]]
+    assert ps.drop(catalog, rq.Drop(items=[rq.Pair("w", 0)], owner="bob")) == [] and ("w", 0) in ps.store.parts
+    assert ps.drop(catalog, rq.Drop(items=[rq.Pair("w", 0), rq.Pair("ghost", 3)], owner="alice")) == [["w", 0]]
     assert ps.store.parts == {} and ps.store.held_bytes() == 0
     # the last to declare a part owns it: one that lost its claim cannot drop what another took on
     ps.create(alice, name="w", part=0, shape=[4], rows=[0, 4], dtype="float32")
     assert ps.create(bob, name="w", part=0, shape=[4], rows=[0, 4], dtype="float32") is False
-    assert ps.drop(alice, rq.Drop(items=[rq.Pair("w", 0)])) == [] and ("w", 0) in ps.store.parts
+    assert ps.drop(catalog, rq.Drop(items=[rq.Pair("w", 0)], owner="alice")) == [] and ("w", 0) in ps.store.parts
 
 
 # real servers --------------------------------------------------------------------------------
@@ -167,13 +169,20 @@ def test_with_keys_the_claim_is_its_keys_and_its_token_is_of_no_use_under_anothe
                 req = crq.Declare(name="w", shape=[4], dtype="float32", part_rows=[[0, 4]], part_bytes=[16],
                                   has_value=True)
                 claim = (await holder.call_catalog("declare", req))["claim"]
+                assert await holder.call("ps", "create", rq.Create(name="w", part=0, shape=[4], rows=[0, 4],
+                                                                   dtype="float32"), task="ps:0") is True
                 for other in (task, client):
                     with pytest.raises(PermissionDenied, match="held by 'worker:0'"):
                         await other.call_catalog("mark_ready", crq.MarkReady(name="w", claim=claim))
                     with pytest.raises(PermissionDenied, match="held by 'worker:0'"):
                         await other.call_catalog("abandon", crq.Abandon(name="w", claim=claim))
+                # only the catalog's task drops parts: a client key cannot, even naming the declarer
+                with pytest.raises(PermissionDenied, match="ps.drop needs a task key"):
+                    await client.call("ps", "drop", rq.Drop(items=[rq.Pair("w", 0)], owner="worker:0"), task="ps:0")
+                assert [v["name"] for v in await client.call("ps", "variables", task="ps:0")] == ["w"]
                 assert await holder.call_catalog("abandon", crq.Abandon(name="w", claim=claim)) is True
                 assert servers["ps:0"].service("catalog").catalog.records == {}
+                assert await client.call("ps", "variables", task="ps:0") == []  # the catalog dropped its part
 
     arun(scenario())
 
@@ -206,6 +215,31 @@ def test_an_attach_by_shape_never_makes_zeros_of_a_half_made_variable():
                                    lambda: chief.variable("w", VALUE, partitioner=TWO).read())
         np.testing.assert_array_equal(retried, VALUE)
         np.testing.assert_array_equal(got, VALUE)
+    finally:
+        _stop(*sessions, worker, *servers)
+
+
+def test_a_value_that_takes_a_half_made_record_over_writes_over_the_parts_it_finds():
+    """The chief's declaration makes part 0 of its value and fails on ps:1 (down), giving the claim
+    up. Another session, with another value, used to make part 1 of its own and read a mix of both
+    values; now it writes its value over part 0 too."""
+    spec = make_spec({"ps": 2, "worker": 1}, "tcp")
+    servers = [zf.Server(spec, "ps:0"), zf.Server(spec, "ps:1")]
+    worker = zf.Server(spec, "worker:0")
+    sessions: list[zf.Session] = []
+    try:
+        chief = zf.Session(worker.target, timeout=2.0)
+        sessions.append(chief)
+        chief.wait_for_cluster(10)
+        servers[1].stop()
+        with pytest.raises((Unavailable, DeadlineExceeded), match="ps:1"):
+            chief.variable("w", VALUE, partitioner=TWO)
+        assert [v["name"] for v in chief.call("ps", "variables", task="ps:0")] == ["w"]  # part 0 holds VALUE[:4]
+        servers[1] = zf.Server(spec, "ps:1")  # back, empty
+        other = zf.Session(worker.target, timeout=10.0)
+        sessions.append(other)
+        np.testing.assert_array_equal(other.variable("w", -VALUE, partitioner=TWO).read(), -VALUE)
+        np.testing.assert_array_equal(chief.variable("w", VALUE, partitioner=TWO).read(), -VALUE)  # ready: attached
     finally:
         _stop(*sessions, worker, *servers)
 

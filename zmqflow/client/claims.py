@@ -4,8 +4,8 @@ The catalog hands the claim on a record that is not ready to one declarer at a t
 wait for the record to become ready). Its holder creates every part, then marks the record
 ready. When a shard refuses a part (its own byte budget, a conflicting part: InvalidArgument,
 ResourceExhausted, VariableConflict), the same declaration would fail every time: the holder
-drops the parts it made and abandons the record, which frees the name and what the record
-counted. When a shard is out (Unavailable, DeadlineExceeded), a retry may succeed: the record
+abandons the record, and the catalog drops the parts it made (only the catalog's task may), which
+frees the name and what the record counted. When a shard is out (Unavailable, DeadlineExceeded), a retry may succeed: the record
 and its parts stay, and the holder only gives the claim up, so the next declarer goes on at once.
 """
 
@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
-from ..cluster import TaskId
 from ..errors import InvalidArgument, PermissionDenied, ProtocolError, ResourceExhausted, Unavailable, ZmqflowError
 from ..wire.requests import cluster as crq
-from ..wire.requests import ps as rq
 from .port import SessionPort
 
 __all__ = ["REFUSALS", "MAX_HANDOVERS", "declare_claimed", "settle", "give_up"]
@@ -58,13 +55,12 @@ async def declare_claimed(sess: SessionPort, what: str, name: str, request: crq.
 
 
 async def settle(sess: SessionPort, name: str, claim: str, creates: Iterable[Awaitable[Any]],
-                 parts: Iterable[tuple[TaskId, int]], then: Callable[[], Awaitable[Any]] | None = None) -> bool:
-    """Run ``creates`` (every part of ``name``, on ``parts``: (task, part index)), then ``then``
-    (writing the value over parts a takeover found), and mark the record ready. True when it is;
-    False when the claim passed to another declarer meanwhile (its lease lapsed): declare again to
-    wait for that one. A failure is raised after the claim is given up: with the record dropped,
-    and the parts this caller made with it, when every failure is a shard's refusal; else kept for
-    a retry."""
+                 then: Callable[[], Awaitable[Any]] | None = None) -> bool:
+    """Run ``creates`` (every part of ``name``), then ``then`` (writing the value over parts a
+    takeover found), and mark the record ready. True when it is; False when the claim passed to
+    another declarer meanwhile (its lease lapsed): declare again to wait for that one. A failure
+    is raised after the claim is given up: with the record dropped, and the parts this caller made
+    with it, when every failure is a shard's refusal; else kept for a retry."""
     try:
         results = await asyncio.gather(*creates, return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -88,7 +84,6 @@ async def settle(sess: SessionPort, name: str, claim: str, creates: Iterable[Awa
         raise interrupted[0]
     refused = [f for f in failed if isinstance(f, REFUSALS)]
     if len(refused) == len(failed):
-        await _drop(sess, name, parts)
         await give_up(sess, name, claim, keep=False)
         raise refused[0]
     await give_up(sess, name, claim, keep=True)
@@ -110,15 +105,3 @@ async def give_up(sess: SessionPort, name: str, claim: str, *, keep: bool) -> No
     except ZmqflowError as exc:
         log.warning("could not give up the claim on %r (%s): it lapses with its lease", name, exc)
 
-
-async def _drop(sess: SessionPort, name: str, parts: Iterable[tuple[TaskId, int]]) -> None:
-    """Ask each shard to drop the parts of ``name`` this caller made; one that does not answer
-    keeps its part (a later declaration of the name there is refused until a recovery sweeps it)."""
-    per_task: dict[TaskId, list[rq.Pair]] = defaultdict(list)
-    for task, part in parts:
-        per_task[task].append(rq.Pair(name, part))
-    answers = await asyncio.gather(*(sess.call_task(task, "ps", "drop", rq.Drop(items=items))
-                                     for task, items in per_task.items()), return_exceptions=True)
-    for task, answer in zip(per_task, answers):
-        if isinstance(answer, BaseException):
-            log.warning("could not drop the parts of abandoned %r on %s: %s", name, task, answer)

@@ -131,8 +131,7 @@ async def declare_embedding(sess: SessionPort, name: str, num_embeddings: int | 
 
     async def create(record: dict[str, Any], info: TableInfo, claim: str) -> bool:
         # a table's parts come from the record's initializer, whoever holds the claim to create them
-        parts = list(zip(info.tasks, range(info.parts)))
-        return await settle(sess, name, claim, _table_creates(sess, info, record), parts)
+        return await settle(sess, name, claim, _table_creates(sess, info, record))
 
     return await declare_claimed(sess, "embedding", name, request, TableInfo.from_record, create)
 

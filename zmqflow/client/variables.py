@@ -183,10 +183,9 @@ async def declare(
             await give_up(sess, name, claim, keep=True)
             raise InvalidArgument(f"variable {name!r} is not created yet and its first declaration gave an initial "
                                   "value: declare it with its value to create it")
-        parts = [(task, i) for i, (task, _, _) in enumerate(info.parts)]
         # a record this value took over from a declaration by shape alone: parts made meanwhile hold zeros
         over = _overwrite(sess, info, source) if record.get("overwrite") and source is not None else None
-        return await settle(sess, name, claim, _creates(sess, info, source), parts, over)
+        return await settle(sess, name, claim, _creates(sess, info, source), over)
 
     return await declare_claimed(sess, "variable", name, request, VarInfo.from_record, create)
 

@@ -37,13 +37,14 @@ CLIENT_OPS: Mapping[str, frozenset[str]] = {
     "master": _READ_STATUS | {"cluster", "wait_for_cluster", "shutdown"},  # shutdown: any admitted key (above)
     "worker": frozenset({"ping", "echo", "sink", "run"}),  # run: within the task's own allow-list of functions
     "catalog": frozenset({"ping", "declare", "mark_ready", "abandon", "lookup", "uninitialized", "records"}),
-    "ps": _READ_STATUS | {"global_step", "variables", "create", "drop", "pull", "assign", "scatter", "push",
+    "ps": _READ_STATUS | {"global_step", "variables", "create", "pull", "assign", "scatter", "push",
                           "bulk_offer", "pull_bulk", "push_bulk",
                           "emb_create", "emb_lookup", "emb_push", "emb_stats", "emb_export"},
     "ring": _READ_STATUS,
 }
 # Task-only, by decision (for the record; anything unlisted above is task-only anyway):
-# ps.fence, ps.unfence, ps.sweep, ps.restore_part, ps.emb_restore, ps.emb_evict, ps.save, ps.emb_export_delta,
+# ps.fence, ps.unfence, ps.sweep, ps.drop (the catalog's, for a declarer that abandons), ps.restore_part,
+# ps.emb_restore, ps.emb_evict, ps.save, ps.emb_export_delta,
 # ring.join, ring.deposit, ring.abort, ring.leave, master.hello, master.goodbye.
 
 

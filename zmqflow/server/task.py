@@ -125,7 +125,7 @@ class AsyncServer:
         self._services["ps"] = PsService(replicas, reachable=self.client_reachable, limits=limits.state(),
                                          checkpoint_roots=CheckpointRoots.parse(checkpoint_roots))
         if self.task == shard_tasks(self.spec)[0]:
-            self._services["catalog"] = CatalogService(self.spec, limits.state())
+            self._services["catalog"] = CatalogService(self.spec, limits.state(), call=self.call)
         self._services.update(services or {})
         self._rpc: RpcServer | None = None
         self._client: RpcClient | None = None

@@ -56,12 +56,15 @@ class Pending:
     the bytes it added to ``Catalog.bytes`` and ``Catalog.held``, given back if it is abandoned.
     ``defaulted``: made by a declaration that gave neither a value nor an initializer (zeros): a
     declaration with a value takes it over, as it would have made it had it come first; its parts
-    may then hold zeros already, so every later holder has to ``overwrite`` them."""
+    may then hold zeros already, so every later holder has to ``overwrite`` them. So does every
+    holder after the first of a record made from a value (``handed``: a claim was handed out):
+    its parts may hold another declarer's value, which must not mix with this one's part by part."""
 
     counted: list[tuple[str, int, int]]
     claim: Claim | None = None
     defaulted: bool = False
     overwrite: bool = False
+    handed: bool = False
 
 
 class Catalog:
@@ -211,8 +214,9 @@ class Catalog:
         ``owner`` has nothing to build parts from (neither a value nor, in the record, an
         initializer). Its creator gets it (``defaulted``: it gave neither a value nor an
         initializer), as does its holder again (a retry renews the lease); past the lease, or once
-        given up, any declarer that can build; at once, a declarer with a value when the record is
-        defaulted. Sessions that share one caller name (a key, a task) count as one declarer."""
+        given up, any declarer that can build (writing over what it finds, when the parts come
+        from values); at once, a declarer with a value when the record is defaulted. Sessions that
+        share one caller name (a key, a task) count as one declarer."""
         record = self.lookup(name)
         pending = self.pending.get(name)
         if record["ready"] or pending is None or not (creator or has_value or record["initializer"] is not None):
@@ -229,6 +233,9 @@ class Catalog:
             return held
         if held is not None and held.until > now:
             return None
+        if pending.handed and record["initializer"] is None:  # an earlier holder may have made parts of its value
+            pending.overwrite = True
+        pending.handed = True
         pending.claim = Claim(owner, secrets.token_hex(16), now + lease, pending.overwrite)
         return pending.claim
 
@@ -256,6 +263,16 @@ class Catalog:
             raise PermissionDenied(f"catalog.{op} of {name!r}: this caller holds no claim on it (the claim is "
                                    f"held by {who}: it lapsed and passed on, or was given up)", name=name)
         return pending
+
+    def claimed_parts(self, name: str, token: str, owner: str) -> list[tuple[str, int]]:
+        """Each part of ``name`` as (task, part index), for the holder of its claim only (the
+        parts its declarer made are to be dropped before it abandons the record)."""
+        record = self.lookup(name)
+        if record["ready"]:
+            raise InvalidArgument(f"catalog.abandon of {name!r}: the variable is ready; only a record whose parts "
+                                  "are still being created can be abandoned", name=name)
+        self._check_claim(name, token, owner, "abandon")
+        return [(p["task"], i) for i, p in enumerate(record["parts"])]
 
     def mark_ready(self, name: str, token: str | None = None, owner: str = "") -> dict[str, Any]:
         """The record, made ready by its claim's holder (once every part exists)."""

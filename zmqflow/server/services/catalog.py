@@ -7,15 +7,19 @@ A declaration of a record that is not ready gets the claim on it (the right to c
 or waits: until the record is ready, the claim is given up or lapses (and this declarer has
 something to build the parts from), or the request's deadline. The claim's holder is the caller
 the RPC edge names (with keys, its key's name, never a field), and its token is handed to it
-alone; ``mark_ready`` and ``abandon`` take both.
+alone; ``mark_ready`` and ``abandon`` take both. A holder that abandons the record (a shard
+refused a part) has the catalog drop the parts it made: ``ps.drop`` is the catalog task's alone,
+so no client can drop a part of a variable in use, and none is dropped before its record's claim
+is checked.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import defaultdict
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from ...cluster import ClusterSpec, shard_tasks
@@ -24,8 +28,11 @@ from ...state.catalog import Catalog, canonical_device
 from ...state.limits import DEFAULT_STATE_LIMITS, StateLimits
 from ...rpc import CallContext, Service, op
 from ...wire.requests import cluster as rq
+from ...wire.requests import ps as psrq
 
-__all__ = ["CatalogService", "MIN_LEASE", "MAX_LEASE"]
+__all__ = ["CatalogService", "MIN_LEASE", "MAX_LEASE", "DROP_TIMEOUT"]
+
+log = logging.getLogger(__name__)
 
 # A claim's lease is twice the declaring request's timeout (the session's): its holder's creates
 # run within one, so a live holder finishes well inside it; bounded both ways.
@@ -34,6 +41,10 @@ MAX_LEASE = 3600.0
 NO_DEADLINE_TIMEOUT = 30.0  # what a call made in-process, without a deadline, counts as its timeout
 # a wait ends this long before its caller's deadline, so its own error (naming why) gets back first
 WAIT_MARGIN = 0.1
+DROP_TIMEOUT = 10.0  # the most an abandon waits for a shard to drop the parts (it is not left holding them)
+
+# ``call(task, service, op, body, timeout=...)``: the task's own client to the cluster's tasks
+CallTask = Callable[..., Awaitable[Any]]
 
 
 def _now() -> float:
@@ -47,9 +58,12 @@ def _now() -> float:
 class CatalogService(Service):
     name = "catalog"
 
-    def __init__(self, spec: ClusterSpec, limits: StateLimits = DEFAULT_STATE_LIMITS):
+    def __init__(self, spec: ClusterSpec, limits: StateLimits = DEFAULT_STATE_LIMITS, call: CallTask | None = None):
+        """``call`` reaches the shards to drop an abandoned record's parts; without it (a catalog
+        outside a server) they stay where they are."""
         super().__init__()
         self.spec = spec
+        self._call = call
         self.catalog = Catalog([str(t) for t in shard_tasks(spec)], limits)
         # one event per name someone waits for, dropped when the last waiter leaves: lookups of
         # names that never come cannot pile up events
@@ -126,10 +140,34 @@ class CatalogService(Service):
         return record
 
     @op(rq.Abandon)
-    def abandon(self, ctx: CallContext, req: rq.Abandon) -> bool:
-        """The claim's holder gives it up (``keep``: the record stays; else it goes, and what it
-        counted); the declarations waiting on it try again. True when the record went."""
-        gone = self.catalog.abandon(req.name, req.claim, ctx.source, keep=req.keep)
+    def abandon(self, ctx: CallContext, req: rq.Abandon) -> "bool | Coroutine[Any, Any, bool]":
+        """The claim's holder gives it up (``keep``: the record stays; else the parts its holder
+        made are dropped, then the record goes, and what it counted); the declarations waiting on
+        it try again. True when the record went."""
+        if req.keep or self._call is None:
+            gone = self.catalog.abandon(req.name, req.claim, ctx.source, keep=req.keep)
+            self._wake(req.name)
+            return gone
+        parts = self.catalog.claimed_parts(req.name, req.claim, ctx.source)  # refuses all but the holder, at once
+        return self._drop_then_abandon(ctx, req, parts)
+
+    async def _drop_then_abandon(self, ctx: CallContext, req: rq.Abandon, parts: list[tuple[str, int]]) -> bool:
+        """Drop the parts the holder made while the record still stands (a declaration waiting on
+        it cannot make them again meanwhile), then abandon it. A shard that does not answer keeps
+        its part: a later declaration of the name there is refused until a recovery sweeps it."""
+        assert self._call is not None
+        per_task: dict[str, list[psrq.Pair]] = defaultdict(list)
+        for task, part in parts:
+            per_task[task].append(psrq.Pair(req.name, part))
+        left = DROP_TIMEOUT if ctx.deadline is None else ctx.deadline - _now() - WAIT_MARGIN
+        timeout = min(max(left, MIN_LEASE), DROP_TIMEOUT)
+        answers = await asyncio.gather(*(self._call(task, "ps", "drop", psrq.Drop(items=items, owner=ctx.source),
+                                                    timeout=timeout) for task, items in per_task.items()),
+                                       return_exceptions=True)
+        for task, answer in zip(per_task, answers):
+            if isinstance(answer, BaseException):
+                log.warning("could not drop the parts of abandoned %r on %s: %s", req.name, task, answer)
+        gone = self.catalog.abandon(req.name, req.claim, ctx.source, keep=False)
         self._wake(req.name)
         return gone
 

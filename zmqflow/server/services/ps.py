@@ -158,13 +158,13 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
     @op(rq.Drop)
     def drop(self, ctx: CallContext, req: rq.Drop) -> list[list[Any]]:
         """Drop the parts and tables of a declaration its declarer abandoned (a shard refused
-        another of its parts): only those the caller made or last declared, and none being built.
-        Returns the dropped ``[name, part]`` pairs."""
-        who = "" if ctx is None else ctx.source
+        another of its parts), for the catalog, which checked that ``req.owner`` holds the claim
+        on a record not ready: only the parts that declarer made or last declared, and none being
+        built. Returns the dropped ``[name, part]`` pairs."""
         dropped = []
         for item in req.items:
             key = (item.name, item.part)
-            if self._makers.get(key) != who or key in self._building:
+            if self._makers.get(key) != req.owner or key in self._building:
                 continue
             del self._makers[key]
             found = self.store.parts.pop(key, None) is not None  # the held count is recounted (held_bytes)

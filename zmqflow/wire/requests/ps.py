@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 import msgspec
 import numpy as np
 
-from .base import (MAX_ITEMS, MAX_PARTS, PATH_MAX, ArraySpec, Count, Dtype, Int, Item, Name, Part, Request, Row,
+from .base import (MAX_ITEMS, MAX_PARTS, NAME_MAX, PATH_MAX, ArraySpec, Count, Dtype, Int, Item, Name, Part, Request, Row,
                    RowRange, Shape, Spec)
 
 __all__ = [
@@ -185,9 +185,11 @@ class Sweep(Request):
 
 
 class Drop(Request):
-    """Drop the parts and tables of an abandoned declaration (those the caller made)."""
+    """Drop the parts and tables of an abandoned declaration: those ``owner`` (the declarer that
+    held the catalog's claim) made. The catalog's task sends it; clients may not."""
 
     items: Annotated[list[Pair], msgspec.Meta(max_length=MAX_PARTS, description="a list of [name, part] pairs")]
+    owner: Annotated[str, msgspec.Meta(max_length=NAME_MAX, description="a caller's name of 0..1024 characters")]
 
 
 class EmbCreate(Request):
