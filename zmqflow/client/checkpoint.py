@@ -25,6 +25,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -50,6 +51,8 @@ from ..state.store import part_label
 from ..cluster import TaskId, holder_tasks, shard_tasks
 from .placement import device
 from .variables import create_parts
+from .window import Window
+from ..wire.dtypes import dtype_from_name
 from ..wire.requests import cluster as crq
 from ..wire.requests import ps as rq
 
@@ -67,6 +70,10 @@ _WRITTEN = re.compile(r"^(?:step(\d{10})-(?:(?P<ms>\d+)-)?.*\.(?:safetensors|npz
 _MANIFEST = ckfiles.MANIFEST
 
 log = logging.getLogger("zmqflow.checkpoint")
+# a restore puts back this many variables at once, holding at most this many bytes of their values
+# (one alone may hold more): a model of many small ones pays a few round trips in all, not each
+RESTORE_WINDOW = 16
+RESTORE_BYTES = 256 << 20
 
 
 def _file_tag(step: int) -> str:
@@ -220,7 +227,7 @@ async def async_restore(sess: "AsyncSession", path: str) -> int:
     step. Everything that can be checked is, before anything changes: every file and record
     (:func:`_load`), then every record against what the cluster holds under its name; a bad
     checkpoint is refused, naming what is at fault, and the cluster is as it was. Then the records
-    go back one after another, each over several shards: this part is not atomic. A shard that
+    go back, several at a time, each over several shards: this part is not atomic. A shard that
     dies meanwhile, or the catalog or a shard refusing for its own limits (a memory budget), leaves
     the records before restored and the rest not: restore again, or ``recover``."""
     started = time.perf_counter()
@@ -238,13 +245,19 @@ async def _check(sess: "AsyncSession", loaded: Loaded, live: list[dict[str, Any]
 
 
 async def _put_back(sess: "AsyncSession", manifest: dict[str, Any], pieces: dict) -> int:
-    """Put every record back, one after another (all checked already)."""
+    """Put every record back (all checked already): variables and static tables several at a
+    time (``RESTORE_WINDOW``, at most ``RESTORE_BYTES`` of their values), a hash table alone (its
+    rows are re-hashed in memory, a saved part at a time)."""
     spec = await sess.cluster()
+    window = Window(RESTORE_WINDOW, RESTORE_BYTES)
     for record in manifest["records"]:
         if is_hash(record):
+            await window.drain()
             await _restore_table(sess, spec, record, pieces)
         else:
-            await _restore_variable(sess, spec, record, pieces)
+            nbytes = math.prod(record["shape"]) * dtype_from_name(record["dtype"]).itemsize  # its pieces unread
+            await window.add(_restore_variable(sess, spec, record, pieces), nbytes)
+    await window.drain()
     sess.step = int(manifest["step"])
     return int(manifest["step"])
 
