@@ -4,8 +4,9 @@ with a value, and a declaration a shard refuses is undone (parts and record), so
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -188,60 +189,56 @@ def test_with_keys_the_claim_is_its_keys_and_its_token_is_of_no_use_under_anothe
 
 
 
-def test_an_attach_by_shape_never_makes_zeros_of_a_half_made_variable():
-    """The chief's declaration makes part 0 and fails on ps:1 (down). A worker attaching by shape
-    used to create part 1 from no value (zeros) and make the variable ready; the chief's retry
-    then read [1 2 3 4 0 0 0 0]. Now the attach waits, and the chief's retry finishes it."""
+@contextlib.contextmanager
+def _half_made() -> Iterator[tuple[zf.Session, Callable[[float], zf.Session]]]:
+    """(the chief, a maker of more sessions) once the chief's declaration of ``w`` made part 0 of
+    VALUE and failed on ps:1 (down), and ps:1 is back, empty; everything is stopped after."""
     spec = make_spec({"ps": 2, "worker": 1}, "tcp")
     servers = [zf.Server(spec, "ps:0"), zf.Server(spec, "ps:1")]
     worker = zf.Server(spec, "worker:0")
     sessions: list[zf.Session] = []
-    try:
-        chief = zf.Session(worker.target, timeout=2.0)
-        sessions.append(chief)
-        chief.wait_for_cluster(10)
-        servers[1].stop()
-        with pytest.raises((Unavailable, DeadlineExceeded), match="ps:1"):
-            chief.variable("w", VALUE, partitioner=TWO)
-        servers[1] = zf.Server(spec, "ps:1")  # back, empty
-        attach = zf.Session(worker.target, timeout=1.5)
-        sessions.append(attach)
-        with pytest.raises(DeadlineExceeded, match=r"'w' did not become ready within [\d.]+s: .* with its value"):
-            attach.variable("w", shape=[8], partitioner=TWO)
-        assert attach.call("ps", "variables", task="ps:1") == []  # no zeros made
-        waiting = zf.Session(worker.target, timeout=10.0)
-        sessions.append(waiting)
-        got, retried = _in_threads(lambda: waiting.variable("w", shape=[8], partitioner=TWO).read(),
-                                   lambda: chief.variable("w", VALUE, partitioner=TWO).read())
-        np.testing.assert_array_equal(retried, VALUE)
-        np.testing.assert_array_equal(got, VALUE)
-    finally:
-        _stop(*sessions, worker, *servers)
 
+    def session(timeout: float) -> zf.Session:
+        sessions.append(zf.Session(worker.target, timeout=timeout))
+        return sessions[-1]
 
-def test_a_value_that_takes_a_half_made_record_over_writes_over_the_parts_it_finds():
-    """The chief's declaration makes part 0 of its value and fails on ps:1 (down), giving the claim
-    up. Another session, with another value, used to make part 1 of its own and read a mix of both
-    values; now it writes its value over part 0 too."""
-    spec = make_spec({"ps": 2, "worker": 1}, "tcp")
-    servers = [zf.Server(spec, "ps:0"), zf.Server(spec, "ps:1")]
-    worker = zf.Server(spec, "worker:0")
-    sessions: list[zf.Session] = []
     try:
-        chief = zf.Session(worker.target, timeout=2.0)
-        sessions.append(chief)
+        chief = session(2.0)
         chief.wait_for_cluster(10)
         servers[1].stop()
         with pytest.raises((Unavailable, DeadlineExceeded), match="ps:1"):
             chief.variable("w", VALUE, partitioner=TWO)
         assert [v["name"] for v in chief.call("ps", "variables", task="ps:0")] == ["w"]  # part 0 holds VALUE[:4]
         servers[1] = zf.Server(spec, "ps:1")  # back, empty
-        other = zf.Session(worker.target, timeout=10.0)
-        sessions.append(other)
-        np.testing.assert_array_equal(other.variable("w", -VALUE, partitioner=TWO).read(), -VALUE)
-        np.testing.assert_array_equal(chief.variable("w", VALUE, partitioner=TWO).read(), -VALUE)  # ready: attached
+        yield chief, session
     finally:
         _stop(*sessions, worker, *servers)
+
+
+def test_an_attach_by_shape_never_makes_zeros_of_a_half_made_variable():
+    """The chief's declaration makes part 0 and fails on ps:1 (down). A worker attaching by shape
+    used to create part 1 from no value (zeros) and make the variable ready; the chief's retry
+    then read [1 2 3 4 0 0 0 0]. Now the attach waits, and the chief's retry finishes it."""
+    with _half_made() as (chief, session):
+        attach = session(1.5)
+        with pytest.raises(DeadlineExceeded, match=r"'w' did not become ready within [\d.]+s: .* with its value"):
+            attach.variable("w", shape=[8], partitioner=TWO)
+        assert attach.call("ps", "variables", task="ps:1") == []  # no zeros made
+        waiting = session(10.0)
+        got, retried = _in_threads(lambda: waiting.variable("w", shape=[8], partitioner=TWO).read(),
+                                   lambda: chief.variable("w", VALUE, partitioner=TWO).read())
+        np.testing.assert_array_equal(retried, VALUE)
+        np.testing.assert_array_equal(got, VALUE)
+
+
+def test_a_value_that_takes_a_half_made_record_over_writes_over_the_parts_it_finds():
+    """The chief's declaration makes part 0 of its value and fails on ps:1 (down), giving the claim
+    up. Another session, with another value, used to make part 1 of its own and read a mix of both
+    values; now it writes its value over part 0 too."""
+    with _half_made() as (chief, session):
+        other = session(10.0)
+        np.testing.assert_array_equal(other.variable("w", -VALUE, partitioner=TWO).read(), -VALUE)
+        np.testing.assert_array_equal(chief.variable("w", VALUE, partitioner=TWO).read(), -VALUE)  # ready: attached
 
 
 def test_declarations_at_once_all_read_the_value_of_the_one_that_has_it():
