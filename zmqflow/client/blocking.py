@@ -109,9 +109,9 @@ class Session:
         return self.run_on_loop(self._async.pull([_unwrap(n) for n in names], timeout=timeout, out=out), timeout)
 
     def push(self, grads: "Mapping[str | Variable, Any]", step: int | None = None, *,
-             timeout: float | None = None) -> int | None:
-        return self.run_on_loop(self._async.push({_unwrap(k): v for k, v in grads.items()}, step=step, timeout=timeout),
-                                timeout)
+             timeout: float | None = None, learning_rate: float | None = None) -> int | None:
+        return self.run_on_loop(self._async.push({_unwrap(k): v for k, v in grads.items()}, step=step, timeout=timeout,
+                                                 learning_rate=learning_rate), timeout)
 
     def global_step(self, *, timeout: float | None = None) -> int:
         return self.run_on_loop(self._async.global_step(timeout=timeout), timeout)
@@ -148,6 +148,7 @@ class Variable:
     shape = property(lambda self: self.handle.shape)
     dtype = property(lambda self: self.handle.dtype)
     partitions = property(lambda self: self.handle.partitions)
+    optimizer = property(lambda self: self.handle.optimizer)
 
     # ``timeout=``: each request's deadline (the session's by default); DeadlineExceeded past it.
     def read(self, *, out: Any = None, timeout: float | None = None) -> Any:
@@ -169,8 +170,10 @@ class Variable:
     def scatter_update(self, indices: Any, rows: Any, *, timeout: float | None = None) -> None:
         self._session.run_on_loop(self.handle.scatter_update(indices, rows, timeout=timeout), timeout)
 
-    def push(self, grad: Any, *, step: int | None = None, timeout: float | None = None) -> int | None:
-        return self._session.run_on_loop(self.handle.push(grad, step=step, timeout=timeout), timeout)
+    def push(self, grad: Any, *, step: int | None = None, timeout: float | None = None,
+             learning_rate: float | None = None) -> int | None:
+        return self._session.run_on_loop(
+            self.handle.push(grad, step=step, timeout=timeout, learning_rate=learning_rate), timeout)
 
     def __repr__(self) -> str:
         return repr(self.handle).replace("AsyncVariable", "Variable")

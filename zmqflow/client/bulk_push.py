@@ -45,7 +45,7 @@ class PushStream(Sender):
 
 
 async def push_from(sess: SessionPort, task: TaskId, stream: PushStream, pieces: list[Piece],
-                    timeout: float | None) -> dict[str, Any]:
+                    timeout: float | None, learning_rate: float | None = None) -> dict[str, Any]:
     """Gradients for the rows of ``pieces`` (async parts of ``task``) from their views, by
     ``timeout`` (the session's by default); answered as a push over ZeroMQ. The request goes
     first; a task that refuses it stops reading, so its answer is awaited beside the send, and a
@@ -53,8 +53,9 @@ async def push_from(sess: SessionPort, task: TaskId, stream: PushStream, pieces:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (sess.timeout if timeout is None else timeout)
     tag = stream.next_tag()
-    call = asyncio.ensure_future(sess.call_task(task, "ps", "push_bulk", request(rq.PushBulk, stream, tag, pieces),
-                                                timeout=timeout))
+    body = request(rq.PushBulk, stream, tag, pieces)
+    body.learning_rate = learning_rate
+    call = asyncio.ensure_future(sess.call_task(task, "ps", "push_bulk", body, timeout=timeout))
     send = asyncio.ensure_future(stream.send(tag, [p.view for p in pieces], deadline))
     try:
         await asyncio.wait((call, send), return_when=asyncio.FIRST_EXCEPTION)

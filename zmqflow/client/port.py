@@ -43,7 +43,8 @@ class SessionPort(Protocol):
         """The cluster the session talks to."""
         ...
 
-    async def push(self, grads: Mapping[Any, Any], step: int | None = None, *, timeout: float | None = None) -> int | None:
+    async def push(self, grads: Mapping[Any, Any], step: int | None = None, *, timeout: float | None = None,
+                   learning_rate: float | None = None) -> int | None:
         """Gradients through each variable's optimizer; the session keeps the step it returns."""
         ...
 

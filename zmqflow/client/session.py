@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import math
+import numbers
 import os
 import uuid
 from collections.abc import Iterable, Mapping
@@ -258,12 +260,16 @@ class AsyncSession:
         return await _pull(self, infos, timeout, out)
 
     async def push(self, grads: "Mapping[str | AsyncVariable, Any]", step: int | None = None, *,
-                   timeout: float | None = None) -> int | None:
+                   timeout: float | None = None, learning_rate: float | None = None) -> int | None:
         """Apply each variable's optimizer to its gradient (an array, ``(indices, rows)``, or
-        ``None`` for none this step: a synchronous round counts this replica, adding nothing).
+        ``None`` for none this step: a synchronous round counts this replica, adding nothing),
+        at ``learning_rate`` in place of each optimizer's own where given (a schedule's value this
+        step; a synchronous step applies at the rate of the push that completes it).
         Synchronous variables return the new global step once this step is applied. Two keys for
         one variable (two handles, or a name and a handle) are refused before anything is sent:
         their gradients would be merged by no rule."""
+        if learning_rate is not None:
+            learning_rate = _rate(learning_rate)
         infos: dict[VarInfo, Any] = {}
         names: set[str] = set()
         for k, v in grads.items():
@@ -273,7 +279,7 @@ class AsyncSession:
                                       name=info.name)
             names.add(info.name)
             infos[info] = v
-        result = await _push(self, infos, self.step if step is None else step, timeout)
+        result = await _push(self, infos, self.step if step is None else step, timeout, learning_rate)
         if result["step"] is not None:
             self.step = result["step"]
         if result["replicas"] is not None:
@@ -348,3 +354,10 @@ class AsyncSession:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _rate(value: Any) -> float:
+    """A push's learning rate, as a float: finite and not negative (an optimizer's own range)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+        raise InvalidArgument(f"push: learning_rate must be a finite number >= 0, got {value!r}")
+    return float(value)

@@ -354,12 +354,12 @@ async def scatter(sess: SessionPort, info: VarInfo, indices: Any, rows: Any, mod
 
 @timeline.traced("push")
 async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None,
-               timeout: float | None = None) -> dict[str, Any]:
+               timeout: float | None = None, learning_rate: float | None = None) -> dict[str, Any]:
     """Dense gradients (arrays) or sparse ones (``(indices, rows)``) through each variable's
-    optimizer; ``None``: no gradient this step (a sync variable's round counts this replica and
-    adds nothing; an async one is left alone), as for each part of a sync variable that a sparse
-    gradient's rows miss. A task's async dense share from
-    ``bulk_pull.BULK_FROM`` bytes goes out on its push stream where it offers one
+    optimizer (at ``learning_rate`` in place of its own, where given); ``None``: no gradient this
+    step (a sync variable's round counts this replica and adds nothing; an async one is left
+    alone), as for each part of a sync variable that a sparse gradient's rows miss. A task's async
+    dense share from ``bulk_pull.BULK_FROM`` bytes goes out on its push stream where it offers one
     (:mod:`.bulk_push`), the rest over ZeroMQ."""
     async_items: list[tuple[TaskId, int, rq.RowsItem]] = []
     sync_dense: dict[TaskId, list[rq.RowsItem]] = defaultdict(list)
@@ -399,15 +399,18 @@ async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None
                     async_items.append((task, rows.nbytes, item))
     calls = []
     for task, batches in _bundle(async_items).items():
-        calls += [sess.call_task(task, "ps", "push", rq.Push(dense=b, step=step), timeout=timeout) for b in batches]
+        calls += [sess.call_task(task, "ps", "push", rq.Push(dense=b, step=step, learning_rate=learning_rate),
+                                 timeout=timeout) for b in batches]
     for task, items in async_sparse.items():
-        calls.append(sess.call_task(task, "ps", "push", rq.Push(sparse=items, step=step), timeout=timeout))
+        body = rq.Push(sparse=items, step=step, learning_rate=learning_rate)
+        calls.append(sess.call_task(task, "ps", "push", body, timeout=timeout))
     for task in set(sync_dense) | set(sync_sparse) | set(absent):
         body = rq.Push(dense=sync_dense.get(task, []), sparse=sync_sparse.get(task, []), absent=absent.get(task, []),
-                       step=step)
+                       step=step, learning_rate=learning_rate)
         calls.append(sess.call_task(task, "ps", "push", body, timeout=timeout))
     for task, pieces in bulk.items():
-        calls += [push_from(sess, task, stream, batch, timeout) for stream, batch in bulk_to[task].spread(pieces)]
+        calls += [push_from(sess, task, stream, batch, timeout, learning_rate)
+                  for stream, batch in bulk_to[task].spread(pieces)]
     results = await _all(calls)
     steps = [r["step"] for r in results if r.get("step") is not None]
     replicas = [r["replicas"] for r in results if isinstance(r.get("replicas"), list)]
@@ -431,6 +434,11 @@ class AsyncVariable:
         """Each part's task and row range ``[start, stop)``."""
         return self.info.describe()
 
+    @property
+    def optimizer(self) -> "_optim.Optimizer | _optim.SyncReplicas | None":
+        """What the shards apply a push with (``zf.optim``; None for a plain add)."""
+        return _optim.from_spec(self.info.optimizer)
+
     # Every method takes ``timeout=``: the deadline of each of its requests (they are sent at
     # once), the session's by default. A shard that does not answer in time: DeadlineExceeded.
     async def read(self, *, out: np.ndarray | None = None, timeout: float | None = None) -> np.ndarray:
@@ -453,9 +461,11 @@ class AsyncVariable:
     async def scatter_update(self, indices: Any, rows: Any, *, timeout: float | None = None) -> None:
         await scatter(self._session, self.info, indices, rows, "update", timeout)
 
-    async def push(self, grad: Any, *, step: int | None = None, timeout: float | None = None) -> int | None:
-        """Apply the variable's optimizer to ``grad`` (or ``(indices, rows)``); returns the new step when synchronous."""
-        return await self._session.push({self: grad}, step=step, timeout=timeout)
+    async def push(self, grad: Any, *, step: int | None = None, timeout: float | None = None,
+                   learning_rate: float | None = None) -> int | None:
+        """Apply the variable's optimizer to ``grad`` (or ``(indices, rows)``), at ``learning_rate``
+        in place of its own where given; returns the new step when synchronous."""
+        return await self._session.push({self: grad}, step=step, timeout=timeout, learning_rate=learning_rate)
 
     def __repr__(self) -> str:
         return f"<AsyncVariable {self.name!r} shape={list(self.shape)} {self.dtype} parts={len(self.info.parts)}>"

@@ -10,13 +10,17 @@ its update is computed in float32 and rounded to the variable's dtype once (:met
 in float16, Adam's epsilon (1e-8) and small squared gradients are zero, so its step is 0/0 or x/0;
 in bfloat16 (8 bits of mantissa) ``v * 0.999`` rounds back to ``v``, so no average ever decays.
 Float32 and float64 variables keep their slots in their own dtype and their update as it was.
+
+A push may carry its own learning rate (:meth:`Optimizer.at`), as TF's apply ops take theirs as an
+input each step: a worker's learning-rate schedule reaches the shards without redeclaring anything.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -72,6 +76,13 @@ class Optimizer:
     def spec(self) -> dict[str, Any]:
         return {"kind": self.kind, **asdict(self)}
 
+    def at(self, learning_rate: float | None) -> "Optimizer":
+        """This optimizer with ``learning_rate`` (itself for None or its own): what one push that
+        carries a rate applies. Made once per rate and kept, so a schedule costs a lookup a push."""
+        if learning_rate is None or learning_rate == self.learning_rate:
+            return self
+        return _at(self, float(learning_rate))
+
     def slot_init(self, name: str) -> float:
         return 0.0
 
@@ -93,6 +104,11 @@ class Optimizer:
             return self.update(param, grad, slots, t)
         param[...] = self.update(param.astype(wide), grad.astype(wide), slots, t)
         return param
+
+
+@functools.lru_cache(maxsize=256)
+def _at(opt: Optimizer, learning_rate: float) -> Optimizer:
+    return replace(opt, learning_rate=learning_rate)  # checked as any new optimizer is
 
 
 @dataclass(frozen=True)

@@ -373,9 +373,10 @@ class ShardStore:
         else:
             p.value[s.indices] = s.rows
 
-    def apply(self, update: Rows | Sparse) -> None:
-        """The part's optimizer on checked rows (a plain add without one); sparse rows touch only
-        their rows, duplicates summed first, nothing densified."""
+    def apply(self, update: Rows | Sparse, learning_rate: float | None = None) -> None:
+        """The part's optimizer on checked rows (a plain add without one, which has no rate to
+        change); sparse rows touch only their rows, duplicates summed first, nothing densified.
+        ``learning_rate``: the push's own, in place of the optimizer's."""
         p = update.part
         if isinstance(update, Sparse):
             uniq, summed = unique_sum(update.indices, update.rows)
@@ -383,7 +384,7 @@ class ShardStore:
             if p.optimizer is None:
                 p.value[uniq] += summed
             else:
-                self._update(p, uniq, p.grid(summed))
+                self._update(p, uniq, p.grid(summed), learning_rate)
             return
         p.own()
         if p.optimizer is None:
@@ -393,7 +394,7 @@ class ShardStore:
                 p.value[update.start:update.stop] += update.value
             return
         rows = slice(update.start, update.stop) if p.full_shape else slice(0, 1)
-        self._update(p, rows, p.grid(update.value))
+        self._update(p, rows, p.grid(update.value), learning_rate)
 
     # checking and writing in one call ----------------------------------------------------
     def assign(self, name: str, part: int, value: np.ndarray, mode: str = "set", start: int | None = None, stop: int | None = None) -> None:
@@ -415,7 +416,7 @@ class ShardStore:
         """Apply the optimizer to the touched rows only (duplicates summed first); nothing densified."""
         self.apply(self.sparse(name, part, indices, rows, "sparse gradient"))
 
-    def _update(self, p: Part, rows: slice | np.ndarray, grad2d: np.ndarray) -> None:
+    def _update(self, p: Part, rows: slice | np.ndarray, grad2d: np.ndarray, learning_rate: float | None) -> None:
         assert p.optimizer is not None
         value2d = p.grid(p.value)
         fancy = not isinstance(rows, slice)
@@ -427,7 +428,8 @@ class ShardStore:
         if p.steps is not None:  # only for an optimizer that reads them (Adam's t)
             p.steps[rows] += 1
             t = p.steps[rows]
-        out = p.optimizer.apply(param, grad2d, slots, t)
+        optimizer = p.optimizer if learning_rate is None else p.optimizer.at(learning_rate)
+        out = optimizer.apply(param, grad2d, slots, t)
         if fancy or out is not param:
             value2d[rows] = out
         if fancy:

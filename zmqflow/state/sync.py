@@ -37,6 +37,8 @@ class SyncState:
         self.contributors: list[str] = []
         self._counted: set[str] = set()  # ``contributors``, to look up
         self.last_contributors: list[str] = []  # whose gradients the last applied step averaged
+        self._rate: float | None = None  # the learning rate the latest push of this step carried
+        self.learning_rate: float | None = None  # the rate the last step taken is applied at
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -48,8 +50,10 @@ class SyncState:
         }
 
     def offer(self, step: int, worker: str, dense: dict[tuple[int, int], np.ndarray] | None = None,
-              sparse: tuple[np.ndarray, np.ndarray] | None = None) -> str:
-        """Add one replica's gradient for ``step``: STALE (dropped), PENDING, or READY to apply."""
+              sparse: tuple[np.ndarray, np.ndarray] | None = None, learning_rate: float | None = None) -> str:
+        """Add one replica's gradient for ``step``: STALE (dropped), PENDING, or READY to apply.
+        A ``learning_rate`` (the replica's schedule at this step) is the step's once counted: the
+        latest counted push's rate applies (replicas that share the step share its schedule)."""
         if step < self.step:
             self.dropped += 1
             return STALE
@@ -70,14 +74,16 @@ class SyncState:
                 acc += g
         if sparse is not None:
             self._sparse.append((np.asarray(sparse[0], dtype=np.int64).copy(), np.array(sparse[1], copy=True)))
+        if learning_rate is not None:
+            self._rate = learning_rate
         self.contributors.append(worker)
         self._counted.add(worker)
         return READY if len(self.contributors) >= self.replicas_to_aggregate else PENDING
 
     def take(self) -> tuple[dict[tuple[int, int], np.ndarray], tuple[np.ndarray, np.ndarray] | None]:
         """The mean gradients to apply now (over the contributions received: all of them, or fewer
-        when dead replicas were dropped; dense half-precision ones in float32); advances the step
-        and starts the next one."""
+        when dead replicas were dropped; dense half-precision ones in float32), at ``learning_rate``
+        afterwards; advances the step and starts the next one."""
         n = float(max(1, len(self.contributors)))
         dense = {rows: g / n if self._dtype is not None else (g / n).astype(g.dtype, copy=False)
                  for rows, g in self._dense.items()}
@@ -87,6 +93,7 @@ class SyncState:
             vals = np.concatenate([v for _, v in self._sparse])
             sparse = (idx, (vals / n).astype(vals.dtype, copy=False))
         self.last_contributors = self.contributors
+        self.learning_rate, self._rate = self._rate, None
         self._dense, self._sparse, self.contributors, self._counted, self._dtype = {}, [], [], set(), None
         self.step += 1
         return dense, sparse
@@ -96,6 +103,7 @@ class SyncState:
         the state it was computed on); the step stays. Returns how many gradients were dropped."""
         n = len(self.contributors)
         self._dense, self._sparse, self.contributors, self._counted, self._dtype = {}, [], [], set(), None
+        self._rate = None
         self.dropped += n
         return n
 

@@ -2,7 +2,9 @@
 
 Each parameter is a variable on the ps shards whose server-side optimizer is the torch optimizer's
 equivalent with the same hyperparameters (``SGD`` with or without momentum, ``Adam``, ``Adagrad``);
-anything else, or an option the shards do not implement, is a ``ConfigError`` naming it. Rank 0
+anything else, or an option the shards do not implement, is a ``ConfigError`` naming it. Each
+push carries its group's learning rate, so an LR scheduler reaches the shards at every step (the
+other hyperparameters are the variables' own: one that changes is a ``ConfigError``). Rank 0
 creates the variables from its parameters' values (a variable that already exists is attached, not
 overwritten); every rank then loads the shards' values into its parameters. ``step()`` pushes the
 gradients (sync: SyncReplicas over every rank, one update per round of gradients, averaged; async:
@@ -99,6 +101,11 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k in _HYPER}
 
 
+def _fixed(hyper: dict[str, Any]) -> dict[str, Any]:
+    """The hyperparameters the shards keep (every one but the learning rate, which each push carries)."""
+    return {k: v for k, v in hyper.items() if k != "lr"}
+
+
 def refuse_unplanned(optimizer: Any, planned: frozenset[int]) -> None:
     """InvalidArgument when a parameter of ``optimizer``'s groups has a gradient but is not one the
     distributed optimizer was made for (frozen then, unfrozen since; or a group added later): its
@@ -124,7 +131,7 @@ class PsOptimizerMixin(SharesState):
         self._zf_planned = frozenset(id(p) for _, p in named)
         _hold(runtime.session, self._zf_names, self)
         groups = {id(p): g for g in self.param_groups for p in g["params"]}  # type: ignore[attr-defined]
-        self._zf_hyper = [_hyper(g) for g in self.param_groups]  # type: ignore[attr-defined]
+        self._zf_hyper = [_fixed(_hyper(g)) for g in self.param_groups]  # type: ignore[attr-defined]
         sess = runtime.session
         if runtime.rank == 0:
             size = runtime.size
@@ -169,15 +176,20 @@ class PsOptimizerMixin(SharesState):
             with torch.enable_grad():
                 loss = closure()
         refuse_unplanned(self, self._zf_planned)
-        now = [_hyper(g) for g in self.param_groups]  # type: ignore[attr-defined]
+        now = [_fixed(_hyper(g)) for g in self.param_groups]  # type: ignore[attr-defined]
         if now != self._zf_hyper:
-            raise ConfigError("backend='ps': the optimizer's hyperparameters changed after DistributedOptimizer was "
-                              "made (an LR scheduler?); the ps shards keep the ones they were created with")
-        grads: dict[str, Any] = {}
+            changed = sorted({k for a, b in zip(now, self._zf_hyper) for k in a if a.get(k) != b.get(k)})
+            raise ConfigError(f"backend='ps': the optimizer's {', '.join(changed) or 'parameter groups'} changed after "
+                              "DistributedOptimizer was made; the ps shards keep the ones they were created with (a "
+                              "learning rate may change: each push carries it)")
+        rates = {id(p): float(g["lr"]) for g in self.param_groups for p in g["params"]}  # type: ignore[attr-defined]
+        by_rate: dict[float, dict[str, Any]] = {}
         for (name, p), var in zip(self._zf_named, self._zf_names):
             g = p.grad
-            grads[var] = None if g is None else to_array(g.detach().cpu().contiguous(), f"gradient of {name!r}")
-        self._zf_runtime.session.push(grads)
+            by_rate.setdefault(rates[id(p)], {})[var] = (
+                None if g is None else to_array(g.detach().cpu().contiguous(), f"gradient of {name!r}"))
+        for rate, grads in by_rate.items():  # one push a learning rate: most models have one
+            self._zf_runtime.session.push(grads, learning_rate=rate)
         self._zf_pull()
         return loss
 

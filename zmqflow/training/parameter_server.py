@@ -12,7 +12,7 @@ from ..client import checkpoint as _ckpt
 from ..client.blocking import Session
 from ..client.checkpoint_files import load_manifest
 from ..cluster import TaskId, shard_tasks
-from ..errors import DeadlineExceeded, NotFound, Recovering, Unavailable
+from ..errors import ConfigError, DeadlineExceeded, NotFound, Recovering, Unavailable
 from ..observe.progress import note_error
 from ..observe import timeline
 from ..state import optim as _optim
@@ -80,6 +80,7 @@ class ParameterServerStrategy(Strategy):
             if _STEP not in restored:
                 sess.variable(_STEP, np.zeros((), np.int64))
         self.vars = {n: sess.get(n, timeout=ctx.wait_timeout) for n in self.names}
+        self._rate = _same_but_rate(optimizer, {n: v.optimizer for n, v in self.vars.items()}, restore)
         self.step_var = sess.get(_STEP, timeout=ctx.wait_timeout)
         return self._surviving(self._read_step, retry=True)
 
@@ -112,10 +113,10 @@ class ParameterServerStrategy(Strategy):
     def _apply(self, grads: dict[str, np.ndarray]) -> int:
         sess = self._sess
         if self.sync:
-            step = sess.push(grads)
+            step = sess.push(grads, learning_rate=self._rate)
             self._elect_chief()  # the push heard which replicas this step averaged
             return int(step if step is not None else sess.step)
-        sess.push(grads)
+        sess.push(grads, learning_rate=self._rate)
         self.step_var.assign_add(np.ones((), np.int64))
         return int(self.step_var.read())
 
@@ -222,3 +223,22 @@ class ParameterServerStrategy(Strategy):
                         ", ".join(sorted(replicas)))
             self._acting = acting
         ctx.acting_chief = acting
+
+
+def _same_but_rate(optimizer: Any, live: dict[str, Any], restore: str | None) -> float | None:
+    """The learning rate each push carries: ``optimizer``'s, so a run resumed with a new rate
+    trains at it, as the local strategy does, though the variables keep the optimizer they were
+    created (or restored) with. Any other difference from theirs (another kind, other momentum)
+    is a ConfigError naming the variable: their slots were made for that one."""
+    if not isinstance(optimizer, _optim.Optimizer):  # none: a plain add
+        return None
+    rate = float(optimizer.learning_rate)
+    for name, have in live.items():
+        if isinstance(have, _optim.SyncReplicas):
+            have = have.optimizer
+        if have is None or have.at(rate) != optimizer:
+            was = "none (a plain add)" if have is None else have.spec()
+            where = f"the checkpoint {restore}" if restore else "the shards"
+            raise ConfigError(f"variable {name!r} holds optimizer {was} from {where}; this run gives "
+                              f"{optimizer.spec()}: only its learning rate may differ", name=name)
+    return rate

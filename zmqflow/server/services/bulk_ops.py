@@ -115,7 +115,7 @@ class BulkOps:
                 plan.append((p, r0, r1, (r1 - r0, *p.full_shape[1:])))
                 sizes.append((r1 - r0) * row)
         epoch = self.epoch
-        apply = self.store.apply
+        apply, rate = self.store.apply, req.learning_rate
 
         def consume(i: int, chunk: memoryview) -> None:
             """Checked above, once: the part stays the same object until a fence (a restore) moves
@@ -124,7 +124,7 @@ class BulkOps:
                 raise Recovering(f"ps.push_bulk: this shard began recovery (epoch {self.epoch}) while the gradients "
                                  "came; the rest were dropped", epoch=self.epoch, fenced=True)
             p, r0, r1, shape = plan[i]
-            apply(Rows(p, r0, r1, np.frombuffer(chunk, dtype=p.dtype).reshape(shape)))
+            apply(Rows(p, r0, r1, np.frombuffer(chunk, dtype=p.dtype).reshape(shape)), rate)
 
         sink = Sink(sizes, consume)
         conn.expect(req.tag, sink)

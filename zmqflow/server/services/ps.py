@@ -279,7 +279,7 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
             p = self.store.get(*key)
             if p.sync is None:
                 if grads["dense"] or grads["sparse"] is not None:
-                    self._apply(key, grads["dense"], grads["sparse"])
+                    self._apply(key, grads["dense"], grads["sparse"], req.learning_rate)
                     self.pushes_applied["async"] += 1
                 continue
             assert step is not None  # checked above
@@ -288,13 +288,13 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
             self._pushers[who] = ctx.peer
             self._gone.discard(who)
             self._rounds.arrive(mine, who)
-            outcome = p.sync.offer(step, who, grads["dense"], grads["sparse"])
+            outcome = p.sync.offer(step, who, grads["dense"], grads["sparse"], req.learning_rate)
             if outcome == STALE:
                 stale = True
                 self.stale_gradients += 1
             elif outcome == READY:
                 mean_dense, mean_sparse = p.sync.take()
-                self._apply(key, mean_dense, mean_sparse)
+                self._apply(key, mean_dense, mean_sparse, p.sync.learning_rate)
                 self._round_done([])
                 self._advanced.pop(key, asyncio.Event()).set()
                 self._rounds.close(mine)
@@ -317,13 +317,14 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
         return {"step": max(s.step for s in syncs) if syncs else None, "stale": stale,
                 "replicas": sorted({r for s in syncs for r in s.last_contributors}) if syncs else None}
 
-    def _apply(self, key: PartKey, dense: dict, sparse: Any) -> None:
-        """Gradients checked on arrival (or their means): applied without checking again."""
+    def _apply(self, key: PartKey, dense: dict, sparse: Any, learning_rate: float | None) -> None:
+        """Gradients checked on arrival (or their means): applied without checking again, at the
+        push's learning rate where it gave one."""
         p = self.store.get(*key)
         for (a, b), grad in dense.items():
-            self.store.apply(Rows(p, a, b, grad))
+            self.store.apply(Rows(p, a, b, grad), learning_rate)
         if sparse is not None:
-            self.store.apply(Sparse(p, *sparse))
+            self.store.apply(Sparse(p, *sparse), learning_rate)
 
     async def _wait_step(self, ctx: CallContext, key: PartKey, mine: int, epoch: int) -> None:
         """Until step ``mine`` of ``key`` completes; Recovering once a fence has followed the
@@ -372,7 +373,7 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
                         len(sync.contributors), sync.replicas_to_aggregate, ", ".join(gone))
             self._gone |= set(gone)
         mean_dense, mean_sparse = sync.take()
-        self._apply(key, mean_dense, mean_sparse)
+        self._apply(key, mean_dense, mean_sparse, sync.learning_rate)
         self._round_done(gone)
         self._advanced.pop(key, asyncio.Event()).set()
         return True

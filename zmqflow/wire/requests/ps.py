@@ -91,9 +91,16 @@ class PullBulk(_Transfer):
     """Send the rows on the caller's bulk stream; answered with the byte count once they are sent."""
 
 
+# a push's own learning rate, in place of each part's optimizer's (a worker's schedule); parts
+# without an optimizer (a plain add) have none to replace
+LearningRate = Annotated[float, msgspec.Meta(ge=0.0, le=1e30, description="a learning rate in 0..1e30")]
+
+
 class PushBulk(_Transfer):
     """Gradients for rows of async parts, whose bytes come on the caller's push stream, each
     C-ordered in its part's dtype; answered as ``push``."""
+
+    learning_rate: LearningRate | None = None
 
 
 class RowsItem(Item):
@@ -135,7 +142,8 @@ class PartItem(Item):
 
 
 class Push(Request):
-    """Gradients through each part's optimizer; sync parts need the pusher's ``step``. ``absent``:
+    """Gradients through each part's optimizer (at ``learning_rate`` where given: a sync step at the
+    rate of the push that completes it); sync parts need the pusher's ``step``. ``absent``:
     parts the pusher has no gradient for this step (as torch's ``grad is None``). A sync part counts
     it as one replica of its round, adding nothing to the sum; a round in which no replica had a
     gradient applies nothing, so the optimizer's slots stay as they were. Async parts ignore it."""
@@ -147,6 +155,7 @@ class Push(Request):
     absent: Annotated[list[PartItem], msgspec.Meta(max_length=MAX_ITEMS,
                                                    description="a list of [name, part]")] = []
     step: Int | None = None
+    learning_rate: LearningRate | None = None
 
 
 class Save(Request):
