@@ -66,6 +66,14 @@ BAD_FILES = {
                                     r"expected float32 \[2, 3\]"),
     "slots its optimizer has not": (lambda m: _record(m, "z").update(optimizer={"kind": "sgd", "learning_rate": 0.1}),
                                     r"'z': the checkpoint holds optimizer slots \['m', 'v'\]"),
+    "a table without min_frequency": (lambda m: _record(m, "dyn")["table"].pop("min_frequency"),
+                                      r"'dyn': its table description .* is not one this version reads"),
+    "a table of no capacity": (lambda m: _record(m, "dyn")["table"].update(capacity="lots"),
+                               r"'dyn': its table description .* is not one this version reads"),
+    "an unknown initializer": (lambda m: _record(m, "dyn").update(initializer={"kind": "nonsense"}),
+                               r"'dyn': its initializer is not one this version knows"),
+    "an initializer of no numbers": (lambda m: _record(m, "dyn").update(initializer={"kind": "normal", "stddev": "x"}),
+                                     r"'dyn': its initializer .* has a field that is not a number"),
 }
 
 
@@ -94,8 +102,9 @@ def test_a_checkpoint_bad_in_a_later_record_is_refused_before_anything_changes(t
         stop(worker, *servers)
 
 
-@pytest.mark.parametrize("live", ["another shape", "an optimizer without its slots"])
-def test_a_checkpoint_the_cluster_cannot_take_is_refused_before_anything_changes(tmp_path, saved, live):
+@pytest.mark.parametrize("how", ["restore", "recover"])
+@pytest.mark.parametrize("live", ["another shape", "an optimizer without its slots", "a table's other optimizer"])
+def test_a_checkpoint_the_cluster_cannot_take_is_refused_before_anything_changes(tmp_path, saved, live, how):
     spec, servers, worker = cluster(1, tmp_path)
     try:
         with zf.Session(worker.target) as sess:
@@ -103,16 +112,24 @@ def test_a_checkpoint_the_cluster_cannot_take_is_refused_before_anything_changes
                           partitioner=zf.fixed_size_partitioner(2)).push(np.ones((6, 2)))
             if live == "another shape":
                 sess.variable("z", np.zeros(7), optimizer=zf.optim.Adam(0.1))
-            else:
+            elif live == "an optimizer without its slots":
                 sess.variable("z", np.zeros(4), optimizer=zf.optim.SGD(0.1))
+            else:  # 'dyn' comes last: the records before it would be restored first
+                sess.variable("z", np.zeros(4), optimizer=zf.optim.Adam(0.1))
+                sess.embedding("dyn", None, 2, initializer=zf.init.normal(seed=1), optimizer=zf.optim.SGD(0.5))
             before = state(servers)
-            error, message = ((VariableConflict, r"cannot restore 'z' .*holds it as a variable float64 \[7\]")
-                              if live == "another shape" else (InvalidArgument, r"'z': .*\['m', 'v'\], which its "
-                                                               r"optimizer on the cluster \(SGD\) does not have"))
+            error, message = {
+                "another shape": (VariableConflict, r"cannot restore 'z' .*holds it as a variable float64 \[7\]"),
+                "an optimizer without its slots": (InvalidArgument, r"'z': .*\['m', 'v'\], which its optimizer on "
+                                                                    r"the cluster \(SGD\) does not have"),
+                "a table's other optimizer": (VariableConflict, r"cannot restore 'dyn' .*the cluster holds it with "
+                                                                r"optimizer .*'learning_rate': 0.5"),
+            }[live]
             with pytest.raises(error, match=message):
-                checkpoint.restore(sess, str(saved))
+                getattr(checkpoint, how)(sess, str(saved))
             assert_same_state(state(servers), before)
-            assert sorted(v["name"] for v in sess.variables()) == ["a", "z"]
+            assert checkpoint.fenced(sess) == []  # a recovery refused before it fenced anything
+            assert sorted(v["name"] for v in sess.variables()) == ["a", *(["dyn"] if "table" in live else []), "z"]
     finally:
         stop(worker, *servers)
 

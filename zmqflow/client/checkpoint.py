@@ -2,10 +2,11 @@
 
 ``save`` asks every shard to write its own file (variables, optimizer slots, per-row step counts,
 sync steps, dynamic-table rows), then writes a JSON manifest last: the manifest is the commit
-marker, so a checkpoint exists only once every shard file it names is complete. Each file goes to
-a temporary name, is fsynced and renamed; a crash at any moment leaves the previous checkpoint
-intact. Shard files are safetensors (:mod:`zmqflow.state.snapshot`): nothing is pickled, and any
-safetensors reader opens them.
+marker, so a checkpoint exists only once every shard file it names is complete, and only when
+they hold every part the catalog records (a shard that restarted empty fails the save, which then
+commits and prunes nothing). Each file goes to a temporary name, is fsynced and renamed; a crash
+at any moment leaves the previous checkpoint intact. Shard files are safetensors
+(:mod:`zmqflow.state.snapshot`): nothing is pickled, and any safetensors reader opens them.
 
 Checkpoints stand in the order they were saved (:mod:`.checkpoint_files`): the latest is the last
 saved, whatever its step, and ``keep`` keeps the last saved, as TF's ``CheckpointManager`` does.
@@ -21,8 +22,6 @@ a time, so a restore does not hold a second copy of the whole checkpoint.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import fcntl
 import json
 import logging
 import math
@@ -30,17 +29,16 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import checkpoint_files as ckfiles
-from .checkpoint_check import check_files, check_live, declared_rows, is_hash
+from .checkpoint_check import check_capacity, check_files, check_live, check_saved, declared_rows, is_hash
 from .checkpoint_files import FORMAT, Saved, checkpoints, field, latest, manifest_name, next_seq
 from .embedding import create_table_parts
 from ..state.tables import hash_owner
-from ..errors import NotFound, Recovering, Unavailable
+from ..errors import DeadlineExceeded, NotFound, Recovering, ResourceExhausted, ShardStateLost, Unavailable
 from ..observe.metrics import record_checkpoint
 from ..observe import timeline
 from ..state.partition import fixed_size_partitioner
@@ -48,7 +46,7 @@ from ..state.dirfd import is_file, opened_dir
 from ..state.snapshot import (FILE_FORMAT, TEMP_SUFFIX, abandoned_temporary, crash_point, fsync_dir, open_shard_file,
                               part_prefix, write_atomic)
 from ..state.store import part_label
-from ..cluster import TaskId, holder_tasks, shard_tasks
+from ..cluster import TaskId, catalog_task, holder_tasks, shard_tasks
 from .placement import device
 from .variables import create_parts
 from .window import Window
@@ -74,6 +72,7 @@ log = logging.getLogger("zmqflow.checkpoint")
 # (one alone may hold more): a model of many small ones pays a few round trips in all, not each
 RESTORE_WINDOW = 16
 RESTORE_BYTES = 256 << 20
+SAVE_TIMEOUT = ckfiles.LOCK_WAIT  # what a save may take, waiting for another writer's lock on the directory included
 
 
 def _file_tag(step: int) -> str:
@@ -84,10 +83,13 @@ def _file_tag(step: int) -> str:
 
 
 @timeline.traced("checkpoint", "save")
-async def async_save(sess: "AsyncSession", directory: str, *, step: int | None = None, keep: int = 5) -> str:
+async def async_save(sess: "AsyncSession", directory: str, *, step: int | None = None, keep: int = 5,
+                     timeout: float = SAVE_TIMEOUT) -> str:
     """The shards write first, each where its checkpoint roots allow (a refused directory is
-    ``PermissionDenied`` and nothing is created); then the manifest, then pruning."""
+    ``PermissionDenied`` and nothing is created); then the manifest, then pruning, off the loop:
+    the directory's lock may be held by another writer, for at most ``timeout`` from the start."""
     started = time.perf_counter()
+    deadline = time.monotonic() + timeout
     spec = await sess.cluster()
     if step is None:
         step = await _global_step(sess)
@@ -103,20 +105,35 @@ async def async_save(sess: "AsyncSession", directory: str, *, step: int | None =
     crash_point("before-manifest")
     os.makedirs(directory, exist_ok=True)  # the shards made it, unless they write on other hosts
     manifest = {"format": FORMAT, "step": int(step), "time": time.time(), "records": records, "shards": shards}
-    with opened_dir(directory) as fd:
-        path = _commit(directory, fd, manifest, keep)
+    # in a thread of its own, which opens (and closes) the directory itself: a save cancelled
+    # while it waits for the lock never leaves it a descriptor closed under it
+    path = await asyncio.to_thread(_finish, str(catalog_task(spec)), directory, manifest, keep, deadline)
     record_checkpoint("save", time.perf_counter() - started)
     return path
 
 
-def _commit(directory: str, fd: int, manifest: dict[str, Any], keep: int) -> str:
+def _finish(catalog: str, directory: str, manifest: dict[str, Any], keep: int, deadline: float) -> str:
+    """Commit what the shards wrote, once it is known to restore (``check_saved``); a save
+    refused here removes the files it wrote: nothing of it stays, nothing is pruned."""
+    with opened_dir(directory) as fd:
+        try:
+            check_saved(catalog, directory, manifest)
+            return _commit(directory, fd, manifest, keep, deadline)
+        except (ShardStateLost, DeadlineExceeded):
+            for shard in manifest["shards"]:
+                if ckfiles.plain_name(shard.get("file")):
+                    _remove(fd, shard["file"])
+            raise
+
+
+def _commit(directory: str, fd: int, manifest: dict[str, Any], keep: int, deadline: float | None = None) -> str:
     """Write the manifest (``seq``: after every save in the directory), then prune; both through
     ``fd``, a descriptor of the directory, so both act on the directory the manifest went into.
     Under an exclusive lock on the directory: two writers (a chief handing over beside its
     successor) would otherwise read the same newest ``seq``, and the later commit of a step could
     carry a lower one than an earlier step's, which would then stand as the latest."""
     path = os.path.join(directory, manifest_name(int(manifest["step"])))
-    with _locked(fd):
+    with ckfiles.locked(fd, directory, deadline):
         gone = [sh["file"] for sh in manifest["shards"] if not is_file(fd, sh["file"])]
         if gone:  # a manifest is committed whole or not at all
             raise Unavailable(f"checkpoint of step {manifest['step']}: {gone[0]!r} was removed by another writer "
@@ -126,21 +143,6 @@ def _commit(directory: str, fd: int, manifest: dict[str, Any], keep: int) -> str
         write_atomic(path, text=json.dumps(manifest, indent=1), dir_fd=fd)
         _prune(directory, fd, keep)
     return path
-
-
-@contextlib.contextmanager
-def _locked(fd: int) -> Iterator[None]:
-    """``flock`` on the directory's descriptor, held for the block; where the file system takes no
-    such lock (some network ones), the block runs unlocked, as every save did before."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except OSError:
-        yield
-        return
-    try:
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def _prune(directory: str, fd: int, keep: int) -> None:
@@ -241,7 +243,9 @@ async def async_restore(sess: "AsyncSession", path: str) -> int:
 async def _check(sess: "AsyncSession", loaded: Loaded, live: list[dict[str, Any]]) -> None:
     """Refuse a checkpoint the cluster cannot take as it is (``live``: the catalog's records)."""
     chosen, manifest, pieces = loaded
-    check_live(chosen, manifest["records"], pieces, live, len(shard_tasks(await sess.cluster())))
+    shards = len(shard_tasks(await sess.cluster()))
+    check_live(chosen, manifest["records"], pieces, live, shards)
+    check_capacity(chosen, manifest["records"], pieces, live, shards)
 
 
 async def _put_back(sess: "AsyncSession", manifest: dict[str, Any], pieces: dict) -> int:
@@ -394,25 +398,40 @@ async def _restore_table(sess: "AsyncSession", spec: Any, record: dict[str, Any]
                                    min_frequency=t["min_frequency"], capacity=t["capacity"])
     await create_table_parts(sess, emb.info, record)
     clock = max(int(entry.get("clock", 0)) for entry, _ in saved)
-    for piece in saved:  # one saved part in memory at a time, its rows re-hashed over today's parts
+    for n, piece in enumerate(saved):  # one saved part in memory at a time, its rows re-hashed over today's parts
         ids = field(piece, "ids")
         values, steps, changed = field(piece, "value"), field(piece, "steps"), field(piece, "changed")
         slots = _slots(piece)
         owner = hash_owner(ids, emb.info.parts)
+        pending, counts = field(piece, "pending_ids"), field(piece, "pending_counts")
+        waiting = None if pending is None or counts is None else hash_owner(pending, emb.info.parts)
         calls = []
         for p, task in enumerate(emb.info.tasks):
             m = owner == p
+            w = None if waiting is None else waiting == p
+            # the first call to each part replaces what it held: it ends with the checkpoint's rows alone
             calls.append(sess.call_task(task, "ps", "emb_restore", rq.EmbRestore(
                 name=record["name"], part=p, ids=ids[m], values=values[m], slots={k: v[m] for k, v in slots.items()},
                 steps=None if steps is None else steps[m], changed=None if changed is None else changed[m],
-                clock=clock,
+                clock=clock, replace=n == 0, pending_ids=None if w is None else pending[w],
+                pending_counts=None if w is None else counts[w],
             )))
-        await asyncio.gather(*calls)
+        taken = await asyncio.gather(*calls)
+        sent = np.bincount(owner, minlength=emb.info.parts)
+        for p, (task, got) in enumerate(zip(emb.info.tasks, taken)):
+            if got != sent[p]:
+                raise ResourceExhausted(
+                    f"restoring table {record['name']!r}: its part {p} on {task} took {got} of {int(sent[p])} rows "
+                    f"(its capacity of {t['capacity'] or 'the shard limits allow'} rows a part, or the shard's memory "
+                    "budget, is full): the table is incomplete; restore onto more shards",
+                    name=record["name"], part=p, task=str(task))
 
 
-def save(sess: "Session", directory: str, *, step: int | None = None, keep: int = 5) -> str:
+def save(sess: "Session", directory: str, *, step: int | None = None, keep: int = 5,
+         timeout: float = SAVE_TIMEOUT) -> str:
     """Write a checkpoint of every shard into ``directory``; returns its manifest's path."""
-    return sess.run_on_loop(async_save(sess.async_session, directory, step=step, keep=keep), 600)
+    return sess.run_on_loop(async_save(sess.async_session, directory, step=step, keep=keep, timeout=timeout),
+                            timeout)
 
 
 def restore(sess: "Session", path: str) -> int:

@@ -1,4 +1,4 @@
-"""What a restore checks before it changes anything.
+"""What a restore checks before it changes anything (and a save, before it commits).
 
 A restore puts many records back, each through several shards; one found bad half-way would leave
 some variables restored and others not. So every record is checked first, against the files that
@@ -13,15 +13,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import InvalidArgument, VariableConflict
+import numpy as np
+
+from ..errors import InvalidArgument, ResourceExhausted, ShardStateLost, VariableConflict
+from ..state import init as _init
 from ..state import optim as _optim
 from ..state.partition import row_splits
 from ..state.snapshot import entry_tensor
-from ..state.tables import static_part_rows
+from ..state.store import part_label
+from ..state.tables import hash_owner, static_part_rows
 from ..wire.dtypes import dtype_from_name, dtype_name
 from .checkpoint_files import Piece, fields
+from .checkpoint_files import field as read_field
 
-__all__ = ["check_files", "check_live", "declared_rows", "is_hash"]
+__all__ = ["check_files", "check_live", "check_capacity", "check_saved", "declared_rows", "is_hash"]
 
 
 def is_hash(record: dict[str, Any]) -> bool:
@@ -41,6 +46,28 @@ def declared_rows(record: dict[str, Any], shards: int) -> list[list[int]]:
         num = table["num_embeddings"]
         return [[0, r] for r in static_part_rows(num, min(n, num), table["strategy"])]
     return [list(r) for r in row_splits(shape[0], max(1, min(n, shape[0])))] if shape else [[0, 1]]
+
+
+def check_saved(catalog: str, directory: str, manifest: dict[str, Any]) -> None:
+    """What a save is about to commit would restore: every part the catalog (on task
+    ``catalog``) records is among what the shard holding it wrote. A shard that restarted empty,
+    or the catalog's, writes a file that restores nothing, and committing it would prune the
+    checkpoints a recovery needs. ``ShardStateLost``: recover, then save."""
+    step, records, shards = manifest["step"], manifest["records"], manifest["shards"]
+    wrote = {(sh["task"], e["name"], e["part"]) for sh in shards for e in sh["entries"]}
+    for record in records:
+        for i, part in enumerate(record["parts"]):
+            if (part["task"], record["name"], i) not in wrote:
+                raise ShardStateLost(
+                    f"checkpoint of step {step} into {directory!r}: {part['task']} holds no "
+                    f"{part_label((record['name'], i))} (it restarted without its state); nothing was committed "
+                    "or pruned: recover from the last checkpoint", task=part["task"], name=record["name"])
+    held = sorted({(sh["task"], e["name"]) for sh in shards for e in sh["entries"]})
+    if not records and held:
+        raise ShardStateLost(
+            f"checkpoint of step {step} into {directory!r}: the catalog on {catalog} records no variables while "
+            f"{held[0][0]} holds {held[0][1]!r} (the catalog's shard restarted without its state); nothing was "
+            "committed or pruned: recover from the last checkpoint", task=catalog)
 
 
 def check_files(path: str, manifest: dict[str, Any], pieces: dict[tuple[str, int], Piece]) -> None:
@@ -87,6 +114,48 @@ def check_live(path: str, records: list[dict[str, Any]], pieces: dict[tuple[str,
                 f"part(s); nothing was restored", file=path, name=name)
         saved = [pieces[(name, i)] for i in range(len(record["parts"]))]
         _check_slots(path, record, saved, found.get("optimizer"), "its optimizer on the cluster")
+        _check_optimizer(path, record, found)
+
+
+def _check_optimizer(path: str, record: dict[str, Any], found: dict[str, Any]) -> None:
+    """The checkpoint's optimizer is the one the cluster holds ``record`` with, as the catalog
+    compares them when the restore declares it again (an optimizer named: the same one)."""
+    mine, theirs = record.get("optimizer"), found.get("optimizer")
+    if mine is None:
+        return
+    try:
+        same = _optim.from_spec(mine) == _optim.from_spec(theirs)
+    except InvalidArgument:
+        same = False
+    if not same:
+        name = record["name"]
+        raise VariableConflict(f"cannot restore {name!r} from {path!r}: the cluster holds it with optimizer "
+                               f"{theirs or 'none (a plain add)'}, the checkpoint with {mine}; nothing was restored",
+                               file=path, name=name)
+
+
+def check_capacity(path: str, records: list[dict[str, Any]], pieces: dict[tuple[str, int], Piece],
+                   live: list[dict[str, Any]], shards: int) -> None:
+    """Every dynamic table's saved rows, re-hashed over the parts the restore puts them in, fit
+    each part's capacity (a capacity is per part: fewer parts hold more rows each). Reads the
+    saved ids, a part at a time."""
+    held = {r["name"]: r for r in live}
+    for record in records:
+        if not is_hash(record) or record["table"].get("capacity") is None:
+            continue  # no capacity named: the shard's limits bound the part, and its answer tells
+        name, capacity = record["name"], record["table"]["capacity"]
+        parts = len(held[name]["parts"]) if name in held else shards
+        rows = np.zeros(parts, np.int64)
+        for i in range(len(record["parts"])):
+            ids = read_field(pieces[(name, i)], "ids")
+            if ids is not None and len(ids):
+                rows += np.bincount(hash_owner(ids.astype(np.int64, copy=False), parts), minlength=parts)
+        part = int(np.argmax(rows))
+        if rows[part] > capacity:
+            raise ResourceExhausted(
+                f"cannot restore table {name!r} from {path!r} onto {parts} part(s): its part {part} would hold "
+                f"{int(rows[part])} rows, over its capacity of {capacity} rows a part; restore onto more shards; "
+                "nothing was restored", file=path, name=name, part=part, capacity=capacity)
 
 
 def _kind(record: dict[str, Any]) -> str:
@@ -117,9 +186,38 @@ def _check_record(path: str, record: Any) -> str:
         ok = isinstance(table, dict) and table.get("kind") in ("hash", "static") and _count(table.get("dim"))
         if ok and table["kind"] == "static":
             ok = _count(table.get("num_embeddings")) and table.get("strategy") in ("mod", "div")
+        if ok and table["kind"] == "hash":
+            capacity = table.get("capacity")
+            ok = _positive(table.get("min_frequency")) and (capacity is None or _positive(capacity))
         if not ok:
             raise _bad(path, name, f"its table description {str(table)[:120]} is not one this version reads")
+    _check_specs(path, name, record)
     return name
+
+
+def _positive(x: Any) -> bool:
+    return _count(x) and x > 0
+
+
+def _check_specs(path: str, name: str, record: dict[str, Any]) -> None:
+    """The initializer and optimizer a restore declares ``record`` with are ones this version
+    builds (a table's rows come from its initializer; tables take no ``SyncReplicas``)."""
+    spec = record.get("initializer")
+    if spec is not None:
+        try:
+            init = _init.from_spec(spec)
+        except (InvalidArgument, TypeError) as exc:
+            raise _bad(path, name, f"its initializer is not one this version knows: {exc}") from None
+        numbers = (init.value, init.mean, init.stddev, init.minval, init.maxval)
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers) \
+                or not _count(init.seed):
+            raise _bad(path, name, f"its initializer {str(spec)[:120]} has a field that is not a number")
+    try:
+        opt = _optim.from_spec(record.get("optimizer"))
+    except (InvalidArgument, TypeError) as exc:
+        raise _bad(path, name, f"its optimizer is not one this version knows: {exc}") from None
+    if record.get("table") and isinstance(opt, _optim.SyncReplicas):
+        raise _bad(path, name, "a table with a SyncReplicas optimizer (tables take asynchronous updates)")
 
 
 def _count(x: Any) -> bool:
@@ -200,6 +298,12 @@ def _check_table_piece(path: str, record: dict[str, Any], i: int, piece: Piece) 
             _expect(path, name, i, field, got, _slot_dtype(dtype, got), (n, dim))
     for field in ("steps", "changed"):
         _expect(path, name, i, field, _tensor(piece, field), None, (n,))
+    pending = [_tensor(piece, f) for f in ("pending_ids", "pending_counts")]
+    if (pending[0] is None) != (pending[1] is None) or (pending[0] is not None and len(pending[0][1]) != 1):
+        raise _bad(path, name, f"part {i} has no list of pending ids with one sighting count each")
+    if pending[0] is not None:
+        _expect(path, name, i, "pending_ids", pending[0], None, None)
+        _expect(path, name, i, "pending_counts", pending[1], None, pending[0][1])
     if not _count(piece[0].get("clock", 0)):
         raise _bad(path, name, f"part {i}'s clock {piece[0].get('clock')!r} is not a step")
 

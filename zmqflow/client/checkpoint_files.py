@@ -20,23 +20,26 @@ there is no checkpoint (never listed, read, kept or pruned as one).
 
 from __future__ import annotations
 
+import fcntl
 import json
+import math
 import os
 import re
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..errors import InvalidArgument, NotFound
+from ..errors import DeadlineExceeded, InvalidArgument, NotFound
 from ..state.dirfd import is_file, open_dir, opener as nofollow_opener
 from ..state.snapshot import NpzFile, entry_tensor, open_shard_file
 from ..state.tensorfile import TensorFile
 
 __all__ = ["FORMAT", "READS", "manifest_name", "checkpoints", "complete", "committed", "load_manifest", "latest",
            "open_manifest", "read", "saved", "Saved", "save_order", "next_seq", "directory_fd",
-           "Piece", "pieces", "field", "fields", "describe", "MANIFEST", "plain_name", "named_file"]
+           "Piece", "pieces", "field", "fields", "describe", "MANIFEST", "plain_name", "named_file", "locked", "LOCK_WAIT"]
 
 FORMAT = 2  # safetensors shard files
 READS = (1, 2)  # 1: npz shard files
@@ -74,10 +77,15 @@ def named_file(directory: str, name: Any, manifest: str) -> str:
 
 
 def save_order(name: str, manifest: Any) -> Order:
-    """Where a checkpoint stands among its directory's saves: ``seq``, then ``time``, then name."""
+    """Where a checkpoint stands among its directory's saves: ``seq``, then ``time``, then name.
+    ``ValueError`` for a ``seq`` that is not a whole number, or a ``time`` that is not a finite
+    one (a hand edit; JSON carries ``Infinity``): such a manifest is no checkpoint to order."""
     def number(key: str) -> Any:
-        v = manifest.get(key) if isinstance(manifest, dict) else None
-        return v if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
+        v = manifest.get(key, 0) if isinstance(manifest, dict) else 0
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) \
+                or (key == "seq" and not isinstance(v, int)):
+            raise ValueError(f"{name!r}: its {key} {v!r} is not a {'whole' if key == 'seq' else 'finite'} number")
+        return v
 
     return int(number("seq")), float(number("time")), name
 
@@ -142,12 +150,13 @@ def _scan(fd: int, directory: str, is_manifest: Callable[[str], bool], files_of:
             with open(name, opener=nofollow_opener(fd)) as fh:
                 manifest = json.load(fh)
             files = set(files_of(manifest))
+            where = order(name, manifest)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            continue  # half-written, removed meanwhile by another process pruning, or a link
+            continue  # half-written, removed meanwhile by another process pruning, a link, or no order
         if not all(map(plain_name, files)):
             continue  # names a file outside the directory: never read, kept or pruned as a checkpoint
         if all(is_file(fd, f) for f in files):
-            out.append((order(name, manifest), os.path.join(directory, name), files))
+            out.append((where, os.path.join(directory, name), files))
     out.sort(key=lambda found: found[0])
     return out
 
@@ -193,7 +202,84 @@ def open_manifest(path: str, dir_fd: int | None = None) -> tuple[str, str, dict[
     if manifest.get("format") not in READS:
         raise InvalidArgument(f"checkpoint {chosen!r} has format {manifest.get('format')!r}; this version reads "
                               f"{', '.join(map(str, READS))}", file=chosen)
+    _check_structure(chosen, manifest)
     return chosen, os.path.dirname(os.path.abspath(chosen)), manifest
+
+
+def _check_structure(path: str, manifest: dict[str, Any]) -> None:
+    """The manifest's shards, their entries and its records have the fields every reader takes
+    from them: else ``InvalidArgument`` naming the file and the field, before any file is opened."""
+    def refuse(where: str, what: str) -> InvalidArgument:
+        return InvalidArgument(f"checkpoint {path!r}: {where} {what}", file=path, field=where)
+
+    for i, shard in enumerate(manifest["shards"]):
+        if not isinstance(shard, dict):
+            raise refuse(f"shards[{i}]", f"is {type(shard).__name__}, not a map")
+        entries = shard.get("entries")
+        if not isinstance(entries, list):
+            raise refuse(f"shards[{i}].entries", "is not a list of entries")
+        for j, entry in enumerate(entries):
+            if not _entry_ok(entry):
+                raise refuse(f"shards[{i}].entries[{j}]", f"is not an entry this version reads: {str(entry)[:120]}")
+    records = manifest.get("records", [])
+    if not isinstance(records, list):
+        raise refuse("records", "is not a list of records")
+    for i, record in enumerate(records):
+        if not isinstance(record, dict) or not isinstance(record.get("name"), str):
+            raise refuse(f"records[{i}]", f"is not a record with a name: {str(record)[:120]}")
+
+
+def _whole(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _entry_ok(entry: Any) -> bool:
+    """A shard entry: its kind, name, part and tensor prefix, and (where given) rows, clock, slots."""
+    if not isinstance(entry, dict) or entry.get("kind") not in ("part", "table"):
+        return False
+    if not (isinstance(entry.get("name"), str) and _whole(entry.get("part")) and isinstance(entry.get("key"), str)):
+        return False
+    rows = entry.get("rows")
+    if entry["kind"] == "table":
+        rows_ok = rows is None or _whole(rows)
+    else:
+        rows_ok = rows is None or (isinstance(rows, list) and len(rows) == 2 and all(map(_whole, rows)))
+    slots = entry.get("slots", [])
+    return (rows_ok and _whole(entry.get("clock", 0)) and isinstance(slots, list)
+            and all(isinstance(k, str) for k in slots))
+
+
+_LOCK_POLL_S = (0.01, 0.25)  # the first and the longest wait between tries for a directory's lock
+LOCK_WAIT = 600.0  # how long a writer waits for a directory's lock when its caller sets no deadline
+
+
+@contextmanager
+def locked(fd: int, directory: str, deadline: float | None = None) -> Iterator[None]:
+    """``flock`` on the directory's descriptor, held for the block: tried without blocking until
+    ``deadline`` (``time.monotonic``; None: ``LOCK_WAIT`` from now), then ``DeadlineExceeded``
+    naming the directory, nothing done. Where the file system takes no such lock (some network ones), the block runs unlocked,
+    as every save did before. Blocks its thread while it waits: never call it on an event loop."""
+    pause, held = _LOCK_POLL_S[0], True
+    deadline = time.monotonic() + LOCK_WAIT if deadline is None else deadline
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded(f"checkpoint directory {directory!r} stayed locked by another writer past "
+                                       "the save's deadline; nothing was committed", directory=directory) from None
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, _LOCK_POLL_S[1])
+        except OSError:
+            held = False
+            break
+    try:
+        yield
+    finally:
+        if held:
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 _READ_TRIES = 3

@@ -21,18 +21,20 @@ still read (:class:`NpzFile`, ``allow_pickle=False``).
 from __future__ import annotations
 
 import errno
+import math
 import os
 import re
 import socket
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from .dirfd import NAME_MAX, SymlinkInTheWay, open_nofollow
 from .tables import HashTable
-from .tensorfile import TensorFile, write_tensors
+from .tensorfile import Chunked, TensorFile, write_tensors
 from .store import Part
 
 __all__ = ["part_arrays", "table_arrays", "write_atomic", "temp_path", "check_file_name", "NAME_MAX", "read_arrays",
@@ -94,15 +96,22 @@ def part_arrays(p: Part, key: str) -> dict[str, np.ndarray]:
     return out
 
 
-def table_arrays(t: HashTable, key: str) -> dict[str, np.ndarray]:
+def table_arrays(t: HashTable, key: str) -> dict[str, "np.ndarray | Chunked"]:
+    """A table part's rows, ids ascending, each field gathered a block of rows at a time as it is
+    written (:class:`Chunked`): a save holds the order of the rows, not a copy of them. To be
+    written before the table changes (a save writes without yielding)."""
     live = t.live_slots()
     live = live[np.argsort(t.ids[live], kind="stable")]
-    out = {tensor_name(key, f, "table"): a for f, a in (
-        ("ids", t.ids[live]), ("value", t.values[live]), ("changed", t.updated_step[live]))}
+
+    def rows(a: np.ndarray) -> Chunked:
+        return Chunked(a.dtype, (len(live), *a.shape[1:]), lambda start, stop: a[live[start:stop]])
+
+    out: dict[str, np.ndarray | Chunked] = {tensor_name(key, f, "table"): rows(a) for f, a in (
+        ("ids", t.ids), ("value", t.values), ("changed", t.updated_step))}
     if t.steps is not None:
-        out[tensor_name(key, "steps", "table")] = t.steps[live]
+        out[tensor_name(key, "steps", "table")] = rows(t.steps)
     for name, slot in t.slots.items():
-        out[tensor_name(key, f"slot.{name}", "table")] = slot[live]
+        out[tensor_name(key, f"slot.{name}", "table")] = rows(slot)
     pending_ids, pending_counts = t.sightings.items()
     out[tensor_name(key, "pending_ids", "table")] = pending_ids
     out[tensor_name(key, "pending_counts", "table")] = pending_counts
@@ -144,7 +153,7 @@ def check_file_name(file: str) -> None:
                               f"suffix it would be {longest}, over the {NAME_MAX} a name may have", file=file)
 
 
-def write_atomic(path: str, arrays: dict[str, np.ndarray] | None = None, text: str | None = None,
+def write_atomic(path: str, arrays: "dict[str, np.ndarray | Chunked] | None" = None, text: str | None = None,
                  metadata: dict[str, str] | None = None, *, dir_fd: int | None = None) -> None:
     """Write ``arrays`` (as safetensors, with ``metadata``) or ``text`` to ``path`` so that a
     crash leaves the old or the new file. With ``dir_fd`` (a descriptor of ``path``'s directory),
@@ -191,55 +200,117 @@ def _typed(exc: OSError, path: str) -> Exception | None:
     return None
 
 
+# The most one array of a format-1 file may hold, as its header declares it (a variable's limit).
+MAX_NPZ_ARRAY_BYTES = 256 << 30
+
+
 def read_arrays(path: str, dir_fd: int | None = None) -> dict[str, np.ndarray]:
     """Every array of a format-1 ``.npz`` file (with ``dir_fd``: ``path``'s last name in it, not
-    followed when it is a link)."""
-    import zipfile  # here, not at the top: only old checkpoints need it, and it brings bz2, lzma and shutil
-
+    followed when it is a link), each header checked first (:class:`NpzFile`)."""
+    f = NpzFile(path, dir_fd)
     try:
-        fd = os.open(path, os.O_RDONLY) if dir_fd is None else open_nofollow(dir_fd, os.path.basename(path))
-        with os.fdopen(fd, "rb") as fh, np.load(fh, allow_pickle=False) as data:
-            return {k: data[k] for k in data.files}
-    except FileNotFoundError:
-        raise NotFound(f"checkpoint file {path!r} does not exist", file=path) from None
-    except SymlinkInTheWay:
-        raise InvalidArgument(f"checkpoint file {path!r} is a symbolic link: a checkpoint's files are read only "
-                              f"as files of its own directory", file=path) from None
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        raise InvalidArgument(f"cannot read checkpoint file {path!r}: {exc}", file=path) from None
+        return {k: f.read(k) for k in f.keys()}
+    finally:
+        f.close()
 
 
 class NpzFile:
     """A format-1 shard file seen as a :class:`TensorFile` (keys ``p0.value``, ``t1.slot.m``),
-    so restore and inspect read old checkpoints too. Read whole: npz cannot be mapped."""
+    so restore and inspect read old checkpoints too. Opening reads each member's ``.npy`` header
+    alone, and refuses (``InvalidArgument`` naming the file) an array whose header disagrees with
+    the bytes its member holds, or that declares more than ``MAX_NPZ_ARRAY_BYTES``: what a
+    header claims is never allocated before it is checked. An array is read (whole: npz cannot
+    be mapped) when asked for."""
 
     def __init__(self, path: str, dir_fd: int | None = None):
+        import zipfile  # here, not at the top: only old checkpoints need it, and it brings bz2, lzma and shutil
+
         self.path = path
-        self.arrays = read_arrays(path, dir_fd)
-        try:
-            self.size = os.stat(path if dir_fd is None else os.path.basename(path), dir_fd=dir_fd).st_size
-        except OSError:
-            self.size = 0
         self.metadata: dict[str, str] = {"format": "zmqflow-checkpoint/1 (npz)"}
+        fh = None
+        try:
+            fd = os.open(path, os.O_RDONLY) if dir_fd is None else open_nofollow(dir_fd, os.path.basename(path))
+            fh = self._fh = os.fdopen(fd, "rb")
+            self.size = os.fstat(fd).st_size
+            self._zip = zipfile.ZipFile(fh)
+            self._members = {info.filename[: -len(".npy")]: info for info in self._zip.infolist()
+                             if info.filename.endswith(".npy")}
+            self._headers = {k: self._header(k, info) for k, info in self._members.items()}
+        except FileNotFoundError:
+            raise NotFound(f"checkpoint file {path!r} does not exist", file=path) from None
+        except SymlinkInTheWay:
+            raise InvalidArgument(f"checkpoint file {path!r} is a symbolic link: a checkpoint's files are read only "
+                                  f"as files of its own directory", file=path) from None
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+            if fh is not None:
+                fh.close()
+            raise InvalidArgument(f"cannot read checkpoint file {path!r}: {exc}", file=path) from None
+
+    def _header(self, key: str, info: Any) -> tuple[np.dtype, tuple[int, ...], int, bool]:
+        """(dtype, shape, the offset of the data in its member, whether in Fortran order), the
+        bytes declared checked against the bytes the member holds and the cap (``ValueError``
+        naming the array)."""
+        from numpy.lib import format as npy
+
+        with self._zip.open(info) as member:
+            version = npy.read_magic(member)
+            read = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+            shape, fortran, dtype = read(member)
+            offset = member.tell()
+        if dtype.hasobject:
+            raise ValueError(f"array {key!r} is of objects")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > MAX_NPZ_ARRAY_BYTES:
+            raise ValueError(f"array {key!r} declares {nbytes} bytes, over the {MAX_NPZ_ARRAY_BYTES} an array may hold")
+        if nbytes != info.file_size - offset:
+            raise ValueError(f"array {key!r} declares {list(shape)} of {dtype.name} ({nbytes} bytes), but its member "
+                             f"holds {info.file_size - offset}")
+        return dtype, tuple(shape), offset, bool(fortran)
 
     def keys(self) -> list[str]:
-        return sorted(self.arrays)
+        return sorted(self._headers)
 
     def __contains__(self, name: object) -> bool:
-        return name in self.arrays
+        return name in self._headers
+
+    def _described(self, name: str) -> tuple[np.dtype, tuple[int, ...], int, bool]:
+        try:
+            return self._headers[name]
+        except KeyError:
+            raise NotFound(f"checkpoint file {self.path!r} holds no array {name!r}", file=self.path) from None
 
     def dtype(self, name: str) -> str:
-        return self.arrays[name].dtype.name
+        return self._described(name)[0].name
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.arrays[name].shape)
+        return self._described(name)[1]
 
     def nbytes(self, name: str) -> int:
-        return int(self.arrays[name].nbytes)
+        dtype, shape, _, _ = self._described(name)
+        return math.prod(shape) * dtype.itemsize
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
-        arr = self.arrays[name]
+        """The array (its size checked when the file was opened), or its rows ``[start, stop)``."""
+        dtype, shape, offset, fortran = self._described(name)
+        arr = np.empty(shape[::-1] if fortran else shape, dtype)
+        try:
+            with self._zip.open(self._members[name]) as member:
+                member.seek(offset)
+                view = memoryview(arr.reshape(-1).view(np.uint8))
+                got = 0
+                while got < len(view):
+                    n = member.readinto(view[got:])
+                    if not n:
+                        raise EOFError(f"array {name!r} ends after {got} of {len(view)} bytes")
+                    got += n
+        except (OSError, ValueError, EOFError) as exc:
+            raise InvalidArgument(f"cannot read checkpoint file {self.path!r}: {exc}", file=self.path) from None
+        arr = arr.T if fortran else arr
         return arr if start is None and stop is None else arr[start:stop]
+
+    def close(self) -> None:
+        self._zip.close()
+        self._fh.close()
 
 
 def open_shard_file(path: str, dir_fd: int | None = None) -> "TensorFile | NpzFile":

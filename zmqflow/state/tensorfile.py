@@ -20,9 +20,10 @@ array back.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import IO, Any
 
 import numpy as np
@@ -30,7 +31,7 @@ import numpy as np
 from ..errors import InvalidArgument, NotFound
 from .dirfd import SymlinkInTheWay, fd_name, open_nofollow
 
-__all__ = ["ST_DTYPES", "write_tensors", "TensorFile", "storable"]
+__all__ = ["ST_DTYPES", "write_tensors", "TensorFile", "storable", "Chunked"]
 
 # numpy dtype name -> safetensors dtype
 ST_DTYPES: dict[str, str] = {
@@ -65,22 +66,51 @@ def _contiguous(arr: np.ndarray) -> np.ndarray:
     return arr if arr.flags.c_contiguous else arr.copy(order="C")
 
 
-def write_tensors(fh: IO[bytes], tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> int:
+class Chunked:
+    """A tensor of ``shape`` and ``dtype`` written a block of rows at a time: ``take(start, stop)``
+    gives rows ``[start, stop)`` (a gather from scattered rows, say), so a writer holds one block
+    of about ``CHUNK_BYTES``, never a second copy of the whole tensor."""
+
+    CHUNK_BYTES = 4 << 20
+
+    def __init__(self, dtype: Any, shape: tuple[int, ...], take: Callable[[int, int], np.ndarray]):
+        self.dtype, self.shape, self.take = np.dtype(dtype), tuple(shape), take
+
+    def blocks(self) -> Iterator[np.ndarray]:
+        """The rows in order, a block at a time."""
+        rows = self.shape[0] if self.shape else 1
+        row_bytes = max(1, math.prod(self.shape[1:]) * self.dtype.itemsize)
+        step = max(1, self.CHUNK_BYTES // row_bytes)
+        for start in range(0, rows, step):
+            yield self.take(start, min(rows, start + step))
+
+
+def write_tensors(fh: IO[bytes], tensors: Mapping[str, "np.ndarray | Chunked"],
+                  metadata: Mapping[str, str] | None = None) -> int:
     """Write ``tensors`` to ``fh`` as one safetensors file, each array streamed from its own
-    buffer (no copy of the whole file in memory). Returns the bytes written."""
+    buffer, a :class:`Chunked` one a block at a time (no copy of the whole file in memory).
+    Returns the bytes written."""
     meta = dict(metadata or {})
     header: dict[str, Any] = {}
-    arrays = []
+    arrays: list[tuple[str, np.ndarray | Chunked]] = []
     offset = 0
     for name in sorted(tensors):
         if name == "__metadata__":
             raise InvalidArgument("a tensor may not be named '__metadata__'")
-        arr, st, original = storable(name, np.asarray(tensors[name]))
+        given = tensors[name]
+        if isinstance(given, Chunked):  # its stored dtype and shape, from no rows of it
+            empty, st, original = storable(name, np.empty((0, *given.shape[1:]), given.dtype))
+            arr: np.ndarray | Chunked = given
+            shape = [given.shape[0], *empty.shape[1:]]
+            nbytes = math.prod(shape) * empty.dtype.itemsize
+        else:
+            arr, st, original = storable(name, np.asarray(given))
+            shape, nbytes = list(arr.shape), arr.nbytes
         if original is not None:
             meta[f"dtype:{name}"] = original
-        header[name] = {"dtype": st, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
-        arrays.append(arr)
+        header[name] = {"dtype": st, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        arrays.append((name, arr))
     for k, v in meta.items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise InvalidArgument(f"safetensors metadata maps strings to strings: {k!r} -> {type(v).__name__}")
@@ -90,9 +120,12 @@ def write_tensors(fh: IO[bytes], tensors: Mapping[str, np.ndarray], metadata: Ma
     raw += b" " * (-len(raw) % _ALIGN)
     fh.write(struct.pack("<Q", len(raw)))
     fh.write(raw)
-    for arr in arrays:
-        if arr.nbytes:
-            fh.write(memoryview(arr.reshape(-1).view(np.uint8)))  # bytes: a buffer of any dtype (bfloat16 too)
+    for name, arr in arrays:
+        for block in arr.blocks() if isinstance(arr, Chunked) else [arr]:
+            if isinstance(arr, Chunked):
+                block = storable(name, np.asarray(block, arr.dtype))[0]
+            if block.nbytes:
+                fh.write(memoryview(block.reshape(-1).view(np.uint8)))  # bytes: a buffer of any dtype (bfloat16 too)
     return 8 + len(raw) + offset
 
 

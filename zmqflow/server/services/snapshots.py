@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from ...state.tables import HashTable
 from ...state.snapshot import (FILE_FORMAT, check_file_name, part_arrays, part_prefix, table_arrays,
                                table_prefix, write_atomic)
 from ...state.store import PartKey, ShardStore
+from ...state.tensorfile import Chunked
 from ...rpc import CallContext, op
 from ...wire.requests import ps as rq
 
@@ -31,6 +33,7 @@ class SnapshotOps:
     tables: dict[PartKey, HashTable]
     checkpoint_roots: CheckpointRoots
     save_seconds: Histogram
+    _room: Callable[[], int]  # the ps service's (TableOps): bytes its budget has left for table rows
 
     @op(rq.Save)
     def save(self, ctx: CallContext, req: rq.Save) -> dict[str, Any]:
@@ -47,7 +50,7 @@ class SnapshotOps:
             os.close(dir_fd)
 
     def _save(self, file: str, directory: str, dir_fd: int, started: float) -> dict[str, Any]:
-        arrays: dict[str, np.ndarray] = {}
+        arrays: dict[str, np.ndarray | Chunked] = {}
         entries = []
         for (name, part), p in sorted(self.store.parts.items()):
             key = part_prefix(p, name, part)
@@ -122,14 +125,70 @@ class SnapshotOps:
 
     @op(rq.EmbRestore)
     def emb_restore(self, ctx: CallContext, req: rq.EmbRestore) -> int:
-        table = self.tables.get((req.name, req.part))
+        """Put saved rows and pending sightings into a hash table part; returns the rows it took.
+        With ``replace`` the part is made afresh first, as a new declaration makes it: rows and
+        sightings it held before the restore do not survive it."""
+        key = (req.name, req.part)
+        table = self.tables.get(key)
         if table is None:
             raise InvalidArgument(f"embedding {req.name!r} part {req.part} is not a dynamic table on this shard")
+        what = f"embedding {req.name!r} part {req.part}"
         changed = req.changed
         if changed is not None and len(changed) != len(req.ids):
-            raise InvalidArgument(f"embedding {req.name!r} part {req.part}: {len(changed)} change steps for {len(req.ids)} ids")
-        return table.load(req.ids.astype(np.int64, copy=False), req.values, req.slots or {}, req.steps,
-                          changed=changed, clock=req.clock)
+            raise InvalidArgument(f"{what}: {len(changed)} change steps for {len(req.ids)} ids")
+        pending = _pending(what, req.pending_ids, req.pending_counts)
+        if req.replace:  # made afresh, once the rows are known to fit it (load checks them first)
+            fresh = _fresh(table, req.part, self._room)
+            taken = fresh.load(req.ids.astype(np.int64, copy=False), req.values, req.slots or {}, req.steps,
+                               changed=changed, clock=req.clock)
+            self.tables[key] = table = fresh
+        else:
+            taken = table.load(req.ids.astype(np.int64, copy=False), req.values, req.slots or {}, req.steps,
+                               changed=changed, clock=req.clock)
+        if pending is not None:
+            _add_pending(table, *pending)
+        return taken
+
+
+def _fresh(table: HashTable, part: int, room: Callable[[], int]) -> HashTable:
+    """An empty part of the same table, as its declaration made it (its capacity already the one
+    the shard's limits allowed)."""
+    return HashTable(table.dim, table.dtype, initializer=table.init, optimizer=table.optimizer,
+                     min_frequency=table.min_frequency, capacity=table.capacity, seed_salt=part + 1,
+                     max_pending=table.max_pending, room=room)
+
+
+def _pending(what: str, ids: np.ndarray | None, counts: np.ndarray | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """Saved ids pending admission and their sightings, checked: as many counts as ids, none
+    negative, no id twice."""
+    if ids is None and counts is None:
+        return None
+    if ids is None or counts is None or len(ids) != len(counts):
+        raise InvalidArgument(f"{what}: pending ids and their sighting counts must come together, one count an id")
+    ids, counts = ids.astype(np.int64, copy=False), counts.astype(np.int64, copy=False)
+    if len(counts) and counts.min() < 0:
+        raise InvalidArgument(f"{what}: a pending id's sighting count is negative")
+    if len(np.unique(ids)) != len(ids):
+        raise InvalidArgument(f"{what}: a pending id is listed twice")
+    return ids, counts
+
+
+def _add_pending(table: HashTable, ids: np.ndarray, counts: np.ndarray) -> None:
+    """Add saved sightings of ids not admitted to ``table``'s (short of admission: an id reaches
+    its ``min_frequency`` by a sighting, as it would have in the run that saved it)."""
+    if table.min_frequency <= 1:
+        return
+    keep = (counts > 0) & (table.index.find(ids, table.ids) < 0)  # an id with a row is admitted already
+    ids, counts = ids[keep], counts[keep]
+    if not len(ids):
+        return
+    sightings = table.sightings
+    before = sightings.get(ids)
+    sightings.sight(ids, 1 << 62)  # counted once each, none admitted: new ones are listed in order
+    at = sightings.index.find(ids, sightings.ids)
+    sightings.counts[at] = np.minimum(before + counts, min(table.min_frequency - 1, np.iinfo(np.int32).max))
+    if len(sightings) > table.max_pending:
+        table.pending_pruned += sightings.prune(table.max_pending * 3 // 4)
 
 
 def _same(x: Any, like: np.ndarray, what: str, saved_in: np.dtype | None = None) -> None:

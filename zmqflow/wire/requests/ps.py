@@ -267,7 +267,9 @@ class EmbExport(Request):
 
 
 class EmbRestore(Request):
-    """Put rows of a hash table back (ids, values, slots, step counts)."""
+    """Put rows of a hash table back (ids, values, slots, step counts) and ids pending admission
+    with their sightings. ``replace``: the part first drops every row and sighting it holds (the
+    first of a restore's calls to a part: the part then holds exactly the checkpoint's rows)."""
 
     name: Name
     part: Part
@@ -277,6 +279,9 @@ class EmbRestore(Request):
     steps: np.ndarray | None = None
     changed: Indices | None = None
     clock: Count | None = None
+    replace: bool = False
+    pending_ids: Indices | None = None
+    pending_counts: Indices | None = None
 
 
 class EmbExportDelta(Request):
