@@ -97,7 +97,8 @@ class ParameterServerStrategy(Strategy):
             return _ckpt.save(self._sess, directory, step=step, keep=keep)
         except _SHARD_GONE as exc:
             log.warning("%s: checkpoint at step %d not written: %s", self.ctx.task_name, step, exc)
-            self._recover(exc)
+            if not exc.details.get("directory"):  # not the directory's lock held by another writer: a shard
+                self._recover(exc)
             return None
 
     def needs(self) -> list[TaskId]:

@@ -1,6 +1,7 @@
-"""A run resumed with a new learning rate trains at it under parameter servers, as it does under
-the local strategy (the variables keep the optimizer the checkpoint made them with; each push
-carries the rate); any other change of optimizer is refused, naming the variable."""
+"""Parameter servers across checkpoints: a run resumed with a new learning rate trains at it, as
+under the local strategy (the variables keep the optimizer the checkpoint made them with; each push
+carries the rate), any other change of optimizer is refused, naming the variable; a save that
+waits out another writer's lock on the directory skips its checkpoint without a recovery."""
 
 from __future__ import annotations
 
@@ -50,3 +51,30 @@ def test_a_resumed_run_with_another_optimizer_is_refused_under_ps(tmp_path):
     _train(ckpt, zf.optim.SGD(0.1), 1, "ps")
     with pytest.raises(ConfigError, match=r"variable 'w' holds optimizer .*'sgd'.* only its learning rate may differ"):
         _train(ckpt, zf.optim.Momentum(0.1, momentum=0.9), 2, "ps")
+
+
+def test_a_save_that_waits_out_another_writers_lock_skips_its_checkpoint_not_the_shards(tmp_path, monkeypatch):
+    """The directory's lock held by another writer past the save's deadline is DeadlineExceeded
+    naming the directory: the step goes on without that checkpoint, and no recovery (which would
+    restore every shard from the last one) starts."""
+    import fcntl
+    import functools
+    import os
+
+    from zmqflow.client import checkpoint as ckpt
+    from zmqflow.training import parameter_server
+
+    monkeypatch.setattr(ckpt, "save", functools.partial(ckpt.save, timeout=0.3))
+    recovered: list[Exception] = []
+    monkeypatch.setattr(parameter_server.ParameterServerStrategy, "_recover",
+                        lambda self, exc, restore=None: recovered.append(exc))
+    directory = str(tmp_path / "ckpt")
+    _train(directory, zf.optim.SGD(0.1), 1, "ps")  # a first checkpoint, and the directory
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another writer's
+        before, after = _train(directory, zf.optim.SGD(0.1), 2, "ps")
+    finally:
+        os.close(fd)
+    np.testing.assert_allclose(after, before - 0.1)  # the step trained
+    assert recovered == []
