@@ -89,6 +89,31 @@ def test_dynamic_tables_that_would_fill_together_stop_at_the_shards_budget():
     arun(main())
 
 
+def test_a_dynamic_table_the_budget_leaves_no_row_says_so_instead_of_reading_zeros():
+    """One table filled the shard's budget; a second, empty, could never hold a row: its lookups
+    read zeros and its pushes were dropped, with nothing said. Now a creating lookup names the
+    table and the budget; eval lookups read zeros as before, and the table works once the first
+    has made room."""
+    row = HashTable.row_size(8, np.dtype("float32"))
+    lim = ServerLimits(max_shard_bytes=100 * row)
+
+    async def main():
+        async with cluster(limits=lim) as servers:
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                a = await sess.embedding("a", None, 8)
+                b = await sess.embedding("b", None, 8, initializer=zf.init.ones())
+                await a.lookup(np.arange(1000))  # a's least recently used make way: a holds the whole budget
+                assert await a.size() == 100
+                with pytest.raises(errors.ResourceExhausted, match=r"embedding 'b' \(part 0\): .* budget of "
+                                                                   rf"{100 * row} bytes .* cannot hold a row"):
+                    await b.lookup(np.arange(3))
+                assert await b.size() == 0 and not (await b.lookup(np.arange(3), create=False)).any()
+                assert await a.evict(older_than_seconds=0) == 100  # a gives its rows back
+                np.testing.assert_array_equal(await b.lookup(np.arange(3)), np.ones((3, 8), np.float32))
+
+    arun(main())
+
+
 def test_a_dynamic_table_keeps_step_counts_only_for_an_optimizer_that_reads_them():
     """8 B a row (the 4 x float32 row's 16 B is smaller): SGD and Adagrad tables keep none and
     count none; an Adam table keeps, counts and advances one per row."""

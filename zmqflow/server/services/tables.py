@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import InvalidArgument, VariableConflict
+from ...errors import InvalidArgument, ResourceExhausted, VariableConflict
 from ...state.limits import StateLimits, check_count, table_capacity
 from ...state.sparse import int64_ids
 from ...state.tables import HashTable
@@ -70,6 +70,17 @@ class TableOps:
         used = self.store.held_bytes() + sum(t.nbytes for t in self.tables.values())
         return self.limits.max_shard_bytes - used
 
+    def _starved(self, name: str, part: int, table: HashTable) -> None:
+        """A dynamic part that holds no row and has no room for one: every lookup would read zeros
+        and every push be dropped, for as long as the shard's other parts hold its budget."""
+        held = self.store.held_bytes() + sum(t.nbytes for t in self.tables.values())
+        raise ResourceExhausted(
+            f"embedding {name!r} (part {part}): this shard's byte budget of {self.limits.max_shard_bytes} bytes is "
+            f"held by its other variables and tables ({held} bytes), so the table cannot hold a row of "
+            f"{table.row_bytes} bytes: give the other tables a capacity, evict their rows, place this one on "
+            "another shard, or raise the budget (--max-shard-bytes)", name=name, part=part,
+            limit=self.limits.max_shard_bytes)
+
     def _table(self, name: str, part: int) -> HashTable | None:
         return self.tables.get((name, part))
 
@@ -78,6 +89,8 @@ class TableOps:
         ids = int64_ids(req.ids, f"emb_lookup of {req.name!r}")
         table = self._table(req.name, req.part)
         if table is not None:
+            if req.create and ids.size and not len(table) and self._room() < table.row_bytes:
+                self._starved(req.name, req.part, table)
             return table.lookup(ids, create=req.create)
         p = self.store.get(req.name, req.part)
         if ids.size and (ids.min() < 0 or ids.max() >= p.nrows):
