@@ -30,6 +30,15 @@ optimizer once per step, as a local table under gradient accumulation. A ``zero_
 drops the table's switch gradient (the model's or an optimizer's, ``set_to_none`` as torch's
 default) drops what is held, seen at the table's next forward.
 
+Mixed precision: under loss scaling (``torch.amp.GradScaler``) backward gives the table the
+gradient of the scaled loss, which only the step can unscale, and which overflows to inf now and
+then. So a table under a scaler pushes at the step: ``push_held(scale=scaler.get_scale())``
+divides the held sum by the scale and skips a step that overflowed; the dense step, and the
+scaler's back-off when only a table overflowed, are then the caller's (``HybridStrategy.step(
+scaler=scaler)`` does all of it, for every table, as ``GradScaler.step`` does for a local model). No
+table ever sends a gradient holding inf or NaN to the shards: one that ``push="backward"`` (or
+``push_held()`` without a scale) would send is dropped and raised as ``InvalidArgument``.
+
 The next forward of the table (from any module of this session), ``synchronize()``, ``flush()``
 (which first starts the push of what is held), ``weight``, ``export()``, ``size()`` and
 ``evict()`` first wait for this process's pushes, so a session reads its own writes, and an error of
@@ -119,7 +128,8 @@ class _ShardedModule(torch.nn.Module):
 
     @property
     def counters(self) -> dict[str, int]:
-        """This module's traffic: lookups, unique ids looked up, pushes, ids pushed, rows the shards updated."""
+        """This module's traffic: lookups, unique ids looked up, pushes, ids pushed, rows the shards
+        updated, and pushes skipped (gradients holding inf or NaN, never sent)."""
         return dict(self.table.counters)
 
     @property
@@ -136,10 +146,22 @@ class _ShardedModule(torch.nn.Module):
         """Wait until this process's pushes to the table have landed; raise what any of them raised."""
         self.table.synchronize()
 
-    def push_held(self) -> int:
+    def push_held(self, scale: float | None = None) -> int:
         """Start one push of the gradients backward held (``push="step"``), their sum, without
-        waiting for it; the passes it carries (0 when none was held)."""
-        return self.table.push_held()
+        waiting for it; the passes it carries (0 when none was held). Under loss scaling pass
+        ``scale=scaler.get_scale()``: the sum is divided by it, and a step whose gradients hold
+        inf or NaN is skipped (dropped, counted in ``counters["pushes_skipped"]``, 0 returned)."""
+        return self.table.push_held(scale)
+
+    def held_finite(self, scale: float = 1.0) -> bool:
+        """Whether the held gradients divided by ``scale`` are all finite: a step that pushes
+        several tables decides to skip them all before pushing any."""
+        return self.table.held_finite(scale)
+
+    def skip_held(self) -> int:
+        """Drop the held gradients of a step skipped for an overflow elsewhere (another table, or
+        the dense gradients); the passes dropped."""
+        return self.table.skip_held()
 
     def flush(self) -> None:
         """Push what is held, then wait until every push of this process has landed."""
@@ -282,7 +304,7 @@ class EmbeddingBag(_ShardedModule):
     partitioner) and ``partition_strategy`` ("mod" or "div") place a static table's rows as TF's
     ``embedding_lookup`` does. ``session`` defaults to the process-wide runtime's. ``push``:
     ``"backward"`` sends each backward pass's gradient at once, ``"step"`` holds them for
-    ``push_held()`` (gradient accumulation; see the module's docstring).
+    ``push_held()`` (gradient accumulation, loss scaling; see the module's docstring).
     """
 
     kind = "EmbeddingBag"

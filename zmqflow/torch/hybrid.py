@@ -14,10 +14,17 @@ ring averages their gradients. ``HybridStrategy`` is the one object that sets th
         hybrid.zero_grad()
         loss_fn(model(...), y).backward()
         hybrid.step()
+
+Under mixed precision's loss scaling the loop is ``scaler.scale(loss).backward();
+hybrid.step(scaler=scaler); scaler.update()``: the tables' gradients are unscaled at the step,
+and a step that overflowed anywhere (dense, or any table on any rank) changes nothing, as
+``GradScaler.step`` leaves a local model unchanged.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 import zlib
 from dataclasses import dataclass
@@ -65,12 +72,14 @@ class HybridStrategy:
     flushed and timed as the placed ones). What remains, every
     ``nn.Parameter``, is wrapped in a ring ``DistributedOptimizer`` and broadcast from
     ``root_rank`` so every rank starts from the same weights. ``initializer`` (a ``zmqflow.init``
-    initializer) fills new tables; by default each is N(0, 1) as torch's.
+    initializer) fills new tables, each with a seed of its own made from the initializer's and the
+    table's name, so tables differ as torch's drawn one after another do; by default N(0, 1) as torch's.
 
-    ``backward_passes_per_step``: backward passes accumulated before each :meth:`step`. Above 1,
-    the dense gradients are summed locally before their average, and the tables this strategy
-    places hold their gradients (``push="step"``) until :meth:`step` pushes each table's sum, so the
-    shards' optimizer runs once per step, as it would on one process.
+    The tables this strategy places hold their gradients (``push="step"``) until :meth:`step`
+    pushes each table's sum, so the shards' optimizer runs once per step, as it would on one
+    process, and a loss scaler's scale can be taken off first. ``backward_passes_per_step``:
+    backward passes accumulated before each :meth:`step`; above 1, the dense gradients are summed
+    locally before their average.
 
     Call ``zmqflow.torch.init()`` first; every rank must build the same model and optimizers.
     """
@@ -97,8 +106,7 @@ class HybridStrategy:
         if local and dense_optimizer.state:
             raise InvalidArgument("HybridStrategy: dense_optimizer has already stepped; build the strategy before "
                                   "training")
-        push = "step" if passes > 1 else "backward"
-        dropped = self._place_tables(local, prefix, embedding_optimizer, initializer, push)
+        dropped = self._place_tables(local, prefix, embedding_optimizer, initializer)
         for group in dense_optimizer.param_groups:  # the shards' optimizer updates the tables now
             group["params"] = [p for p in group["params"] if id(p) not in dropped]
         # every sharded module: those placed here and those the model already held (Embedding too)
@@ -115,19 +123,21 @@ class HybridStrategy:
             table.register_forward_hook(self._leave_table)
         self._step_began = time.perf_counter()
         self._backward_wait = self.optimizer.buckets.wait_s
+        # a one-value stand-in the loss scaler checks besides the dense optimizer: its gradient is
+        # inf when a table overflowed, so scaler.update() lowers the scale for the tables too
+        self._overflow = torch.nn.Parameter(torch.zeros(1))
+        self._overflow_check = torch.optim.SGD([self._overflow], lr=0.0)
 
     # setting up ------------------------------------------------------------------------------
     def _place_tables(self, local: list[tuple[str, torch.nn.EmbeddingBag]], prefix: str, optimizer: Any,
-                      initializer: Any, push: str) -> set[int]:
+                      initializer: Any) -> set[int]:
         """Swap each local table for a sharded one; the ids of the weights dropped."""
         dropped: set[int] = set()
         for path, old in local:
             name = f"{prefix}{path}"
-            init = initializer
-            if init is None:  # torch's N(0, 1), a seed of its own per table so tables differ
-                init = zf_init.normal(stddev=1.0, seed=zlib.crc32(name.encode()))
             new = EmbeddingBag(name, old.num_embeddings, old.embedding_dim, mode=old.mode, optimizer=optimizer,
-                               initializer=init, include_last_offset=old.include_last_offset, push=push)
+                               initializer=_table_initializer(initializer, name),
+                               include_last_offset=old.include_last_offset, push="step")
             new.requires_grad_(old.weight.requires_grad)  # a frozen table stays frozen on the shards
             parent_path, _, attr = path.rpartition(".")
             setattr(self.model.get_submodule(parent_path), attr, new)
@@ -149,20 +159,32 @@ class HybridStrategy:
         for table in self.tables:  # what tables that push at the step hold goes too
             table.zero_grad(set_to_none)
 
-    def step(self) -> None:
+    def step(self, scaler: Any = None) -> None:
         """Finish this step: start the push of what tables hold (``push="step"``), wait for the
         dense gradients' average, then update the dense parameters. (Tables that push at backward
-        sent their sparse gradients already; the next lookup of each table waits for its pushes.)"""
+        sent their sparse gradients already; the next lookup of each table waits for its pushes.)
+
+        ``scaler``: the ``torch.amp.GradScaler`` whose ``scale(loss)`` backward ran on. The tables'
+        gradients are divided by its scale, and when any gradient holds inf or NaN (dense, or a
+        table's on any rank) neither the tables nor the dense parameters change; ``scaler.update()``,
+        called after, then lowers the scale, as it does for a local model."""
         began = time.perf_counter()
-        for table in self.tables:
-            table.push_held()
+        scaled = scaler is not None and scaler.is_enabled()
+        if scaled:
+            self._refuse_pushed_at_backward()
+        else:
+            for table in self.tables:
+                table.push_held()
         self.optimizer.synchronize()
         buckets = self.optimizer.buckets
         # backward itself waits for the last buckets when every gradient started them: counted here too
         waited = time.perf_counter() - began + buckets.wait_s - self._backward_wait
         self._backward_wait = buckets.wait_s
-        with self.optimizer.skip_synchronize():
-            self.optimizer.step()
+        if scaled:
+            self._step_scaled(scaler)
+        else:
+            with self.optimizer.skip_synchronize():
+                self.optimizer.step()
         now = time.perf_counter()
         self.times.steps += 1
         self.times.total_s += now - self._step_began
@@ -171,6 +193,33 @@ class HybridStrategy:
         self.times.dense_comm_s += waited
         self._in_tables, self._prefetched = 0.0, prefetched
         self._step_began = now
+
+    def _refuse_pushed_at_backward(self) -> None:
+        """A table the model brought that pushes at backward sent its gradient scaled already."""
+        late = [t.name for t in self.tables if t.push == "backward" and t.push_gradients]
+        if late:
+            raise InvalidArgument(f"HybridStrategy.step(scaler=...): table(s) {', '.join(map(repr, late))} push at "
+                                  "backward, where the loss scale cannot be taken off; make them with push=\"step\"")
+
+    def _step_scaled(self, scaler: Any) -> None:
+        """Unscale and push the tables and step the dense parameters, or skip all of it when any
+        gradient overflowed; the scaler learns of the tables' overflow through ``_overflow``."""
+        scale = scaler.get_scale()
+        tables_ok = all(table.held_finite(scale) for table in self.tables)
+        if collectives.size() > 1:  # every rank skips or none: the dense replicas stay equal
+            overflowed = collectives.allreduce(torch.tensor([0.0 if tables_ok else 1.0]), op=collectives.Max)
+            tables_ok = not bool(overflowed.item())
+        self._overflow.grad = torch.full_like(self._overflow, 0.0 if tables_ok else math.inf)
+        scaler.unscale_(self._overflow_check)
+        dense_ok = _finite([p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None])
+        for table in self.tables:
+            if tables_ok and dense_ok:
+                table.push_held(scale=scale)
+            else:
+                table.skip_held()
+        if tables_ok:  # the scaler skips the dense step itself when a dense gradient overflowed
+            with self.optimizer.skip_synchronize():
+                scaler.step(self.optimizer)
 
     def reset_times(self) -> None:
         """Start the clocks again (after warm-up steps, say)."""
@@ -186,3 +235,20 @@ class HybridStrategy:
         for table in self.tables:
             table.flush()
         self.times.embedding_s += time.perf_counter() - began
+
+
+def _table_initializer(initializer: Any, name: str) -> Any:
+    """The initializer of table ``name``: torch's N(0, 1) by default; a random one given gets a
+    seed made from its own and the name, so tables of one shape differ and a run stays the same."""
+    if initializer is None:
+        return zf_init.normal(stddev=1.0, seed=zlib.crc32(name.encode()))
+    init = zf_init.from_spec(initializer)
+    if init.kind == "constant":  # nothing drawn: no seed to vary
+        return init
+    return dataclasses.replace(init, seed=init.seed ^ zlib.crc32(name.encode()))
+
+
+def _finite(grads: list[torch.Tensor]) -> bool:
+    """Whether every gradient is free of inf and NaN (one device sync for them all)."""
+    checks = [torch.isfinite(g.coalesce().values() if g.is_sparse else g).all() for g in grads]
+    return bool(torch.stack([c.to(checks[0].device) for c in checks]).all()) if checks else True

@@ -9,11 +9,17 @@ applies the shards' optimizer once per step, on the summed gradient, as a local 
 Because a session must read its own writes, every lookup of the table first waits for the
 pushes this process started on it (``PendingPushes`` is shared by every module of one session that
 names the table), and an error of any of them is raised there instead of being lost.
+
+No gradient holding inf or NaN reaches the shards: one would spoil the rows every rank reads. A
+push of one is dropped and raised as an error at that wait. Under loss scaling (``GradScaler``)
+overflow is expected: :meth:`ShardedTable.push_held` with the loss ``scale`` divides the held sum
+by it and skips a step that overflowed, as ``GradScaler.step`` skips the dense one.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 import weakref
 from typing import Any
@@ -113,7 +119,8 @@ class ShardedTable:
         self.pending = _pending_for(session, handle.name)
         self._lock = threading.Lock()
         self._held: list[tuple[np.ndarray, np.ndarray]] = []  # backward passes' gradients not pushed yet
-        self.counters = {"lookups": 0, "ids_looked_up": 0, "pushes": 0, "ids_pushed": 0, "rows_updated": 0}
+        self.counters = {"lookups": 0, "ids_looked_up": 0, "pushes": 0, "ids_pushed": 0, "rows_updated": 0,
+                         "pushes_skipped": 0}  # gradients not sent because they held inf or NaN
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "ShardedTable":
         """The same table: a copied model (an EMA or teacher copy) shares its rows on the shards,
@@ -185,7 +192,18 @@ class ShardedTable:
         return self.session.submit(self.handle.lookup(ids, create=create))
 
     def push_async(self, ids: np.ndarray, grads: np.ndarray) -> "concurrent.futures.Future[int]":
-        """Start a sparse push of ``ids`` (repeats summed) on the session's loop; returns its future."""
+        """Start a sparse push of ``ids`` (repeats summed) on the session's loop; returns its future.
+        Non-finite ``grads`` are not sent: the future holds the error, raised at the next wait."""
+        if not np.isfinite(grads).all():
+            fut: concurrent.futures.Future[int] = concurrent.futures.Future()
+            fut.set_exception(InvalidArgument(
+                f"a gradient for embedding {self.name!r} holds inf or NaN; it was dropped, the table is unchanged. "
+                "Under loss scaling (torch.amp.GradScaler) the table must push at the step, push=\"step\", with the "
+                "scale: push_held(scale=scaler.get_scale()) or HybridStrategy.step(scaler=scaler), which skip a "
+                "step that overflowed"))
+            self.pending.add(fut)
+            self._count(pushes_skipped=1)
+            return fut
         fut = self.session.submit(self._push(ids, grads))
         self.pending.add(fut)
         self._count(pushes=1, ids_pushed=len(ids))
@@ -202,14 +220,45 @@ class ShardedTable:
         with self._lock:
             return len(self._held)
 
-    def push_held(self) -> int:
+    def _inverse(self, scale: float) -> float:
+        """``1 / scale`` of a loss scale that is a positive finite number."""
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise InvalidArgument(f"embedding {self.name!r}: scale must be a positive finite number, got {scale!r}")
+        return 1.0 / float(scale)
+
+    def held_finite(self, scale: float = 1.0) -> bool:
+        """Whether every held gradient divided by ``scale`` is finite (what :meth:`push_held` checks)."""
+        inverse = self._inverse(scale)
+        with self._lock:
+            held = list(self._held)
+        return all(np.isfinite(g * np.asarray(inverse, g.dtype)).all() for _, g in held)
+
+    def push_held(self, scale: float | None = None) -> int:
         """Start one push of every gradient held since the last (repeated ids are summed by the
-        push, so the shards apply their optimizer once, to the sum); the passes it carried."""
+        push, so the shards apply their optimizer once, to the sum); the passes it carried.
+        With the loss ``scale`` the sum is unscaled first, and a step holding inf or NaN (an
+        overflow) is skipped: dropped, counted in ``pushes_skipped``, and 0 returned."""
+        inverse = None if scale is None else self._inverse(scale)
         with self._lock:
             held, self._held = self._held, []
-        if held:
-            self.push_async(np.concatenate([ids for ids, _ in held]), np.concatenate([g for _, g in held]))
+        if not held:
+            return 0
+        ids, grads = np.concatenate([i for i, _ in held]), np.concatenate([g for _, g in held])
+        if inverse is not None:
+            grads *= np.asarray(inverse, grads.dtype)  # a new array: what backward gave is not touched
+            if not np.isfinite(grads).all():
+                self._count(pushes_skipped=1)
+                return 0
+        self.push_async(ids, grads)
         return len(held)
+
+    def skip_held(self) -> int:
+        """Drop the gradients held as a skipped step (another table's or the dense gradients
+        overflowed under loss scaling), counted in ``pushes_skipped``; the passes dropped."""
+        dropped = self.drop_held()
+        if dropped:
+            self._count(pushes_skipped=1)
+        return dropped
 
     def drop_held(self) -> int:
         """Forget the gradients held (as ``zero_grad`` forgets local ones); the passes dropped."""
