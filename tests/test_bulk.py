@@ -102,8 +102,9 @@ def test_a_stream_opens_only_with_a_fresh_token_once_and_names_only_its_owner():
             assert await _hello(lis.port, token) == OPENED
             assert await _hello(lis.port, token) == b""  # used once already
             assert lis.opened == 1 and lis.refused == 2
-            with pytest.raises(errors.NotFound, match=f"bulk stream {handle} is not open for 'ps:1'"):
+            with pytest.raises(errors.Unavailable, match=f"bulk stream {handle} is not open for 'ps:1'") as info:
                 lis.conn(handle, "ps:1")
+            assert info.value.details == {"bulk_stream": handle}  # named: its client closes its end
             assert lis.conn(handle, "worker:0").handle == handle
             loop = asyncio.get_running_loop()
             silent = socket.create_connection(("127.0.0.1", lis.port))  # says nothing: cut after hello_timeout
@@ -168,7 +169,7 @@ def test_a_bad_pull_is_refused_before_a_byte_and_the_stream_stays_usable():
 
                 with pytest.raises(errors.NotFound, match="nope"):
                     await ask("nope")
-                with pytest.raises(errors.NotFound, match=f"bulk stream {stream.handle + 1} is not open"):
+                with pytest.raises(errors.Unavailable, match=f"bulk stream {stream.handle + 1} is not open"):
                     await ask("v", handle=stream.handle + 1)
                 # what raw bytes cannot say: a part whose dtype or size differs from the caller's idea of it
                 with pytest.raises(errors.InvalidArgument, match=r"v rows \[0, \d+\) are \d+ bytes of float32 here, "

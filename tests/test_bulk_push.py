@@ -78,7 +78,7 @@ def test_a_synchronous_variable_and_a_refused_push_go_as_before():
                     await announce("s")
                 with pytest.raises(errors.NotFound, match="nope"):
                     await announce("nope")
-                with pytest.raises(errors.NotFound, match=f"is not open for {sess.name!r} to push on"):
+                with pytest.raises(errors.Unavailable, match=f"is not open for {sess.name!r} to push on"):
                     await announce("a", handle=stream.handle + 99)
                 received = servers["ps:0"].service("ps").bulk.push_conn(stream.handle, sess.name).received
                 await sess.push({"s": np.ones((ROWS, 64), np.float32)}, step=0)  # the sync part: over ZeroMQ

@@ -3,8 +3,9 @@
 A pull that uses one registers where each transfer's bytes go (:meth:`BulkStream.expect`), asks
 the shard over ZeroMQ to send them (naming the stream and the transfer's tag), and waits for both
 the reply and the bytes. One reader per stream lands each transfer in its destinations as it
-comes. A waiter that gave up (its deadline, a cancel) leaves its destinations alone from then
-on: the rest of its bytes are read and dropped. A header the reader does not expect, or a count
+comes. A waiter that gave up (its deadline, a cancel, a refusal) leaves its destinations alone
+from then on, and the stream lets go of them: only its byte count stays, so bytes still on their
+way are read and dropped. A header the reader does not expect, or a count
 other than the one expected, means the two ends are out of step: the stream is closed, every
 waiter on it fails with Unavailable, and the next pull opens a new one.
 """
@@ -34,7 +35,7 @@ class Transfer:
     """Where one transfer's bytes go, and who waits for them."""
 
     tag: int
-    dests: list[memoryview]
+    dests: list[memoryview]  # emptied once its waiter gave up: the caller's arrays are its own again
     nbytes: int
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     live: bool = True  # False once its waiter gave up: the bytes are dropped
@@ -75,10 +76,13 @@ class BulkStream:
 
     async def abandon(self, t: Transfer, sent: bool) -> None:
         """Its waiter gives up; ``sent``: whether the task may still send it (else it is forgotten).
-        A transfer being landed right now is stopped by closing the stream, and this returns once
-        the reader is out: nothing lands in the caller's arrays after the caller has given up."""
+        Either way the stream drops its views of the caller's arrays (a refused read must not pin
+        them): bytes still to come are drained by count. A transfer being landed right now is
+        stopped by closing the stream, and this returns once the reader is out: nothing lands in
+        the caller's arrays after the caller has given up."""
         with self._guard:
             t.live = False
+            t.dests = []  # a transfer landing now holds its own reference until the reader is out
             landing = t.started and not t.finished
             if not sent and not t.started:
                 self._waiting.pop(t.tag, None)
@@ -96,29 +100,49 @@ class BulkStream:
                 if len(head) < HEADER.size:
                     raise ConnectionError("closed by the task" if not head else "cut short in a header")
                 tag, n = HEADER.unpack(head)
-                with self._guard:
-                    t = self._waiting.get(tag)
-                    if t is not None and n == t.nbytes:
-                        t.started = True
-                if t is None or n != t.nbytes:
-                    what = "an unknown transfer" if t is None else f"{n} bytes where {t.nbytes} were asked for"
-                    why = ProtocolError(f"bulk stream to {self.task}: {what} (tag {tag})")
+                bad = self._land(tag, n, scratch)
+                if bad is not None:
+                    why = bad
                     return
-                for dest in t.dests:
-                    while dest.nbytes:
-                        into = dest if t.live else scratch[:min(dest.nbytes, scratch.nbytes)]
-                        k = self._sock.recv_into(into, into.nbytes, socket.MSG_WAITALL)
-                        if not k:
-                            raise ConnectionError("closed by the task mid-transfer")
-                        dest = dest[k:]
-                with self._guard:
-                    t.finished = True
-                    del self._waiting[tag]
-                self._to_loop(self._landed, t, n)
         except OSError as exc:  # ConnectionError included; a shut socket too
             why = Unavailable(f"bulk stream to {self.task} failed: {exc}")
         finally:
             self._to_loop(self._shut, why)
+
+    def _land(self, tag: int, n: int, scratch: memoryview) -> ProtocolError | None:
+        """Transfer ``tag`` of ``n`` bytes into its destinations (on the reader's thread), or why
+        the stream is out of step. Its own frame: nothing of the caller's stays referenced by the
+        reader while it waits for the next header."""
+        dests: list[memoryview] = []
+        with self._guard:
+            t = self._waiting.get(tag)
+            if t is not None and n == t.nbytes:
+                t.started, dests = True, t.dests
+        if t is None or n != t.nbytes:
+            what = "an unknown transfer" if t is None else f"{n} bytes where {t.nbytes} were asked for"
+            return ProtocolError(f"bulk stream to {self.task}: {what} (tag {tag})")
+        if not dests:  # given up before it began: its views are gone, its bytes are dropped
+            self._drain(n, scratch)
+        for dest in dests:
+            while dest.nbytes:
+                into = dest if t.live else scratch[:min(dest.nbytes, scratch.nbytes)]
+                k = self._sock.recv_into(into, into.nbytes, socket.MSG_WAITALL)
+                if not k:
+                    raise ConnectionError("closed by the task mid-transfer")
+                dest = dest[k:]
+        with self._guard:
+            t.finished, t.dests = True, []
+            del self._waiting[tag]
+        self._to_loop(self._landed, t, n)
+        return None
+
+    def _drain(self, n: int, scratch: memoryview) -> None:
+        """Read and drop ``n`` bytes (on the reader's thread)."""
+        while n:
+            k = self._sock.recv_into(scratch, min(n, scratch.nbytes), socket.MSG_WAITALL)
+            if not k:
+                raise ConnectionError("closed by the task mid-transfer")
+            n -= k
 
     def _to_loop(self, fn: Callable[..., None], *args: Any) -> None:
         try:

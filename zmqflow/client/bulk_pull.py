@@ -13,7 +13,7 @@ import asyncio
 from typing import Any, NamedTuple, TypeVar
 
 from ..cluster import TaskId
-from ..errors import DeadlineExceeded, Unavailable
+from ..errors import DeadlineExceeded, Recovering, ShardStateLost, Unavailable
 from ..wire.requests import ps as rq
 from .bulk import BulkStream
 from .port import SessionPort
@@ -49,8 +49,20 @@ async def pull_into(sess: SessionPort, task: TaskId, stream: BulkStream, pieces:
     t = stream.expect([p.view for p in pieces])
     try:
         await sess.call_task(task, "ps", "pull_bulk", request(rq.PullBulk, stream, t.tag, pieces), timeout=timeout)
-    except (DeadlineExceeded, Unavailable, asyncio.CancelledError):
-        await stream.abandon(t, sent=True)  # the task may send it yet: its bytes are read and dropped
+    except (Recovering, ShardStateLost):
+        await stream.abandon(t, sent=False)  # refused before a byte was sent (a fence, a restart)
+        raise
+    except Unavailable as exc:
+        if exc.details.get("bulk_stream") != stream.handle:
+            await stream.abandon(t, sent=True)  # the task may send it yet: its bytes are read and dropped
+            raise
+        # the task holds no such stream (it closed it, its end not yet seen here): close this end
+        # too, so the next pull opens a new one or goes over ZeroMQ
+        await stream.abandon(t, sent=False)
+        await stream.close()
+        raise
+    except (DeadlineExceeded, asyncio.CancelledError):
+        await stream.abandon(t, sent=True)
         raise
     except BaseException:
         await stream.abandon(t, sent=False)  # refused before a byte was sent

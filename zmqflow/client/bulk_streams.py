@@ -48,22 +48,36 @@ class BulkStreams:
         self._none: dict[tuple[TaskId, Kind, int], float] = {}
         self._opening: dict[tuple[TaskId, Kind, int], asyncio.Future] = {}
         self.enabled = bulk_enabled()
+        self._closed = False
 
     async def get(self, task: TaskId, kind: Kind = "pull", lane: int = 0) -> BulkStream | PushStream | None:
         """The open stream of ``kind`` to ``task`` in ``lane`` (a large share is spread over several
-        lanes), opened now if need be; None where it offers none."""
+        lanes), opened now if need be; None where it offers none, or once these streams are closed
+        (the caller's transfer goes over ZeroMQ, which says whether the session is closed)."""
         now, none = time.monotonic(), self._none
-        if not self.enabled or none.get((task, kind, 0), 0.0) > now or none.get((task, kind, lane), 0.0) > now:
+        if self._closed or not self.enabled:
+            return None
+        if none.get((task, kind, 0), 0.0) > now or none.get((task, kind, lane), 0.0) > now:
             return None
         key = (task, kind, lane)
         s = self._streams.get(key)
-        if s is not None and not s.closed:
+        # a push stream has no reader to see the task close it (a restart, a stop): one look, so
+        # a push goes to the task as it is now (a restarted one says what it lost), not to a gone stream
+        if s is not None and not (s.gone() if isinstance(s, PushStream) else s.closed):
             return s
         pending = self._opening.get(key)
         if pending is None:
             pending = self._opening[key] = asyncio.ensure_future(self._open(task, kind, lane))
             pending.add_done_callback(lambda _: self._opening.pop(key, None))
-        return await asyncio.shield(pending)
+        try:
+            return await asyncio.shield(pending)
+        except asyncio.CancelledError:
+            # the open ended by close(), its waiter not cancelled: no CancelledError for a task
+            # nobody cancelled; its transfer goes over ZeroMQ, which says the session is closed
+            me = asyncio.current_task()
+            if self._closed and pending.cancelled() and (me is None or not me.cancelling()):
+                return None
+            raise
 
     def _without(self, task: TaskId, kind: Kind, lane: int, why: str, level: int = logging.INFO) -> None:
         """Lane ``lane`` of ``kind`` to ``task`` (every lane of the kind for lane 0: its transfers
@@ -121,6 +135,8 @@ class BulkStreams:
             raise ConnectionError("the task did not open the stream")
 
     async def close(self) -> None:
+        """Close every stream and end the opens in progress: their waiters get None."""
+        self._closed = True
         streams, self._streams = list(self._streams.values()), {}
         for f in list(self._opening.values()):
             f.cancel()

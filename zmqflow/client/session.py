@@ -43,8 +43,8 @@ __all__ = ["AsyncSession", "WAIT_MARGIN"]
 
 WAIT_MARGIN = 5.0  # what a blocking caller waits beyond the call's own deadline
 # Ops on state a shard held: a NotFound from one of them may mean the shard restarted empty.
-_STATE_OPS = frozenset({"pull", "assign", "scatter", "push", "emb_lookup", "emb_push", "emb_stats", "emb_evict",
-                        "emb_export"})
+_STATE_OPS = frozenset({"pull", "pull_bulk", "assign", "scatter", "push", "push_bulk", "emb_lookup", "emb_push",
+                        "emb_stats", "emb_evict", "emb_export"})
 _PROBE_TIMEOUT = 5.0  # at most, asking a shard who it is after a NotFound: it just answered
 _LEARN_TIMEOUT = 10.0  # at most, asking a shard who it is when a handle first names it
 

@@ -25,13 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from ..cluster import Address
-from ..errors import NotFound, ResourceExhausted
+from ..errors import ResourceExhausted, Unavailable
 from ..transport.bulk import HELLO, MAGIC, OPENED, TOKEN_BYTES, Kind, bulk_enabled, family, recv_exact, tune
 from .bulk_receive import PushConn
 from .bulk_send import BulkConn
 from ..transport.curve import is_loopback
 
-__all__ = ["BulkListener", "bulk_host"]
+__all__ = ["BulkListener", "bulk_host", "not_open"]
 
 log = logging.getLogger("zmqflow.server.bulk")
 
@@ -55,6 +55,14 @@ def bulk_host(bind_endpoint: str, keys: object, default_transport: bool) -> str 
         return None
     host = Address.parse(bind_endpoint).host
     return "0.0.0.0" if host == "*" else host
+
+
+def not_open(handle: int, what: str) -> Unavailable:
+    """A request naming a stream this task does not hold. Handles are unguessable, so its caller
+    was given it: the task closed it (a transfer past its deadline, a stop) before the caller saw
+    the close. Unavailable, not NotFound, and naming it (``bulk_stream``): the caller closes its end
+    and its next transfer opens a new stream, or goes over ZeroMQ."""
+    return Unavailable(f"bulk stream {handle} is not open {what}", bulk_stream=handle)
 
 
 class BulkListener:
@@ -141,17 +149,17 @@ class BulkListener:
                 return handle
 
     def conn(self, handle: int, owner: str) -> BulkConn:
-        """The open pull stream ``handle`` of ``owner``: NotFound for one it does not hold."""
+        """The open pull stream ``handle`` of ``owner``: Unavailable for one it does not hold."""
         c = self._conns.get(handle)
         if not isinstance(c, BulkConn) or c.closed or c.owner != owner:
-            raise NotFound(f"bulk stream {handle} is not open for {owner!r} to pull on")
+            raise not_open(handle, f"for {owner!r} to pull on")
         return c
 
     def push_conn(self, handle: int, owner: str) -> PushConn:
-        """The open push stream ``handle`` of ``owner``: NotFound for one it does not hold."""
+        """The open push stream ``handle`` of ``owner``: Unavailable for one it does not hold."""
         c = self._conns.get(handle)
         if not isinstance(c, PushConn) or c.closed or c.owner != owner:
-            raise NotFound(f"bulk stream {handle} is not open for {owner!r} to push on")
+            raise not_open(handle, f"for {owner!r} to push on")
         return c
 
     async def _accept(self, lsock: socket.socket) -> None:

@@ -17,29 +17,31 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import DeadlineExceeded, InvalidArgument, ProtocolError, ResourceExhausted, Unavailable
 from ..transport.bulk import HEADER
 
-__all__ = ["Sink", "PushConn", "MAX_SINKS"]
+__all__ = ["Sink", "PushConn", "MAX_SINKS", "EXPECTED_CHUNKS"]
 
 MAX_SINKS = 64  # transfers one stream's requests may register ahead of their bytes (a client sends a few)
+EXPECTED_CHUNKS = 1 << 18  # their chunks in all: a transfer alone may have more
 
 
 @dataclass(eq=False)
 class Sink:
-    """Where one pushed transfer goes: ``chunks`` (byte sizes, in order) each handed to
-    ``consume(index, bytes)`` as it lands; the bytes are valid only during the call."""
+    """Where one pushed transfer goes: ``chunks`` (byte sizes, in order; an ``array`` keeps a
+    long plan small) each handed to ``consume(index, bytes)`` as it lands; the bytes are valid
+    only during the call."""
 
-    chunks: list[int]
+    chunks: Sequence[int]
     consume: Callable[[int, memoryview], None]
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    nbytes: int = field(init=False)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(self.chunks)
+    def __post_init__(self) -> None:
+        self.nbytes = sum(self.chunks)
 
     def settle(self, error: BaseException | None) -> None:
         if not self.done.done():
@@ -61,6 +63,7 @@ class PushConn(asyncio.BufferedProtocol):
         self.closed = False
         self.received = 0  # bytes landed, for tests and metrics
         self._sinks: dict[int, Sink] = {}
+        self._chunks = 0  # of the sinks registered
         self._transport: asyncio.Transport | None = None
         self._head = bytearray(HEADER.size)
         self._scratch = bytearray(1)
@@ -90,7 +93,12 @@ class PushConn(asyncio.BufferedProtocol):
             raise InvalidArgument(f"bulk stream {self.handle}: transfer {tag} is already expected")
         if len(self._sinks) >= MAX_SINKS:
             raise ResourceExhausted(f"bulk stream {self.handle}: {len(self._sinks)} transfers expected, the cap")
+        if self._sinks and self._chunks + len(sink.chunks) > EXPECTED_CHUNKS:
+            raise ResourceExhausted(f"bulk stream {self.handle}: {len(self._sinks)} transfers of {self._chunks} "
+                                    f"chunks expected, this one's {len(sink.chunks)} would pass the cap of "
+                                    f"{EXPECTED_CHUNKS}")
         self._sinks[tag] = sink
+        self._chunks += len(sink.chunks)
         if self._waiting is not None and tag == self._tag:
             self._waiting.cancel()
             self._waiting = None
@@ -179,6 +187,7 @@ class PushConn(asyncio.BufferedProtocol):
             self._chunk += 1
         if self._chunk == len(sink.chunks):
             del self._sinks[self._tag]
+            self._chunks -= len(sink.chunks)
             self.received += sink.nbytes
             self._sink, self._tag = None, -1
             sink.settle(self._error)
@@ -199,6 +208,7 @@ class PushConn(asyncio.BufferedProtocol):
         for sink in self._sinks.values():
             sink.settle(type(why)(str(why)))
         self._sinks.clear()
+        self._chunks = 0
         if not self.ended.done():
             self.ended.set_result(None)
 

@@ -3,26 +3,75 @@ from one (:mod:`zmqflow.server.bulk_listener`, :mod:`zmqflow.transport.bulk`).""
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
+from array import array
+from bisect import bisect_right
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import numpy as np
 
-from ...errors import InvalidArgument, NotFound, Recovering
+from ...errors import InvalidArgument, Recovering
 from ...rpc import CallContext, op
 from ...state.store import Part, Rows, ShardStore
 from ...transport.bulk import as_bytes
+from ...transport.bulk_sender import Gather
 from ...wire.dtypes import dtype_name
 from ...wire.requests import ps as rq
-from ..bulk_listener import BulkListener
+from ..bulk_listener import BulkListener, not_open
 from ..bulk_receive import PushConn, Sink
 
-__all__ = ["BulkOps", "PUSH_CHUNK", "MAX_TRANSFER"]
+__all__ = ["BulkOps", "ItemRows", "PUSH_CHUNK", "MAX_TRANSFER"]
 
 # A pushed gradient is applied this many bytes at a time (whole rows, one at least): a chunk just
 # read stays in the core's cache for the add (a 1 MiB L2 here; 4 MiB chunks ran 10% slower).
 PUSH_CHUNK = 512 << 10
 MAX_TRANSFER = 1 << 30  # bytes one pull_bulk or push_bulk may carry: a push's plan is one entry per chunk
+
+
+class ItemRows(Gather):
+    """A request's items, checked, as each one's part and local rows in about 20 bytes (a request
+    waits on its stream until its turn or its deadline: a view per item held that long cost the
+    shard many times the request's own size). Sent as a pull: each part is pinned once when its
+    turn comes (writes meanwhile go to a copy, ``Part.own``), each item's bytes sliced from it on
+    the sending thread."""
+
+    def __init__(self) -> None:
+        self.parts: list[Part] = []
+        self._index: dict[int, int] = {}  # id(part) -> its place in ``parts``
+        self.part, self.lo, self.hi = array("I"), array("q"), array("q")
+        self.nbytes = self.count = 0
+        self._bases: list[memoryview] = []
+
+    def add(self, p: Part, a: int, b: int) -> None:
+        """Rows ``[a, b)`` of ``p`` (checked); a scalar's one item is rows ``[0, 1)``."""
+        k = self._index.get(id(p))
+        if k is None:
+            k = self._index[id(p)] = len(self.parts)
+            self.parts.append(p)
+        if not p.full_shape:
+            a, b = 0, 1
+        self.part.append(k)
+        self.lo.append(a)
+        self.hi.append(b)
+        self.nbytes += (b - a) * p.row_bytes
+        self.count += 1
+
+    def prepare(self) -> None:
+        """On the loop: each part's bytes, viewed as they are now."""
+        bases = []
+        for p in self.parts:
+            if p.value.base is not None:  # views must refer to ``value`` itself for ``own`` to count them
+                p.value = p.value.copy()
+            bases.append(as_bytes(p.value))
+        self._bases = bases
+
+    def __iter__(self) -> Iterator[memoryview]:
+        bases, rows = self._bases, [p.row_bytes for p in self.parts]
+        for k, a, b in zip(self.part, self.lo, self.hi):
+            yield bases[k][a * rows[k]:b * rows[k]]
+
+    def release(self) -> None:
+        self._bases = []
 
 
 class BulkOps:
@@ -54,7 +103,7 @@ class BulkOps:
         handle, token = self.bulk.offer(ctx.source, req.kind)
         return {"port": self.bulk.port, "token": token, "handle": handle}
 
-    def _checked(self, req: rq.PullBulk | rq.PushBulk, op: str) -> list[tuple[Part, int, int]]:
+    def _checked(self, req: rq.PullBulk | rq.PushBulk, op: str) -> ItemRows:
         """Each item's part and local rows, checked against what the caller expects of it: raw
         bytes carry no dtype or shape, so a part that differs is refused here, naming it. A
         transfer is at most MAX_TRANSFER bytes (a client sends at most BULK_BATCH and a row)."""
@@ -64,28 +113,25 @@ class BulkOps:
         if sum(req.sizes) > MAX_TRANSFER:
             raise InvalidArgument(f"ps.{op}: {sum(req.sizes)} bytes in one transfer, over the {MAX_TRANSFER} a "
                                   "transfer may carry")
-        out = []
+        out = ItemRows()
         for it, dtype, size in zip(req.items, req.dtypes, req.sizes):
             p, a, b = self.store.row_range(it.name, it.part, it.start, it.stop)
             held = (b - a) * p.row_bytes if p.full_shape else p.row_bytes
             if dtype != dtype_name(p.dtype) or size != held:
                 raise InvalidArgument(f"ps.{op}: {p.label} rows [{a}, {b}) are {held} bytes of {dtype_name(p.dtype)} "
                                       f"here, the caller expects {size} bytes of {dtype}: re-created since it looked?")
-            out.append((p, a, b))
+            out.add(p, a, b)
         return out
 
     @op(rq.PullBulk)
     def pull_bulk(self, ctx: CallContext, req: rq.PullBulk) -> Coroutine[Any, Any, int]:
-        """The items' rows as one transfer on the caller's stream, from read-only views (a write
-        meanwhile goes to a copy of the part, as for a ZeroMQ pull). Every item and the stream are
-        checked before a byte is sent."""
+        """The items' rows as one transfer on the caller's stream, as they are when its turn on the
+        stream comes (read-only views: a write meanwhile goes to a copy of the part, as for a
+        ZeroMQ pull). Every item and the stream are checked before a byte is sent."""
         if self.bulk is None:
-            raise NotFound("this task offers no bulk streams")
+            raise not_open(req.stream, "(this task offers none now)")
         conn = self.bulk.conn(req.stream, ctx.source)
-        self._checked(req, "pull_bulk")
-        view = self.store.view
-        views = [as_bytes(view(it.name, it.part, it.start, it.stop)) for it in req.items]
-        return conn.send(req.tag, views, ctx.deadline)
+        return conn.transfer(req.tag, self._checked(req, "pull_bulk"), ctx.deadline)
 
     @op(rq.PushBulk)
     def push_bulk(self, ctx: CallContext, req: rq.PushBulk) -> Coroutine[Any, Any, dict[str, Any]]:
@@ -96,24 +142,25 @@ class BulkOps:
         refuses. A fence before the last chunk fails the push with Recovering; the chunks
         applied before it stay applied, as a sliced push's slices do."""
         if self.bulk is None:
-            raise NotFound("this task offers no bulk streams")
+            raise not_open(req.stream, "(this task offers none now)")
         conn = self.bulk.push_conn(req.stream, ctx.source)
-        plan: list[tuple[Part, int, int, tuple[int, ...]]] = []  # each chunk's part, rows and shape
-        sizes: list[int] = []
-        parts: set[Part] = set()
-        for p, a, b in self._checked(req, "push_bulk"):
+        items = self._checked(req, "push_bulk")
+        for p in items.parts:
             if p.sync is not None or not p.full_shape:
                 what = "synchronous" if p.sync is not None else "a scalar"
                 raise InvalidArgument(f"variable {p.label} is {what}: its gradients go over ZeroMQ (ps.push)")
-            row = p.row_bytes
-            parts.add(p)
-            if not row:  # rows of nothing: no bytes come, nothing to apply
+        # the plan, compact: each chunk's size, and where each item with bytes begins among them;
+        # a chunk's part and rows are worked out as it lands
+        sizes, first, which = array("q"), array("q"), array("q")
+        for j, (k, a, b) in enumerate(zip(items.part, items.lo, items.hi)):
+            row = items.parts[k].row_bytes
+            if not row or a == b:  # rows of nothing: no bytes come, nothing to apply
                 continue
             per = max(1, PUSH_CHUNK // row)
+            first.append(len(sizes))
+            which.append(j)
             for r0 in range(a, b, per):
-                r1 = min(b, r0 + per)
-                plan.append((p, r0, r1, (r1 - r0, *p.full_shape[1:])))
-                sizes.append((r1 - r0) * row)
+                sizes.append((min(b, r0 + per) - r0) * row)
         epoch = self.epoch
         apply, rate = self.store.apply, req.learning_rate
 
@@ -123,12 +170,17 @@ class BulkOps:
             if self.epoch != epoch:
                 raise Recovering(f"ps.push_bulk: this shard began recovery (epoch {self.epoch}) while the gradients "
                                  "came; the rest were dropped", epoch=self.epoch, fenced=True)
-            p, r0, r1, shape = plan[i]
-            apply(Rows(p, r0, r1, np.frombuffer(chunk, dtype=p.dtype).reshape(shape)), rate)
+            at = bisect_right(first, i) - 1
+            j = which[at]
+            p = items.parts[items.part[j]]
+            per = max(1, PUSH_CHUNK // p.row_bytes)
+            r0 = items.lo[j] + (i - first[at]) * per
+            r1 = min(items.hi[j], r0 + per)
+            apply(Rows(p, r0, r1, np.frombuffer(chunk, dtype=p.dtype).reshape(r1 - r0, *p.full_shape[1:])), rate)
 
         sink = Sink(sizes, consume)
         conn.expect(req.tag, sink)
-        return self._pushed(conn, sink, len(parts), ctx.deadline)
+        return self._pushed(conn, sink, len(items.parts), ctx.deadline)
 
     async def _pushed(self, conn: PushConn, sink: Sink, parts: int, deadline: float | None) -> dict[str, Any]:
         await conn.landed(sink, deadline)
