@@ -4,7 +4,6 @@ from one (:mod:`zmqflow.server.bulk_listener`, :mod:`zmqflow.transport.bulk`).""
 from __future__ import annotations
 
 from array import array
-from bisect import bisect_right
 from collections.abc import Coroutine, Iterator
 from typing import Any
 
@@ -149,20 +148,21 @@ class BulkOps:
             if p.sync is not None or not p.full_shape:
                 what = "synchronous" if p.sync is not None else "a scalar"
                 raise InvalidArgument(f"variable {p.label} is {what}: its gradients go over ZeroMQ (ps.push)")
-        # the plan, compact: each chunk's size, and where each item with bytes begins among them;
-        # a chunk's part and rows are worked out as it lands
-        sizes, first, which = array("q"), array("q"), array("q")
+        # the plan, compact: each chunk's size, item and rows (24 bytes a chunk, no object)
+        sizes, owner, starts, ends = array("q"), array("q"), array("q"), array("q")
         for j, (k, a, b) in enumerate(zip(items.part, items.lo, items.hi)):
             row = items.parts[k].row_bytes
             if not row or a == b:  # rows of nothing: no bytes come, nothing to apply
                 continue
             per = max(1, PUSH_CHUNK // row)
-            first.append(len(sizes))
-            which.append(j)
             for r0 in range(a, b, per):
-                sizes.append((min(b, r0 + per) - r0) * row)
+                r1 = min(b, r0 + per)
+                sizes.append((r1 - r0) * row)
+                owner.append(k)
+                starts.append(r0)
+                ends.append(r1)
         epoch = self.epoch
-        apply, rate = self.store.apply, req.learning_rate
+        apply, rate, parts = self.store.apply, req.learning_rate, items.parts
 
         def consume(i: int, chunk: memoryview) -> None:
             """Checked above, once: the part stays the same object until a fence (a restore) moves
@@ -170,12 +170,7 @@ class BulkOps:
             if self.epoch != epoch:
                 raise Recovering(f"ps.push_bulk: this shard began recovery (epoch {self.epoch}) while the gradients "
                                  "came; the rest were dropped", epoch=self.epoch, fenced=True)
-            at = bisect_right(first, i) - 1
-            j = which[at]
-            p = items.parts[items.part[j]]
-            per = max(1, PUSH_CHUNK // p.row_bytes)
-            r0 = items.lo[j] + (i - first[at]) * per
-            r1 = min(items.hi[j], r0 + per)
+            p, r0, r1 = parts[owner[i]], starts[i], ends[i]
             apply(Rows(p, r0, r1, np.frombuffer(chunk, dtype=p.dtype).reshape(r1 - r0, *p.full_shape[1:])), rate)
 
         sink = Sink(sizes, consume)
