@@ -267,12 +267,17 @@ class Catalog:
     def claimed_parts(self, name: str, token: str, owner: str) -> list[tuple[str, int]]:
         """Each part of ``name`` as (task, part index), for the holder of its claim only (the
         parts its declarer made are to be dropped before it abandons the record)."""
+        record, _ = self._abandoning(name, token, owner)
+        return [(p["task"], i) for i, p in enumerate(record["parts"])]
+
+    def _abandoning(self, name: str, token: str, owner: str) -> tuple[dict[str, Any], Pending | None]:
+        """The record of ``name`` and what is kept of it, when ``owner`` holds its claim and it is
+        not ready: only such a record may be abandoned."""
         record = self.lookup(name)
         if record["ready"]:
             raise InvalidArgument(f"catalog.abandon of {name!r}: the variable is ready; only a record whose parts "
                                   "are still being created can be abandoned", name=name)
-        self._check_claim(name, token, owner, "abandon")
-        return [(p["task"], i) for i, p in enumerate(record["parts"])]
+        return record, self._check_claim(name, token, owner, "abandon")
 
     def mark_ready(self, name: str, token: str | None = None, owner: str = "") -> dict[str, Any]:
         """The record, made ready by its claim's holder (once every part exists)."""
@@ -289,11 +294,7 @@ class Catalog:
         declarer (a shard was out: a retry goes on); else the record goes, and with it what it
         counted against the shards' budgets (a shard refused a part: the name is free again).
         True when the record went."""
-        record = self.lookup(name)
-        if record["ready"]:
-            raise InvalidArgument(f"catalog.abandon of {name!r}: the variable is ready; only a record whose parts "
-                                  "are still being created can be abandoned", name=name)
-        pending = self._check_claim(name, token, owner, "abandon")
+        record, pending = self._abandoning(name, token, owner)
         if pending is not None:
             pending.claim = None
         if keep:
