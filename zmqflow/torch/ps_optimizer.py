@@ -93,17 +93,13 @@ def server_optimizer(kind: type, group: dict[str, Any]) -> _optim.Optimizer:
                       f"Adagrad; {kind.__module__}.{kind.__qualname__} is not supported: use backend='ring'")
 
 
-_HYPER = ("lr", "momentum", "nesterov", "betas", "eps", "initial_accumulator_value")
+# what the shards' optimizer keeps of a group: every hyperparameter but the learning rate, which each push carries
+_HYPER = ("momentum", "nesterov", "betas", "eps", "initial_accumulator_value")
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
-    """What the shards' optimizer was made from, comparable (a tensor learning rate as its number)."""
+    """The hyperparameters the shards keep, comparable (a tensor as its numbers)."""
     return {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k in _HYPER}
-
-
-def _fixed(hyper: dict[str, Any]) -> dict[str, Any]:
-    """The hyperparameters the shards keep (every one but the learning rate, which each push carries)."""
-    return {k: v for k, v in hyper.items() if k != "lr"}
 
 
 def refuse_unplanned(optimizer: Any, planned: frozenset[int]) -> None:
@@ -131,7 +127,7 @@ class PsOptimizerMixin(SharesState):
         self._zf_planned = frozenset(id(p) for _, p in named)
         _hold(runtime.session, self._zf_names, self)
         groups = {id(p): g for g in self.param_groups for p in g["params"]}  # type: ignore[attr-defined]
-        self._zf_hyper = [_fixed(_hyper(g)) for g in self.param_groups]  # type: ignore[attr-defined]
+        self._zf_hyper = [_hyper(g) for g in self.param_groups]  # type: ignore[attr-defined]
         sess = runtime.session
         if runtime.rank == 0:
             size = runtime.size
@@ -176,7 +172,7 @@ class PsOptimizerMixin(SharesState):
             with torch.enable_grad():
                 loss = closure()
         refuse_unplanned(self, self._zf_planned)
-        now = [_fixed(_hyper(g)) for g in self.param_groups]  # type: ignore[attr-defined]
+        now = [_hyper(g) for g in self.param_groups]  # type: ignore[attr-defined]
         if now != self._zf_hyper:
             changed = sorted({k for a, b in zip(now, self._zf_hyper) for k in a if a.get(k) != b.get(k)})
             raise ConfigError(f"backend='ps': the optimizer's {', '.join(changed) or 'parameter groups'} changed after "
