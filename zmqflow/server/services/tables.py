@@ -67,13 +67,16 @@ class TableOps:
     def _room(self) -> int:
         """Bytes the shard's budget has left for more table rows: each part's capacity is checked
         alone, so parts that would fill together stop growing here, at the budget."""
-        used = self.store.held_bytes() + sum(t.nbytes for t in self.tables.values())
-        return self.limits.max_shard_bytes - used
+        return self.limits.max_shard_bytes - self._held()
+
+    def _held(self) -> int:
+        """Bytes the shard holds in variables (with their slots) and table rows."""
+        return self.store.held_bytes() + sum(t.nbytes for t in self.tables.values())
 
     def _starved(self, name: str, part: int, table: HashTable) -> None:
         """A dynamic part that holds no row and has no room for one: every lookup would read zeros
         and every push be dropped, for as long as the shard's other parts hold its budget."""
-        held = self.store.held_bytes() + sum(t.nbytes for t in self.tables.values())
+        held = self._held()
         raise ResourceExhausted(
             f"embedding {name!r} (part {part}): this shard's byte budget of {self.limits.max_shard_bytes} bytes is "
             f"held by its other variables and tables ({held} bytes), so the table cannot hold a row of "
