@@ -18,6 +18,7 @@ import numpy as np
 from ..errors import InvalidArgument, ResourceExhausted, ShardStateLost, VariableConflict
 from ..state import init as _init
 from ..state import optim as _optim
+from ..state.catalog import attaches
 from ..state.partition import row_splits
 from ..state.snapshot import entry_tensor
 from ..state.store import part_label
@@ -121,10 +122,8 @@ def _check_optimizer(path: str, record: dict[str, Any], found: dict[str, Any]) -
     """The checkpoint's optimizer is the one the cluster holds ``record`` with, as the catalog
     compares them when the restore declares it again (an optimizer named: the same one)."""
     mine, theirs = record.get("optimizer"), found.get("optimizer")
-    if mine is None:
-        return
     try:
-        same = _optim.from_spec(mine) == _optim.from_spec(theirs)
+        same = attaches(mine, theirs)
     except InvalidArgument:
         same = False
     if not same:

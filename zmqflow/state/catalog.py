@@ -28,7 +28,7 @@ from ..wire.dtypes import dtype_from_name
 from .limits import DEFAULT_STATE_LIMITS, StateLimits, check_count, check_variable, table_capacity
 from .tables import HashTable
 
-__all__ = ["Catalog", "Claim", "Pending", "MAX_CATALOG_PARTS", "MAX_SPEC_BYTES", "canonical_device", "check_tiling"]
+__all__ = ["Catalog", "Claim", "Pending", "attaches", "MAX_CATALOG_PARTS", "MAX_SPEC_BYTES", "canonical_device", "check_tiling"]
 
 # Records are kept for good and a part costs its record a few hundred bytes, so the parts of all
 # records have a bound of their own beside the count of names; and each spec a client hands over
@@ -113,8 +113,7 @@ class Catalog:
                     f"variable {name!r} exists with shape {mine[0]} {mine[1]} in {len(mine[2])} part(s) {mine[2]}; "
                     f"declared with shape {theirs[0]} {theirs[1]} in {len(theirs[2])} part(s) {theirs[2]}"
                 )
-            # no optimizer named: attach to the variable as it is (get-or-create); else the same one
-            if optimizer is not None and _optim.from_spec(optimizer) != _optim.from_spec(found["optimizer"]):
+            if not attaches(optimizer, found["optimizer"]):
                 have = found["optimizer"] or "none (a plain add)"
                 raise VariableConflict(f"variable {name!r} exists with optimizer {have}; declared with {optimizer}",
                                        name=name)
@@ -323,6 +322,12 @@ class Catalog:
 
     def uninitialized(self, names: list[str]) -> list[str]:
         return [n for n in names if not self.ready(n)]
+
+
+def attaches(declared: Any, held: Any) -> bool:
+    """Whether a declaration naming optimizer spec ``declared`` attaches to a record held with
+    ``held``: one naming none attaches as it is (get-or-create); else only the same optimizer."""
+    return declared is None or _optim.from_spec(declared) == _optim.from_spec(held)
 
 
 def check_tiling(name: str, part_rows: Any, dim0: int) -> None:
