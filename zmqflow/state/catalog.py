@@ -28,7 +28,8 @@ from ..wire.dtypes import dtype_from_name
 from .limits import DEFAULT_STATE_LIMITS, StateLimits, check_count, check_variable, table_capacity
 from .tables import HashTable
 
-__all__ = ["Catalog", "Claim", "Pending", "attaches", "MAX_CATALOG_PARTS", "MAX_SPEC_BYTES", "canonical_device", "check_tiling"]
+__all__ = ["Catalog", "Claim", "Pending", "attaches", "MAX_CATALOG_PARTS", "MAX_SPEC_BYTES", "canonical_device",
+           "check_tiling"]
 
 # Records are kept for good and a part costs its record a few hundred bytes, so the parts of all
 # records have a bound of their own beside the count of names; and each spec a client hands over
