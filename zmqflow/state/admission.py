@@ -69,6 +69,19 @@ class Sightings:
         self._append(ids[~have & ~admit])
         return admit
 
+    def add(self, ids: np.ndarray, counts: np.ndarray, cap: int) -> None:
+        """Add saved sightings (a restore): each of ``ids`` (unique, none admitted) gains its
+        count in ``counts`` (> 0), at most ``cap`` in all; ids new here join after every id
+        pending, in the order given."""
+        before = self.get(ids)
+        self._append(ids[before == 0])
+        self.counts[self.index.find(ids, self.ids)] = np.minimum(before + counts, min(cap, _MAX_COUNT))
+
+    def bound(self, max_pending: int) -> int:
+        """Past ``max_pending`` ids, forget those first sighted longest ago down to three quarters
+        of it (so pruning is amortized over many sightings); returns how many."""
+        return self.prune(max_pending * 3 // 4) if self.live > max_pending else 0
+
     def _append(self, new: np.ndarray) -> None:
         if len(new) == 0:
             return

@@ -331,8 +331,7 @@ class HashTable:
                     slots[miss] = made
                 else:
                     slots[miss] = self.index.find(ids[miss], self.ids)
-            if len(self.sightings) > self.max_pending:
-                self.pending_pruned += self.sightings.prune(self.max_pending * 3 // 4)
+            self.pending_pruned += self.sightings.bound(self.max_pending)
         hit = slots >= 0
         if hit.all():
             # mode="clip": with out=, the default mode fills a heap copy first (slots are all valid here)

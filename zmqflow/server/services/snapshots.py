@@ -179,16 +179,8 @@ def _add_pending(table: HashTable, ids: np.ndarray, counts: np.ndarray) -> None:
     if table.min_frequency <= 1:
         return
     keep = (counts > 0) & (table.index.find(ids, table.ids) < 0)  # an id with a row is admitted already
-    ids, counts = ids[keep], counts[keep]
-    if not len(ids):
-        return
-    sightings = table.sightings
-    before = sightings.get(ids)
-    sightings.sight(ids, 1 << 62)  # counted once each, none admitted: new ones are listed in order
-    at = sightings.index.find(ids, sightings.ids)
-    sightings.counts[at] = np.minimum(before + counts, min(table.min_frequency - 1, np.iinfo(np.int32).max))
-    if len(sightings) > table.max_pending:
-        table.pending_pruned += sightings.prune(table.max_pending * 3 // 4)
+    table.sightings.add(ids[keep], counts[keep], table.min_frequency - 1)
+    table.pending_pruned += table.sightings.bound(table.max_pending)
 
 
 def _same(x: Any, like: np.ndarray, what: str, saved_in: np.dtype | None = None) -> None:
