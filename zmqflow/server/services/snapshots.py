@@ -137,14 +137,11 @@ class SnapshotOps:
         if changed is not None and len(changed) != len(req.ids):
             raise InvalidArgument(f"{what}: {len(changed)} change steps for {len(req.ids)} ids")
         pending = _pending(what, req.pending_ids, req.pending_counts)
-        if req.replace:  # made afresh, once the rows are known to fit it (load checks them first)
-            fresh = _fresh(table, req.part, self._room)
-            taken = fresh.load(req.ids.astype(np.int64, copy=False), req.values, req.slots or {}, req.steps,
-                               changed=changed, clock=req.clock)
-            self.tables[key] = table = fresh
-        else:
-            taken = table.load(req.ids.astype(np.int64, copy=False), req.values, req.slots or {}, req.steps,
-                               changed=changed, clock=req.clock)
+        if req.replace:  # made afresh, kept once the rows are known to fit it (load checks them first)
+            table = _fresh(table, req.part, self._room)
+        taken = table.load(req.ids.astype(np.int64, copy=False), req.values, req.slots or {}, req.steps,
+                           changed=changed, clock=req.clock)
+        self.tables[key] = table
         if pending is not None:
             _add_pending(table, *pending)
         return taken
