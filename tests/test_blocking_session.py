@@ -120,22 +120,29 @@ def test_ctrl_c_during_a_read_ends_its_task_before_it_raises(sigint_raises):
         assert not buf.any(), "the interrupted read wrote into the caller's array after it raised"
 
 
+def _on_loop_thread(sess: zf.Session, call: Callable[[], Any]) -> tuple[threading.Event, dict[str, Any]]:
+    """Run ``call`` in a done callback, which concurrent.futures runs on the session's loop thread:
+    (set once it began; what it raised, as "error", and how long it took, as "secs", once over)."""
+    entered = threading.Event()
+    seen: dict[str, Any] = {}
+
+    def on_done(_: Any) -> None:
+        entered.set()
+        start = time.monotonic()
+        try:
+            call()
+        except BaseException as exc:  # recorded for the test's thread to judge
+            seen["error"] = exc
+        seen["secs"] = time.monotonic() - start
+
+    sess.submit(sess.async_session.global_step()).add_done_callback(on_done)
+    return entered, seen
+
+
 def test_a_blocking_call_on_the_loop_thread_raises_at_once_and_others_go_on():
     with served() as cluster, zf.Session(cluster.target, timeout=2) as sess:
         v = sess.variable("w", np.arange(4, dtype=np.float32))
-        entered = threading.Event()
-        seen: dict[str, Any] = {}
-
-        def on_done(_: Any) -> None:  # concurrent.futures runs it on the loop's thread
-            entered.set()
-            start = time.monotonic()
-            try:
-                v.read()
-            except BaseException as exc:  # recorded for the test's thread to judge
-                seen["error"] = exc
-            seen["secs"] = time.monotonic() - start
-
-        sess.submit(sess.async_session.global_step()).add_done_callback(on_done)
+        entered, seen = _on_loop_thread(sess, v.read)
         assert entered.wait(10)
         assert np.array_equal(v.read(timeout=1), np.arange(4, dtype=np.float32))  # the loop is not frozen
         wait_until(lambda: "secs" in seen, 10, what="the callback's call over")
@@ -148,17 +155,7 @@ def test_close_from_a_done_callback_waits_for_nothing_and_still_closes():
         before = set(_session_threads())
         sess = zf.Session(cluster.target, timeout=2)
         sess.variable("w", np.arange(4, dtype=np.float32)).read()
-        seen: dict[str, Any] = {}
-
-        def on_done(_: Any) -> None:
-            start = time.monotonic()
-            try:
-                sess.close()
-            except BaseException as exc:  # recorded for the test's thread to judge
-                seen["error"] = exc
-            seen["secs"] = time.monotonic() - start
-
-        sess.submit(sess.async_session.global_step()).add_done_callback(on_done)
+        _, seen = _on_loop_thread(sess, sess.close)
         wait_until(lambda: "secs" in seen, 10, what="the callback's close over")
         assert "error" not in seen and seen["secs"] < 0.5
         wait_until(lambda: not set(_session_threads()) - before, 10, what="the session's thread ended")
