@@ -7,8 +7,11 @@ budgets that count the slots."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import AsyncIterator
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -236,6 +239,18 @@ def _state(ps) -> dict[str, np.ndarray]:
             "d": table.values[at], **{f"d.{k}": s[at] for k, s in table.slots.items()}, "d.steps": table.steps[at]}
 
 
+@contextlib.asynccontextmanager
+async def _saved(tmp_path: Any, dtype: np.dtype) -> AsyncIterator[tuple[zf.AsyncSession, Any, dict, str]]:
+    """A cluster whose half-precision variable and table were trained, then saved at step 5:
+    (the session, the shard's ps service, the shard's state when saved, the checkpoint's path)."""
+    async with local_cluster({"ps": 1, "worker": 1}, timeout=10) as servers:
+        ps = servers["ps:0"].service("ps")
+        async with zf.AsyncSession(servers["worker:0"].target) as sess:
+            await _populate(sess, dtype)
+            saved = _state(ps)
+            yield sess, ps, saved, await async_save(sess, str(tmp_path), step=5)
+
+
 def _shard_file(manifest_path: str) -> str:
     with open(manifest_path) as fh:
         (shard,) = json.load(fh)["shards"]
@@ -252,39 +267,30 @@ def _assert_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
 def test_a_checkpoint_holds_float32_slots_and_the_shards_take_them_back(tmp_path, dtype):
     """The shard file holds the slots as they are held; the restore ops put them back bit for bit."""
     async def main() -> None:
-        async with local_cluster({"ps": 1, "worker": 1}, timeout=10) as servers:
-            ps = servers["ps:0"].service("ps")
-            async with zf.AsyncSession(servers["worker:0"].target) as sess:
-                await _populate(sess, dtype)
-                saved = _state(ps)
-                with TensorFile(_shard_file(await async_save(sess, str(tmp_path), step=5))) as f:
-                    for name in ("w/slot/m", "w/slot/v", "d/part_0/slot/m", "d/part_0/slot/v"):
-                        assert f.dtype(name) == "float32", name
-                    assert f.dtype("w") == f.dtype("d/part_0/values") == dtype.name
-                    tensors = {k: np.array(f.read(k)) for k in f.keys()}
-                await _populate(sess, dtype)  # moved on: the restore must undo it
-                await sess.call_task("ps:0", "ps", "restore_part", rq.RestorePart(
-                    name="w", part=0, value=tensors["w"], steps=tensors["w/steps"],
-                    slots={k: tensors[f"w/slot/{k}"] for k in ("m", "v")}))
-                await sess.call_task("ps:0", "ps", "emb_restore", rq.EmbRestore(
-                    name="d", part=0, ids=tensors["d/part_0/ids"], values=tensors["d/part_0/values"],
-                    slots={k: tensors[f"d/part_0/slot/{k}"] for k in ("m", "v")}, steps=tensors["d/part_0/steps"]))
-                _assert_same(_state(ps), saved)
+        async with _saved(tmp_path, dtype) as (sess, ps, saved, path):
+            with TensorFile(_shard_file(path)) as f:
+                for name in ("w/slot/m", "w/slot/v", "d/part_0/slot/m", "d/part_0/slot/v"):
+                    assert f.dtype(name) == "float32", name
+                assert f.dtype("w") == f.dtype("d/part_0/values") == dtype.name
+                tensors = {k: np.array(f.read(k)) for k in f.keys()}
+            await _populate(sess, dtype)  # moved on: the restore must undo it
+            await sess.call_task("ps:0", "ps", "restore_part", rq.RestorePart(
+                name="w", part=0, value=tensors["w"], steps=tensors["w/steps"],
+                slots={k: tensors[f"w/slot/{k}"] for k in ("m", "v")}))
+            await sess.call_task("ps:0", "ps", "emb_restore", rq.EmbRestore(
+                name="d", part=0, ids=tensors["d/part_0/ids"], values=tensors["d/part_0/values"],
+                slots={k: tensors[f"d/part_0/slot/{k}"] for k in ("m", "v")}, steps=tensors["d/part_0/steps"]))
+            _assert_same(_state(ps), saved)
 
     arun(main())
 
 
 def test_a_checkpoint_with_float32_slots_restores_through_the_client(tmp_path):
     async def main() -> None:
-        async with local_cluster({"ps": 1, "worker": 1}, timeout=10) as servers:
-            ps = servers["ps:0"].service("ps")
-            async with zf.AsyncSession(servers["worker:0"].target) as sess:
-                await _populate(sess, F16)
-                saved = _state(ps)
-                path = await async_save(sess, str(tmp_path), step=5)
-                await _populate(sess, F16)
-                assert await async_restore(sess, path) == 5
-                _assert_same(_state(ps), saved)
+        async with _saved(tmp_path, F16) as (sess, ps, saved, path):
+            await _populate(sess, F16)
+            assert await async_restore(sess, path) == 5
+            _assert_same(_state(ps), saved)
 
     arun(main())
 
@@ -294,25 +300,20 @@ def test_a_checkpoint_with_half_precision_slots_restores_widened(tmp_path, dtype
     """A checkpoint written when a half-precision variable's slots were kept in its own dtype:
     the client's checks take it as they did, and the shards widen its slots to float32."""
     async def main() -> None:
-        async with local_cluster({"ps": 1, "worker": 1}, timeout=10) as servers:
-            ps = servers["ps:0"].service("ps")
-            async with zf.AsyncSession(servers["worker:0"].target) as sess:
-                await _populate(sess, dtype)
-                saved = _state(ps)
-                path = await async_save(sess, str(tmp_path), step=5)
-                file = _shard_file(path)
-                with TensorFile(file) as f:  # rewritten as such a checkpoint is
-                    tensors = {k: np.array(f.read(k)) for k in f.keys()}
-                    metadata = dict(f.metadata)
-                old = {k: (a.astype(dtype) if "/slot/" in k else a) for k, a in tensors.items()}
-                write_atomic(file, old, metadata=metadata)
-                await _populate(sess, dtype)
-                assert await async_restore(sess, path) == 5
-                now = _state(ps)
-                for k, a in saved.items():
-                    want = a.astype(dtype).astype(np.float32) if k.endswith((".m", ".v")) else a
-                    assert now[k].dtype == a.dtype and now[k].tobytes() == want.tobytes(), k
-                await _populate(sess, dtype)  # and training goes on from them
-                assert np.isfinite(ps.store.get("w").value.astype(np.float32)).all()
+        async with _saved(tmp_path, dtype) as (sess, ps, saved, path):
+            file = _shard_file(path)
+            with TensorFile(file) as f:  # rewritten as such a checkpoint is
+                tensors = {k: np.array(f.read(k)) for k in f.keys()}
+                metadata = dict(f.metadata)
+            old = {k: (a.astype(dtype) if "/slot/" in k else a) for k, a in tensors.items()}
+            write_atomic(file, old, metadata=metadata)
+            await _populate(sess, dtype)
+            assert await async_restore(sess, path) == 5
+            now = _state(ps)
+            for k, a in saved.items():
+                want = a.astype(dtype).astype(np.float32) if k.endswith((".m", ".v")) else a
+                assert now[k].dtype == a.dtype and now[k].tobytes() == want.tobytes(), k
+            await _populate(sess, dtype)  # and training goes on from them
+            assert np.isfinite(ps.store.get("w").value.astype(np.float32)).all()
 
     arun(main())
