@@ -15,7 +15,7 @@ import numpy as np
 
 import zmqflow as zf
 from zmqflow.client import checkpoint
-from zmqflow.testing import make_spec
+from zmqflow.testing import make_spec, wait_until
 
 
 class _Died(Exception):
@@ -23,14 +23,22 @@ class _Died(Exception):
 
 
 class DiesHandingOver(zf.RingAllReduceStrategy):
-    """worker:0's strategy: once ``armed``, its server stops when it starts sharing its replica."""
+    """worker:0's strategy: once ``armed``, its server stops when it starts sharing its replica
+    with worker:1, once worker:1 has the formation. Stopped any sooner, the server could take the
+    answer to worker:1's join down with it: worker:1 would never learn that a ring formed, and a
+    rank that never saw one waits for every member before forming the first."""
 
-    def __init__(self, server: zf.Server, armed: threading.Event, **kwargs):
+    def __init__(self, server: zf.Server, armed: threading.Event, spec: zf.ClusterSpec, **kwargs):
         super().__init__(**kwargs)
-        self.server, self.armed = server, armed
+        self.server, self.armed, self.spec = server, armed, spec
 
     def _adopt_state(self, root: int) -> None:
-        if self.armed.is_set():
+        assert self.elastic is not None
+        if self.armed.is_set() and "worker:1" in map(str, self.elastic.members):
+            generation = self.elastic.generation
+            with zf.Session(cluster=self.spec, task="worker:1", timeout=5) as sess:
+                wait_until(lambda: sess.call("ring", "status")["generation"] >= generation, 20,
+                           what="worker:1 holding the formation")
             self.server.stop()
             raise _Died
         super()._adopt_state(root)
@@ -50,7 +58,7 @@ def test_a_fresh_rank_left_alone_restores_the_newest_checkpoint(tmp_path, monkey
     def first() -> None:
         server = zf.Server(spec, "worker:0", default_timeout=5)
         servers.append(server)
-        mon = session("worker:0", DiesHandingOver(server, armed, join_window=1, recovery_timeout=30), server)
+        mon = session("worker:0", DiesHandingOver(server, armed, spec, join_window=1, recovery_timeout=30), server)
         mon.create(params, optimizer=zf.optim.SGD(1.0))
         while mon.step < 10:
             mon.apply(grads)
