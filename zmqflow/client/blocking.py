@@ -195,9 +195,9 @@ class Embedding:
         return self._session.run_on_loop(self.handle.lookup(ids, create=create, timeout=timeout), timeout)
 
     def lookup_sparse(self, ids: Any, segment_ids: Any, weights: Any = None, combiner: str = "mean",
-                      num_segments: int | None = None, *, timeout: float | None = None) -> Any:
+                      num_segments: int | None = None, *, create: bool = True, timeout: float | None = None) -> Any:
         return self._session.run_on_loop(self.handle.lookup_sparse(ids, segment_ids, weights, combiner, num_segments,
-                                                                   timeout=timeout), timeout)
+                                                                   create=create, timeout=timeout), timeout)
 
     def push(self, ids: Any, grads: Any, *, step: int | None = None, timeout: float | None = None) -> int:
         return self._session.run_on_loop(self.handle.push(ids, grads, step=step, timeout=timeout), timeout)

@@ -209,8 +209,11 @@ class AsyncEmbedding:
         return rows[inverse.reshape(-1)].reshape(*shape, self.dim)
 
     async def lookup_sparse(self, ids: Any, segment_ids: Any, weights: Any = None, combiner: str = "mean",
-                            num_segments: int | None = None, *, timeout: float | None = None) -> np.ndarray:
-        """TF's embedding_lookup_sparse: rows combined per segment by ``sum``, ``mean`` or ``sqrtn``."""
+                            num_segments: int | None = None, *, create: bool = True,
+                            timeout: float | None = None) -> np.ndarray:
+        """TF's embedding_lookup_sparse: rows combined per segment by ``sum``, ``mean`` or ``sqrtn``.
+        The rows come from :meth:`lookup`, ``create`` included: with False, an id a dynamic table
+        does not hold reads zeros and is neither created nor counted towards admission (serving)."""
         if combiner not in COMBINERS:
             raise InvalidArgument(f"combiner must be one of {', '.join(COMBINERS)}, got {combiner!r}")
         flat = self._ids(ids, "lookup_sparse")
@@ -224,7 +227,7 @@ class AsyncEmbedding:
         if n < 0 or (seg.size and int(seg.max()) >= n):
             raise InvalidArgument(f"lookup_sparse of {self.name!r}: num_segments {n} must be >= 0 and above every "
                                   f"segment id (the largest is {int(seg.max()) if seg.size else None})")
-        emb = (await self.lookup(flat, timeout=timeout)).astype(np.float64)
+        emb = (await self.lookup(flat, create=create, timeout=timeout)).astype(np.float64)
         summed = np.zeros((n, self.dim))
         np.add.at(summed, seg, emb * w[:, None])
         if combiner != "sum":

@@ -14,6 +14,8 @@ Both calls talk to the shards, so they run outside ``jax.jit``; the jitted part 
 
 from __future__ import annotations
 
+import math
+import zlib
 from typing import Any
 
 import jax
@@ -23,6 +25,7 @@ import numpy as np
 from ..bridge import runtime as rt
 from ..client.blocking import Embedding as TableHandle
 from ..errors import InvalidArgument
+from ..state import init as zf_init
 from ..state.sparse import unique_sum
 from .arrays import is_tracer, narrow
 
@@ -35,12 +38,19 @@ class Embedding:
     the shards (without one, a push adds what it is given: push ``-lr * grad``). Every rank may
     create the same table at once: the first declaration wins, the others attach to it (another
     shape or dtype is a VariableConflict). The other keywords are those of ``Session.embedding``.
-    Needs ``zmqflow.jax.init()`` first."""
+    Needs ``zmqflow.jax.init()`` first.
+
+    Without an ``initializer`` rows are drawn as flax's ``nn.Embed`` draws them: normal, stddev
+    ``1/sqrt(embedding_dim)``, seeded by the crc32 of ``name`` so every process (and every run)
+    builds the same rows. Zero rows would not do: in a dot-product model (DLRM) two zero rows give
+    each other zero gradients, and training never starts."""
 
     def __init__(self, name: str, num_embeddings: int | None, embedding_dim: int, optimizer: Any = None, *,
                  partitions: Any = None, partition_strategy: str = "mod", dtype: Any = "float32",
                  initializer: Any = None, min_frequency: int = 1, capacity: int | None = None):
         session = rt.current().session
+        if initializer is None:
+            initializer = _default_initializer(name, embedding_dim)
         self.table: TableHandle = session.embedding(
             name, num_embeddings, embedding_dim, partitions=partitions, partition_strategy=partition_strategy,
             dtype=dtype, initializer=initializer, optimizer=optimizer, min_frequency=min_frequency, capacity=capacity)
@@ -83,6 +93,14 @@ class Embedding:
     def __repr__(self) -> str:
         rows = "dynamic" if self.num_embeddings is None else self.num_embeddings
         return f"<zmqflow.jax.Embedding {self.name!r} {rows} x {self.embedding_dim} {self.dtype}>"
+
+
+def _default_initializer(name: Any, dim: Any) -> zf_init.Initializer | None:
+    """flax's ``nn.Embed`` default, N(0, 1/dim), seeded by the name; None for a name or dim the
+    declaration refuses (it says what is wrong with them)."""
+    if not isinstance(name, str) or not isinstance(dim, int) or dim < 1:  # as declare_embedding checks dim
+        return None
+    return zf_init.normal(stddev=1.0 / math.sqrt(dim), seed=zlib.crc32(name.encode()))
 
 
 def _floating(dt: np.dtype) -> bool:
