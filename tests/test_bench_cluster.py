@@ -78,6 +78,14 @@ def test_window_counts_phases_pro_rata_between_the_last_start_and_the_first_stop
     assert win.rounds == 4
 
 
+def test_overlapped_rounds_move_both_ways_over_the_whole_round_and_lift_the_workers_bound():
+    win = window_rate([[(0.0, 0.0, 2.0), (2.0, 2.0, 4.0)]], 100, warm=1.0, overlapped=True)
+    assert win.seconds == pytest.approx(3.0)  # [1, 4]: half of round 1, all of round 2, each way
+    assert win.pull_bytes_per_s == win.push_bytes_per_s == pytest.approx(150 / 3)
+    b = link_bound(1 * GBIT, 2, [2 * MB] * 4, overlapped=True)
+    assert (b.binds, b.bytes_per_s) == ("workers", pytest.approx(500e6))  # each worker 125 MB/s each way
+
+
 def test_window_refuses_runs_too_short_to_overlap():
     with pytest.raises(InvalidArgument, match="run longer"):
         window_rate([[(0.0, 1.0, 2.0)], [(1.5, 2.5, 3.5)]], 100, warm=1.0)
@@ -154,13 +162,17 @@ def test_command_refuses_without_namespaces_with_a_message_not_a_traceback(extra
 def test_loopback_run_measures_without_a_limit(tmp_path):
     out = tmp_path / "c.jsonl"
     rows = run(netns=False, ps=(1,), workers=(2,), model_mb=2, seconds=1.0, json_out=str(out), echo=lambda _m: None)
-    assert len(rows) == 1
-    row = rows[0]
-    assert (row["ps"], row["workers"], row["rate_gbit"], row["fraction"]) == (1, 2, None, None)
-    assert row["total_gbps"] == pytest.approx(row["pull_gbps"] + row["push_gbps"])
-    assert row["pull_gbps"] > 0 and row["push_gbps"] > 0 and row["rounds"] >= 2
+    assert [r["step"] for r in rows] == ["pull-push", "push-pull"]  # both, by default
+    for row in rows:
+        assert (row["ps"], row["workers"], row["rate_gbit"], row["fraction"]) == (1, 2, None, None)
+        assert row["total_gbps"] == pytest.approx(row["pull_gbps"] + row["push_gbps"])
+        assert row["pull_gbps"] > 0 and row["push_gbps"] > 0 and row["rounds"] >= 2
+    assert rows[1]["pull_gbps"] == pytest.approx(rows[1]["push_gbps"])  # overlapped: every round moves both
     assert json.loads(out.read_text().splitlines()[0])["bench"] == "cluster"
-    assert "loopback" in format_table(rows)
+    table = format_table(rows)
+    assert "loopback" in table and "push-pull" in table
+    with pytest.raises(InvalidArgument, match="steps are"):
+        run(netns=False, steps=("pull-only",))
 
 
 @pytest.fixture
@@ -182,15 +194,17 @@ def test_real_namespaces_limit_the_links_and_are_removed(netns_family, tmp_path)
     said: list[str] = []
     rows = run(netns=True, rates=(1,), ps=(1,), workers=(2,), model_mb=4, seconds=1.5, family=netns_family,
                json_out=str(tmp_path / "c.jsonl"), echo=said.append)
-    (row,) = rows
     prefix = said[0].split()[1].rstrip("*")
     assert prefix.startswith(netns_family + "-")
     assert not [n for n in list_namespaces() if n.startswith(prefix)]
-    assert (row["rate_gbit"], row["binds"]) == (1, "both")
-    assert row["limit_gbps"] == pytest.approx(0.25)
-    # the limit is real: loopback moves this model many times faster than 0.25 GB/s; payload can
-    # never exceed the link (headers take 4.4% of it)
-    assert 0.2 < row["fraction"] <= payload_fraction() + 0.02, row
+    sequential, overlapped = rows
+    # one shard: its link binds both ways, and overlapping lifts only the workers' side
+    assert (sequential["rate_gbit"], sequential["binds"], overlapped["binds"]) == (1, "both", "ps")
+    for row in rows:
+        assert row["limit_gbps"] == pytest.approx(0.25)
+        # the limit is real: loopback moves this model many times faster than 0.25 GB/s; payload
+        # can never exceed the link (headers take 4.4% of it)
+        assert 0.2 < row["fraction"] <= payload_fraction() + 0.02, row
 
 
 def test_a_failure_inside_the_network_still_removes_it(netns_family):

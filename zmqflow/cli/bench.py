@@ -195,13 +195,16 @@ def torch_bench(quick: bool, json_out: str | None, only: str | None, device: str
 @click.option("--ps", "ps", multiple=True, type=click.IntRange(1, 16), help="ps task counts; repeatable; default 1, 2, 4.")
 @click.option("--workers", "workers", multiple=True, type=click.IntRange(1, 16), help="Worker counts; repeatable; default 2, 4.")
 @click.option("--model-mb", type=FiniteFloatRange(min=0.001), help="Model size in MB (default 32; 8 with --quick).")
+@click.option("--step", "steps", multiple=True, type=click.Choice(["pull-push", "push-pull"]),
+              help="A worker's round: pull then push, or Session.push_pull (both at once); repeatable; default both.")
 @click.option("--seconds", type=FiniteFloatRange(min=0.1), help="Measured seconds per row (default 4; 2 with --quick).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Append JSON lines here.")
 @click.option("--cleanup", is_flag=True, help="Remove the namespaces (and their processes) any run left behind, then exit.")
 @click.option("--ip", "ip", default="ip", show_default=True, metavar="PATH", help="iproute2's ip.")
 @click.option("--tc", "tc", default="tc", show_default=True, metavar="PATH", help="iproute2's tc.")
 def cluster(netns: bool, quick: bool, rates: tuple[float, ...], ps: tuple[int, ...], workers: tuple[int, ...],
-            model_mb: float | None, seconds: float | None, json_out: str | None, cleanup: bool, ip: str, tc: str) -> None:
+            steps: tuple[str, ...], model_mb: float | None, seconds: float | None, json_out: str | None, cleanup: bool,
+            ip: str, tc: str) -> None:
     """PS throughput as ps tasks go 1 -> 4 and workers 2 -> 4, each task its own host on a limited link."""
     from ..bench.netns.net import check_netns
     from ..bench.netns.net import cleanup as sweep
@@ -215,7 +218,7 @@ def cluster(netns: bool, quick: bool, rates: tuple[float, ...], ps: tuple[int, .
             click.echo(f"removed {len(removed)} namespace(s){': ' + ' '.join(removed) if removed else ''}")
             return
         rows = run(quick=quick, netns=netns, rates=rates, ps=ps, workers=workers, model_mb=model_mb,
-                   seconds=seconds, json_out=json_out, echo=click.echo, ip=ip, tc=tc)
+                   seconds=seconds, json_out=json_out, echo=click.echo, ip=ip, tc=tc, steps=steps)
     except (ZmqflowError, RuntimeError) as exc:  # RuntimeError: a task process failed, its log in the message
         raise click.ClickException(f"bench cluster: {exc}") from None
     click.echo(format_table(rows))

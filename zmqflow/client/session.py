@@ -35,6 +35,7 @@ from .bulk_lanes import lanes
 from .bulk_push import PushStream
 from .bulk_streams import BulkStreams
 from .embedding import AsyncEmbedding, TableInfo, declare_embedding
+from .push_pull import push_pull as _push_pull
 from .variables import AsyncVariable, VarInfo, declare
 from .variables import pull as _pull
 from .variables import push as _push
@@ -268,8 +269,30 @@ class AsyncSession:
         Synchronous variables return the new global step once this step is applied. Two keys for
         one variable (two handles, or a name and a handle) are refused before anything is sent:
         their gradients would be merged by no rule."""
-        if learning_rate is not None:
-            learning_rate = _rate(learning_rate)
+        infos = await self._grads(grads)
+        rate = None if learning_rate is None else _rate(learning_rate)
+        return self._pushed(await _push(self, infos, self.step if step is None else step, timeout, rate))
+
+    async def push_pull(self, grads: "Mapping[str | AsyncVariable, Any]", step: int | None = None, *,
+                        timeout: float | None = None, learning_rate: float | None = None,
+                        out: "Mapping[str, Any] | None" = None) -> dict[str, Any]:
+        """``push(grads)`` and then ``pull`` of the same variables, in one call that overlaps the
+        two (:mod:`.push_pull`): each group of variables is read back as soon as its push is
+        answered, while later groups' gradients still go out, so a link carries both ways at once.
+        Each value includes this push. Returns the values by name (``out``'s arrays where it names
+        them), as ``pull``; the new step, for synchronous variables, is ``self.step``."""
+        infos = await self._grads(grads)
+        rate = None if learning_rate is None else _rate(learning_rate)
+        extra = set(out or {}) - {info.name for info in infos}
+        if extra:
+            raise InvalidArgument(f"out= names variables not pushed: {', '.join(sorted(map(str, extra)))}")
+        answer, values = await _push_pull(self, infos, self.step if step is None else step, timeout, rate, out)
+        self._pushed(answer)
+        return values
+
+    async def _grads(self, grads: "Mapping[str | AsyncVariable, Any]") -> dict[VarInfo, Any]:
+        """Each gradient by its variable. Two keys for one variable are refused: their gradients
+        would be merged by no rule."""
         infos: dict[VarInfo, Any] = {}
         names: set[str] = set()
         for k, v in grads.items():
@@ -279,7 +302,11 @@ class AsyncSession:
                                       name=info.name)
             names.add(info.name)
             infos[info] = v
-        result = await _push(self, infos, self.step if step is None else step, timeout, learning_rate)
+        return infos
+
+    def _pushed(self, result: dict[str, Any]) -> int | None:
+        """What a push answered, kept: the step synchronous variables reached, and whose
+        gradients it averaged."""
         if result["step"] is not None:
             self.step = result["step"]
         if result["replicas"] is not None:

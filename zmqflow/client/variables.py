@@ -37,7 +37,8 @@ from ..wire.requests import cluster as crq
 from ..wire.requests import ps as rq
 
 
-__all__ = ["SLICE_BYTES", "VarInfo", "check_out", "AsyncVariable", "declare", "create_parts", "pull", "push", "assign", "scatter"]
+__all__ = ["SLICE_BYTES", "VarInfo", "check_out", "checked_grads", "gather_calls", "AsyncVariable", "declare",
+           "create_parts", "pull", "push", "assign", "scatter"]
 
 # a one-part variable pulled without out= up to this size comes whole, as one frame that becomes
 # the result (no copy); bigger ones come in slices, copied into a new array as they land
@@ -88,7 +89,7 @@ async def _in_process(sess: SessionPort, tasks: set[TaskId]) -> set[TaskId]:
     return {t for t in tasks if spec.address(t).scheme == "inproc"}
 
 
-async def _all(calls: list[Any]) -> list[Any]:
+async def gather_calls(calls: list[Any]) -> list[Any]:
     """Each coroutine's result, run together (no task when there is only one: scalar updates).
     On the first failure the rest are cancelled and awaited before it is raised, so none reads
     from or writes into a caller's arrays after the call has returned."""
@@ -294,7 +295,7 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
             calls.append(fetch(task, keys, call))
     for task, pieces in bulk.items():
         calls += [pull_into(sess, task, stream, batch, timeout) for stream, batch in bulk_to[task].spread(pieces)]
-    await _all(calls)
+    await gather_calls(calls)
     return outs  # type: ignore[return-value]  # every None was replaced by its reply
 
 
@@ -310,7 +311,7 @@ async def assign(sess: SessionPort, info: VarInfo, x: Any, mode: str, timeout: f
         for chunk in info.chunks(p):
             rows = rows_of(info, p, chunk, x)
             items.append((task, rows.nbytes, rq.RowsItem(info.name, p, chunk[0], chunk[1], rows)))
-    await _all([
+    await gather_calls([
         sess.call_task(task, "ps", "assign", rq.Assign(items=batch, mode=mode), timeout=timeout)
         for task, batches in _bundle(items).items() for batch in batches
     ])
@@ -345,11 +346,24 @@ def _split_sparse(info: VarInfo, indices: Any, rows: Any, what: str) -> list[tup
 async def scatter(sess: SessionPort, info: VarInfo, indices: Any, rows: Any, mode: str,
                   timeout: float | None = None) -> None:
     parts = _split_sparse(info, indices, rows, f"scatter_{mode}")
-    await _all([
+    await gather_calls([
         sess.call_task(info.parts[p][0], "ps", "scatter", rq.Scatter(name=info.name, part=p, indices=i, rows=r, mode=mode),
                        timeout=timeout)
         for p, i, r in parts
     ])
+
+
+def checked_grads(grads: Mapping[VarInfo, Any]) -> dict[VarInfo, Any]:
+    """Every gradient checked as :func:`push` checks it, before anything is sent: dense ones as
+    arrays of their variable's shape and dtype, sparse ones (checked) and ``None`` as given."""
+    out: dict[VarInfo, Any] = {}
+    for info, grad in grads.items():
+        if isinstance(grad, tuple):
+            _split_sparse(info, grad[0], grad[1], "sparse gradient")
+        elif grad is not None:
+            grad = _as_array(grad, info, "gradient")
+        out[info] = grad
+    return out
 
 
 @timeline.traced("push")
@@ -411,7 +425,7 @@ async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None
     for task, pieces in bulk.items():
         calls += [push_from(sess, task, stream, batch, timeout, learning_rate)
                   for stream, batch in bulk_to[task].spread(pieces)]
-    results = await _all(calls)
+    results = await gather_calls(calls)
     steps = [r["step"] for r in results if r.get("step") is not None]
     replicas = [r["replicas"] for r in results if isinstance(r.get("replicas"), list)]
     return {"step": max(steps) if steps else None, "stale": any(r.get("stale") for r in results),

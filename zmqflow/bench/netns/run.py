@@ -6,8 +6,10 @@ machine's own ceiling, beside which the limited runs are read.
 
 Per ps count, the ps tasks (``zmqflow serve``) and the most workers asked for start once; the
 workers declare a model of ``nvars`` float32 variables (round-robin over the shards) and then, for
-each rate and worker count, the first W workers run pull-then-push rounds for a few seconds, all
-started together; throughput is taken over the window in which every one of them was busy.
+each rate, worker count and step, the first W workers run rounds for a few seconds, all started
+together; throughput is taken over the window in which every one of them was busy. A step is
+``pull-push`` (pull the model, then push a gradient: each link carries one way at a time) or
+``push-pull`` (``Session.push_pull``: the two overlapped, both ways at once).
 
 Run ``zmqflow bench cluster [--netns] [--quick] [--rate G ...] [--ps N ...] [--workers N ...]``.
 """
@@ -37,6 +39,7 @@ from .plan import FAMILY, Topology, new_prefix
 __all__ = ["format_table", "run"]
 
 MB = 1e6
+STEPS = ("pull-push", "push-pull")  # a worker's round: the two transfers in turn, or overlapped
 _ROOT = str(Path(__file__).resolve().parents[3])  # the directory holding the zmqflow package
 _SCRUB = ("ZMQFLOW_CLUSTER", "ZMQFLOW_TASK", "ZMQFLOW_KEYS", "TF_CONFIG")  # each task is told its own
 
@@ -119,29 +122,30 @@ class _Layout:
         return self.topo.exec_prefix((self.topo.ps if job == "ps" else self.topo.workers)[index], self.ip)
 
 
-def _row(rate: float | None, ps: int, workers: int, reports: list[dict[str, Any]], shard_bytes: dict[str, int],
-         warm: float, other: float | None, netns: bool) -> dict[str, Any]:
-    phase_bytes = reports[0]["phase_bytes"]
-    win = window_rate([[tuple(r) for r in rep["rounds"]] for rep in reports], phase_bytes, warm)
+def _row(rate: float | None, ps: int, workers: int, step: str, reports: list[dict[str, Any]],
+         shard_bytes: dict[str, int], warm: float, other: float | None, netns: bool) -> dict[str, Any]:
+    phase_bytes, overlapped = reports[0]["phase_bytes"], step == "push-pull"
+    win = window_rate([[tuple(r) for r in rep["rounds"]] for rep in reports], phase_bytes, warm, overlapped)
     row: dict[str, Any] = {
-        "netns": netns, "rate_gbit": rate, "ps": ps, "workers": workers, "model_mb": round(phase_bytes / MB, 1),
+        "netns": netns, "rate_gbit": rate, "ps": ps, "workers": workers, "step": step,
+        "model_mb": round(phase_bytes / MB, 1),
         "pull_gbps": win.pull_bytes_per_s / 1e9, "push_gbps": win.push_bytes_per_s / 1e9,
         "total_gbps": win.total_bytes_per_s / 1e9, "window_s": round(win.seconds, 2), "rounds": win.rounds,
         "limit_gbps": None, "fraction": None, "binds": None, "workers_limit_gbps": None, "ps_limit_gbps": None,
         "other_cpus": None if other is None else round(other, 2),
     }
     if rate is not None:
-        bound = link_bound(rate * 1e9, workers, [shard_bytes.get(f"ps:{i}", 0) for i in range(ps)])
+        bound = link_bound(rate * 1e9, workers, [shard_bytes.get(f"ps:{i}", 0) for i in range(ps)], overlapped)
         row.update(limit_gbps=bound.bytes_per_s / 1e9, fraction=win.total_bytes_per_s / bound.bytes_per_s,
                    binds=bound.binds, workers_limit_gbps=bound.workers_bytes_per_s / 1e9,
                    ps_limit_gbps=bound.ps_bytes_per_s / 1e9)
     return row
 
 
-def _group(layout: _Layout, ps: int, rates: Sequence[float | None], workers: Sequence[int], model_bytes: int,
-           nvars: int, seconds: float, warm: float, set_rate: Callable[[float], None], log_dir: str,
-           json_out: str | None, echo: Callable[[str], Any]) -> list[dict[str, Any]]:
-    """Every (rate, worker count) row of one ps count, on one set of task processes."""
+def _group(layout: _Layout, ps: int, rates: Sequence[float | None], workers: Sequence[int], steps: Sequence[str],
+           model_bytes: int, nvars: int, seconds: float, warm: float, set_rate: Callable[[float], None],
+           log_dir: str, json_out: str | None, echo: Callable[[str], Any]) -> list[dict[str, Any]]:
+    """Every (rate, worker count, step) row of one ps count, on one set of task processes."""
     spec_json = json.dumps(layout.spec(ps))
     if rates[0] is not None:
         set_rate(rates[0] * 1e9)  # the warm-up runs on limited links too
@@ -162,14 +166,15 @@ def _group(layout: _Layout, ps: int, rates: Sequence[float | None], workers: Seq
         for rate in rates:
             if rate is not None:
                 set_rate(rate * 1e9)
-            for w in workers:
+            for w, step in ((w, step) for w in workers for step in steps):
                 load = OtherLoad()
                 for c in clients[:w]:
-                    c.send({"run": seconds + warm})
+                    c.send({"run": seconds + warm, "step": step})
                 reports = [c.recv(timeout=seconds + warm + 120) for c in clients[:w]]
-                row = _row(rate, ps, w, reports, shard_bytes, warm, load.cpus(), layout.topo is not None)
-                echo(f"measured {_link(rate)}, {ps} ps, {w} workers: {row['total_gbps']:.3f} GB/s"
-                     + ("" if row["fraction"] is None else f" = {row['fraction']:.2f} of the {row['limit_gbps']:.3f} GB/s links allow"))
+                row = _row(rate, ps, w, step, reports, shard_bytes, warm, load.cpus(), layout.topo is not None)
+                echo(f"measured {_link(rate)}, {ps} ps, {w} workers, {step}: {row['total_gbps']:.3f} GB/s"
+                     + ("" if row["fraction"] is None
+                        else f" = {row['fraction']:.2f} of the {row['limit_gbps']:.3f} GB/s links allow"))
                 rows.append(row)
                 if json_out:
                     write_jsonl(json_out, [{"bench": "cluster", **row}])
@@ -186,11 +191,14 @@ def _link(rate: float | None) -> str:
 def run(quick: bool = False, netns: bool = False, rates: Sequence[float] = (), ps: Sequence[int] = (),
         workers: Sequence[int] = (), model_mb: float | None = None, seconds: float | None = None, nvars: int = 8,
         json_out: str | None = None, echo: Callable[[str], Any] = print, ip: str = "ip", tc: str = "tc",
-        family: str = FAMILY) -> list[dict[str, Any]]:
-    """One row per (link rate, ps count, worker count); each appended to ``json_out`` as measured.
-    With ``netns``, Unavailable (saying why) where the machine does not allow namespaces."""
+        family: str = FAMILY, steps: Sequence[str] = STEPS) -> list[dict[str, Any]]:
+    """One row per (link rate, ps count, worker count, step); each appended to ``json_out`` as
+    measured. With ``netns``, Unavailable (saying why) where the machine does not allow namespaces."""
     ps = tuple(ps) or ((1, 4) if quick else (1, 2, 4))
     workers = tuple(workers) or (2, 4)
+    steps = tuple(dict.fromkeys(steps)) or STEPS
+    if set(steps) - set(STEPS):
+        raise InvalidArgument(f"steps are {' and '.join(STEPS)}, got {', '.join(sorted(set(steps) - set(STEPS)))}")
     use_rates: tuple[float | None, ...] = (tuple(rates) or (1.0, 10.0)) if netns else (None,)
     model_bytes = int((model_mb or (8 if quick else 32)) * MB)
     seconds = seconds or (2.0 if quick else 4.0)
@@ -203,7 +211,7 @@ def run(quick: bool = False, netns: bool = False, rates: Sequence[float] = (), p
     with tempfile.TemporaryDirectory(prefix="zmqflow-cluster-") as log_dir:
         if not netns:
             for n in ps:
-                rows += _group(_Layout(None, ip), n, use_rates, workers, model_bytes, nvars, seconds, warm,
+                rows += _group(_Layout(None, ip), n, use_rates, workers, steps, model_bytes, nvars, seconds, warm,
                                lambda _r: None, log_dir, json_out, echo)
             return rows
         check_netns(ip, tc, family)
@@ -211,24 +219,26 @@ def run(quick: bool = False, netns: bool = False, rates: Sequence[float] = (), p
         echo(f"namespaces {topo.prefix}-*: {max(ps)} ps and {max(workers)} worker hosts on one bridge")
         with Network(topo, ip, tc) as net:
             for n in ps:
-                rows += _group(_Layout(topo, ip), n, use_rates, workers, model_bytes, nvars, seconds, warm,
+                rows += _group(_Layout(topo, ip), n, use_rates, workers, steps, model_bytes, nvars, seconds, warm,
                                net.set_rate, log_dir, json_out, echo)
     return rows
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    head = ["link", "ps", "workers", "model", "pull GB/s", "push GB/s", "total GB/s", "limit GB/s", "of limit",
+    head = ["link", "ps", "workers", "step", "model", "pull GB/s", "push GB/s", "total GB/s", "limit GB/s", "of limit",
             "binds", "rounds", "other CPUs"]
     lines = [head]
     for r in rows:
         lines.append([
-            _link(r["rate_gbit"]), str(r["ps"]), str(r["workers"]), f"{r['model_mb']:.0f} MB",
+            _link(r["rate_gbit"]), str(r["ps"]), str(r["workers"]), r.get("step", "pull-push"),
+            f"{r['model_mb']:.0f} MB",
             f"{r['pull_gbps']:.3f}", f"{r['push_gbps']:.3f}", f"{r['total_gbps']:.3f}", cell(r["limit_gbps"], ".3f"),
             cell(r["fraction"], ".2f"), cell(r["binds"]), str(r["rounds"]), cell(r["other_cpus"], ".2f"),
         ])
     out = align(lines)
     out.append("limit: the most pull+push the links allow, each link full duplex at the rate: each worker moves at "
-               "most the rate (it pulls, then pushes); the busiest ps link at most twice the rate over its share "
+               "most the rate (it pulls, then pushes; twice the rate with push-pull, both at once); the busiest "
+               "ps link at most twice the rate over its share "
                "of the model, reached only when workers' pulls and pushes interleave (workers pulling together "
                f"halve it). Headers leave {payload_fraction():.3f} of a link for payload (MTU 1500). Rows near "
                "what loopback moves (the command without --netns) are bound by CPU, not links. "

@@ -2,10 +2,12 @@
 
 It declares the model's variables (get-or-create, so every worker may), warms up with one pull
 and push, prints one JSON line ``{"ready": ..., "shard_bytes": {task: bytes}}`` and then obeys
-JSON lines on stdin: ``{"run": SECONDS}`` starts rounds at once (pull every variable, then push a
-gradient for every variable, as ``zmqflow bench ps`` does) until SECONDS have passed, and answers
-``{"rounds": [[t0, t1, t2], ...], "phase_bytes": N}`` (``time.monotonic`` is one clock for every
-namespace of the machine, so the runner lines the workers up). EOF on stdin ends it, so a worker
+JSON lines on stdin: ``{"run": SECONDS, "step": STEP}`` starts rounds at once until SECONDS have
+passed, and answers ``{"rounds": [[t0, t1, t2], ...], "phase_bytes": N}`` (``time.monotonic`` is
+one clock for every namespace of the machine, so the runner lines the workers up). A round of
+STEP ``pull-push`` pulls every variable, then pushes a gradient for every variable (as ``zmqflow
+bench ps`` does; t1 between the two); one of ``push-pull`` is one ``Session.push_pull``, the two
+overlapped (t1 = t0). EOF on stdin ends it, so a worker
 never outlives its runner.
 """
 
@@ -48,10 +50,15 @@ async def _work(spec_json: str, name: str, model_bytes: int, nvars: int) -> None
         await sess.push(grads)
         _say({"ready": name, "shard_bytes": shard_bytes, "phase_bytes": phase_bytes})
         while line := await loop.run_in_executor(None, sys.stdin.readline):
-            seconds = float(json.loads(line)["run"])
+            order = json.loads(line)
+            seconds, overlapped = float(order["run"]), order.get("step") == "push-pull"
             rounds = []
             stop = time.monotonic() + seconds
             while (t0 := time.monotonic()) < stop:
+                if overlapped:
+                    await sess.push_pull(grads)
+                    rounds.append((t0, t0, time.monotonic()))
+                    continue
                 await sess.pull(names)
                 t1 = time.monotonic()
                 await sess.push(grads)

@@ -1,0 +1,160 @@
+"""``Session.push_pull``: a push and a pull in one call, overlapped group by group. Every value it
+returns includes the push; the groups' pushes go one at a time while earlier groups are pulled;
+bad input is refused before any group is sent; the whole call keeps to one timeout."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+import zmqflow as zf
+from zmqflow.client import push_pull as pp
+from zmqflow.errors import InvalidArgument
+from zmqflow.testing import local_cluster
+
+from .conftest import arun
+
+
+class _Info:
+    """What ``groups`` reads of a variable: its name and size."""
+
+    def __init__(self, name: str, nbytes: int):
+        self.name, self.nbytes = name, nbytes
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def test_groups_are_runs_of_whole_variables_in_order():
+    infos = [_Info(f"v{i}", n) for i, n in enumerate([3, 3, 3, 10, 1, 1, 1, 1])]
+    cut = pp.groups(infos, groups=4, least=5)  # a group closes once it holds 6 bytes (23 // 4 = 5; 5 is the least)
+    assert [[i.name for i in g] for g in cut] == [["v0", "v1"], ["v2", "v3"], ["v4", "v5", "v6", "v7"]]
+    assert pp.groups(infos, groups=4, least=100) == [infos]  # a small model: one group, a push then a pull
+    assert pp.groups([], groups=4) == []
+
+
+def test_values_include_the_push_and_match_a_push_then_a_pull():
+    big = np.ones((1 << 18, 2), np.float32)  # 2 MiB: its own group, on the push stream
+    async def main() -> None:
+        async with local_cluster({"ps": 2, "worker": 1}, timeout=20, transport="tcp") as servers:
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                sgd = zf.optim.SGD(0.5)
+                a = await sess.variable("a", np.zeros_like(big), optimizer=sgd)
+                b = await sess.variable("b", np.full(4, 2.0, np.float32), optimizer=sgd)
+                c = await sess.variable("c", np.zeros((8, 3), np.float32), optimizer=sgd)
+                out = np.empty(4, np.float32)
+                grads = {a: big, "b": np.ones(4, np.float32), c: (np.array([1, 1, 5]), np.ones((3, 3), np.float32))}
+                values = await sess.push_pull(grads, out={"b": out})
+                assert set(values) == {"a", "b", "c"}
+                np.testing.assert_array_equal(values["a"], -0.5 * big)
+                assert values["b"] is out
+                np.testing.assert_array_equal(out, np.full(4, 1.5, np.float32))
+                expect = np.zeros((8, 3), np.float32)
+                expect[1], expect[5] = -1.0, -0.5  # row 1 twice, summed
+                np.testing.assert_array_equal(values["c"], expect)
+                # the same as push, then pull, at a push's own learning rate
+                await sess.push_pull({"b": np.ones(4, np.float32)}, learning_rate=2.0)
+                np.testing.assert_array_equal(await b.read(), np.full(4, -0.5, np.float32))
+
+    arun(main())
+
+
+def test_a_sync_step_is_complete_in_what_each_replica_reads():
+    async def main() -> None:
+        async with local_cluster({"ps": 1, "worker": 2}, timeout=20) as servers:
+            async with zf.AsyncSession(servers["worker:0"].target) as s0, \
+                    zf.AsyncSession(servers["worker:1"].target) as s1:
+                opt = zf.optim.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=2)
+                await s0.variable("w", np.zeros(3, np.float32), optimizer=opt)
+                await s1.get("w")
+                r0, r1 = await asyncio.gather(s0.push_pull({"w": np.ones(3, np.float32)}, step=0),
+                                              s1.push_pull({"w": 3 * np.ones(3, np.float32)}, step=0))
+                for got in (r0, r1):  # the mean of both replicas' gradients, applied before either read
+                    np.testing.assert_array_equal(got["w"], np.full(3, -2.0, np.float32))
+                assert s0.step == s1.step == 1
+
+    arun(main())
+
+
+def test_bad_input_in_the_last_group_changes_nothing(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(pp, "GROUP_BYTES", 1)  # a group per variable
+    async def main() -> None:
+        async with local_cluster({"ps": 1, "worker": 1}, timeout=10) as servers:
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                for n in "xyz":
+                    await sess.variable(n, np.zeros(4, np.float32))
+                ok = np.ones(4, np.float32)
+                with pytest.raises(InvalidArgument, match="'z'.*shape"):
+                    await sess.push_pull({"x": ok, "y": ok, "z": np.ones(5, np.float32)})
+                with pytest.raises(InvalidArgument, match="'z'.*index 9"):
+                    await sess.push_pull({"x": ok, "y": ok, "z": (np.array([9]), np.ones((1,), np.float32))})
+                with pytest.raises(InvalidArgument, match="out= for 'z'"):
+                    await sess.push_pull({"x": ok, "y": ok, "z": ok}, out={"z": np.empty(3, np.float32)})
+                with pytest.raises(InvalidArgument, match="share memory"):
+                    whole = np.empty(4, np.float32)
+                    await sess.push_pull({"x": ok, "y": ok, "z": ok}, out={"y": whole, "z": whole})
+                with pytest.raises(InvalidArgument, match="not pushed: w"):
+                    await sess.push_pull({"x": ok}, out={"w": np.empty(4, np.float32)})
+                values = await sess.pull(["x", "y", "z"])
+                for n in "xyz":
+                    np.testing.assert_array_equal(values[n], np.zeros(4, np.float32))
+
+    arun(main())
+
+
+def test_pushes_go_one_at_a_time_each_pull_beside_the_next_push(monkeypatch: pytest.MonkeyPatch):
+    """The schedule alone, with the two transfers replaced by ones that wait to be let go."""
+    events: list[str] = []
+    gates: dict[str, asyncio.Event] = {}
+
+    def gate(name: str) -> asyncio.Event:
+        return gates.setdefault(name, asyncio.Event())
+
+    async def push(_sess: Any, grads: dict, *_: Any) -> dict[str, Any]:
+        (info,) = grads
+        events.append(f"push {info.name}")
+        await gate(f"push {info.name}").wait()
+        events.append(f"pushed {info.name}")
+        return {"step": None, "stale": False, "replicas": None}
+
+    async def pull(_sess: Any, group: list, *_: Any) -> dict[str, Any]:
+        (info,) = group
+        events.append(f"pull {info.name}")
+        await gate(f"pull {info.name}").wait()
+        return {info.name: info.name}
+
+    monkeypatch.setattr(pp, "_push", push)
+    monkeypatch.setattr(pp, "_pull", pull)
+    monkeypatch.setattr(pp, "checked_grads", dict)
+    monkeypatch.setattr(pp, "GROUP_BYTES", 1)  # a group per variable
+
+    class Port:
+        timeout = 10.0
+
+    async def main() -> None:
+        infos = [_Info(n, 1) for n in ("a", "b", "c")]
+        grads: dict[Any, Any] = dict.fromkeys(infos)
+        call = asyncio.ensure_future(pp.push_pull(Port(), grads, None, None, None, None))  # type: ignore[arg-type]
+
+        async def settle() -> None:
+            for _ in range(5):
+                await asyncio.sleep(0)
+
+        await settle()
+        assert events == ["push a"]  # b waits for a's push to be answered
+        gate("push a").set()
+        await settle()
+        assert events[:2] == ["push a", "pushed a"] and sorted(events[2:]) == ["pull a", "push b"]  # side by side
+        gate("push b").set()
+        gate("pull a").set()
+        await settle()
+        assert events[4] == "pushed b" and sorted(events[5:]) == ["pull b", "push c"]
+        for g in ("push c", "pull b", "pull c"):
+            gate(g).set()
+        answer, values = await asyncio.wait_for(call, 5)
+        assert values == {"a": "a", "b": "b", "c": "c"} and answer["step"] is None
+
+    arun(main())

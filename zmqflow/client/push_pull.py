@@ -1,0 +1,89 @@
+"""A training step's two transfers at once: push each gradient and read back its variable's new
+value, with the model cut into groups that go one after the other, each group pulled as soon as
+its push is answered while the next groups' pushes are still going out.
+
+A step that pushes the whole model and then pulls it uses one direction of every link at a time:
+the shards' download while gradients come in, then their upload while values go out. Each link is
+full duplex, so half of what it can carry is idle. Here a group's pull (the shard's upload) runs
+beside the later groups' pushes (its download), as BytePS overlaps its push and pull. A group is
+pulled only after its own push is answered, so every value read includes this caller's gradient
+(a synchronous variable's, the step it completes).
+
+Groups are runs of whole variables, in the order given, of about ``1/GROUPS`` of the model and
+at least ``GROUP_BYTES`` each: a small model goes as one group, a push and then a pull, with no
+more round trips than the two calls it replaces. One variable is never split, so a model that is
+one big variable gains nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .port import SessionPort
+from .var_info import check_apart, check_out
+from .variables import VarInfo, checked_grads, gather_calls
+from .variables import pull as _pull
+from .variables import push as _push
+
+__all__ = ["GROUP_BYTES", "GROUPS", "groups", "push_pull"]
+
+GROUP_BYTES = 1 << 20  # a group is at least this big: smaller ones cost round trips for no overlap
+GROUPS = 16  # a model is cut into about this many: the last pull is what stays unoverlapped
+
+
+def groups(infos: list[VarInfo], groups: int = GROUPS, least: int = GROUP_BYTES) -> list[list[VarInfo]]:
+    """``infos`` in runs of whole variables, in order, each closed once it holds ``least`` bytes
+    and ``1/groups`` of the total."""
+    target = max(least, sum(info.nbytes for info in infos) // max(1, groups))
+    out: list[list[VarInfo]] = []
+    size = target
+    for info in infos:
+        if size >= target:
+            out.append([])
+            size = 0
+        out[-1].append(info)
+        size += info.nbytes
+    return out
+
+
+async def push_pull(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None, timeout: float | None,
+                    learning_rate: float | None, out: Mapping[str, np.ndarray] | None
+                    ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Push ``grads`` (as ``variables.push``) and pull each variable after its group's push is
+    answered (as ``variables.pull``, into ``out`` where it names the variable). The groups' pushes
+    go one at a time, each with the whole link, each group's pull beside the next pushes; the
+    whole call ends by ``timeout`` (the session's by default). Returns what the pushes answered,
+    merged as one push's answer, and the values by name."""
+    grads = checked_grads(grads)  # all of them, and every out= array, before a group is sent
+    given = {info.name: check_out(info, out[info.name]) for info in grads if out and info.name in out}
+    check_apart(given)
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (sess.timeout if timeout is None else timeout)
+    cut = groups(list(grads), GROUPS, GROUP_BYTES)
+    turns = [asyncio.Event() for _ in cut]  # set once a group's push is answered: the next one's turn
+
+    def left() -> float:
+        """What is left of the call's ``timeout``: the later groups' requests get no more."""
+        return max(0.001, deadline - loop.time())
+
+    async def one(k: int, group: list[VarInfo]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        if k:
+            await turns[k - 1].wait()
+        try:
+            pushed = await _push(sess, {info: grads[info] for info in group}, step, left(), learning_rate)
+        finally:
+            turns[k].set()
+        into = {info.name: given[info.name] for info in group if info.name in given}
+        return pushed, await _pull(sess, group, left(), into)
+
+    done = await gather_calls([one(k, g) for k, g in enumerate(cut)])
+    steps = [r["step"] for r, _ in done if r["step"] is not None]
+    replicas = [r["replicas"] for r, _ in done if r["replicas"] is not None]
+    answer = {"step": max(steps) if steps else None, "stale": any(r["stale"] for r, _ in done),
+              "replicas": sorted({x for rs in replicas for x in rs}) if replicas else None}
+    return answer, {name: value for _, values in done for name, value in values.items()}
