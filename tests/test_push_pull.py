@@ -105,8 +105,11 @@ def test_bad_input_in_the_last_group_changes_nothing(monkeypatch: pytest.MonkeyP
     arun(main())
 
 
-def test_pushes_go_one_at_a_time_each_pull_beside_the_next_push(monkeypatch: pytest.MonkeyPatch):
-    """The schedule alone, with the two transfers replaced by ones that wait to be let go."""
+@pytest.mark.parametrize("window", [1, 2])
+def test_pushes_go_in_turn_each_pull_beside_later_pushes(monkeypatch: pytest.MonkeyPatch, window: int):
+    """The schedule alone, with the two transfers replaced by ones that wait to be let go: at most
+    ``WINDOW`` pushes out at once, the next one starting as the earliest is answered, and each
+    group pulled once its own push is answered, beside the later pushes."""
     events: list[str] = []
     gates: dict[str, asyncio.Event] = {}
 
@@ -130,31 +133,34 @@ def test_pushes_go_one_at_a_time_each_pull_beside_the_next_push(monkeypatch: pyt
     monkeypatch.setattr(pp, "_pull", pull)
     monkeypatch.setattr(pp, "checked_grads", dict)
     monkeypatch.setattr(pp, "GROUP_BYTES", 1)  # a group per variable
+    monkeypatch.setattr(pp, "WINDOW", window)
 
     class Port:
         timeout = 10.0
 
     async def main() -> None:
-        infos = [_Info(n, 1) for n in ("a", "b", "c")]
+        infos = [_Info(n, 1) for n in ("a", "b", "c", "d")]
         grads: dict[Any, Any] = dict.fromkeys(infos)
         call = asyncio.ensure_future(pp.push_pull(Port(), grads, None, None, None, None))  # type: ignore[arg-type]
 
-        async def settle() -> None:
+        async def settle() -> list[str]:
             for _ in range(5):
                 await asyncio.sleep(0)
+            new = sorted(events)
+            events.clear()
+            return new
 
-        await settle()
-        assert events == ["push a"]  # b waits for a's push to be answered
+        out = ["push a", "push b"][:window]
+        assert await settle() == out  # the rest wait for a's push to be answered
         gate("push a").set()
-        await settle()
-        assert events[:2] == ["push a", "pushed a"] and sorted(events[2:]) == ["pull a", "push b"]  # side by side
-        gate("push b").set()
+        assert await settle() == sorted(["pushed a", "pull a", f"push {'abc'[window]}"])
         gate("pull a").set()
-        await settle()
-        assert events[4] == "pushed b" and sorted(events[5:]) == ["pull b", "push c"]
-        for g in ("push c", "pull b", "pull c"):
-            gate(g).set()
+        assert await settle() == []  # a pull's end lets nothing go: pushes wait only for pushes
+        for name in "bcd":
+            gate(f"push {name}").set()
+            gate(f"pull {name}").set()
         answer, values = await asyncio.wait_for(call, 5)
-        assert values == {"a": "a", "b": "b", "c": "c"} and answer["step"] is None
+        assert values == {n: n for n in "abcd"} and answer["step"] is None
+        assert events.index("pull d") > events.index("pushed d")
 
     arun(main())

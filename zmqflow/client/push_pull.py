@@ -29,9 +29,10 @@ from .variables import VarInfo, checked_grads, gather_calls
 from .variables import pull as _pull
 from .variables import push as _push
 
-__all__ = ["GROUP_BYTES", "GROUPS", "groups", "push_pull"]
+__all__ = ["GROUP_BYTES", "GROUPS", "WINDOW", "groups", "push_pull"]
 
 GROUP_BYTES = 1 << 20  # a group is at least this big: smaller ones cost round trips for no overlap
+WINDOW = 2  # groups whose pushes may be out at once: one on the wire while the one before awaits its answer
 GROUPS = 16  # a model is cut into about this many: the last pull is what stays unoverlapped
 
 
@@ -55,9 +56,10 @@ async def push_pull(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int |
                     ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Push ``grads`` (as ``variables.push``) and pull each variable after its group's push is
     answered (as ``variables.pull``, into ``out`` where it names the variable). The groups' pushes
-    go one at a time, each with the whole link, each group's pull beside the next pushes; the
-    whole call ends by ``timeout`` (the session's by default). Returns what the pushes answered,
-    merged as one push's answer, and the values by name."""
+    go in turn, ``WINDOW`` out at once (the next one's bytes go while the one before waits for
+    its answer), each group's pull beside later pushes; the whole call ends by ``timeout`` (the
+    session's by default). Returns what the pushes answered, merged as one push's answer, and the
+    values by name."""
     grads = checked_grads(grads)  # all of them, and every out= array, before a group is sent
     given = {info.name: check_out(info, out[info.name]) for info in grads if out and info.name in out}
     check_apart(given)
@@ -65,15 +67,15 @@ async def push_pull(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int |
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (sess.timeout if timeout is None else timeout)
     cut = groups(list(grads), GROUPS, GROUP_BYTES)
-    turns = [asyncio.Event() for _ in cut]  # set once a group's push is answered: the next one's turn
+    turns = [asyncio.Event() for _ in cut]  # set once a group's push is answered: a later one's turn
 
     def left() -> float:
         """What is left of the call's ``timeout``: the later groups' requests get no more."""
         return max(0.001, deadline - loop.time())
 
     async def one(k: int, group: list[VarInfo]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        if k:
-            await turns[k - 1].wait()
+        if k >= WINDOW:
+            await turns[k - WINDOW].wait()
         try:
             pushed = await _push(sess, {info: grads[info] for info in group}, step, left(), learning_rate)
         finally:
