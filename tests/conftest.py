@@ -86,11 +86,14 @@ class Proc:
         self._reader.start()
 
     def _read(self) -> None:
+        """Every line of the output, until its end; then the pipe is closed here, by its only reader
+        (left to the collector, its ResourceWarning fails a later test under ``-W error``)."""
         assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            with self._cond:
-                self.lines.append(raw.decode(errors="replace").rstrip("\n"))
-                self._cond.notify_all()
+        with self.proc.stdout:
+            for raw in self.proc.stdout:
+                with self._cond:
+                    self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+                    self._cond.notify_all()
         with self._cond:
             self._cond.notify_all()
 

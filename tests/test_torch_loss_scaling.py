@@ -5,6 +5,7 @@ as it changes nothing in a local model, and no gradient holding inf or NaN ever 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
@@ -15,6 +16,8 @@ torch = pytest.importorskip("torch")
 
 from zmqflow.torch.embedding import EmbeddingBag  # noqa: E402
 from zmqflow.torch.hybrid import HybridStrategy  # noqa: E402
+
+from .conftest import launch_script  # noqa: E402
 
 IDS = torch.tensor([[1, 2], [3, 1]])
 LR = 0.1
@@ -135,3 +138,50 @@ def test_a_gradient_holding_inf_never_reaches_the_shards(local, push):
     table(IDS).sum().backward()  # the error was raised once; the table trains on
     table.flush()
     assert table.counters["pushes"] == 1 and not torch.equal(table.read(IDS), before)
+
+
+# Two ranks, one table on two shards: rank 1's gradient for the table overflows, rank 0's does not.
+OVERFLOW_ON_ONE_RANK = '''
+import json, sys
+import torch
+import zmqflow as zf
+import zmqflow.torch as zt
+from zmqflow.torch.hybrid import HybridStrategy
+
+zt.init()
+rank = zt.rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.EmbeddingBag(10, 4, mode="sum"), torch.nn.Linear(4, 1))
+hybrid = HybridStrategy(model, torch.optim.SGD(model.parameters(), lr=0.1), zf.optim.SGD(0.1), prefix="amp2/")
+table, dense = model[0], model[1]
+rows, params = table.weight, [p.detach().clone() for p in dense.parameters()]
+scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+zt.barrier()  # both ranks read the rows before either steps
+hybrid.zero_grad()
+bags = table(torch.tensor([[1, 2], [3, 1]]))
+loss = dense(bags).sum()
+if rank == 1:
+    loss = loss + 1e36 * bags[:, 0].sum()  # times the scale: inf in the table's gradient, the dense ones finite
+scaler.scale(loss).backward()
+hybrid.step(scaler=scaler)
+scaler.update()
+hybrid.flush()
+zt.barrier()  # whatever either rank pushed has landed
+with open(f"{sys.argv[1]}/rank{rank}.json", "w") as fh:
+    json.dump({"rows_kept": torch.equal(table.weight, rows), "scale": scaler.get_scale(),
+               "dense_kept": all(torch.equal(p, q) for p, q in zip(dense.parameters(), params)),
+               "pushes": table.counters["pushes"], "skipped": table.counters["pushes_skipped"]}, fh)
+zt.shutdown()
+'''
+
+
+def test_a_table_overflow_on_one_rank_skips_the_step_on_every_rank(procs, tmp_path):
+    """Rank 0's gradients are finite, rank 1's table gradient is not: the ranks agree (a max over
+    the ring) that the step overflowed, so neither pushes its table gradient nor steps its dense
+    layer, and both scalers back off, as they would had both overflowed. Without that agreement
+    rank 0 would push and step alone: its dense replica would part from rank 1's."""
+    p = launch_script(procs, tmp_path / "overflow.py", OVERFLOW_ON_ONE_RANK, tmp_path, workers=2, ps=2)
+    assert p.wait(110) == 0, p.output
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got == {"rows_kept": True, "dense_kept": True, "scale": 512.0, "pushes": 0, "skipped": 1}, (rank, got)

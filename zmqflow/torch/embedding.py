@@ -299,12 +299,13 @@ class EmbeddingBag(_ShardedModule):
     nothing), at most ``capacity`` rows per shard with least-recently-used eviction (``evict()``
     drops stale rows). ``optimizer`` is a server-side ``zmqflow.optim`` optimizer (SGD, Momentum,
     Adagrad, Adam: all apply to the pushed rows only, Adam lazily); ``None`` takes the existing
-    table's, or SGD(0.01) when this creates it. ``initializer`` is a ``zmqflow.init`` initializer,
-    by default N(0, 1) as torch's. ``partitions`` (parts, one per ps shard by default, or a
-    partitioner) and ``partition_strategy`` ("mod" or "div") place a static table's rows as TF's
-    ``embedding_lookup`` does. ``session`` defaults to the process-wide runtime's. ``push``:
-    ``"backward"`` sends each backward pass's gradient at once, ``"step"`` holds them for
-    ``push_held()`` (gradient accumulation, loss scaling; see the module's docstring).
+    table's (or that of one another process is creating), or SGD(0.01) when this creates it.
+    ``initializer`` is a ``zmqflow.init`` initializer, by default N(0, 1) as torch's.
+    ``partitions`` (parts, one per ps shard by default, or a partitioner) and ``partition_strategy``
+    ("mod" or "div") place a static table's rows as TF's ``embedding_lookup`` does. ``session``
+    defaults to the process-wide runtime's. ``push``: ``"backward"`` sends each backward pass's
+    gradient at once, ``"step"`` holds them for ``push_held()`` (gradient accumulation, loss
+    scaling; see the module's docstring).
     """
 
     kind = "EmbeddingBag"

@@ -22,6 +22,7 @@ import concurrent.futures
 import math
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -97,6 +98,34 @@ def _catalog_record(session: Session, name: str) -> dict[str, Any] | None:
         return None
 
 
+def _any_record(session: Session, name: str) -> dict[str, Any] | None:
+    """The catalog's record of ``name``, ready or with its parts still being made; None if none
+    (it lists every record: asked only after a refusal)."""
+    task = catalog_task(session.cluster())
+    records = session.call("catalog", "records", {"pending": True}, task=str(task))
+    return next((r for r in records if r["name"] == name), None)
+
+
+def _attach(session: Session, name: str,
+            declare: Callable[[dict[str, Any] | None], Any]) -> tuple[dict[str, Any] | None, Any]:
+    """(the optimizer spec, the table) of an open that names no optimizer: the table's own, else
+    ``DEFAULT_OPTIMIZER``. A table another process declared with its optimizer, whose parts are
+    still being made, is not found by a lookup (its record is not ready) but refuses the default:
+    the open then attaches with that optimizer, as it would have had the table been ready. The
+    other way round is still refused: a declaration naming another optimizer that reaches the
+    catalog after this open made the record with the default (the catalog cannot tell a default
+    from a choice)."""
+    found = _catalog_record(session, name)
+    spec = found["optimizer"] if found is not None else DEFAULT_OPTIMIZER.spec()
+    try:
+        return spec, declare(spec)
+    except VariableConflict:
+        met = None if found is not None else _any_record(session, name)
+        if met is None or met["optimizer"] == spec:  # no other optimizer in the way: a shape, or a shard's refusal
+            raise
+        return met["optimizer"], declare(met["optimizer"])
+
+
 def _optimizer_spec(optimizer: Any, name: str) -> dict[str, Any] | None:
     if optimizer is None:
         return None
@@ -141,14 +170,19 @@ class ShardedTable:
              capacity: int | None) -> "ShardedTable":
         """Get-or-create the table. Any number of processes may open one name at once: the catalog
         serializes declarations and table parts are get-or-create. ``optimizer=None`` takes the
-        table's own (``DEFAULT_OPTIMIZER`` when this call creates it); a named optimizer must be the
-        table's, or VariableConflict."""
+        table's own, that of a table another process is still creating too (``DEFAULT_OPTIMIZER``
+        when this call creates it); a named optimizer must be the table's, or VariableConflict."""
         wanted = _optimizer_spec(optimizer, name)
-        found = _catalog_record(session, name)
-        spec = wanted if wanted is not None else found["optimizer"] if found is not None else DEFAULT_OPTIMIZER.spec()
-        emb = session.embedding(name, num_embeddings, dim, partitions=partitions, partition_strategy=partition_strategy,
-                                dtype=dtype, initializer=initializer, optimizer=spec, min_frequency=min_frequency,
-                                capacity=capacity)
+
+        def declare(spec: dict[str, Any] | None) -> Any:
+            return session.embedding(name, num_embeddings, dim, partitions=partitions,
+                                     partition_strategy=partition_strategy, dtype=dtype, initializer=initializer,
+                                     optimizer=spec, min_frequency=min_frequency, capacity=capacity)
+
+        if wanted is not None:
+            spec, emb = wanted, declare(wanted)
+        else:
+            spec, emb = _attach(session, name, declare)
         record = _catalog_record(session, name)
         actual = record["optimizer"] if record is not None else spec
         if wanted is not None and actual != wanted:
