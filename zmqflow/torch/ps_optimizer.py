@@ -145,16 +145,22 @@ class PsOptimizerMixin(SharesState):
         if sync:
             sess.global_step()  # pushes carry the shards' step
 
-    def _zf_pull(self) -> None:
-        """The shards' values into the parameters. A contiguous CPU parameter is the pull's
-        ``out=`` (a numpy view of its memory), filled slice by slice as the replies land: no
-        received frames to fault in and copy afterwards. Others (CUDA, strided) are copied in from
-        the received arrays. A pull that fails part way may have written some slices already:
-        each is a value the shards held."""
-        into = {var: to_array(p.data, f"parameter {name!r}") for (name, p), var in zip(self._zf_named, self._zf_names)
+    def _zf_pull(self, grads: dict[str, Any] | None = None, rate: float | None = None) -> None:
+        """The shards' values into the parameters; with ``grads``, those variables' only, after
+        pushing them at ``rate`` in the same call (``Session.push_pull``: the pull of each group
+        beside the push of the next). A contiguous CPU parameter is the pull's ``out=`` (a numpy
+        view of its memory), filled slice by slice as the replies land: no received frames to
+        fault in and copy afterwards. Others (CUDA, strided) are copied in from the received
+        arrays. A pull that fails part way may have written some slices already: each is a value
+        the shards held."""
+        named = [(name, p, var) for (name, p), var in zip(self._zf_named, self._zf_names)
+                 if grads is None or var in grads]
+        into = {var: to_array(p.data, f"parameter {name!r}") for name, p, var in named
                 if p.data.device.type == "cpu" and p.data.is_contiguous()}
-        values = self._zf_runtime.session.pull(self._zf_names, out=into)
-        for (_, p), var in zip(self._zf_named, self._zf_names):
+        sess = self._zf_runtime.session
+        values = (sess.pull([var for _, _, var in named], out=into) if grads is None
+                  else sess.push_pull(grads, learning_rate=rate, out=into))
+        for _, p, var in named:
             if var not in into:
                 write_into(p.data, values[var])
 
@@ -163,10 +169,11 @@ class PsOptimizerMixin(SharesState):
 
     @counts_steps
     def step(self, closure: Any = None) -> Any:
-        """Push this rank's gradients, then load the shards' new values into the parameters. A
-        parameter without a gradient is pushed as absent: in a sync round it counts as a zero
-        gradient beside the ranks that have one (as DDP averages), and when no rank has one the
-        shards leave it and its optimizer slots alone, as torch's optimizers skip it."""
+        """Push this rank's gradients and load the shards' new values into the parameters, the two
+        overlapped (``Session.push_pull``). A parameter without a gradient is pushed as absent: in
+        a sync round it counts as a zero gradient beside the ranks that have one (as DDP averages),
+        and when no rank has one the shards leave it and its optimizer slots alone, as torch's
+        optimizers skip it."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -184,9 +191,8 @@ class PsOptimizerMixin(SharesState):
             g = p.grad
             by_rate.setdefault(rates[id(p)], {})[var] = (
                 None if g is None else to_array(g.detach().cpu().contiguous(), f"gradient of {name!r}"))
-        for rate, grads in by_rate.items():  # one push a learning rate: most models have one
-            self._zf_runtime.session.push(grads, learning_rate=rate)
-        self._zf_pull()
+        for rate, grads in by_rate.items():  # one push a learning rate (most models have one), each with its pull
+            self._zf_pull(grads, rate)
         return loss
 
 
