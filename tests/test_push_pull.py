@@ -12,6 +12,7 @@ import pytest
 
 import zmqflow as zf
 from zmqflow.client import push_pull as pp
+from zmqflow.cluster import Address, ClusterSpec, TaskId
 from zmqflow.errors import InvalidArgument
 from zmqflow.testing import local_cluster
 
@@ -19,10 +20,11 @@ from .conftest import arun
 
 
 class _Info:
-    """What ``groups`` reads of a variable: its name and size."""
+    """What ``groups`` and ``push_pull`` read of a variable: its name, size and parts."""
 
     def __init__(self, name: str, nbytes: int):
         self.name, self.nbytes = name, nbytes
+        self.parts = [(TaskId.parse("ps:0"), 0, 1)]
 
     def __repr__(self) -> str:
         return self.name
@@ -36,8 +38,17 @@ def test_groups_are_runs_of_whole_variables_in_order():
     assert pp.groups([], groups=4) == []
 
 
-def test_values_include_the_push_and_match_a_push_then_a_pull():
-    big = np.ones((1 << 18, 2), np.float32)  # 2 MiB: its own group, on the push stream
+def test_only_shards_on_this_host_by_their_address_count_as_local():
+    for local in ("127.0.0.1:1", "localhost:1", "[::1]:1", "ipc:///tmp/x", "inproc://x", "127.8.9.1:2"):
+        assert pp.on_this_host(Address.parse(local)), local
+    for other in ("10.0.0.1:1", "example.org:1", "[2001:db8::1]:1"):
+        assert not pp.on_this_host(Address.parse(other)), other
+
+
+def test_values_include_the_push_and_match_a_push_then_a_pull(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(pp, "on_this_host", lambda _address: False)  # as if the shards were on other hosts
+    monkeypatch.setattr(pp, "GROUP_BYTES", 1)  # a group per variable
+    big = np.ones((1 << 18, 2), np.float32)  # 2 MiB: on the push stream
     async def main() -> None:
         async with local_cluster({"ps": 2, "worker": 1}, timeout=20, transport="tcp") as servers:
             async with zf.AsyncSession(servers["worker:0"].target) as sess:
@@ -80,6 +91,7 @@ def test_a_sync_step_is_complete_in_what_each_replica_reads():
 
 
 def test_bad_input_in_the_last_group_changes_nothing(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(pp, "on_this_host", lambda _address: False)  # as if the shards were on other hosts
     monkeypatch.setattr(pp, "GROUP_BYTES", 1)  # a group per variable
     async def main() -> None:
         async with local_cluster({"ps": 1, "worker": 1}, timeout=10) as servers:
@@ -105,11 +117,12 @@ def test_bad_input_in_the_last_group_changes_nothing(monkeypatch: pytest.MonkeyP
     arun(main())
 
 
-@pytest.mark.parametrize("window", [1, 2])
-def test_pushes_go_in_turn_each_pull_beside_later_pushes(monkeypatch: pytest.MonkeyPatch, window: int):
+@pytest.mark.parametrize("window", [1, 2, "local"])
+def test_pushes_go_in_turn_each_pull_beside_later_pushes(monkeypatch: pytest.MonkeyPatch, window: int | str):
     """The schedule alone, with the two transfers replaced by ones that wait to be let go: at most
     ``WINDOW`` pushes out at once, the next one starting as the earliest is answered, and each
-    group pulled once its own push is answered, beside the later pushes."""
+    group pulled once its own push is answered, beside the later pushes. Shards on this host
+    take the model as one group: a push, then a pull."""
     events: list[str] = []
     gates: dict[str, asyncio.Event] = {}
 
@@ -117,26 +130,29 @@ def test_pushes_go_in_turn_each_pull_beside_later_pushes(monkeypatch: pytest.Mon
         return gates.setdefault(name, asyncio.Event())
 
     async def push(_sess: Any, grads: dict, *_: Any) -> dict[str, Any]:
-        (info,) = grads
-        events.append(f"push {info.name}")
-        await gate(f"push {info.name}").wait()
-        events.append(f"pushed {info.name}")
+        name = "".join(info.name for info in grads)
+        events.append(f"push {name}")
+        await gate(f"push {name}").wait()
+        events.append(f"pushed {name}")
         return {"step": None, "stale": False, "replicas": None}
 
     async def pull(_sess: Any, group: list, *_: Any) -> dict[str, Any]:
-        (info,) = group
-        events.append(f"pull {info.name}")
-        await gate(f"pull {info.name}").wait()
-        return {info.name: info.name}
+        name = "".join(info.name for info in group)
+        events.append(f"pull {name}")
+        await gate(f"pull {name}").wait()
+        return {info.name: info.name for info in group}
 
     monkeypatch.setattr(pp, "_push", push)
     monkeypatch.setattr(pp, "_pull", pull)
     monkeypatch.setattr(pp, "checked_grads", dict)
     monkeypatch.setattr(pp, "GROUP_BYTES", 1)  # a group per variable
-    monkeypatch.setattr(pp, "WINDOW", window)
+    monkeypatch.setattr(pp, "WINDOW", 1 if window == "local" else window)
 
     class Port:
         timeout = 10.0
+
+        async def cluster(self) -> ClusterSpec:
+            return ClusterSpec({"ps": ["127.0.0.1:2222" if window == "local" else "10.0.0.1:2222"]})
 
     async def main() -> None:
         infos = [_Info(n, 1) for n in ("a", "b", "c", "d")]
@@ -150,6 +166,15 @@ def test_pushes_go_in_turn_each_pull_beside_later_pushes(monkeypatch: pytest.Mon
             events.clear()
             return new
 
+        if window == "local":
+            assert await settle() == ["push abcd"]
+            gate("push abcd").set()
+            assert await settle() == ["pull abcd", "pushed abcd"]
+            gate("pull abcd").set()
+            assert await asyncio.wait_for(call, 5) == ({"step": None, "stale": False, "replicas": None},
+                                                        {n: n for n in "abcd"})
+            return
+        assert isinstance(window, int)
         out = ["push a", "push b"][:window]
         assert await settle() == out  # the rest wait for a's push to be answered
         gate("push a").set()

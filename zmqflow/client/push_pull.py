@@ -13,23 +13,29 @@ Groups are runs of whole variables, in the order given, of about ``1/GROUPS`` of
 at least ``GROUP_BYTES`` each: a small model goes as one group, a push and then a pull, with no
 more round trips than the two calls it replaces. One variable is never split, so a model that is
 one big variable gains nothing.
+
+Where every shard of the model is on this host (loopback, ipc, inproc) no link binds: the cores
+do, and each group's requests cost them more than the overlap saves (64 MB over 16 groups took
+50.4 ms against 33.9 for push then pull on 2 loopback shards). The model then goes as one group.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from ..cluster import Address
 from .port import SessionPort
 from .var_info import check_apart, check_out
 from .variables import VarInfo, checked_grads, gather_calls
 from .variables import pull as _pull
 from .variables import push as _push
 
-__all__ = ["GROUP_BYTES", "GROUPS", "WINDOW", "groups", "push_pull"]
+__all__ = ["GROUP_BYTES", "GROUPS", "WINDOW", "groups", "on_this_host", "push_pull"]
 
 GROUP_BYTES = 1 << 20  # a group is at least this big: smaller ones cost round trips for no overlap
 WINDOW = 2  # groups whose pushes may be out at once: one on the wire while the one before awaits its answer
@@ -51,6 +57,19 @@ def groups(infos: list[VarInfo], groups: int = GROUPS, least: int = GROUP_BYTES)
     return out
 
 
+def on_this_host(address: Address) -> bool:
+    """Whether ``address`` is on this host by its form: ipc, inproc, a loopback address or
+    ``localhost``. A host name is not resolved (no lookup blocks the loop): it counts as another."""
+    if address.scheme != "tcp":
+        return True
+    if address.host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address.host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 async def push_pull(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None, timeout: float | None,
                     learning_rate: float | None, out: Mapping[str, np.ndarray] | None
                     ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -66,7 +85,9 @@ async def push_pull(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int |
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (sess.timeout if timeout is None else timeout)
-    cut = groups(list(grads), GROUPS, GROUP_BYTES)
+    spec = await sess.cluster()
+    local = all(on_this_host(spec.address(task)) for info in grads for task, _, _ in info.parts)
+    cut = groups(list(grads), 1 if local else GROUPS, GROUP_BYTES)
     turns = [asyncio.Event() for _ in cut]  # set once a group's push is answered: a later one's turn
 
     def left() -> float:
