@@ -69,6 +69,15 @@ def test_values_include_the_push_and_match_a_push_then_a_pull(monkeypatch: pytes
                 # the same as push, then pull, at a push's own learning rate
                 await sess.push_pull({"b": np.ones(4, np.float32)}, learning_rate=2.0)
                 np.testing.assert_array_equal(await b.read(), np.full(4, -0.5, np.float32))
+                # cut as asked, whatever the default: 2 groups of the three variables, on this host
+                monkeypatch.setattr(pp, "on_this_host", lambda _address: True)
+                seen: list[list[str]] = []
+                cut = pp.groups
+                monkeypatch.setattr(pp, "groups",
+                                    lambda *a: seen.append([[i.name for i in g] for g in cut(*a)]) or cut(*a))
+                await sess.push_pull(grads, groups=2)
+                await sess.push_pull(grads)
+                assert seen == [[["a"], ["b", "c"]], [["a", "b", "c"]]]
 
     arun(main())
 
@@ -110,6 +119,9 @@ def test_bad_input_in_the_last_group_changes_nothing(monkeypatch: pytest.MonkeyP
                     await sess.push_pull({"x": ok, "y": ok, "z": ok}, out={"y": whole, "z": whole})
                 with pytest.raises(InvalidArgument, match="not pushed: w"):
                     await sess.push_pull({"x": ok}, out={"w": np.empty(4, np.float32)})
+                for bad in (0, 2.0, True):
+                    with pytest.raises(InvalidArgument, match="groups must be an int >= 1"):
+                        await sess.push_pull({"x": ok}, groups=bad)  # type: ignore[arg-type]
                 values = await sess.pull(["x", "y", "z"])
                 for n in "xyz":
                     np.testing.assert_array_equal(values[n], np.zeros(4, np.float32))

@@ -114,9 +114,11 @@ class Session:
                                                  learning_rate=learning_rate), timeout)
 
     def push_pull(self, grads: "Mapping[str | Variable, Any]", step: int | None = None, *,
-                  timeout: float | None = None, learning_rate: float | None = None, out: Any = None) -> dict[str, Any]:
+                  timeout: float | None = None, learning_rate: float | None = None, out: Any = None,
+                  groups: int | None = None) -> dict[str, Any]:
         return self.run_on_loop(self._async.push_pull({_unwrap(k): v for k, v in grads.items()}, step=step,
-                                                      timeout=timeout, learning_rate=learning_rate, out=out), timeout)
+                                                      timeout=timeout, learning_rate=learning_rate, out=out,
+                                                      groups=groups), timeout)
 
     def global_step(self, *, timeout: float | None = None) -> int:
         return self.run_on_loop(self._async.global_step(timeout=timeout), timeout)

@@ -71,23 +71,27 @@ def on_this_host(address: Address) -> bool:
 
 
 async def push_pull(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None, timeout: float | None,
-                    learning_rate: float | None, out: Mapping[str, np.ndarray] | None
+                    learning_rate: float | None, out: Mapping[str, np.ndarray] | None, cut_in: int | None = None
                     ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Push ``grads`` (as ``variables.push``) and pull each variable after its group's push is
     answered (as ``variables.pull``, into ``out`` where it names the variable). The groups' pushes
     go in turn, ``WINDOW`` out at once (the next one's bytes go while the one before waits for
     its answer), each group's pull beside later pushes; the whole call ends by ``timeout`` (the
-    session's by default). Returns what the pushes answered, merged as one push's answer, and the
-    values by name."""
+    session's by default). ``cut_in``: about how many groups (whole variables each), in place of
+    the rule of the module's docstring. Returns what the pushes answered, merged as one push's
+    answer, and the values by name."""
     grads = checked_grads(grads)  # all of them, and every out= array, before a group is sent
     given = {info.name: check_out(info, out[info.name]) for info in grads if out and info.name in out}
     check_apart(given)
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (sess.timeout if timeout is None else timeout)
-    spec = await sess.cluster()
-    local = all(on_this_host(spec.address(task)) for info in grads for task, _, _ in info.parts)
-    cut = groups(list(grads), 1 if local else GROUPS, GROUP_BYTES)
+    if cut_in is None:
+        spec = await sess.cluster()
+        local = all(on_this_host(spec.address(task)) for info in grads for task, _, _ in info.parts)
+        cut = groups(list(grads), 1 if local else GROUPS, GROUP_BYTES)
+    else:
+        cut = groups(list(grads), cut_in, 1)
     turns = [asyncio.Event() for _ in cut]  # set once a group's push is answered: a later one's turn
 
     def left() -> float:

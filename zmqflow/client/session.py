@@ -275,18 +275,24 @@ class AsyncSession:
 
     async def push_pull(self, grads: "Mapping[str | AsyncVariable, Any]", step: int | None = None, *,
                         timeout: float | None = None, learning_rate: float | None = None,
-                        out: "Mapping[str, Any] | None" = None) -> dict[str, Any]:
+                        out: "Mapping[str, Any] | None" = None, groups: int | None = None) -> dict[str, Any]:
         """``push(grads)`` and then ``pull`` of the same variables, in one call that overlaps the
         two (:mod:`.push_pull`): each group of variables is read back as soon as its push is
         answered, while later groups' gradients still go out, so a link carries both ways at once.
-        Each value includes this push. Returns the values by name (``out``'s arrays where it names
-        them), as ``pull``; the new step, for synchronous variables, is ``self.step``."""
+        Each value includes this push. ``groups``: about how many groups to cut the model in
+        (whole variables each; 1 is a push, then a pull), in place of the default (about 16 of at
+        least 1 MiB, one where every shard is on this host). Returns the values by name (``out``'s
+        arrays where it names them), as ``pull``; the new step, for synchronous variables, is
+        ``self.step``."""
         infos = await self._grads(grads)
         rate = None if learning_rate is None else _rate(learning_rate)
         extra = set(out or {}) - {info.name for info in infos}
         if extra:
             raise InvalidArgument(f"out= names variables not pushed: {', '.join(sorted(map(str, extra)))}")
-        answer, values = await _push_pull(self, infos, self.step if step is None else step, timeout, rate, out)
+        if groups is not None and (isinstance(groups, bool) or not isinstance(groups, int) or groups < 1):
+            raise InvalidArgument(f"push_pull: groups must be an int >= 1, got {groups!r}")
+        answer, values = await _push_pull(self, infos, self.step if step is None else step, timeout, rate, out,
+                                          groups)
         self._pushed(answer)
         return values
 
