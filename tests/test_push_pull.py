@@ -25,6 +25,7 @@ class _Info:
     def __init__(self, name: str, nbytes: int):
         self.name, self.nbytes = name, nbytes
         self.parts = [(TaskId.parse("ps:0"), 0, 1)]
+        self.sync = False
 
     def __repr__(self) -> str:
         return self.name
@@ -95,6 +96,29 @@ def test_a_sync_step_is_complete_in_what_each_replica_reads():
                 for got in (r0, r1):  # the mean of both replicas' gradients, applied before either read
                     np.testing.assert_array_equal(got["w"], np.full(3, -2.0, np.float32))
                 assert s0.step == s1.step == 1
+
+    arun(main())
+
+
+def test_replicas_that_cut_a_sync_model_differently_do_not_wait_on_each_other():
+    """Replica 0 pushes x, y, z, w; replica 1 the other way round, in 4 groups each. Were the
+    pushes held back in turn, each replica's x (or w) step would wait for a push the other holds
+    back until its own first groups are answered: neither would finish before the timeout."""
+    async def main() -> None:
+        async with local_cluster({"ps": 2, "worker": 2}, timeout=20) as servers:
+            async with zf.AsyncSession(servers["worker:0"].target, timeout=8) as s0, \
+                    zf.AsyncSession(servers["worker:1"].target, timeout=8) as s1:
+                opt = zf.optim.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=2)
+                names = ["x", "y", "z", "w"]
+                for n in names:
+                    await s0.variable(n, np.zeros(2, np.float32), optimizer=opt)
+                    await s1.get(n)
+                one = np.ones(2, np.float32)
+                r0, r1 = await asyncio.gather(s0.push_pull({n: one for n in names}, step=0, groups=4),
+                                              s1.push_pull({n: 3 * one for n in reversed(names)}, step=0, groups=4))
+                for got in (r0, r1):
+                    for n in names:
+                        np.testing.assert_array_equal(got[n], np.full(2, -2.0, np.float32))
 
     arun(main())
 

@@ -14,6 +14,11 @@ at least ``GROUP_BYTES`` each: a small model goes as one group, a push and then 
 more round trips than the two calls it replaces. One variable is never split, so a model that is
 one big variable gains nothing.
 
+A model with a synchronous variable sends every group's push at once, as ``push`` does: its
+pushes are answered only once every replica's have come, and replicas whose groups differ (their
+own order, other variables) would otherwise each hold back a push the other waits for. Each group
+is still pulled once its own step is done, beside the steps still to come.
+
 Where every shard of the model is on this host (loopback, ipc, inproc) no link binds: the cores
 do, and each group's requests cost them more than the overlap saves (64 MB over 16 groups took
 50.4 ms against 33.9 for push then pull on 2 loopback shards). The model then goes as one group.
@@ -76,7 +81,7 @@ async def push_pull(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int |
     """Push ``grads`` (as ``variables.push``) and pull each variable after its group's push is
     answered (as ``variables.pull``, into ``out`` where it names the variable). The groups' pushes
     go in turn, ``WINDOW`` out at once (the next one's bytes go while the one before waits for
-    its answer), each group's pull beside later pushes; the whole call ends by ``timeout`` (the
+    its answer; all at once where a variable is synchronous), each group's pull beside later pushes; the whole call ends by ``timeout`` (the
     session's by default). ``cut_in``: about how many groups (whole variables each), in place of
     the rule of the module's docstring. Returns what the pushes answered, merged as one push's
     answer, and the values by name."""
@@ -93,14 +98,17 @@ async def push_pull(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int |
     else:
         cut = groups(list(grads), cut_in, 1)
     turns = [asyncio.Event() for _ in cut]  # set once a group's push is answered: a later one's turn
+    # A synchronous variable's push is answered once every replica's has come: replicas whose
+    # groups differ (another order, other variables) would each wait on a push the other holds back.
+    window = len(cut) if any(info.sync for info in grads) else WINDOW
 
     def left() -> float:
         """What is left of the call's ``timeout``: the later groups' requests get no more."""
         return max(0.001, deadline - loop.time())
 
     async def one(k: int, group: list[VarInfo]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        if k >= WINDOW:
-            await turns[k - WINDOW].wait()
+        if k >= window:
+            await turns[k - window].wait()
         try:
             pushed = await _push(sess, {info: grads[info] for info in group}, step, left(), learning_rate)
         finally:
