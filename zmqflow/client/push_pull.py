@@ -81,9 +81,9 @@ async def push_pull(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int |
     """Push ``grads`` (as ``variables.push``) and pull each variable after its group's push is
     answered (as ``variables.pull``, into ``out`` where it names the variable). The groups' pushes
     go in turn, ``WINDOW`` out at once (the next one's bytes go while the one before waits for
-    its answer; all at once where a variable is synchronous), each group's pull beside later pushes; the whole call ends by ``timeout`` (the
-    session's by default). ``cut_in``: about how many groups (whole variables each), in place of
-    the rule of the module's docstring. Returns what the pushes answered, merged as one push's
+    its answer; all at once where a variable is synchronous), each group's pull beside later
+    pushes; the whole call ends by ``timeout`` (the session's by default). ``cut_in``: about how
+    many groups (whole variables each), in place of the rule of the module's docstring. Returns what the pushes answered, merged as one push's
     answer, and the values by name."""
     grads = checked_grads(grads)  # all of them, and every out= array, before a group is sent
     given = {info.name: check_out(info, out[info.name]) for info in grads if out and info.name in out}
