@@ -225,3 +225,48 @@ def test_pushes_go_in_turn_each_pull_beside_later_pushes(monkeypatch: pytest.Mon
         assert events.index("pull d") > events.index("pushed d")
 
     arun(main())
+
+
+def test_the_ps_strategy_reads_back_with_its_push_and_pulls_only_when_it_has_nothing(local):
+    """``apply`` reads the parameters back with its push: the next ``params`` returns them without
+    a pull, once; a step that leaves a parameter out, and a recovery, leave ``params`` to pull."""
+    from zmqflow.bridge import runtime
+    from zmqflow.errors import Unavailable
+    from zmqflow.training.context import TrainingContext
+
+    rt = runtime.current()
+    ctx = TrainingContext(spec=rt.spec, task=rt.task, session=rt.session, chief_task=rt.task, members=[rt.task])
+    strategy = zf.ParameterServerStrategy()
+    strategy.bind(ctx)
+    pulls: list[list[str]] = []
+    pull = rt.session.pull
+
+    def counted(names: list[str], **kw: Any) -> dict[str, Any]:
+        pulls.append(list(names))
+        return pull(names, **kw)
+
+    rt.session.pull = counted  # type: ignore[method-assign]
+    try:
+        strategy.create({"a": np.zeros(3, np.float32), "b": np.zeros(2, np.float32)}, zf.optim.SGD(1.0))
+        assert strategy.params()["a"].tolist() == [0, 0, 0] and len(pulls) == 1
+        for step in (1, 2):
+            strategy.apply({"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)})
+            got = strategy.params()
+            assert got["a"].tolist() == [-step] * 3 and got["b"].tolist() == [-step] * 2
+        assert len(pulls) == 1  # both read back by their apply
+        assert strategy.params()["a"].tolist() == [-2] * 3 and len(pulls) == 2  # read back once: now a pull
+        strategy.apply({"a": np.ones(3, np.float32)})  # b left out: params pulls both
+        assert strategy.params()["b"].tolist() == [-2] * 2 and len(pulls) == 3
+        strategy.apply({"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)})
+        push_pull = rt.session.push_pull
+
+        def lost(*_a: Any, **_kw: Any) -> dict[str, Any]:
+            raise Unavailable("ps:0 is gone")
+
+        rt.session.push_pull = lost  # type: ignore[method-assign]
+        with pytest.raises(Unavailable, match="no checkpoint"):  # nothing to recover from: the recovery gives up
+            strategy.apply({"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)})
+        rt.session.push_pull = push_pull  # type: ignore[method-assign]
+        assert strategy.params()["a"].tolist() == [-4] * 3 and len(pulls) == 4  # the failed step read nothing back
+    finally:
+        rt.session.pull = pull  # type: ignore[method-assign]

@@ -45,6 +45,7 @@ class ParameterServerStrategy(Strategy):
         super().bind(ctx)
         self._acting = ctx.chief_task  # who the log last named as holding the chief's duties
         self._joined_live = False  # the chief came back to live parameters: it waits to be counted in a step
+        self._ahead: dict[str, np.ndarray] | None = None  # what the last apply read back, for the next params
 
     @property
     def _sess(self) -> Session:
@@ -106,18 +107,27 @@ class ParameterServerStrategy(Strategy):
         return shard_tasks(self.ctx.spec)
 
     def params(self) -> dict[str, np.ndarray]:
+        """The parameters: those the last ``apply`` read back with its push, once; else a pull."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            return ahead
         return self._surviving(lambda: self._sess.pull(self.names), retry=True)
 
     def apply(self, grads: dict[str, np.ndarray]) -> int:
+        self._ahead = None
         return self._surviving(lambda: self._apply(grads), retry=False)
 
     def _apply(self, grads: dict[str, np.ndarray]) -> int:
+        """Push ``grads`` and read the parameters back in the same call (``Session.push_pull``: each
+        link carries both ways at once where a link binds), kept for the next ``params``: as
+        fresh as a pull at its start, but for the hooks' time between."""
         sess = self._sess
+        values = sess.push_pull(grads, learning_rate=self._rate)
+        if set(self.names) <= set(values):  # a step that left a parameter out reads it at ``params``
+            self._ahead = {n: values[n] for n in self.names}
         if self.sync:
-            step = sess.push(grads, learning_rate=self._rate)
             self._elect_chief()  # the push heard which replicas this step averaged
-            return int(step if step is not None else sess.step)
-        sess.push(grads, learning_rate=self._rate)
+            return int(sess.step)
         self.step_var.assign_add(np.ones((), np.int64))
         return int(self.step_var.read())
 
@@ -145,6 +155,7 @@ class ParameterServerStrategy(Strategy):
         again, then carry on from the restored step. ``Recovering`` means someone else restores
         (or has restored): the chief waits too, unless the fence outlives ``FENCE_GRACE_S``."""
         ctx = self.ctx
+        self._ahead = None  # read before the restore
         if restore is None:
             restore = not isinstance(exc, Recovering)
         if ctx.is_chief and restore and not (ctx.checkpoint_dir and _ckpt.latest(ctx.checkpoint_dir)):
