@@ -13,7 +13,7 @@ import pytest
 import zmqflow as zf
 from zmqflow.client import push_pull as pp
 from zmqflow.cluster import Address, ClusterSpec, TaskId
-from zmqflow.errors import InvalidArgument
+from zmqflow.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from zmqflow.testing import local_cluster
 
 from .conftest import arun
@@ -33,8 +33,11 @@ class _Info:
 
 def test_groups_are_runs_of_whole_variables_in_order():
     infos = [_Info(f"v{i}", n) for i, n in enumerate([3, 3, 3, 10, 1, 1, 1, 1])]
-    cut = pp.groups(infos, groups=4, least=5)  # a group closes once it holds 6 bytes (23 // 4 = 5; 5 is the least)
-    assert [[i.name for i in g] for g in cut] == [["v0", "v1"], ["v2", "v3"], ["v4", "v5", "v6", "v7"]]
+    # the target is 5 bytes (23 // 4; 5 the least): a group closes at 5, or before a variable passes it
+    cut = pp.groups(infos, groups=4, least=5)
+    assert [[i.name for i in g] for g in cut] == [["v0"], ["v1"], ["v2"], ["v3"], ["v4", "v5", "v6", "v7"]]
+    big = [_Info("a", 10), _Info("b", 10), _Info("c", 100)]  # a big variable after small ones: a group of its own
+    assert [[i.name for i in g] for g in pp.groups(big, groups=2, least=1)] == [["a", "b"], ["c"]]
     assert pp.groups(infos, groups=4, least=100) == [infos]  # a small model: one group, a push then a pull
     assert pp.groups([], groups=4) == []
 
@@ -123,6 +126,29 @@ def test_replicas_that_cut_a_sync_model_differently_do_not_wait_on_each_other():
     arun(main())
 
 
+def test_the_step_a_push_completed_stands_when_its_pull_fails(monkeypatch: pytest.MonkeyPatch):
+    """The shards took the step: the session's step moves on, so its next push is not dropped
+    as stale (it was, with the step left behind, and the other replicas waited for it)."""
+    async def lost(*_a: Any) -> dict[str, Any]:
+        raise Unavailable("ps:0 is gone")
+
+    async def main() -> None:
+        async with local_cluster({"ps": 1, "worker": 1}, timeout=10) as servers:
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                opt = zf.optim.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=1)
+                w = await sess.variable("w", np.zeros(2, np.float32), optimizer=opt)
+                with monkeypatch.context() as m:
+                    m.setattr(pp, "_pull", lost)
+                    with pytest.raises(Unavailable):
+                        await sess.push_pull({"w": np.ones(2, np.float32)}, step=0)
+                assert sess.step == 1 and sess.replicas is not None
+                got = await sess.push_pull({"w": np.ones(2, np.float32)})  # at step 1: applied, not stale
+                np.testing.assert_array_equal(got["w"], np.full(2, -2.0, np.float32))
+                np.testing.assert_array_equal(await w.read(), got["w"])
+
+    arun(main())
+
+
 def test_bad_input_in_the_last_group_changes_nothing(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(pp, "on_this_host", lambda _address: False)  # as if the shards were on other hosts
     monkeypatch.setattr(pp, "GROUP_BYTES", 1)  # a group per variable
@@ -146,11 +172,60 @@ def test_bad_input_in_the_last_group_changes_nothing(monkeypatch: pytest.MonkeyP
                 for bad in (0, 2.0, True):
                     with pytest.raises(InvalidArgument, match="groups must be an int >= 1"):
                         await sess.push_pull({"x": ok}, groups=bad)  # type: ignore[arg-type]
+                for bad in (0, -1.0, float("nan"), "1"):
+                    with pytest.raises(InvalidArgument, match="timeout must be > 0"):
+                        await sess.push_pull({"x": ok}, timeout=bad)  # type: ignore[arg-type]
                 values = await sess.pull(["x", "y", "z"])
                 for n in "xyz":
                     np.testing.assert_array_equal(values[n], np.zeros(4, np.float32))
 
     arun(main())
+
+
+class _Fakes:
+    """``push_pull``'s two transfers replaced by ones that note what happens (``events``) and wait
+    to be let go (``gate(name).set()``), or raise what ``fail[name]`` holds; a group a variable."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, address: str):
+        self.events: list[str] = []
+        self.gates: dict[str, asyncio.Event] = {}
+        self.fail: dict[str, BaseException] = {}
+        monkeypatch.setattr(pp, "_push", self._push)
+        monkeypatch.setattr(pp, "_pull", self._pull)
+        monkeypatch.setattr(pp, "checked_grads", dict)
+        monkeypatch.setattr(pp, "GROUP_BYTES", 1)
+
+        class Port:
+            timeout = 10.0
+
+            async def cluster(self) -> ClusterSpec:
+                return ClusterSpec({"ps": [address]})
+
+        self.port = Port
+
+    def gate(self, name: str) -> asyncio.Event:
+        return self.gates.setdefault(name, asyncio.Event())
+
+    async def _wait(self, what: str) -> None:
+        self.events.append(what)
+        await self.gate(what).wait()
+        if what in self.fail:
+            raise self.fail[what]
+
+    async def _push(self, _sess: Any, grads: dict, *_: Any) -> dict[str, Any]:
+        name = "".join(info.name for info in grads)
+        await self._wait(f"push {name}")
+        self.events.append(f"pushed {name}")
+        return {"step": 7, "stale": False, "replicas": [name]}
+
+    async def _pull(self, _sess: Any, group: list, *_: Any) -> dict[str, Any]:
+        await self._wait(f"pull {''.join(info.name for info in group)}")
+        return {info.name: info.name for info in group}
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
 
 
 @pytest.mark.parametrize("window", [1, 2, "local"])
@@ -159,36 +234,9 @@ def test_pushes_go_in_turn_each_pull_beside_later_pushes(monkeypatch: pytest.Mon
     ``WINDOW`` pushes out at once, the next one starting as the earliest is answered, and each
     group pulled once its own push is answered, beside the later pushes. Shards on this host
     take the model as one group: a push, then a pull."""
-    events: list[str] = []
-    gates: dict[str, asyncio.Event] = {}
-
-    def gate(name: str) -> asyncio.Event:
-        return gates.setdefault(name, asyncio.Event())
-
-    async def push(_sess: Any, grads: dict, *_: Any) -> dict[str, Any]:
-        name = "".join(info.name for info in grads)
-        events.append(f"push {name}")
-        await gate(f"push {name}").wait()
-        events.append(f"pushed {name}")
-        return {"step": None, "stale": False, "replicas": None}
-
-    async def pull(_sess: Any, group: list, *_: Any) -> dict[str, Any]:
-        name = "".join(info.name for info in group)
-        events.append(f"pull {name}")
-        await gate(f"pull {name}").wait()
-        return {info.name: info.name for info in group}
-
-    monkeypatch.setattr(pp, "_push", push)
-    monkeypatch.setattr(pp, "_pull", pull)
-    monkeypatch.setattr(pp, "checked_grads", dict)
-    monkeypatch.setattr(pp, "GROUP_BYTES", 1)  # a group per variable
+    fakes = _Fakes(monkeypatch, "127.0.0.1:2222" if window == "local" else "10.0.0.1:2222")
+    events, gate, Port = fakes.events, fakes.gate, fakes.port
     monkeypatch.setattr(pp, "WINDOW", 1 if window == "local" else window)
-
-    class Port:
-        timeout = 10.0
-
-        async def cluster(self) -> ClusterSpec:
-            return ClusterSpec({"ps": ["127.0.0.1:2222" if window == "local" else "10.0.0.1:2222"]})
 
     async def main() -> None:
         infos = [_Info(n, 1) for n in ("a", "b", "c", "d")]
@@ -196,8 +244,7 @@ def test_pushes_go_in_turn_each_pull_beside_later_pushes(monkeypatch: pytest.Mon
         call = asyncio.ensure_future(pp.push_pull(Port(), grads, None, None, None, None))  # type: ignore[arg-type]
 
         async def settle() -> list[str]:
-            for _ in range(5):
-                await asyncio.sleep(0)
+            await _settle()
             new = sorted(events)
             events.clear()
             return new
@@ -207,8 +254,7 @@ def test_pushes_go_in_turn_each_pull_beside_later_pushes(monkeypatch: pytest.Mon
             gate("push abcd").set()
             assert await settle() == ["pull abcd", "pushed abcd"]
             gate("pull abcd").set()
-            assert await asyncio.wait_for(call, 5) == ({"step": None, "stale": False, "replicas": None},
-                                                        {n: n for n in "abcd"})
+            assert await asyncio.wait_for(call, 5) == {n: n for n in "abcd"}
             return
         assert isinstance(window, int)
         out = ["push a", "push b"][:window]
@@ -220,9 +266,42 @@ def test_pushes_go_in_turn_each_pull_beside_later_pushes(monkeypatch: pytest.Mon
         for name in "bcd":
             gate(f"push {name}").set()
             gate(f"pull {name}").set()
-        answer, values = await asyncio.wait_for(call, 5)
-        assert values == {n: n for n in "abcd"} and answer["step"] is None
+        assert await asyncio.wait_for(call, 5) == {n: n for n in "abcd"}
         assert events.index("pull d") > events.index("pushed d")
+
+    arun(main())
+
+
+def test_a_failed_group_stops_the_rest_and_what_was_answered_stands(monkeypatch: pytest.MonkeyPatch):
+    """A refused push: the groups waiting for its answer send nothing. A pull that fails after
+    its push was answered: the answer is kept (the shards took that step). A pull that hangs:
+    the call ends at its deadline, the hung pull cancelled."""
+    fakes = _Fakes(monkeypatch, "10.0.0.1:2222")
+    monkeypatch.setattr(pp, "WINDOW", 1)
+    grads: dict[Any, Any] = dict.fromkeys(_Info(n, 1) for n in "abc")
+
+    async def main() -> None:
+        fakes.fail["push a"] = InvalidArgument("refused")
+        fakes.gate("push a").set()
+        answered: list[dict[str, Any]] = []
+        with pytest.raises(InvalidArgument, match="refused"):
+            await pp.push_pull(fakes.port(), grads, None, None, None, None, None, answered)  # type: ignore[arg-type]
+        assert fakes.events == ["push a"] and answered == []  # b and c never went
+        fakes.events.clear()
+        fakes.fail = {"pull a": Unavailable("ps:0 is gone")}
+        for g in ("push a", "pull a", "push b"):
+            fakes.gate(g).set()
+        with pytest.raises(Unavailable):
+            await pp.push_pull(fakes.port(), grads, None, None, None, None, None, answered)  # type: ignore[arg-type]
+        assert {"step": 7, "stale": False, "replicas": ["a"]} in answered
+        fakes.events.clear()
+        fakes.fail, fakes.gates = {}, {"push a": asyncio.Event(), "push b": asyncio.Event()}
+        fakes.gate("push a").set()
+        fakes.gate("push b").set()  # the pulls, and c's push, never come: the deadline does
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(DeadlineExceeded, match="within its timeout"):
+            await pp.push_pull(fakes.port(), grads, None, 0.3, None, None)  # type: ignore[arg-type]
+        assert asyncio.get_running_loop().time() - t0 < 2.0
 
     arun(main())
 

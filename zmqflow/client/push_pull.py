@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..cluster import Address
+from ..errors import DeadlineExceeded
 from .port import SessionPort
 from .var_info import check_apart, check_out
 from .variables import VarInfo, checked_grads, gather_calls
@@ -49,12 +50,14 @@ GROUPS = 16  # a model is cut into about this many: the last pull is what stays 
 
 def groups(infos: list[VarInfo], groups: int = GROUPS, least: int = GROUP_BYTES) -> list[list[VarInfo]]:
     """``infos`` in runs of whole variables, in order, each closed once it holds ``least`` bytes
-    and ``1/groups`` of the total."""
+    and ``1/groups`` of the total (the target), or before a variable would take it past the target:
+    a big variable after small ones starts a group of its own (else a model of small variables
+    and one big one would go as one group, with nothing overlapped)."""
     target = max(least, sum(info.nbytes for info in infos) // max(1, groups))
     out: list[list[VarInfo]] = []
     size = target
     for info in infos:
-        if size >= target:
+        if size >= target or (size and size + info.nbytes > target):  # full, or this one would overflow it
             out.append([])
             size = 0
         out[-1].append(info)
@@ -76,15 +79,17 @@ def on_this_host(address: Address) -> bool:
 
 
 async def push_pull(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None, timeout: float | None,
-                    learning_rate: float | None, out: Mapping[str, np.ndarray] | None, cut_in: int | None = None
-                    ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+                    learning_rate: float | None, out: Mapping[str, np.ndarray] | None, cut_in: int | None = None,
+                    answered: list[dict[str, Any]] | None = None) -> dict[str, np.ndarray]:
     """Push ``grads`` (as ``variables.push``) and pull each variable after its group's push is
     answered (as ``variables.pull``, into ``out`` where it names the variable). The groups' pushes
     go in turn, ``WINDOW`` out at once (the next one's bytes go while the one before waits for
     its answer; all at once where a variable is synchronous), each group's pull beside later
     pushes; the whole call ends by ``timeout`` (the session's by default). ``cut_in``: about how
-    many groups (whole variables each), in place of the rule of the module's docstring. Returns what the pushes answered, merged as one push's
-    answer, and the values by name."""
+    many groups (whole variables each), in place of the rule of the module's docstring. Each
+    push's answer goes to ``answered`` as it comes (its step and replicas stand even if a later
+    group fails: the shards took that step). Returns the values by name. Past the deadline,
+    whatever is still out is cancelled (DeadlineExceeded)."""
     grads = checked_grads(grads)  # all of them, and every out= array, before a group is sent
     given = {info.name: check_out(info, out[info.name]) for info in grads if out and info.name in out}
     check_apart(given)
@@ -102,23 +107,26 @@ async def push_pull(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int |
     # groups differ (another order, other variables) would each wait on a push the other holds back.
     window = len(cut) if any(info.sync for info in grads) else WINDOW
 
+    answers = answered if answered is not None else []
+
     def left() -> float:
         """What is left of the call's ``timeout``: the later groups' requests get no more."""
         return max(0.001, deadline - loop.time())
 
-    async def one(k: int, group: list[VarInfo]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    async def one(k: int, group: list[VarInfo]) -> dict[str, np.ndarray]:
         if k >= window:
             await turns[k - window].wait()
-        try:
-            pushed = await _push(sess, {info: grads[info] for info in group}, step, left(), learning_rate)
-        finally:
-            turns[k].set()
+        answers.append(await _push(sess, {info: grads[info] for info in group}, step, left(), learning_rate))
+        turns[k].set()  # only once answered: after a failure the groups still waiting send nothing
         into = {info.name: given[info.name] for info in group if info.name in given}
-        return pushed, await _pull(sess, group, left(), into)
+        return await _pull(sess, group, left(), into)
 
-    done = await gather_calls([one(k, g) for k, g in enumerate(cut)])
-    steps = [r["step"] for r, _ in done if r["step"] is not None]
-    replicas = [r["replicas"] for r, _ in done if r["replicas"] is not None]
-    answer = {"step": max(steps) if steps else None, "stale": any(r["stale"] for r, _ in done),
-              "replicas": sorted({x for rs in replicas for x in rs}) if replicas else None}
-    return answer, {name: value for _, values in done for name, value in values.items()}
+    try:
+        async with asyncio.timeout_at(deadline):  # stream opens included: the whole call keeps to it
+            done = await gather_calls([one(k, g) for k, g in enumerate(cut)])
+    except TimeoutError as exc:
+        if isinstance(exc, DeadlineExceeded):
+            raise
+        raise DeadlineExceeded(f"push_pull: {len(answers)} of {len(cut)} groups pushed, not all pulled, within its "
+                               "timeout") from None
+    return {name: value for values in done for name, value in values.items()}

@@ -38,6 +38,7 @@ from .embedding import AsyncEmbedding, TableInfo, declare_embedding
 from .push_pull import push_pull as _push_pull
 from .variables import AsyncVariable, VarInfo, declare
 from .variables import pull as _pull
+from .variables import merged_answers as _merged
 from .variables import push as _push
 
 __all__ = ["AsyncSession", "WAIT_MARGIN"]
@@ -291,10 +292,16 @@ class AsyncSession:
             raise InvalidArgument(f"out= names variables not pushed: {', '.join(sorted(map(str, extra)))}")
         if groups is not None and (isinstance(groups, bool) or not isinstance(groups, int) or groups < 1):
             raise InvalidArgument(f"push_pull: groups must be an int >= 1, got {groups!r}")
-        answer, values = await _push_pull(self, infos, self.step if step is None else step, timeout, rate, out,
-                                          groups)
-        self._pushed(answer)
-        return values
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+                                    or not timeout > 0):  # NaN too: nothing may go out on it
+            raise InvalidArgument(f"push_pull: timeout must be > 0 seconds, got {timeout!r}")
+        answered: list[dict[str, Any]] = []
+        try:
+            return await _push_pull(self, infos, self.step if step is None else step, timeout, rate, out, groups,
+                                    answered)
+        finally:  # a step the shards took stands, whatever failed after it
+            if answered:
+                self._pushed(_merged(answered))
 
     async def _grads(self, grads: "Mapping[str | AsyncVariable, Any]") -> dict[VarInfo, Any]:
         """Each gradient by its variable. Two keys for one variable are refused: their gradients

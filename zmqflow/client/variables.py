@@ -37,8 +37,8 @@ from ..wire.requests import cluster as crq
 from ..wire.requests import ps as rq
 
 
-__all__ = ["SLICE_BYTES", "VarInfo", "check_out", "checked_grads", "gather_calls", "AsyncVariable", "declare",
-           "create_parts", "pull", "push", "assign", "scatter"]
+__all__ = ["SLICE_BYTES", "VarInfo", "check_out", "checked_grads", "gather_calls", "merged_answers", "AsyncVariable",
+           "declare", "create_parts", "pull", "push", "assign", "scatter"]
 
 # a one-part variable pulled without out= up to this size comes whole, as one frame that becomes
 # the result (no copy); bigger ones come in slices, copied into a new array as they land
@@ -425,7 +425,12 @@ async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None
     for task, pieces in bulk.items():
         calls += [push_from(sess, task, stream, batch, timeout, learning_rate)
                   for stream, batch in bulk_to[task].spread(pieces)]
-    results = await gather_calls(calls)
+    return merged_answers(await gather_calls(calls))
+
+
+def merged_answers(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Push answers as one: the highest synchronous step, whether any was stale, and every replica
+    the steps averaged (None where no answer named a step or replicas)."""
     steps = [r["step"] for r in results if r.get("step") is not None]
     replicas = [r["replicas"] for r in results if isinstance(r.get("replicas"), list)]
     return {"step": max(steps) if steps else None, "stale": any(r.get("stale") for r in results),
