@@ -149,6 +149,35 @@ def test_the_step_a_push_completed_stands_when_its_pull_fails(monkeypatch: pytes
     arun(main())
 
 
+def test_a_pull_has_its_own_time_after_a_sync_push_that_waited_for_a_straggler(monkeypatch: pytest.MonkeyPatch):
+    """Replica 1 pushes late: replica 0's push is answered near the end of its timeout, and its
+    read-back (slowed here, as a big model over a link would be) still has a timeout of its own."""
+    pull = pp._pull
+
+    async def slow(*a: Any) -> dict[str, Any]:
+        await asyncio.sleep(0.8)
+        return await pull(*a)
+
+    monkeypatch.setattr(pp, "_pull", slow)
+
+    async def main() -> None:
+        async with local_cluster({"ps": 1, "worker": 2}, timeout=20) as servers:
+            async with zf.AsyncSession(servers["worker:0"].target, timeout=2) as s0, \
+                    zf.AsyncSession(servers["worker:1"].target, timeout=2) as s1:
+                opt = zf.optim.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=2)
+                await s0.variable("w", np.zeros(2, np.float32), optimizer=opt)
+                await s1.get("w")
+
+                async def late() -> dict[str, Any]:
+                    await asyncio.sleep(1.5)
+                    return await s1.push_pull({"w": np.ones(2, np.float32)}, step=0)
+
+                r0, _ = await asyncio.gather(s0.push_pull({"w": np.ones(2, np.float32)}, step=0), late())
+                np.testing.assert_array_equal(r0["w"], np.full(2, -1.0, np.float32))
+
+    arun(main())
+
+
 def test_bad_input_in_the_last_group_changes_nothing(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(pp, "on_this_host", lambda _address: False)  # as if the shards were on other hosts
     monkeypatch.setattr(pp, "GROUP_BYTES", 1)  # a group per variable
@@ -291,17 +320,21 @@ def test_a_failed_group_stops_the_rest_and_what_was_answered_stands(monkeypatch:
         fakes.fail = {"pull a": Unavailable("ps:0 is gone")}
         for g in ("push a", "pull a", "push b"):
             fakes.gate(g).set()
-        with pytest.raises(Unavailable):
+        with pytest.raises(Unavailable) as raised:
             await pp.push_pull(fakes.port(), grads, None, None, None, None, None, answered)  # type: ignore[arg-type]
-        assert {"step": 7, "stale": False, "replicas": ["a"]} in answered
+        assert {"step": 7, "stale": False, "replicas": ["a"]} in answered and raised.value.details["pushed"] is False
+        one: dict[Any, Any] = dict.fromkeys([_Info("a", 1)])
+        with pytest.raises(Unavailable) as raised:  # every push answered, the read-back lost: the step was taken
+            await pp.push_pull(fakes.port(), one, None, None, None, None)  # type: ignore[arg-type]
+        assert raised.value.details["pushed"] is True
         fakes.events.clear()
         fakes.fail, fakes.gates = {}, {"push a": asyncio.Event(), "push b": asyncio.Event()}
         fakes.gate("push a").set()
         fakes.gate("push b").set()  # the pulls, and c's push, never come: the deadline does
         t0 = asyncio.get_running_loop().time()
-        with pytest.raises(DeadlineExceeded, match="within its timeout"):
+        with pytest.raises(DeadlineExceeded, match="within twice its timeout") as raised:
             await pp.push_pull(fakes.port(), grads, None, 0.3, None, None)  # type: ignore[arg-type]
-        assert asyncio.get_running_loop().time() - t0 < 2.0
+        assert asyncio.get_running_loop().time() - t0 < 2.0 and raised.value.details["pushed"] is False
 
     arun(main())
 
@@ -345,7 +378,15 @@ def test_the_ps_strategy_reads_back_with_its_push_and_pulls_only_when_it_has_not
         rt.session.push_pull = lost  # type: ignore[method-assign]
         with pytest.raises(Unavailable, match="no checkpoint"):  # nothing to recover from: the recovery gives up
             strategy.apply({"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)})
-        rt.session.push_pull = push_pull  # type: ignore[method-assign]
         assert strategy.params()["a"].tolist() == [-4] * 3 and len(pulls) == 4  # the failed step read nothing back
+
+        def read_back_lost(grads: dict[str, Any], **kw: Any) -> dict[str, Any]:
+            rt.session.push(grads, learning_rate=kw.get("learning_rate"))
+            raise Unavailable("ps:0: the read-back was lost", pushed=True)
+
+        rt.session.push_pull = read_back_lost  # type: ignore[method-assign]
+        assert strategy.apply({"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)}) == 5  # taken: counted
+        rt.session.push_pull = push_pull  # type: ignore[method-assign]
+        assert strategy.params()["a"].tolist() == [-5] * 3 and len(pulls) == 5  # and read by a pull
     finally:
         rt.session.pull = pull  # type: ignore[method-assign]

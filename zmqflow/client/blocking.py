@@ -116,9 +116,10 @@ class Session:
     def push_pull(self, grads: "Mapping[str | Variable, Any]", step: int | None = None, *,
                   timeout: float | None = None, learning_rate: float | None = None, out: Any = None,
                   groups: int | None = None) -> dict[str, Any]:
+        limit = 2 * (self._async.timeout if timeout is None else timeout)  # its pushes', then its pulls'
         return self.run_on_loop(self._async.push_pull({_unwrap(k): v for k, v in grads.items()}, step=step,
                                                       timeout=timeout, learning_rate=learning_rate, out=out,
-                                                      groups=groups), timeout)
+                                                      groups=groups), limit)
 
     def global_step(self, *, timeout: float | None = None) -> int:
         return self.run_on_loop(self._async.global_step(timeout=timeout), timeout)

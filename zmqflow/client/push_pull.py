@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..cluster import Address
-from ..errors import DeadlineExceeded
+from ..errors import DeadlineExceeded, ZmqflowError
 from .port import SessionPort
 from .var_info import check_apart, check_out
 from .variables import VarInfo, checked_grads, gather_calls
@@ -85,17 +85,21 @@ async def push_pull(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int |
     answered (as ``variables.pull``, into ``out`` where it names the variable). The groups' pushes
     go in turn, ``WINDOW`` out at once (the next one's bytes go while the one before waits for
     its answer; all at once where a variable is synchronous), each group's pull beside later
-    pushes; the whole call ends by ``timeout`` (the session's by default). ``cut_in``: about how
+    pushes. ``timeout`` (the session's by default) bounds the pushes, as ``push``'s does, and each
+    group's pull from its push's answer, as ``pull``'s does: a synchronous push may wait most of
+    it for the other replicas. The whole call ends within twice the timeout. ``cut_in``: about how
     many groups (whole variables each), in place of the rule of the module's docstring. Each
     push's answer goes to ``answered`` as it comes (its step and replicas stand even if a later
-    group fails: the shards took that step). Returns the values by name. Past the deadline,
-    whatever is still out is cancelled (DeadlineExceeded)."""
+    group fails: the shards took that step); a ZmqflowError raised says in ``details["pushed"]``
+    whether every push was answered. Returns the values by name. Past twice the timeout, whatever
+    is still out is cancelled (DeadlineExceeded)."""
     grads = checked_grads(grads)  # all of them, and every out= array, before a group is sent
     given = {info.name: check_out(info, out[info.name]) for info in grads if out and info.name in out}
     check_apart(given)
 
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + (sess.timeout if timeout is None else timeout)
+    limit = sess.timeout if timeout is None else timeout
+    deadline = loop.time() + limit  # the pushes'; each pull has ``limit`` from its push's answer
     if cut_in is None:
         spec = await sess.cluster()
         local = all(on_this_host(spec.address(task)) for info in grads for task, _, _ in info.parts)
@@ -109,24 +113,24 @@ async def push_pull(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int |
 
     answers = answered if answered is not None else []
 
-    def left() -> float:
-        """What is left of the call's ``timeout``: the later groups' requests get no more."""
-        return max(0.001, deadline - loop.time())
+    def left(until: float) -> float:
+        return max(0.001, until - loop.time())
 
     async def one(k: int, group: list[VarInfo]) -> dict[str, np.ndarray]:
         if k >= window:
             await turns[k - window].wait()
-        answers.append(await _push(sess, {info: grads[info] for info in group}, step, left(), learning_rate))
+        answers.append(await _push(sess, {info: grads[info] for info in group}, step, left(deadline), learning_rate))
         turns[k].set()  # only once answered: after a failure the groups still waiting send nothing
         into = {info.name: given[info.name] for info in group if info.name in given}
-        return await _pull(sess, group, left(), into)
+        return await _pull(sess, group, limit, into)  # a sync push may take its whole time: the pull has its own
 
     try:
-        async with asyncio.timeout_at(deadline):  # stream opens included: the whole call keeps to it
+        async with asyncio.timeout_at(deadline + limit):  # stream opens included: the call keeps to both times
             done = await gather_calls([one(k, g) for k, g in enumerate(cut)])
-    except TimeoutError as exc:
-        if isinstance(exc, DeadlineExceeded):
-            raise
-        raise DeadlineExceeded(f"push_pull: {len(answers)} of {len(cut)} groups pushed, not all pulled, within its "
-                               "timeout") from None
+    except ZmqflowError as exc:
+        exc.details["pushed"] = len(answers) == len(cut)  # whether every gradient was taken
+        raise
+    except TimeoutError:
+        raise DeadlineExceeded(f"push_pull: {len(answers)} of {len(cut)} groups pushed, not all pulled, within twice "
+                               "its timeout", pushed=len(answers) == len(cut)) from None
     return {name: value for values in done for name, value in values.items()}

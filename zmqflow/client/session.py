@@ -280,7 +280,9 @@ class AsyncSession:
         """``push(grads)`` and then ``pull`` of the same variables, in one call that overlaps the
         two (:mod:`.push_pull`): each group of variables is read back as soon as its push is
         answered, while later groups' gradients still go out, so a link carries both ways at once.
-        Each value includes this push. ``groups``: about how many groups to cut the model in
+        Each value includes this push. ``timeout`` bounds the pushes, and each group's pull from
+        its push's answer (twice it in all); an error says in ``details["pushed"]`` whether every
+        push was answered (the step was taken). ``groups``: about how many groups to cut the model in
         (whole variables each; 1 is a push, then a pull), in place of the default (about 16 of at
         least 1 MiB, one where every shard is on this host). Returns the values by name (``out``'s
         arrays where it names them), as ``pull``; the new step, for synchronous variables, is

@@ -120,9 +120,15 @@ class ParameterServerStrategy(Strategy):
     def _apply(self, grads: dict[str, np.ndarray]) -> int:
         """Push ``grads`` and read the parameters back in the same call (``Session.push_pull``: each
         link carries both ways at once where a link binds), kept for the next ``params``: as
-        fresh as a pull at its start, but for the hooks' time between."""
+        fresh as a pull at its start, but for the hooks' time between. A read-back that fails after
+        every push was answered leaves the step taken and counted, as a push then a failed pull did."""
         sess = self._sess
-        values = sess.push_pull(grads, learning_rate=self._rate)
+        try:
+            values = sess.push_pull(grads, learning_rate=self._rate)
+        except _SHARD_GONE as exc:
+            if not exc.details.get("pushed"):
+                raise  # the step was not taken: dropped, after a recovery
+            values = {}  # taken, and counted below; the read-back failed: ``params`` pulls (or recovers)
         if set(self.names) <= set(values):  # a step that left a parameter out reads it at ``params``
             self._ahead = {n: values[n] for n in self.names}
         if self.sync:
