@@ -36,7 +36,7 @@ import numpy as np
 from ..cluster import Address
 from ..errors import DeadlineExceeded, ZmqflowError
 from .port import SessionPort
-from .var_info import check_apart, check_out
+from .var_info import checked_outs
 from .variables import VarInfo, checked_grads, gather_calls
 from .variables import pull as _pull
 from .variables import push as _push
@@ -94,8 +94,7 @@ async def push_pull(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int |
     whether every push was answered. Returns the values by name. Past twice the timeout, whatever
     is still out is cancelled (DeadlineExceeded)."""
     grads = checked_grads(grads)  # all of them, and every out= array, before a group is sent
-    given = {info.name: check_out(info, out[info.name]) for info in grads if out and info.name in out}
-    check_apart(given)
+    given = checked_outs(grads, out, "pushed")
 
     loop = asyncio.get_running_loop()
     limit = sess.timeout if timeout is None else timeout
@@ -113,13 +112,11 @@ async def push_pull(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int |
 
     answers = answered if answered is not None else []
 
-    def left(until: float) -> float:
-        return max(0.001, until - loop.time())
-
     async def one(k: int, group: list[VarInfo]) -> dict[str, np.ndarray]:
         if k >= window:
             await turns[k - window].wait()
-        answers.append(await _push(sess, {info: grads[info] for info in group}, step, left(deadline), learning_rate))
+        left = max(0.001, deadline - loop.time())  # of the pushes' time: the later groups get no more
+        answers.append(await _push(sess, {info: grads[info] for info in group}, step, left, learning_rate))
         turns[k].set()  # only once answered: after a failure the groups still waiting send nothing
         into = {info.name: given[info.name] for info in group if info.name in given}
         return await _pull(sess, group, limit, into)  # a sync push may take its whole time: the pull has its own

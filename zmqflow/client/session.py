@@ -289,9 +289,6 @@ class AsyncSession:
         ``self.step``."""
         infos = await self._grads(grads)
         rate = None if learning_rate is None else _rate(learning_rate)
-        extra = set(out or {}) - {info.name for info in infos}
-        if extra:
-            raise InvalidArgument(f"out= names variables not pushed: {', '.join(sorted(map(str, extra)))}")
         if groups is not None and (isinstance(groups, bool) or not isinstance(groups, int) or groups < 1):
             raise InvalidArgument(f"push_pull: groups must be an int >= 1, got {groups!r}")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)

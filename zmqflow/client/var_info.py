@@ -7,7 +7,7 @@ assembles the variable from its parts' rows, so a gap would leave memory no shar
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ from ..errors import InvalidArgument
 from ..state.catalog import check_tiling
 from ..wire.dtypes import dtype_from_name
 
-__all__ = ["SLICE_BYTES", "VarInfo", "rows_of", "check_out", "check_apart"]
+__all__ = ["SLICE_BYTES", "VarInfo", "rows_of", "check_out", "check_apart", "checked_outs"]
 
 SLICE_BYTES = 4 << 20
 
@@ -111,3 +111,18 @@ def check_apart(outs: Mapping[str, np.ndarray]) -> None:
     for (start, size, name), (later, _, other) in zip(spans, spans[1:]):
         if later < start + size:
             raise InvalidArgument(f"out= for {name!r} and {other!r} share memory: each needs an array of its own")
+
+
+def checked_outs(infos: Iterable[VarInfo], out: Mapping[str, Any] | None, what: str) -> dict[str, np.ndarray]:
+    """The ``out=`` arrays of a read of ``infos``, by name: each checked (``check_out``), none
+    sharing memory with another (``check_apart``), and a name not among ``infos`` refused, naming
+    it (``what`` the call does to those: "pulled", "pushed")."""
+    given = out or {}
+    by_name = {info.name: info for info in infos}
+    extra = set(given) - set(by_name)
+    if extra:
+        raise InvalidArgument(f"out= names variables not {what}: {', '.join(sorted(map(str, extra)))}")
+    checked = {name: check_out(by_name[name], arr) for name, arr in given.items()}
+    if len(checked) > 1:
+        check_apart(checked)
+    return checked

@@ -29,7 +29,7 @@ from .bulk_push import push_from
 from .claims import declare_claimed, give_up, settle
 from .port import SessionPort
 from .placement import current_device, current_policy
-from .var_info import SLICE_BYTES, VarInfo, check_apart, check_out, rows_of
+from .var_info import SLICE_BYTES, VarInfo, check_out, checked_outs, rows_of
 from ..state.kernels import copy_into
 from ..state.partition import num_partitions, row_splits
 from ..wire.dtypes import dtype_name
@@ -231,20 +231,15 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
     ``bulk_pull.BULK_FROM`` bytes sends its parts on its bulk stream where it offers one: they
     land in their arrays, copied by no one. Every reply's shape and dtype are checked against
     what the session knows of the part: VariableConflict when the part has changed since."""
-    given = out or {}
-    extra = set(given) - {info.name for info in infos}
-    if extra:
-        raise InvalidArgument(f"out= names variables not pulled: {', '.join(sorted(map(str, extra)))}")
+    given = checked_outs(infos, out, "pulled")
     outs: dict[str, np.ndarray | None] = {}
     for info in infos:
         if info.name in given:
-            outs[info.name] = check_out(info, given[info.name])
+            outs[info.name] = given[info.name]
         elif len(info.parts) == 1 and info.nbytes <= WHOLE_PULL_BYTES:
             outs[info.name] = None  # the reply's array, once it lands
         else:
             outs[info.name] = np.empty(info.shape, dtype=info.dtype)
-    if len(given) > 1:
-        check_apart(given)
     shared = await _in_process(sess, {info.parts[0][0] for info in infos if outs[info.name] is None})
     bulk_to = await _bulk_streams(sess, infos)
     bulk: dict[TaskId, list[Piece]] = defaultdict(list)
