@@ -340,15 +340,16 @@ def test_a_failed_group_stops_the_rest_and_what_was_answered_stands(monkeypatch:
 
 
 def test_the_ps_strategy_reads_back_with_its_push_and_pulls_only_when_it_has_nothing(local):
-    """``apply`` reads the parameters back with its push: the next ``params`` returns them without
-    a pull, once; a step that leaves a parameter out, and a recovery, leave ``params`` to pull."""
+    """A synchronous ``apply`` reads the parameters back with its push: the next ``params`` returns
+    them without a pull, once; a step that leaves a parameter out, and a recovery, leave ``params``
+    to pull."""
     from zmqflow.bridge import runtime
     from zmqflow.errors import Unavailable
     from zmqflow.training.context import TrainingContext
 
     rt = runtime.current()
     ctx = TrainingContext(spec=rt.spec, task=rt.task, session=rt.session, chief_task=rt.task, members=[rt.task])
-    strategy = zf.ParameterServerStrategy()
+    strategy = zf.ParameterServerStrategy(sync=True)
     strategy.bind(ctx)
     pulls: list[list[str]] = []
     pull = rt.session.pull
@@ -390,3 +391,21 @@ def test_the_ps_strategy_reads_back_with_its_push_and_pulls_only_when_it_has_not
         assert strategy.params()["a"].tolist() == [-5] * 3 and len(pulls) == 5  # and read by a pull
     finally:
         rt.session.pull = pull  # type: ignore[method-assign]
+
+
+def test_the_async_ps_strategy_reads_at_the_next_step_what_other_workers_pushed_since(local):
+    """Asynchronous: ``params`` pulls at each step's start, so it holds another worker's push made
+    after this worker's ``apply`` (a read-back with the push would miss it: a staler gradient)."""
+    from zmqflow.bridge import runtime
+    from zmqflow.training.context import TrainingContext
+
+    rt = runtime.current()
+    ctx = TrainingContext(spec=rt.spec, task=rt.task, session=rt.session, chief_task=rt.task, members=[rt.task])
+    strategy = zf.ParameterServerStrategy(sync=False)
+    strategy.bind(ctx)
+    strategy.create({"w": np.zeros(2, np.float32)}, zf.optim.SGD(1.0))
+    strategy.params()
+    assert strategy.apply({"w": np.ones(2, np.float32)}) == 1
+    rt.session.push({"w": np.full(2, 2, np.float32)}, learning_rate=1.0)  # another worker, between the steps
+    assert strategy.params()["w"].tolist() == [-3, -3]
+    assert strategy.apply({"w": np.ones(2, np.float32)}) == 2 and strategy.params()["w"].tolist() == [-4, -4]

@@ -100,8 +100,12 @@ def test_local_strategy_matches_plain_sgd():
 
 @pytest.mark.parametrize("strategy", ["sync-ps", "ps", "ring"])
 def test_demo_reaches_its_accuracy(tmp_path, procs, strategy):
+    """300 steps of each worker: the asynchronous global step counts every worker's push, so it
+    runs to 600, the examples the other strategies see (at 300, half of them, its accuracy under
+    load has spread down to 0.875)."""
     result = tmp_path / "result.json"
-    p = procs([*ZMQFLOW, "demo", "--strategy", strategy, "--steps", "300", "--result", str(result)])
+    steps = 600 if strategy == "ps" else 300
+    p = procs([*ZMQFLOW, "demo", "--strategy", strategy, "--steps", str(steps), "--result", str(result)])
     assert p.wait(180) == 0, p.output
     got = json.loads(result.read_text())
     assert got["test_accuracy"] >= 0.90, got
