@@ -155,21 +155,21 @@ def test_a_pull_has_its_own_time_after_a_sync_push_that_waited_for_a_straggler(m
     pull = pp._pull
 
     async def slow(*a: Any) -> dict[str, Any]:
-        await asyncio.sleep(0.8)
+        await asyncio.sleep(2.0)  # more than what the push leaves of a timeout shared with it (4 - 2.5)
         return await pull(*a)
 
     monkeypatch.setattr(pp, "_pull", slow)
 
     async def main() -> None:
         async with local_cluster({"ps": 1, "worker": 2}, timeout=20) as servers:
-            async with zf.AsyncSession(servers["worker:0"].target, timeout=2) as s0, \
-                    zf.AsyncSession(servers["worker:1"].target, timeout=2) as s1:
+            async with zf.AsyncSession(servers["worker:0"].target, timeout=4) as s0, \
+                    zf.AsyncSession(servers["worker:1"].target, timeout=4) as s1:
                 opt = zf.optim.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=2)
                 await s0.variable("w", np.zeros(2, np.float32), optimizer=opt)
                 await s1.get("w")
 
                 async def late() -> dict[str, Any]:
-                    await asyncio.sleep(1.5)
+                    await asyncio.sleep(2.5)  # replica 0's push waits for it: answered 1.5 s before its timeout
                     return await s1.push_pull({"w": np.ones(2, np.float32)}, step=0)
 
                 r0, _ = await asyncio.gather(s0.push_pull({"w": np.ones(2, np.float32)}, step=0), late())
