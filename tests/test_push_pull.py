@@ -392,25 +392,3 @@ def test_the_ps_strategy_reads_back_with_its_push_and_pulls_only_when_it_has_not
     finally:
         rt.session.pull = pull  # type: ignore[method-assign]
 
-
-def test_the_async_ps_strategy_reads_at_the_next_step_what_other_workers_pushed_since(local):
-    """Asynchronous: ``params`` pulls at each step's start, so it holds another worker's push made
-    after this worker's ``apply`` (a read-back with the push would miss it: a staler gradient);
-    each push counts the global step in the same requests, and the pull reads it."""
-    from zmqflow.bridge import runtime
-    from zmqflow.training.context import TrainingContext
-
-    rt = runtime.current()
-    ctx = TrainingContext(spec=rt.spec, task=rt.task, session=rt.session, chief_task=rt.task, members=[rt.task])
-    strategy = zf.ParameterServerStrategy(sync=False)
-    strategy.bind(ctx)
-    strategy.create({"w": np.zeros(2, np.float32)}, zf.optim.SGD(1.0))
-    strategy.params()
-    assert strategy.apply({"w": np.ones(2, np.float32)}) == 1
-    # another worker's step between this one's: its gradient and its count, in one push
-    rt.session.push({"w": np.full(2, 2, np.float32), "global_step": np.ones((), np.int64)}, learning_rate=1.0)
-    assert strategy.params()["w"].tolist() == [-3, -3]
-    assert strategy.apply({"w": np.ones(2, np.float32)}) == 3 and strategy.params()["w"].tolist() == [-4, -4]
-    assert strategy.step_var.read() == 3  # each push counted on the shard
-    assert strategy.apply({"w": np.ones(2, np.float32)}) == 4 and strategy.apply({}) == 5  # no read between: counted
-    assert strategy.params()["w"].tolist() == [-5, -5] and strategy.step_var.read() == 5

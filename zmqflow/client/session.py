@@ -267,12 +267,16 @@ class AsyncSession:
         ``None`` for none this step: a synchronous round counts this replica, adding nothing),
         at ``learning_rate`` in place of each optimizer's own where given (a schedule's value this
         step; a synchronous step applies at the rate of the push that completes it).
-        Synchronous variables return the new global step once this step is applied. Two keys for
-        one variable (two handles, or a name and a handle) are refused before anything is sent:
-        their gradients would be merged by no rule."""
+        Synchronous variables return the new global step once this step is applied; else a push
+        that counts its step in a ``global_step`` variable (one element, no optimizer: a gradient of
+        1 adds 1) returns that variable's value after its add, as TF's ``apply_gradients(global_step=)``
+        increments it, with no read. Two keys for one variable (two handles, or a name and a
+        handle) are refused before anything is sent: their gradients would be merged by no rule."""
         infos = await self._grads(grads)
         rate = None if learning_rate is None else _rate(learning_rate)
-        return self._pushed(await _push(self, infos, self.step if step is None else step, timeout, rate))
+        result = await _push(self, infos, self.step if step is None else step, timeout, rate)
+        step_now = self._pushed(result)
+        return step_now if step_now is not None else result["global_step"]
 
     async def push_pull(self, grads: "Mapping[str | AsyncVariable, Any]", step: int | None = None, *,
                         timeout: float | None = None, learning_rate: float | None = None,

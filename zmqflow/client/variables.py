@@ -424,12 +424,14 @@ async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None
 
 
 def merged_answers(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Push answers as one: the highest synchronous step, whether any was stale, and every replica
-    the steps averaged (None where no answer named a step or replicas)."""
+    """Push answers as one: the highest synchronous step, whether any was stale, every replica
+    the steps averaged, and the ``global_step`` the push counted (None where no answer named one)."""
     steps = [r["step"] for r in results if r.get("step") is not None]
     replicas = [r["replicas"] for r in results if isinstance(r.get("replicas"), list)]
+    counted = [r["global_step"] for r in results if isinstance(r.get("global_step"), int)]
     return {"step": max(steps) if steps else None, "stale": any(r.get("stale") for r in results),
-            "replicas": sorted({str(x) for rs in replicas for x in rs}) if replicas else None}
+            "replicas": sorted({str(x) for rs in replicas for x in rs}) if replicas else None,
+            "global_step": max(counted) if counted else None}
 
 
 class AsyncVariable:

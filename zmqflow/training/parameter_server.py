@@ -47,7 +47,6 @@ class ParameterServerStrategy(Strategy):
         self._acting = ctx.chief_task  # who the log last named as holding the chief's duties
         self._joined_live = False  # the chief came back to live parameters: it waits to be counted in a step
         self._ahead: dict[str, np.ndarray] | None = None  # what the last apply read back, for the next params
-        self._known = 0  # async: the global step as of the last read, plus this worker's pushes since
 
     @property
     def _sess(self) -> Session:
@@ -55,6 +54,9 @@ class ParameterServerStrategy(Strategy):
         return self.ctx.session
 
     def create(self, params: dict[str, np.ndarray], optimizer: Any, restore: str | None = None) -> int:
+        if _STEP in params:
+            raise ConfigError(f"a parameter may not be named {_STEP!r}: the ps strategy counts its steps in a "
+                              "variable of that name", name=_STEP)
         ctx = self.ctx
         sess = self._sess
         opt = optimizer
@@ -109,16 +111,11 @@ class ParameterServerStrategy(Strategy):
         return shard_tasks(self.ctx.spec)
 
     def params(self) -> dict[str, np.ndarray]:
-        """The parameters: those the last synchronous ``apply`` read back with its push, once; else a
-        pull (asynchronous: with the global step, in the same requests)."""
+        """The parameters: those the last synchronous ``apply`` read back with its push, once; else a pull."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             return ahead
-        if self.sync:
-            return self._surviving(lambda: self._sess.pull(self.names), retry=True)
-        values = self._surviving(lambda: self._sess.pull([*self.names, _STEP]), retry=True)
-        self._known = int(values.pop(_STEP))  # every push of this worker's was answered before: all counted
-        return values
+        return self._surviving(lambda: self._sess.pull(self.names), retry=True)
 
     def apply(self, grads: dict[str, np.ndarray]) -> int:
         self._ahead = None
@@ -144,17 +141,15 @@ class ParameterServerStrategy(Strategy):
 
     def _apply_async(self, grads: dict[str, np.ndarray]) -> int:
         """Push ``grads`` and count the step in the same requests (the global step is a plain-add
-        variable: its shard adds the push's 1). ``params`` pulls at the next step's start, the
-        step with it. Other workers update the shards meanwhile: a gradient is as stale as the
-        time from the read it was computed on to its push, and a read-back here would be older at
-        the next push, by the hooks, than that pull (under load the demo's held-out accuracy fell
-        from at least 0.944 to as low as 0.894 over 14 runs, read-back against pull). Returns the
-        step as of the last read plus this worker's pushes since, one round trip where reading it
-        back took two more: it grows by one each call (a ``StopAtStep`` ends every worker's loop),
-        and other workers' pushes meanwhile show at the next read."""
-        self._sess.push({**grads, _STEP: _ONE}, learning_rate=self._rate)
-        self._known += 1
-        return self._known
+        variable: its shard adds the push's 1); the push's answer carries the step after its add
+        (``Session.push``): one round trip where adding and reading it back took two more.
+        ``params`` pulls at the next step's start. Other workers update the shards meanwhile: a
+        gradient is as stale as the time from the read it was computed on to its push, and a
+        read-back here would be older at the next push, by the hooks, than that pull (under load
+        the demo's held-out accuracy fell from at least 0.944 to as low as 0.894 over 14 runs,
+        read-back against pull)."""
+        counted = self._sess.push({**grads, _STEP: _ONE}, learning_rate=self._rate)
+        return int(counted) if counted is not None else int(self.step_var.read())
 
     # recovery from a lost ps shard -------------------------------------------------------
     def _surviving(self, fn: Any, *, retry: bool) -> Any:
@@ -240,10 +235,7 @@ class ParameterServerStrategy(Strategy):
 
     def _read_step(self) -> int:
         """The global step: the shards' sync step, or the ``global_step`` variable in async mode."""
-        if self.sync:
-            return int(self._sess.global_step())
-        self._known = int(self.step_var.read())
-        return self._known
+        return int(self._sess.global_step()) if self.sync else int(self.step_var.read())
 
     # who is chief -------------------------------------------------------------------------
     def _elect_chief(self) -> None:

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 # A waiting sync push gives up this long before its caller's deadline, so its own error (naming
 # the missing replicas) reaches the caller instead of a bare timeout.
 _SYNC_MARGIN = 0.25
+_GLOBAL_STEP: PartKey = ("global_step", 0)  # an asynchronous run counts its steps in this variable
 
 # Parts at least this big are allocated and initialized in an executor, so the loop keeps
 # answering (heartbeats, pings, other variables) while a multi-GB initializer runs.
@@ -110,8 +111,14 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
         when it holds it (asynchronous training), else None."""
         if any(p.sync is not None for p in self.store.parts.values()):
             return self._step()
-        part = self.store.parts.get(("global_step", 0))
-        return int(part.value.reshape(-1)[0]) if part is not None and part.value.size == 1 else None
+        return self._counted()
+
+    def _counted(self) -> int | None:
+        """The ``global_step`` variable's value where this shard holds it as one asynchronous
+        element (asynchronous training counts its steps there), else None."""
+        part = self.store.parts.get(_GLOBAL_STEP)
+        ok = part is not None and part.sync is None and part.value.size == 1
+        return int(part.value.reshape(-1)[0]) if ok else None  # type: ignore[union-attr]
 
     def _step(self) -> int:
         steps = [p.sync.step for p in self.store.parts.values() if p.sync is not None]
@@ -313,9 +320,14 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
         return self._push_answer(keys, stale)
 
     def _push_answer(self, keys: list[PartKey], stale: bool) -> dict[str, Any]:
+        """The synchronous step and its replicas; and the ``global_step`` variable's new value
+        where the push counted its step in it: an asynchronous step learns it with no read."""
         syncs = [s for k in keys if (s := self.store.get(*k).sync) is not None]
-        return {"step": max(s.step for s in syncs) if syncs else None, "stale": stale,
-                "replicas": sorted({r for s in syncs for r in s.last_contributors}) if syncs else None}
+        answer = {"step": max(s.step for s in syncs) if syncs else None, "stale": stale,
+                  "replicas": sorted({r for s in syncs for r in s.last_contributors}) if syncs else None}
+        if _GLOBAL_STEP in keys and (counted := self._counted()) is not None:
+            answer["global_step"] = counted
+        return answer
 
     def _apply(self, key: PartKey, dense: dict, sparse: Any, learning_rate: float | None) -> None:
         """Gradients checked on arrival (or their means): applied without checking again, at the
