@@ -48,6 +48,21 @@ def test_a_push_that_counts_the_global_step_returns_its_new_value():
     arun(main())
 
 
+def test_a_counter_beside_a_gradient_on_the_bulk_stream_still_answers_its_count():
+    """A task's share from 1 MiB goes on its push stream, whose answer carries no count: a
+    one-element variable goes over ZeroMQ whatever its shape."""
+    async def main() -> None:
+        async with local_cluster({"ps": 1}, timeout=20, transport="tcp") as servers:
+            async with zf.AsyncSession(servers["ps:0"].target, timeout=10) as sess:
+                big = np.ones(1 << 19, np.float32)  # 2 MiB: the bulk stream's
+                await sess.variable("w", np.zeros_like(big))
+                await sess.variable("global_step", np.zeros((1,), np.int64))
+                assert await sess.push({"w": big, "global_step": np.ones((1,), np.int64)}) == 1
+                got = await sess.pull(["w", "global_step"])
+                assert got["global_step"].tolist() == [1] and float(got["w"][-1]) == 1.0
+
+    arun(main())
+
 def test_the_async_ps_strategy_reads_at_each_step_and_its_step_counts_every_push(local):
     """``params`` pulls at each step's start, so it holds another worker's push made after this
     worker's ``apply`` (a read-back with the push would miss it: a staler gradient); ``apply``

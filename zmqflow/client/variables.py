@@ -396,7 +396,7 @@ async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None
             continue
         g = dense[info]
         for p, (task, r0, r1) in enumerate(info.parts):
-            if task in bulk_to and not info.sync and info.shape:  # from its rows
+            if task in bulk_to and not info.sync and math.prod(info.shape) > 1:  # from its rows; a counter: ZeroMQ
                 bulk[task] += _pieces(info, p, g, bulk_to[task])
                 continue
             for chunk in info.chunks(p):
@@ -480,7 +480,8 @@ class AsyncVariable:
     async def push(self, grad: Any, *, step: int | None = None, timeout: float | None = None,
                    learning_rate: float | None = None) -> int | None:
         """Apply the variable's optimizer to ``grad`` (or ``(indices, rows)``), at ``learning_rate``
-        in place of its own where given; returns the new step when synchronous."""
+        in place of its own where given; returns the new step when synchronous, or the global step
+        it counted (``AsyncSession.push``)."""
         return await self._session.push({self: grad}, step=step, timeout=timeout, learning_rate=learning_rate)
 
     def __repr__(self) -> str:

@@ -115,9 +115,9 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
 
     def _counted(self) -> int | None:
         """The ``global_step`` variable's value where this shard holds it as one asynchronous
-        element (asynchronous training counts its steps there), else None."""
+        element with no optimizer (asynchronous training counts its steps there), else None."""
         part = self.store.parts.get(_GLOBAL_STEP)
-        ok = part is not None and part.sync is None and part.value.size == 1
+        ok = part is not None and part.sync is None and part.optimizer is None and part.value.size == 1
         return int(part.value.reshape(-1)[0]) if ok else None  # type: ignore[union-attr]
 
     def _step(self) -> int:
