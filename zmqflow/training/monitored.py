@@ -191,10 +191,10 @@ class MonitoredTrainingSession:
         return out
 
     def apply(self, grads: Mapping[str, Any], metrics: Mapping[str, float] | None = None) -> int:
-        """Apply one step's gradients (PS: push, and pull on the next ``params``; ring: allreduce
-        the mean, then the optimizer locally). ``metrics`` (scalars) go to the hooks: checked
-        first, so that a refused one leaves the step unapplied and the call safe to repeat.
-        Returns the new step."""
+        """Apply one step's gradients (PS: push, and the parameters on the next ``params``: read back
+        with the push when synchronous, else pulled then; ring: allreduce the mean, then the
+        optimizer locally). ``metrics`` (scalars) go to the hooks: checked first, so that a
+        refused one leaves the step unapplied and the call safe to repeat. Returns the new step."""
         self._need_created()
         shown = scalar_metrics(metrics)
         t = time.perf_counter()
