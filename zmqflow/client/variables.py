@@ -377,7 +377,10 @@ async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None
     absent: dict[TaskId, list[rq.PartItem]] = defaultdict(list)
     dense = {info: _as_array(grad, info, "gradient") for info, grad in grads.items()
              if grad is not None and not isinstance(grad, tuple)}
-    bulk_to = await _bulk_streams(sess, [i for i in dense if not i.sync and i.shape], "push")
+    # an async array of more than one element goes from its rows on a push stream; a counter (one
+    # element) over ZeroMQ, whose answer carries its count (a stream's answer carries none)
+    streamed = {info for info in dense if not info.sync and math.prod(info.shape) > 1}
+    bulk_to = await _bulk_streams(sess, streamed, "push")
     bulk: dict[TaskId, list[Piece]] = defaultdict(list)
     for info, grad in grads.items():
         if grad is None:
@@ -396,7 +399,7 @@ async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None
             continue
         g = dense[info]
         for p, (task, r0, r1) in enumerate(info.parts):
-            if task in bulk_to and not info.sync and math.prod(info.shape) > 1:  # from its rows; a counter: ZeroMQ
+            if task in bulk_to and info in streamed:
                 bulk[task] += _pieces(info, p, g, bulk_to[task])
                 continue
             for chunk in info.chunks(p):
