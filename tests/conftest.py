@@ -196,6 +196,20 @@ def local():
     runtime.shutdown()
 
 
+def local_ps_strategy(sync: bool) -> tuple[Any, Any]:
+    """(the session, a ``ParameterServerStrategy`` bound to it) on ``local``'s cluster, this
+    process its only worker and chief."""
+    import zmqflow as zf
+    from zmqflow.bridge import runtime
+    from zmqflow.training.context import TrainingContext
+
+    rt = runtime.current()
+    ctx = TrainingContext(spec=rt.spec, task=rt.task, session=rt.session, chief_task=rt.task, members=[rt.task])
+    strategy = zf.ParameterServerStrategy(sync=sync)
+    strategy.bind(ctx)
+    return rt.session, strategy
+
+
 def pid_alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, ended but not yet reaped, counts as gone)."""
     try:

@@ -4,7 +4,6 @@ other workers pushed since its last step is in the parameters it computes on."""
 
 from __future__ import annotations
 
-from typing import Any
 
 import numpy as np
 import pytest
@@ -13,18 +12,7 @@ import zmqflow as zf
 from zmqflow.errors import ConfigError
 from zmqflow.testing import local_cluster
 
-from .conftest import arun
-
-
-def _strategy(sync: bool) -> Any:
-    from zmqflow.bridge import runtime
-    from zmqflow.training.context import TrainingContext
-
-    rt = runtime.current()
-    ctx = TrainingContext(spec=rt.spec, task=rt.task, session=rt.session, chief_task=rt.task, members=[rt.task])
-    strategy = zf.ParameterServerStrategy(sync=sync)
-    strategy.bind(ctx)
-    return rt.session, strategy
+from .conftest import arun, local_ps_strategy
 
 
 def test_a_push_that_counts_the_global_step_returns_its_new_value():
@@ -67,7 +55,7 @@ def test_the_async_ps_strategy_reads_at_each_step_and_its_step_counts_every_push
     """``params`` pulls at each step's start, so it holds another worker's push made after this
     worker's ``apply`` (a read-back with the push would miss it: a staler gradient); ``apply``
     returns the global step after its own push, other workers' pushes since its read included."""
-    sess, strategy = _strategy(sync=False)
+    sess, strategy = local_ps_strategy(sync=False)
     strategy.create({"w": np.zeros(2, np.float32)}, zf.optim.SGD(1.0))
     strategy.params()
     assert strategy.apply({"w": np.ones(2, np.float32)}) == 1
@@ -82,6 +70,6 @@ def test_the_async_ps_strategy_reads_at_each_step_and_its_step_counts_every_push
 
 @pytest.mark.parametrize("sync", [False, True])
 def test_a_parameter_named_as_the_global_step_is_refused(local, sync: bool):
-    _, strategy = _strategy(sync)
+    _, strategy = local_ps_strategy(sync)
     with pytest.raises(ConfigError, match="'global_step'"):
         strategy.create({"w": np.zeros(2, np.float32), "global_step": np.zeros((), np.int64)}, zf.optim.SGD(1.0))

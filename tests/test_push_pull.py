@@ -16,7 +16,7 @@ from zmqflow.cluster import Address, ClusterSpec, TaskId
 from zmqflow.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from zmqflow.testing import local_cluster
 
-from .conftest import arun
+from .conftest import arun, local_ps_strategy
 
 
 class _Info:
@@ -343,22 +343,15 @@ def test_the_ps_strategy_reads_back_with_its_push_and_pulls_only_when_it_has_not
     """A synchronous ``apply`` reads the parameters back with its push: the next ``params`` returns
     them without a pull, once; a step that leaves a parameter out, and a recovery, leave ``params``
     to pull."""
-    from zmqflow.bridge import runtime
-    from zmqflow.errors import Unavailable
-    from zmqflow.training.context import TrainingContext
-
-    rt = runtime.current()
-    ctx = TrainingContext(spec=rt.spec, task=rt.task, session=rt.session, chief_task=rt.task, members=[rt.task])
-    strategy = zf.ParameterServerStrategy(sync=True)
-    strategy.bind(ctx)
+    sess, strategy = local_ps_strategy(sync=True)
     pulls: list[list[str]] = []
-    pull = rt.session.pull
+    pull = sess.pull
 
     def counted(names: list[str], **kw: Any) -> dict[str, Any]:
         pulls.append(list(names))
         return pull(names, **kw)
 
-    rt.session.pull = counted  # type: ignore[method-assign]
+    sess.pull = counted  # type: ignore[method-assign]
     try:
         strategy.create({"a": np.zeros(3, np.float32), "b": np.zeros(2, np.float32)}, zf.optim.SGD(1.0))
         assert strategy.params()["a"].tolist() == [0, 0, 0] and len(pulls) == 1
@@ -371,24 +364,24 @@ def test_the_ps_strategy_reads_back_with_its_push_and_pulls_only_when_it_has_not
         strategy.apply({"a": np.ones(3, np.float32)})  # b left out: params pulls both
         assert strategy.params()["b"].tolist() == [-2] * 2 and len(pulls) == 3
         strategy.apply({"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)})
-        push_pull = rt.session.push_pull
+        push_pull = sess.push_pull
 
         def lost(*_a: Any, **_kw: Any) -> dict[str, Any]:
             raise Unavailable("ps:0 is gone")
 
-        rt.session.push_pull = lost  # type: ignore[method-assign]
+        sess.push_pull = lost  # type: ignore[method-assign]
         with pytest.raises(Unavailable, match="no checkpoint"):  # nothing to recover from: the recovery gives up
             strategy.apply({"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)})
         assert strategy.params()["a"].tolist() == [-4] * 3 and len(pulls) == 4  # the failed step read nothing back
 
         def read_back_lost(grads: dict[str, Any], **kw: Any) -> dict[str, Any]:
-            rt.session.push(grads, learning_rate=kw.get("learning_rate"))
+            sess.push(grads, learning_rate=kw.get("learning_rate"))
             raise Unavailable("ps:0: the read-back was lost", pushed=True)
 
-        rt.session.push_pull = read_back_lost  # type: ignore[method-assign]
+        sess.push_pull = read_back_lost  # type: ignore[method-assign]
         assert strategy.apply({"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)}) == 5  # taken: counted
-        rt.session.push_pull = push_pull  # type: ignore[method-assign]
+        sess.push_pull = push_pull  # type: ignore[method-assign]
         assert strategy.params()["a"].tolist() == [-5] * 3 and len(pulls) == 5  # and read by a pull
     finally:
-        rt.session.pull = pull  # type: ignore[method-assign]
+        sess.pull = pull  # type: ignore[method-assign]
 
