@@ -12,6 +12,7 @@ import pytest
 
 import zmqflow as zf
 from zmqflow.client import push_pull as pp
+from zmqflow.client import push_read
 from zmqflow.cluster import Address, ClusterSpec, TaskId
 from zmqflow.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from zmqflow.testing import local_cluster
@@ -126,11 +127,17 @@ def test_replicas_that_cut_a_sync_model_differently_do_not_wait_on_each_other():
     arun(main())
 
 
-def test_the_step_a_push_completed_stands_when_its_pull_fails(monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("read", ["pull", "rows in the answer"])
+def test_the_step_a_push_completed_stands_when_its_pull_fails(monkeypatch: pytest.MonkeyPatch, read: str):
     """The shards took the step: the session's step moves on, so its next push is not dropped
-    as stale (it was, with the step left behind, and the other replicas waited for it)."""
-    async def lost(*_a: Any) -> dict[str, Any]:
+    as stale (it was, with the step left behind, and the other replicas waited for it). The same
+    where the push's own answer carries the rows (a small group) and they fail to land."""
+    def gone(*_a: Any) -> None:
         raise Unavailable("ps:0 is gone")
+
+    async def lost(*a: Any) -> dict[str, Any]:
+        gone()
+        return {}
 
     async def main() -> None:
         async with local_cluster({"ps": 1, "worker": 1}, timeout=10) as servers:
@@ -138,7 +145,11 @@ def test_the_step_a_push_completed_stands_when_its_pull_fails(monkeypatch: pytes
                 opt = zf.optim.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=1)
                 w = await sess.variable("w", np.zeros(2, np.float32), optimizer=opt)
                 with monkeypatch.context() as m:
-                    m.setattr(pp, "_pull", lost)
+                    if read == "pull":
+                        m.setattr(pp, "readable", lambda _grads: False)
+                        m.setattr(pp, "_pull", lost)
+                    else:
+                        m.setattr(push_read, "landed", gone)
                     with pytest.raises(Unavailable):
                         await sess.push_pull({"w": np.ones(2, np.float32)}, step=0)
                 assert sess.step == 1 and sess.replicas is not None
@@ -159,6 +170,7 @@ def test_a_pull_has_its_own_time_after_a_sync_push_that_waited_for_a_straggler(m
         return await pull(*a)
 
     monkeypatch.setattr(pp, "_pull", slow)
+    monkeypatch.setattr(pp, "readable", lambda _grads: False)  # a model too big to come back in the push's answer
 
     async def main() -> None:
         async with local_cluster({"ps": 1, "worker": 2}, timeout=20) as servers:

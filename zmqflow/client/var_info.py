@@ -14,11 +14,12 @@ from typing import Any
 import numpy as np
 
 from ..cluster import TaskId
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, VariableConflict
 from ..state.catalog import check_tiling
+from ..state.kernels import copy_into
 from ..wire.dtypes import dtype_from_name
 
-__all__ = ["SLICE_BYTES", "VarInfo", "rows_of", "check_out", "check_apart", "checked_outs"]
+__all__ = ["SLICE_BYTES", "VarInfo", "rows_of", "landed", "check_out", "check_apart", "checked_outs"]
 
 SLICE_BYTES = 4 << 20
 
@@ -88,6 +89,21 @@ def rows_of(info: VarInfo, part: int, chunk: tuple[int | None, int | None], x: n
         return x
     _, r0, _ = info.parts[part]
     return x[r0 + chunk[0]: r0 + chunk[1]]
+
+
+def landed(info: VarInfo, part: int, chunk: tuple[int | None, int | None], target: np.ndarray | None,
+           arr: np.ndarray, task: TaskId) -> None:
+    """Check a reply's rows of one chunk of one part against what this client knows of the
+    variable, and copy them into ``target``'s rows where there is a target (None: ``arr`` is the
+    whole variable). VariableConflict where the part has changed since the client learned of it."""
+    dst = None if target is None else rows_of(info, part, chunk, target)
+    if arr.dtype != info.dtype or arr.shape != (info.shape if dst is None else dst.shape):
+        raise VariableConflict(
+            f"variable {info.name!r} (part {part}) on {task} is now {list(arr.shape)} {arr.dtype} where this "
+            f"session expects {list(info.shape if dst is None else dst.shape)} {info.dtype}: the part "
+            "changed since the session learned of it; get the variable again", name=info.name)
+    if dst is not None:
+        copy_into(dst, arr)
 
 
 def check_out(info: VarInfo, out: Any) -> np.ndarray:

@@ -20,7 +20,7 @@ import numpy as np
 from ..state import init as _init
 from ..state import optim as _optim
 from ..cluster import TaskId
-from ..errors import InvalidArgument, VariableConflict
+from ..errors import InvalidArgument
 from ..observe import timeline
 from ..transport.bulk import as_bytes
 from .bulk_lanes import Lanes, streams
@@ -29,8 +29,7 @@ from .bulk_push import push_from
 from .claims import declare_claimed, give_up, settle
 from .port import SessionPort
 from .placement import current_device, current_policy
-from .var_info import SLICE_BYTES, VarInfo, check_out, checked_outs, rows_of
-from ..state.kernels import copy_into
+from .var_info import SLICE_BYTES, VarInfo, check_out, checked_outs, landed, rows_of
 from ..state.partition import num_partitions, row_splits
 from ..wire.dtypes import dtype_name
 from ..wire.requests import cluster as crq
@@ -38,7 +37,7 @@ from ..wire.requests import ps as rq
 
 
 __all__ = ["SLICE_BYTES", "VarInfo", "check_out", "checked_grads", "gather_calls", "merged_answers", "AsyncVariable",
-           "declare", "create_parts", "pull", "push", "assign", "scatter"]
+           "declare", "create_parts", "in_process", "pull", "push", "assign", "scatter"]
 
 # a one-part variable pulled without out= up to this size comes whole, as one frame that becomes
 # the result (no copy); bigger ones come in slices, copied into a new array as they land
@@ -80,7 +79,7 @@ async def _bulk_streams(sess: SessionPort, infos: Iterable[VarInfo], kind: str =
     return await streams(sess, shares, kind)
 
 
-async def _in_process(sess: SessionPort, tasks: set[TaskId]) -> set[TaskId]:
+async def in_process(sess: SessionPort, tasks: set[TaskId]) -> set[TaskId]:
     """Those of ``tasks`` reached over inproc: a large reply from one is not a copy but the
     shard's own memory, shared with the client until the array goes."""
     if not tasks:
@@ -240,7 +239,7 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
             outs[info.name] = None  # the reply's array, once it lands
         else:
             outs[info.name] = np.empty(info.shape, dtype=info.dtype)
-    shared = await _in_process(sess, {info.parts[0][0] for info in infos if outs[info.name] is None})
+    shared = await in_process(sess, {info.parts[0][0] for info in infos if outs[info.name] is None})
     bulk_to = await _bulk_streams(sess, infos)
     bulk: dict[TaskId, list[Piece]] = defaultdict(list)
     where: dict[int, tuple[VarInfo, int, tuple[int | None, int | None]]] = {}
@@ -265,14 +264,8 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
         for key, arr in zip(keys, arrays):
             info, p, chunk = where[key]
             target = outs[info.name]
-            dst = None if target is None else rows_of(info, p, chunk, target)
-            if arr.dtype != info.dtype or arr.shape != (info.shape if dst is None else dst.shape):
-                raise VariableConflict(
-                    f"variable {info.name!r} (part {p}) on {task} is now {list(arr.shape)} {arr.dtype} where this "
-                    f"session expects {list(info.shape if dst is None else dst.shape)} {info.dtype}: the part "
-                    "changed since the session learned of it; get the variable again", name=info.name)
-            if dst is not None:
-                copy_into(dst, arr)
+            landed(info, p, chunk, target, arr, task)
+            if target is not None:
                 continue
             if task in shared:
                 arr.flags.writeable = False

@@ -223,8 +223,11 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
     def pull(self, ctx: CallContext, req: rq.Pull) -> list[np.ndarray]:
         """Read-only views of the items' rows, in order, sent zero-copy (a write meanwhile goes to
         a copy of the part: ``Part.own``)."""
+        return self._views(req.items)
+
+    def _views(self, items: list[rq.PullItem]) -> list[np.ndarray]:
         view = self.store.view
-        return [view(it.name, it.part, it.start, it.stop) for it in req.items]
+        return [view(it.name, it.part, it.start, it.stop) for it in items]
 
     @op(rq.Assign)
     def assign(self, ctx: CallContext, req: rq.Assign) -> int:
@@ -280,6 +283,8 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
             for key in by_part:
                 if (p := self.store.get(*key)).sync is not None:
                     raise InvalidArgument(f"variable {p.label} is synchronous: pushes must carry the pusher's step")
+        for it in req.read:  # an unknown part or a bad range is refused before any part is applied
+            self.store.row_range(it.name, it.part, it.start, it.stop)
         waits: list[tuple[PartKey, int]] = []
         stale = False
         for key, grads in by_part.items():
@@ -310,23 +315,26 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
             else:
                 waits.append((key, mine))
         if waits:  # the epoch of the offers: a fence from now on abandons their step
-            return self._push_waits(ctx, waits, list(by_part), stale, self.epoch)
-        return self._push_answer(list(by_part), stale)
+            return self._push_waits(ctx, waits, list(by_part), stale, self.epoch, req.read)
+        return self._push_answer(list(by_part), stale, req.read)
 
     async def _push_waits(self, ctx: CallContext, waits: list[tuple[PartKey, int]], keys: list[PartKey],
-                          stale: bool, epoch: int) -> dict[str, Any]:
+                          stale: bool, epoch: int, read: list[rq.PullItem]) -> dict[str, Any]:
         for key, mine in waits:
             await self._wait_step(ctx, key, mine, epoch)
-        return self._push_answer(keys, stale)
+        return self._push_answer(keys, stale, read)
 
-    def _push_answer(self, keys: list[PartKey], stale: bool) -> dict[str, Any]:
-        """The synchronous step and its replicas; and the ``global_step`` variable's new value
-        where the push counted its step in it: an asynchronous step learns it with no read."""
+    def _push_answer(self, keys: list[PartKey], stale: bool, read: list[rq.PullItem]) -> dict[str, Any]:
+        """The synchronous step and its replicas; the ``global_step`` variable's new value where
+        the push counted its step in it (an asynchronous step learns it with no read); and, where
+        the push asked, the rows of ``read`` as ``pull`` sends them (``values``)."""
         syncs = [s for k in keys if (s := self.store.get(*k).sync) is not None]
         answer = {"step": max(s.step for s in syncs) if syncs else None, "stale": stale,
                   "replicas": sorted({r for s in syncs for r in s.last_contributors}) if syncs else None}
         if _GLOBAL_STEP in keys and (counted := self._counted()) is not None:
             answer["global_step"] = counted
+        if read:
+            answer["values"] = self._views(read)
         return answer
 
     def _apply(self, key: PartKey, dense: dict, sparse: Any, learning_rate: float | None) -> None:

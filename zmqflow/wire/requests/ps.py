@@ -146,7 +146,9 @@ class Push(Request):
     rate of the push that completes it); sync parts need the pusher's ``step``. ``absent``:
     parts the pusher has no gradient for this step (as torch's ``grad is None``). A sync part counts
     it as one replica of its round, adding nothing to the sum; a round in which no replica had a
-    gradient applies nothing, so the optimizer's slots stay as they were. Async parts ignore it."""
+    gradient applies nothing, so the optimizer's slots stay as they were. Async parts ignore it.
+    ``read``: rows to send back with the answer, as a ``pull`` of them would once the push (and
+    its sync step) is applied: a small step's read-back in the push's own round trip."""
 
     dense: Annotated[list[RowsItem], msgspec.Meta(max_length=MAX_ITEMS,
                                                   description="a list of [name, part, start, stop, gradient]")] = []
@@ -156,6 +158,7 @@ class Push(Request):
                                                    description="a list of [name, part]")] = []
     step: Int | None = None
     learning_rate: LearningRate | None = None
+    read: PullItems = []
 
 
 class Save(Request):

@@ -1,0 +1,130 @@
+"""A small group's read-back in its push's own answer (``Push.read``, :mod:`zmqflow.client.push_read`):
+one push request a shard and no pull; the values a pull would read; a bad read refused before
+anything is applied; an answer without its rows refused, its step kept."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import zmqflow as zf
+from zmqflow.client import push_read
+from zmqflow.errors import InvalidArgument, NotFound, ProtocolError
+from zmqflow.testing import local_cluster
+from zmqflow.wire.requests import ps as rq
+
+from .conftest import arun
+
+
+def _recording(sess: zf.AsyncSession, monkeypatch: pytest.MonkeyPatch, ops: list[str],
+               change: Any = None) -> None:
+    """Note each ps op the session sends; ``change`` may rewrite a push's answer."""
+    call_task = sess.call_task
+
+    async def recorded(task: Any, service: str, op: str, body: Any = None, **kw: Any) -> Any:
+        ops.append(op)
+        answer = await call_task(task, service, op, body, **kw)
+        return change(answer) if change is not None and op == "push" else answer
+
+    monkeypatch.setattr(sess, "call_task", recorded)
+
+
+@pytest.mark.parametrize("transport", ["inproc", "tcp"])
+def test_a_small_step_comes_back_in_one_push_a_shard(monkeypatch: pytest.MonkeyPatch, transport: str):
+    async def main() -> None:
+        async with local_cluster({"ps": 2, "worker": 1}, timeout=20, transport=transport) as servers:
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                sgd = zf.optim.SGD(0.5)
+                split = await sess.variable("split", np.zeros((6, 3), np.float32), optimizer=sgd,
+                                            partitioner=zf.fixed_size_partitioner(2))
+                await sess.variable("scalar", np.float64(1.0), optimizer=sgd)
+                await sess.variable("b", np.full(4, 2.0, np.float32), optimizer=sgd)
+                await sess.variable("o", np.zeros(2, np.int64))  # a plain add
+                shards = {task for info in [split.info] for task, _, _ in info.parts}
+                assert len(shards) == 2, "the split variable has a part on each shard"
+                ops: list[str] = []
+                _recording(sess, monkeypatch, ops)
+                grads = {"split": np.arange(18, dtype=np.float32).reshape(6, 3), "scalar": np.float64(4.0),
+                         "b": np.ones(4, np.float32), "o": np.array([3, 4], np.int64)}
+                out = np.empty(2, np.int64)
+                values = await sess.push_pull(grads, out={"o": out})
+                assert sorted(ops) == ["push", "push"], ops  # one a shard, each answered with its rows
+                assert values["o"] is out and out.tolist() == [3, 4]
+                np.testing.assert_array_equal(values["split"], -0.5 * grads["split"])
+                assert values["scalar"] == -1.0 and values["scalar"].shape == ()
+                np.testing.assert_array_equal(values["b"], np.full(4, 1.5, np.float32))
+                # an inproc shard's rows are its own memory: read-only, as a pull's
+                assert values["b"].flags.writeable is (transport != "inproc")
+                monkeypatch.undo()
+                again = await sess.pull(list(grads))
+                for name, value in values.items():
+                    np.testing.assert_array_equal(again[name], value)
+
+    arun(main())
+
+
+def test_a_push_whose_read_names_a_bad_part_applies_nothing():
+    async def main() -> None:
+        async with local_cluster({"ps": 1, "worker": 1}, timeout=10) as servers:
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                opt = zf.optim.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=1)
+                w = await sess.variable("w", np.zeros(3, np.float32), optimizer=opt)
+                task = w.info.parts[0][0]
+                grad = [rq.RowsItem("w", 0, 0, 3, np.ones(3, np.float32))]
+                for read, error, match in (([rq.PullItem("nope", 0, None, None)], NotFound, "nope"),
+                                           ([rq.PullItem("w", 0, 0, 9)], InvalidArgument, "w"),
+                                           ([rq.PullItem("w", 4, None, None)], NotFound, "w")):
+                    with pytest.raises(error, match=match):
+                        await sess.call_task(task, "ps", "push", rq.Push(dense=grad, step=0, read=read))
+                assert (await w.read()).tolist() == [0, 0, 0] and await sess.global_step() == 0
+                answer = await sess.call_task(task, "ps", "push", rq.Push(dense=grad, step=0, read=[
+                    rq.PullItem("w", 0, 1, 3), rq.PullItem("w", 0, None, None)]))
+                assert answer["step"] == 1 and [v.tolist() for v in answer["values"]] == [[-1, -1], [-1, -1, -1]]
+
+    arun(main())
+
+
+@pytest.mark.parametrize("answer", ["no rows", "too few rows", "not arrays"])
+def test_an_answer_without_its_rows_is_refused_and_its_step_stands(monkeypatch: pytest.MonkeyPatch, answer: str):
+    """As from a shard that does not read back: ProtocolError naming it; the shards took the step."""
+    def strip(reply: dict[str, Any]) -> dict[str, Any]:
+        reply = dict(reply)
+        if answer == "no rows":
+            del reply["values"]
+        elif answer == "too few rows":
+            reply["values"] = reply["values"][:1]
+        else:
+            reply["values"] = [v.tolist() for v in reply["values"]]
+        return reply
+
+    async def main() -> None:
+        async with local_cluster({"ps": 1, "worker": 1}, timeout=10) as servers:
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                opt = zf.optim.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=1)
+                for name in "xy":
+                    await sess.variable(name, np.zeros(2, np.float32), optimizer=opt)
+                ops: list[str] = []
+                _recording(sess, monkeypatch, ops, strip)
+                grads = {"x": np.ones(2, np.float32), "y": np.ones(2, np.float32)}
+                with pytest.raises(ProtocolError, match="ps:0 answered a push that reads back") as raised:
+                    await sess.push_pull(grads, step=0)
+                assert raised.value.details["pushed"] is True and sess.step == 1 and ops == ["push"]
+                monkeypatch.undo()
+                assert (await sess.pull(["x"]))["x"].tolist() == [-1, -1]
+
+    arun(main())
+
+
+def test_only_small_dense_groups_read_back():
+    class Info:
+        def __init__(self, nbytes: int):
+            self.nbytes = nbytes
+
+    small, big = Info(1000), Info(push_read.READ_BYTES)
+    assert push_read.readable({small: np.ones(2)})
+    assert not push_read.readable({big: np.ones(2)})  # a bulk stream's size: a push, then a pull
+    assert not push_read.readable({small: (np.array([0]), np.ones((1,)))})  # sparse: the push carries no part whole
+    assert not push_read.readable({small: None})  # absent
+    assert not push_read.readable({small: np.ones(2), Info(push_read.READ_BYTES - 1000): np.ones(2)})
