@@ -119,8 +119,16 @@ def dtype_from_name(name: object) -> np.dtype:
     return dt
 
 
+_HALF: dict[np.dtype, bool] = {}  # the answers by dtype: asked for every gradient pushed, ``dtype.name`` takes ~2 us
+
+
 def half_precision(dtype: object) -> bool:
     """Whether ``dtype`` is float16 or bfloat16 (ml_dtypes': numpy kind 'V'), whose sums of many
     terms are taken in float32: float16 overflows past 65504, bfloat16 stops counting at 256."""
     dt = np.dtype(dtype)  # type: ignore[call-overload]
-    return dt == np.float16 or dt.name == "bfloat16"
+    half = _HALF.get(dt)
+    if half is None:
+        half = bool(dt == np.float16 or dt.name == "bfloat16")
+        if len(_HALF) < 256:  # the wire's dtypes are a few; any other dtype is answered uncached
+            _HALF[dt] = half
+    return half
