@@ -86,14 +86,12 @@ def test_a_push_whose_read_names_a_bad_part_applies_nothing():
     arun(main())
 
 
-@pytest.mark.parametrize("answer", ["no rows", "too few rows", "not arrays"])
-def test_an_answer_without_its_rows_is_refused_and_its_step_stands(monkeypatch: pytest.MonkeyPatch, answer: str):
-    """As from a shard that does not read back: ProtocolError naming it; the shards took the step."""
+@pytest.mark.parametrize("answer", ["too few rows", "not arrays"])
+def test_an_answer_with_bad_rows_is_refused_and_its_step_stands(monkeypatch: pytest.MonkeyPatch, answer: str):
+    """ProtocolError naming the shard; the shards took the step, and the session counts it."""
     def strip(reply: dict[str, Any]) -> dict[str, Any]:
         reply = dict(reply)
-        if answer == "no rows":
-            del reply["values"]
-        elif answer == "too few rows":
+        if answer == "too few rows":
             reply["values"] = reply["values"][:1]
         else:
             reply["values"] = [v.tolist() for v in reply["values"]]
@@ -117,14 +115,58 @@ def test_an_answer_without_its_rows_is_refused_and_its_step_stands(monkeypatch: 
     arun(main())
 
 
+def test_a_shard_that_sends_no_rows_is_pulled_from(monkeypatch: pytest.MonkeyPatch):
+    """A shard answers ``values: None`` where a part it was to read is gone once a sync step was
+    done: the step stands, and a pull reads the group (and says what is wrong, if anything)."""
+    def none(reply: dict[str, Any]) -> dict[str, Any]:
+        return {**reply, "values": None}
+
+    async def main() -> None:
+        async with local_cluster({"ps": 1, "worker": 1}, timeout=10) as servers:
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                opt = zf.optim.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=1)
+                await sess.variable("w", np.zeros(2, np.float32), optimizer=opt)
+                ops: list[str] = []
+                _recording(sess, monkeypatch, ops, none)
+                got = await sess.push_pull({"w": np.ones(2, np.float32)}, step=0)
+                assert ops == ["push", "pull"] and sess.step == 1 and got["w"].tolist() == [-1, -1]
+
+    arun(main())
+
+
+def test_a_resent_push_is_answered_again_with_its_rows():
+    """The answer to a push that reads back is lost; the client sends it again under the same id.
+    The rows fit what the shard keeps of a reply (``READ_BYTES``), so the resend gets them: the
+    step is applied once, and counted."""
+    from zmqflow.testing import faulty_cluster
+    from zmqflow.transport.faults import REPLY
+
+    n = (push_read.READ_BYTES - 1) // 4  # the most a shard reads back in one answer
+
+    async def main() -> None:
+        async with faulty_cluster({"ps": 1, "worker": 1}, timeout=20) as (servers, faults):
+            async with zf.AsyncSession(servers["worker:0"].target, timeout=10) as sess:
+                sess.client.retry_interval = 0.1
+                opt = zf.optim.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=1)
+                await sess.variable("w", np.zeros(n, np.float32), optimizer=opt)
+                faults.drop(op="ps.push", direction=REPLY, times=1)
+                got = await sess.push_pull({"w": np.ones(n, np.float32)}, step=0)
+                assert sess.step == 1 and await sess.global_step() == 1
+                assert np.all(got["w"] == -1.0) and np.all((await sess.pull(["w"]))["w"] == -1.0)
+
+    arun(main())
+
+
 def test_only_small_dense_groups_read_back():
     class Info:
-        def __init__(self, nbytes: int):
-            self.nbytes = nbytes
+        def __init__(self, nbytes: int, tasks: str = "a"):
+            self.shape, self.row_bytes = (nbytes,), 1
+            self.parts = [(t, i * nbytes // len(tasks), (i + 1) * nbytes // len(tasks)) for i, t in enumerate(tasks)]
 
-    small, big = Info(1000), Info(push_read.READ_BYTES)
+    small, limit = Info(1000), push_read.READ_BYTES
     assert push_read.readable({small: np.ones(2)})
-    assert not push_read.readable({big: np.ones(2)})  # a bulk stream's size: a push, then a pull
+    assert not push_read.readable({Info(limit): np.ones(2)})  # over what a shard keeps for a resent request
+    assert push_read.readable({Info(limit, "ab"): np.ones(2)})  # half on each of two shards
     assert not push_read.readable({small: (np.array([0]), np.ones((1,)))})  # sparse: the push carries no part whole
     assert not push_read.readable({small: None})  # absent
-    assert not push_read.readable({small: np.ones(2), Info(push_read.READ_BYTES - 1000): np.ones(2)})
+    assert not push_read.readable({small: np.ones(2), Info(limit - 1000): np.ones(2)})  # one shard's share

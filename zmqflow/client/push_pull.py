@@ -23,8 +23,8 @@ Where every shard of the model is on this host (loopback, ipc, inproc) no link b
 do, and each group's requests cost them more than the overlap saves (64 MB over 16 groups took
 50.4 ms against 33.9 for push then pull on 2 loopback shards). The model then goes as one group.
 
-A small group (below ``push_read.READ_BYTES``, dense gradients) is read back in its push's own
-answers (:mod:`.push_read`): one round trip a shard in place of two.
+A small group (dense gradients, under ``push_read.READ_BYTES`` a shard) is read back in its
+pushes' own answers (:mod:`.push_read`): one round trip a shard in place of two.
 """
 
 from __future__ import annotations
@@ -125,9 +125,11 @@ async def push_pull(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int |
         if readable(mine):  # small: the shards send the new rows back with their answers
             values = await push_read(sess, mine, step, left, learning_rate, into, answers)
             turns[k].set()
-            return values
-        answers.append(await _push(sess, mine, step, left, learning_rate))
-        turns[k].set()  # only once answered: after a failure the groups still waiting send nothing
+            if values is not None:
+                return values  # else a shard sent no rows: the pull says why
+        else:
+            answers.append(await _push(sess, mine, step, left, learning_rate))
+            turns[k].set()  # only once answered: after a failure the groups still waiting send nothing
         return await _pull(sess, group, limit, into)  # a sync push may take its whole time: the pull has its own
 
     try:

@@ -4,13 +4,17 @@ the rows it pushed back with its answer (``Push.read``), as a pull right after w
 ``push_pull`` pushes a group and then pulls it: two round trips. For a small group the round
 trips are most of its time, not its bytes (a 17 KB model over tcp loopback on the 2-core machine
 of ``bench/README.md``: push 473 us, pull 355 us). A shard answers a push once it has applied it,
-a synchronous one once its step has, and reads the rows for the answer then, so the values are
-those a pull on the answer would get: every one includes this push.
+a synchronous one once its step has, and reads the rows for the answer then: every value
+includes this push. A shard's rows come once its own push is answered, so in a group that mixes
+synchronous and asynchronous variables on different shards, an asynchronous one may be read
+before the other shard's step is done (a pull of the group came after every push's answer).
 
-Only for a group of dense gradients below ``READ_BYTES``: no part of it goes on a bulk stream
-(those answer with no rows) or in more than one request a shard, and a read-back that small
-costs the shard nothing a pull would not. Sparse gradients and absent ones read back the whole
-part, which the push did not carry: those go as a push and a pull.
+Only for a group of dense gradients whose rows on each shard are under ``READ_BYTES``: the
+answer then fits what a shard keeps of a reply for a resent request (``rpc.dedup``), so a push
+whose answer was lost and which is sent again is answered again, rows included, never refused as
+already run (its step would be lost to the caller). No part of such a group goes on a bulk
+stream (those answer with no rows) or in more than one request a shard. Sparse and absent
+gradients read back the whole part, which the push did not carry: those go as a push and a pull.
 """
 
 from __future__ import annotations
@@ -23,32 +27,43 @@ import numpy as np
 
 from ..cluster import TaskId
 from ..errors import ProtocolError
+from ..observe import timeline
+from ..rpc.dedup import MAX_KEPT_REPLY
 from ..wire.requests import ps as rq
-from .bulk_pull import BULK_FROM
 from .port import SessionPort
-from .var_info import SLICE_BYTES, VarInfo, landed, rows_of
+from .var_info import VarInfo, landed, rows_of
 from .variables import gather_calls, in_process, merged_answers
 
 __all__ = ["READ_BYTES", "readable", "push_read"]
 
-READ_BYTES = min(BULK_FROM, SLICE_BYTES)  # below both: no bulk stream, one chunk a part, one request a shard
+# a shard's rows in one answer: under what a server keeps of a reply, less room for the rest of
+# the answer (its header, a tensor reference per item, the names of the step's replicas)
+READ_BYTES = MAX_KEPT_REPLY - (8 << 10)
 
 
 def readable(grads: Mapping[VarInfo, Any]) -> bool:
     """Whether ``grads`` (checked: ``variables.checked_grads``) go as pushes that read back."""
-    return (sum(info.nbytes for info in grads) < READ_BYTES
-            and all(isinstance(g, np.ndarray) for g in grads.values()))
+    shares: dict[TaskId, int] = defaultdict(int)
+    for info, grad in grads.items():
+        if not isinstance(grad, np.ndarray):
+            return False
+        for task, r0, r1 in info.parts:
+            shares[task] += (r1 - r0) * info.row_bytes if info.shape else info.row_bytes
+    return all(share < READ_BYTES for share in shares.values())
 
 
+@timeline.traced("push", "push and read back")
 async def push_read(sess: SessionPort, grads: Mapping[VarInfo, np.ndarray], step: int | None,
                     timeout: float | None, learning_rate: float | None, into: Mapping[str, np.ndarray],
-                    answered: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+                    answered: list[dict[str, Any]]) -> dict[str, np.ndarray] | None:
     """Push ``grads`` (``readable``) in one request a shard, each reading its parts back. Once
     every shard has answered, the merged answer (``variables.merged_answers``) goes to
     ``answered``, before any row is looked at: the step stands whatever the rows turn out to be.
     Returns the values by name: ``into``'s arrays where it names the variable (filled), else a
     one-part variable's received array (read-only from an inproc shard: its memory is the
-    shard's, as ``variables.pull`` says), else a new one."""
+    shard's, as ``variables.pull`` says), else a new one. None where a shard answered with no rows
+    (a part it could not read once the step was done: dropped meanwhile): the caller pulls,
+    which says why."""
     outs: dict[str, np.ndarray | None] = {}
     for info in grads:
         given = into.get(info.name)
@@ -59,7 +74,7 @@ async def push_read(sess: SessionPort, grads: Mapping[VarInfo, np.ndarray], step
     where: dict[TaskId, list[tuple[VarInfo, int, tuple[int | None, int | None]]]] = defaultdict(list)
     for info, grad in grads.items():
         for p, (task, _, _) in enumerate(info.parts):
-            (chunk,) = info.chunks(p)  # below SLICE_BYTES: the whole part
+            (chunk,) = info.chunks(p)  # under READ_BYTES: the whole part
             dense[task].append(rq.RowsItem(info.name, p, chunk[0], chunk[1], rows_of(info, p, chunk, grad)))
             read[task].append(rq.PullItem(info.name, p, chunk[0], chunk[1]))
             where[task].append((info, p, chunk))
@@ -69,8 +84,10 @@ async def push_read(sess: SessionPort, grads: Mapping[VarInfo, np.ndarray], step
                                                     read=read[task]), timeout=timeout)
         for task in tasks])
     answered.append(merged_answers(answers))
-    for task, answer in zip(tasks, answers):
-        values = answer.get("values") if isinstance(answer, dict) else None
+    rows = [answer.get("values") if isinstance(answer, dict) else None for answer in answers]
+    if any(values is None for values in rows):
+        return None
+    for task, values in zip(tasks, rows):
         if (not isinstance(values, list) or len(values) != len(where[task])
                 or not all(isinstance(v, np.ndarray) for v in values)):
             raise ProtocolError(f"{task} answered a push that reads back without one array for each of its "

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import DeadlineExceeded, InvalidArgument, Recovering
+from ...errors import DeadlineExceeded, InvalidArgument, Recovering, ZmqflowError
 from ...observe.metrics import CHECKPOINT_BUCKETS, MAX_LABELS, Histogram
 from ...observe import stragglers
 from ...state.limits import DEFAULT_STATE_LIMITS, StateLimits
@@ -327,14 +327,18 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
     def _push_answer(self, keys: list[PartKey], stale: bool, read: list[rq.PullItem]) -> dict[str, Any]:
         """The synchronous step and its replicas; the ``global_step`` variable's new value where
         the push counted its step in it (an asynchronous step learns it with no read); and, where
-        the push asked, the rows of ``read`` as ``pull`` sends them (``values``)."""
+        the push asked, the rows of ``read`` as ``pull`` sends them (``values``; None where one
+        is gone since the push was checked, a sync push having waited: the caller pulls)."""
         syncs = [s for k in keys if (s := self.store.get(*k).sync) is not None]
         answer = {"step": max(s.step for s in syncs) if syncs else None, "stale": stale,
                   "replicas": sorted({r for s in syncs for r in s.last_contributors}) if syncs else None}
         if _GLOBAL_STEP in keys and (counted := self._counted()) is not None:
             answer["global_step"] = counted
         if read:
-            answer["values"] = self._views(read)
+            try:
+                answer["values"] = self._views(read)
+            except ZmqflowError:  # dropped or made anew while the step waited: the step stands, the caller pulls
+                answer["values"] = None
         return answer
 
     def _apply(self, key: PartKey, dense: dict, sparse: Any, learning_rate: float | None) -> None:
