@@ -159,8 +159,8 @@ def test_a_resent_push_is_answered_again_with_its_rows():
 
 def test_only_small_dense_groups_read_back():
     class Info:
-        def __init__(self, nbytes: int, tasks: str = "a"):
-            self.shape, self.row_bytes = (nbytes,), 1
+        def __init__(self, nbytes: int, tasks: str = "a", sync: bool = False):
+            self.shape, self.row_bytes, self.sync = (nbytes,), 1, sync
             self.parts = [(t, i * nbytes // len(tasks), (i + 1) * nbytes // len(tasks)) for i, t in enumerate(tasks)]
 
     small, limit = Info(1000), push_read.READ_BYTES
@@ -170,3 +170,5 @@ def test_only_small_dense_groups_read_back():
     assert not push_read.readable({small: (np.array([0]), np.ones((1,)))})  # sparse: the push carries no part whole
     assert not push_read.readable({small: None})  # absent
     assert not push_read.readable({small: np.ones(2), Info(limit - 1000): np.ones(2)})  # one shard's share
+    assert push_read.readable({Info(10, sync=True): np.ones(2), Info(10, "b", sync=True): np.ones(2)})
+    assert not push_read.readable({small: np.ones(2), Info(10, "b", sync=True): np.ones(2)})  # sync beside async

@@ -5,11 +5,11 @@ the rows it pushed back with its answer (``Push.read``), as a pull right after w
 trips are most of its time, not its bytes (a 17 KB model over tcp loopback on the 2-core machine
 of ``bench/README.md``: push 473 us, pull 355 us). A shard answers a push once it has applied it,
 a synchronous one once its step has, and reads the rows for the answer then: every value
-includes this push. A shard's rows come once its own push is answered, so in a group that mixes
-synchronous and asynchronous variables on different shards, an asynchronous one may be read
-before the other shard's step is done (a pull of the group came after every push's answer).
+includes this push, as a pull on the answers would read it.
 
-Only for a group of dense gradients whose rows on each shard are under ``READ_BYTES``: the
+Only for a group of dense gradients, all synchronous or all asynchronous (where both are, a shard
+of asynchronous ones would read before another shard's synchronous step is done, which a pull
+after every answer does not), whose rows on each shard are under ``READ_BYTES``: the
 answer then fits what a shard keeps of a reply for a resent request (``rpc.dedup``), so a push
 whose answer was lost and which is sent again is answered again, rows included, never refused as
 already run (its step would be lost to the caller). No part of such a group goes on a bulk
@@ -44,6 +44,8 @@ READ_BYTES = MAX_KEPT_REPLY - (8 << 10)
 def readable(grads: Mapping[VarInfo, Any]) -> bool:
     """Whether ``grads`` (checked: ``variables.checked_grads``) go as pushes that read back."""
     shares: dict[TaskId, int] = defaultdict(int)
+    if len({info.sync for info in grads}) > 1:
+        return False
     for info, grad in grads.items():
         if not isinstance(grad, np.ndarray):
             return False
