@@ -1,0 +1,37 @@
+"""``zmqflow bench step``: both ways of a small step run against a real shard process and agree;
+the table and JSON say what was measured; bad sizes are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from zmqflow.bench import small_step
+from zmqflow.cli.bench import bench
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+def test_the_step_bench_times_both_ways_on_a_shard_process(tmp_path, sync: bool) -> None:
+    out = tmp_path / "step.json"
+    rows = small_step.run([2, 8], sync=sync, json_out=str(out), steps=5, rounds=2)
+    assert [r["model_kb"] for r in rows] == [2, 8] and all(r["sync"] is sync for r in rows)
+    for r in rows:
+        assert r["push_then_pull_us"] > 0 and r["push_pull_us"] > 0
+        assert r["speedup"] == r["push_then_pull_us"] / r["push_pull_us"]
+    assert [json.loads(line)["bench"] for line in out.read_text().splitlines()] == ["small_step"] * 2
+    assert "2 KB, 4 variables" in small_step.format_table(rows)
+
+
+def test_a_model_of_four_variables_of_the_size_asked() -> None:
+    for kb in (0.1, 4, 48):
+        model = small_step.model_of(kb)
+        assert len(model) == 4 and sum(v.nbytes for v in model.values()) == max(16, int(kb * 1000 / 4) * 4)
+
+
+def test_bench_step_on_the_command_line() -> None:
+    assert CliRunner().invoke(bench, ["step", "--help"]).exit_code == 0
+    for bad in ("x", "0", "-1", "nan", "4,inf"):
+        result = CliRunner().invoke(bench, ["step", "--kb", bad])
+        assert result.exit_code != 0 and "--kb" in result.output, bad

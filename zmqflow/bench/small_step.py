@@ -1,0 +1,114 @@
+"""A small model's training step through a ps shard process: a push and then a pull (two round
+trips) beside ``push_pull``, whose pushes bring the rows back in their answers (one round trip).
+
+For a model of a few KB the round trips are the step, not its bytes. Each row times both ways of
+the same step of the same variables on the same shard in one run, alternating round by round:
+a model of 4 float32 variables of the given size in all, through ``SyncReplicas(SGD)`` over one
+replica (``--async``: plain SGD), one ``AsyncSession`` on this process's loop, the shard a
+separate task server process on tcp loopback (or ipc).
+
+    zmqflow bench step [--quick] [--kb 4,16,48] [--transport tcp|ipc] [--async] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import loop as zf_loop
+from ..client.session import AsyncSession
+from ..ports import free_port
+from ..state import optim
+from .procs import Child, plaintext, zf_keyed_task_process
+
+__all__ = ["run", "format_table", "model_of", "SIZES_KB"]
+
+SIZES_KB = (4, 16, 48)  # the largest under what one shard reads back in a push's answer (56 KiB)
+
+
+def model_of(kb: float) -> dict[str, np.ndarray]:
+    """4 float32 variables of ``kb`` KB in all, shaped as a small MLP's: two matrices, two biases."""
+    n = max(4, int(kb * 1000 / 4))
+    return {"w1": np.zeros((n * 6 // 10,), np.float32), "b1": np.zeros((n // 10,), np.float32),
+            "w2": np.zeros((n * 2 // 10,), np.float32), "b2": np.zeros((n - n * 9 // 10,), np.float32)}
+
+
+async def _us_per_step(step: Callable[[], Awaitable[Any]], steps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        await step()
+    return (time.perf_counter() - t0) / steps * 1e6
+
+
+async def _row(sess: AsyncSession, kb: float, sync: bool, steps: int, rounds: int) -> dict[str, Any]:
+    model = {f"{name}_{kb:g}": value for name, value in model_of(kb).items()}
+    opt = optim.SyncReplicas(optim.SGD(0.01), replicas_to_aggregate=1) if sync else optim.SGD(0.01)
+    for name, value in model.items():
+        await sess.variable(name, value, optimizer=opt)
+    grads = {name: np.full_like(value, 1e-3) for name, value in model.items()}
+    names = list(model)
+
+    async def two() -> None:
+        await sess.push(grads)
+        await sess.pull(names)
+
+    async def one() -> None:
+        await sess.push_pull(grads)
+
+    for _ in range(max(20, steps // 10)):  # warm-up: connections, caches
+        await two()
+        await one()
+    times: dict[str, list[float]] = {"push_then_pull": [], "push_pull": []}
+    for r in range(rounds):
+        order = [("push_then_pull", two), ("push_pull", one)]
+        for label, step in order if r % 2 == 0 else order[::-1]:
+            times[label].append(await _us_per_step(step, steps))
+    got, again = await sess.push_pull(grads), await sess.pull(names)
+    if any(not np.array_equal(got[n], again[n]) for n in names):  # both ways measured the same step
+        raise RuntimeError(f"push_pull of the {kb:g} KB model returned values a pull right after does not read")
+    two_us, one_us = statistics.median(times["push_then_pull"]), statistics.median(times["push_pull"])
+    return {"bench": "small_step", "model_kb": kb, "variables": len(model), "sync": sync,
+            "push_then_pull_us": two_us, "push_pull_us": one_us, "speedup": two_us / one_us,
+            "rounds": rounds, "steps_per_round": steps}
+
+
+async def _run(sizes: Sequence[float], sync: bool, steps: int, rounds: int, transport: str) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="zfstep-") as tmp:
+        address = f"ipc://{tmp}/ps.sock" if transport == "ipc" else f"127.0.0.1:{free_port()}"
+        spec = {"ps": [address]}
+        with plaintext():
+            child = Child(zf_keyed_task_process, (json.dumps(spec), "ps:0", ""), "ps shard")
+            try:
+                child.wait_ready()
+                async with AsyncSession(cluster=spec, task="ps:0", timeout=30) as sess:
+                    return [await _row(sess, kb, sync, steps, rounds) | {"transport": transport} for kb in sizes]
+            finally:
+                child.stop()
+
+
+def run(sizes: Sequence[float] = SIZES_KB, sync: bool = True, quick: bool = False, transport: str = "tcp",
+        json_out: str | None = None, steps: int | None = None, rounds: int | None = None) -> list[dict[str, Any]]:
+    """One row a model size: microseconds a step each way (medians of ``rounds`` rounds of
+    ``steps`` steps each way) and their ratio."""
+    steps = steps or (200 if quick else 1000)
+    rounds = rounds or (4 if quick else 8)
+    rows = zf_loop.run(_run(sizes, sync, steps, rounds, transport))
+    if json_out:
+        with open(json_out, "a") as fh:
+            for row in rows:
+                fh.write(json.dumps(row) + "\n")
+    return rows
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    out = ["| model | transport | sync | push, then pull (us) | push_pull (us) | speed-up |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['model_kb']:g} KB, {r['variables']} variables | {r['transport']} | {r['sync']} | "
+                   f"{r['push_then_pull_us']:.0f} | {r['push_pull_us']:.0f} | {r['speedup']:.2f}x |")
+    return "\n".join(out)
