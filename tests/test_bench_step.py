@@ -18,16 +18,23 @@ def test_the_step_bench_times_both_ways_on_a_shard_process(tmp_path, sync: bool)
     rows = small_step.run([2, 8], sync=sync, json_out=str(out), steps=5, rounds=2)
     assert [r["model_kb"] for r in rows] == [2, 8] and all(r["sync"] is sync for r in rows)
     for r in rows:
-        assert r["push_then_pull_us"] > 0 and r["push_pull_us"] > 0
+        assert r["push_then_pull_us"] > 0 and r["push_pull_us"] > 0 and r["read_back"] is True
+        assert r["model_bytes"] == r["model_kb"] * 1000 and r["optimizer"]["kind"] == ("sync_replicas" if sync else "sgd")
         assert r["speedup"] == r["push_then_pull_us"] / r["push_pull_us"]
     assert [json.loads(line)["bench"] for line in out.read_text().splitlines()] == ["small_step"] * 2
     assert "2 KB, 4 variables" in small_step.format_table(rows)
 
 
 def test_a_model_of_four_variables_of_the_size_asked() -> None:
-    for kb in (0.1, 4, 48):
+    for kb in (0.001, 0.016, 0.1, 0.2, 4, 48):
         model = small_step.model_of(kb)
-        assert len(model) == 4 and sum(v.nbytes for v in model.values()) == max(16, int(kb * 1000 / 4) * 4)
+        assert len(model) == 4 and all(v.size for v in model.values())
+        assert sum(v.nbytes for v in model.values()) == max(160, int(kb * 1000 / 4) * 4)
+
+
+def test_a_model_too_big_to_read_back_says_so(tmp_path) -> None:
+    rows = small_step.run([80], sync=False, steps=3, rounds=2)
+    assert rows[0]["read_back"] is False and "no: too big" in small_step.format_table(rows)
 
 
 def test_bench_step_on_the_command_line() -> None:

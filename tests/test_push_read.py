@@ -12,7 +12,11 @@ import pytest
 import zmqflow as zf
 from zmqflow.client import push_read
 from zmqflow.errors import InvalidArgument, NotFound, ProtocolError
+from zmqflow.rpc.counters import frames_nbytes
+from zmqflow.rpc.dedup import MAX_KEPT_REPLY
+from zmqflow.server.services.ps import answer_bytes
 from zmqflow.testing import local_cluster
+from zmqflow.wire.codec import encode_reply
 from zmqflow.wire.requests import ps as rq
 
 from .conftest import arun
@@ -134,6 +138,40 @@ def test_a_shard_that_sends_no_rows_is_pulled_from(monkeypatch: pytest.MonkeyPat
     arun(main())
 
 
+@pytest.mark.parametrize("count, elems, replicas, name", [
+    (1, 14335, 1, "worker:{}"), (400, 35, 1, "worker:{}"), (500, 28, 1, "worker:{}"), (14335, 1, 1, "worker:{}"),
+    (100, 143, 100, "worker:{}"), (1, 14335, 500, "/job:worker/replica:0/task:{}"), (3, 0, 0, "")])
+def test_the_answer_is_never_bigger_than_the_shard_counts_it(count: int, elems: int, replicas: int, name: str):
+    """``answer_bytes`` bounds the encoded answer from above, so an answer it keeps under what a
+    server keeps of a reply is kept for a resent push."""
+    values = [np.zeros(elems, np.float32) for _ in range(count)]
+    names = sorted(name.format(i) for i in range(replicas)) or None
+    answer = {"step": 1 << 40, "stale": False, "replicas": names, "global_step": 1 << 40, "values": values}
+    encoded = frames_nbytes(encode_reply((1 << 62) + 12345, answer))
+    assert answer_bytes(values, names) >= encoded
+
+
+def test_a_shard_sends_no_rows_where_the_answer_would_not_be_kept():
+    """Rows past what a server keeps of a reply (asked by a client other than zmqflow's, which asks
+    for less): the push is applied and answered without them."""
+    async def main() -> None:
+        async with local_cluster({"ps": 1, "worker": 1}, timeout=10) as servers:
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                w = await sess.variable("w", np.zeros(2, np.float32))
+                await sess.variable("big", np.zeros(MAX_KEPT_REPLY // 4, np.float32))
+                task = w.info.parts[0][0]
+                push = rq.Push(dense=[rq.RowsItem("w", 0, 0, 2, np.ones(2, np.float32))],
+                               read=[rq.PullItem("w", 0, None, None), rq.PullItem("big", 0, None, None)])
+                answer = await sess.call_task(task, "ps", "push", push)
+                assert answer["values"] is None and (await w.read()).tolist() == [1, 1]
+                push = rq.Push(dense=[rq.RowsItem("w", 0, 0, 2, np.ones(2, np.float32))],
+                               read=[rq.PullItem("w", 0, None, None), rq.PullItem("big", 0, 0, 8)])
+                answer = await sess.call_task(task, "ps", "push", push)
+                assert [v.tolist() for v in answer["values"]] == [[2, 2], [0] * 8]
+
+    arun(main())
+
+
 def test_a_resent_push_is_answered_again_with_its_rows():
     """The answer to a push that reads back is lost; the client sends it again under the same id.
     The rows fit what the shard keeps of a reply (``READ_BYTES``), so the resend gets them: the
@@ -141,7 +179,7 @@ def test_a_resent_push_is_answered_again_with_its_rows():
     from zmqflow.testing import faulty_cluster
     from zmqflow.transport.faults import REPLY
 
-    n = (push_read.READ_BYTES - 1) // 4  # the most a shard reads back in one answer
+    n = (push_read.READ_BYTES - push_read.ITEM_BYTES - 1) // 4  # the most a shard reads back in one answer
 
     async def main() -> None:
         async with faulty_cluster({"ps": 1, "worker": 1}, timeout=20) as (servers, faults):
@@ -163,10 +201,12 @@ def test_only_small_dense_groups_read_back():
             self.shape, self.row_bytes, self.sync = (nbytes,), 1, sync
             self.parts = [(t, i * nbytes // len(tasks), (i + 1) * nbytes // len(tasks)) for i, t in enumerate(tasks)]
 
-    small, limit = Info(1000), push_read.READ_BYTES
-    assert push_read.readable({small: np.ones(2)})
+    small, limit = Info(1000), push_read.READ_BYTES - push_read.ITEM_BYTES
+    assert push_read.readable({small: np.ones(2)}) and push_read.readable({Info(limit - 1): np.ones(2)})
     assert not push_read.readable({Info(limit): np.ones(2)})  # over what a shard keeps for a resent request
     assert push_read.readable({Info(limit, "ab"): np.ones(2)})  # half on each of two shards
+    many = {Info(100): np.ones(2) for _ in range(push_read.READ_BYTES // 100)}  # rows under the limit
+    assert not push_read.readable(many)  # but each part costs the answer more than its rows
     assert not push_read.readable({small: (np.array([0]), np.ones((1,)))})  # sparse: the push carries no part whole
     assert not push_read.readable({small: None})  # absent
     assert not push_read.readable({small: np.ones(2), Info(limit - 1000): np.ones(2)})  # one shard's share

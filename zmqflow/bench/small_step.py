@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .. import loop as zf_loop
+from ..client.push_read import readable
 from ..client.session import AsyncSession
 from ..ports import free_port
 from ..state import optim
@@ -33,8 +34,9 @@ SIZES_KB = (4, 16, 48)  # the largest under what one shard reads back in a push'
 
 
 def model_of(kb: float) -> dict[str, np.ndarray]:
-    """4 float32 variables of ``kb`` KB in all, shaped as a small MLP's: two matrices, two biases."""
-    n = max(4, int(kb * 1000 / 4))
+    """4 float32 variables of ``kb`` KB in all (160 bytes at least: none empty), shaped as a small
+    MLP's: two matrices, two biases."""
+    n = max(40, int(kb * 1000 / 4))
     return {"w1": np.zeros((n * 6 // 10,), np.float32), "b1": np.zeros((n // 10,), np.float32),
             "w2": np.zeros((n * 2 // 10,), np.float32), "b2": np.zeros((n - n * 9 // 10,), np.float32)}
 
@@ -49,9 +51,9 @@ async def _us_per_step(step: Callable[[], Awaitable[Any]], steps: int) -> float:
 async def _row(sess: AsyncSession, kb: float, sync: bool, steps: int, rounds: int) -> dict[str, Any]:
     model = {f"{name}_{kb:g}": value for name, value in model_of(kb).items()}
     opt = optim.SyncReplicas(optim.SGD(0.01), replicas_to_aggregate=1) if sync else optim.SGD(0.01)
-    for name, value in model.items():
-        await sess.variable(name, value, optimizer=opt)
+    handles = [await sess.variable(name, value, optimizer=opt) for name, value in model.items()]
     grads = {name: np.full_like(value, 1e-3) for name, value in model.items()}
+    read_back = readable({v.info: grads[v.name] for v in handles})  # else push_pull is a push, then a pull
     names = list(model)
 
     async def two() -> None:
@@ -73,7 +75,8 @@ async def _row(sess: AsyncSession, kb: float, sync: bool, steps: int, rounds: in
     if any(not np.array_equal(got[n], again[n]) for n in names):  # both ways measured the same step
         raise RuntimeError(f"push_pull of the {kb:g} KB model returned values a pull right after does not read")
     two_us, one_us = statistics.median(times["push_then_pull"]), statistics.median(times["push_pull"])
-    return {"bench": "small_step", "model_kb": kb, "variables": len(model), "sync": sync,
+    return {"bench": "small_step", "model_kb": kb, "model_bytes": sum(v.nbytes for v in model.values()),
+            "variables": len(model), "sync": sync, "optimizer": opt.spec(), "read_back": read_back,
             "push_then_pull_us": two_us, "push_pull_us": one_us, "speedup": two_us / one_us,
             "rounds": rounds, "steps_per_round": steps}
 
@@ -107,8 +110,10 @@ def run(sizes: Sequence[float] = SIZES_KB, sync: bool = True, quick: bool = Fals
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    out = ["| model | transport | sync | push, then pull (us) | push_pull (us) | speed-up |", "|---|---|---|---|---|---|"]
+    out = ["| model | transport | sync | read back in the push's answers | push, then pull (us) | push_pull (us) "
+           "| speed-up |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['model_kb']:g} KB, {r['variables']} variables | {r['transport']} | {r['sync']} | "
-                   f"{r['push_then_pull_us']:.0f} | {r['push_pull_us']:.0f} | {r['speedup']:.2f}x |")
+                   f"{'yes' if r['read_back'] else 'no: too big'} | {r['push_then_pull_us']:.0f} | "
+                   f"{r['push_pull_us']:.0f} | {r['speedup']:.2f}x |")
     return "\n".join(out)

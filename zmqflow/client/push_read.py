@@ -12,7 +12,9 @@ of asynchronous ones would read before another shard's synchronous step is done,
 after every answer does not), whose rows on each shard are under ``READ_BYTES``: the
 answer then fits what a shard keeps of a reply for a resent request (``rpc.dedup``), so a push
 whose answer was lost and which is sent again is answered again, rows included, never refused as
-already run (its step would be lost to the caller). No part of such a group goes on a bulk
+already run (its step would be lost to the caller); the shard sends no rows where its answer
+would still be more (a step of many replicas with long names), and the caller pulls. No part of
+such a group goes on a bulk
 stream (those answer with no rows) or in more than one request a shard. Sparse and absent
 gradients read back the whole part, which the push did not carry: those go as a push and a pull.
 """
@@ -36,9 +38,11 @@ from .variables import gather_calls, in_process, merged_answers
 
 __all__ = ["READ_BYTES", "readable", "push_read"]
 
-# a shard's rows in one answer: under what a server keeps of a reply, less room for the rest of
-# the answer (its header, a tensor reference per item, the names of the step's replicas)
+# a shard's rows in one answer, ITEM_BYTES counted for each part: under what a server keeps of a
+# reply, less room for the rest of the answer (its header, the names of the step's replicas). The
+# shard checks the answer itself, and sends no rows where it would be more (the caller then pulls).
 READ_BYTES = MAX_KEPT_REPLY - (8 << 10)
+ITEM_BYTES = 32  # a tensor's entry in the answer's header and its reference: about 20 bytes
 
 
 def readable(grads: Mapping[VarInfo, Any]) -> bool:
@@ -50,7 +54,7 @@ def readable(grads: Mapping[VarInfo, Any]) -> bool:
         if not isinstance(grad, np.ndarray):
             return False
         for task, r0, r1 in info.parts:
-            shares[task] += (r1 - r0) * info.row_bytes if info.shape else info.row_bytes
+            shares[task] += ((r1 - r0) * info.row_bytes if info.shape else info.row_bytes) + ITEM_BYTES
     return all(share < READ_BYTES for share in shares.values())
 
 
@@ -64,8 +68,8 @@ async def push_read(sess: SessionPort, grads: Mapping[VarInfo, np.ndarray], step
     Returns the values by name: ``into``'s arrays where it names the variable (filled), else a
     one-part variable's received array (read-only from an inproc shard: its memory is the
     shard's, as ``variables.pull`` says), else a new one. None where a shard answered with no rows
-    (a part it could not read once the step was done: dropped meanwhile): the caller pulls,
-    which says why."""
+    (a part it could not read once the step was done, dropped meanwhile; or an answer too big to
+    keep): the caller pulls, which reads them or says why."""
     outs: dict[str, np.ndarray | None] = {}
     for info in grads:
         given = into.get(info.name)

@@ -27,6 +27,7 @@ from ...state.tables import HashTable
 from ...state.store import PartKey, Plan, Rows, ShardStore, Sparse, build, part_label
 from ...state.sync import READY, STALE
 from ...rpc import CallContext, Service, op
+from ...rpc.dedup import MAX_KEPT_REPLY
 from ...wire.requests import ps as rq
 from ..checkpoint_roots import CheckpointRoots
 from .bulk_ops import BulkOps
@@ -34,7 +35,7 @@ from .fence import FenceOps
 from .snapshots import SnapshotOps
 from .tables import TableOps
 
-__all__ = ["PsService"]
+__all__ = ["PsService", "answer_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -327,8 +328,9 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
     def _push_answer(self, keys: list[PartKey], stale: bool, read: list[rq.PullItem]) -> dict[str, Any]:
         """The synchronous step and its replicas; the ``global_step`` variable's new value where
         the push counted its step in it (an asynchronous step learns it with no read); and, where
-        the push asked, the rows of ``read`` as ``pull`` sends them (``values``; None where one
-        is gone since the push was checked, a sync push having waited: the caller pulls)."""
+        the push asked, the rows of ``read`` as ``pull`` sends them (``values``). None where one
+        is gone since the push was checked (a sync push waited), or where the answer would be
+        more than the server keeps of a reply for a resent request: the caller pulls."""
         syncs = [s for k in keys if (s := self.store.get(*k).sync) is not None]
         answer = {"step": max(s.step for s in syncs) if syncs else None, "stale": stale,
                   "replicas": sorted({r for s in syncs for r in s.last_contributors}) if syncs else None}
@@ -336,9 +338,12 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
             answer["global_step"] = counted
         if read:
             try:
-                answer["values"] = self._views(read)
+                values: list[np.ndarray] | None = self._views(read)
             except ZmqflowError:  # dropped or made anew while the step waited: the step stands, the caller pulls
-                answer["values"] = None
+                values = None
+            if values is not None and answer_bytes(values, answer["replicas"]) > MAX_KEPT_REPLY:
+                values = None  # too big to keep for a resent push, whose step would then be lost: the caller pulls
+            answer["values"] = values
         return answer
 
     def _apply(self, key: PartKey, dense: dict, sparse: Any, learning_rate: float | None) -> None:
@@ -411,6 +416,13 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
             if m not in self.sync_missing and len(self.sync_missing) >= MAX_LABELS:
                 m = "other"
             self.sync_missing[m] = self.sync_missing.get(m, 0) + 1
+
+
+def answer_bytes(values: list[np.ndarray], replicas: list[str] | None) -> int:
+    """At least the bytes of a push's encoded answer with ``values``: the rows, a tensor's entry
+    and reference each (about 20 bytes, counted 32), the replicas' names, the rest of the header."""
+    names = sum(len(r.encode()) + 4 for r in replicas) if replicas else 0
+    return sum(v.nbytes for v in values) + 32 * len(values) + names + 512
 
 
 def _twice(label: str, what: str) -> None:
