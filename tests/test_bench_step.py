@@ -32,7 +32,7 @@ def test_a_model_of_four_variables_of_the_size_asked() -> None:
         assert sum(v.nbytes for v in model.values()) == max(160, int(kb * 1000 / 4) * 4)
 
 
-def test_a_model_too_big_to_read_back_says_so(tmp_path) -> None:
+def test_a_model_too_big_to_read_back_says_so() -> None:
     rows = small_step.run([80], sync=False, steps=3, rounds=2)
     assert rows[0]["read_back"] is False and "no: too big" in small_step.format_table(rows)
 

@@ -212,3 +212,39 @@ def test_only_small_dense_groups_read_back():
     assert not push_read.readable({small: np.ones(2), Info(limit - 1000): np.ones(2)})  # one shard's share
     assert push_read.readable({Info(10, sync=True): np.ones(2), Info(10, "b", sync=True): np.ones(2)})
     assert not push_read.readable({small: np.ones(2), Info(10, "b", sync=True): np.ones(2)})  # sync beside async
+
+
+def test_a_shard_older_than_read_is_pushed_to_without_it_and_pulled(monkeypatch: pytest.MonkeyPatch):
+    """A shard whose ``ps.push`` declares no ``read`` refuses it before applying anything: the push
+    goes again without it and the group is pulled, and that shard is not asked to read again."""
+    import msgspec
+
+    from zmqflow.rpc import op
+    from zmqflow.server.services.ps import PsService
+    from zmqflow.wire.requests.base import Request
+
+    fields = [(f.name, f.type, f.default if f.default is not msgspec.NODEFAULT
+               else msgspec.field(default_factory=f.default_factory))
+              for f in msgspec.structs.fields(rq.Push) if f.name != "read"]
+    older = msgspec.defstruct("Push", fields, bases=(Request,))  # ps.push as declared before ``read``
+    push = PsService.push
+
+    @op(older)
+    def older_push(self: PsService, ctx: Any, req: Any) -> Any:
+        return push(self, ctx, rq.Push(**{name: getattr(req, name) for name, _, _ in fields}))
+
+    monkeypatch.setattr(PsService, "push", older_push)
+
+    async def main() -> None:
+        async with local_cluster({"ps": 1, "worker": 1}, timeout=10) as servers:
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                opt = zf.optim.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=1)
+                await sess.variable("w", np.zeros(2, np.float32), optimizer=opt)
+                ops: list[str] = []
+                _recording(sess, monkeypatch, ops)
+                for step in (1, 2):
+                    got = await sess.push_pull({"w": np.ones(2, np.float32)})
+                    assert got["w"].tolist() == [-step, -step] and sess.step == step
+                assert ops == ["push", "push", "pull", "push", "pull"]  # asked to read once, refused
+
+    arun(main())

@@ -10,9 +10,9 @@ pulled only after its own push is answered, so every value read includes this ca
 (a synchronous variable's, the step it completes).
 
 Groups are runs of whole variables, in the order given, of about ``1/GROUPS`` of the model and
-at least ``GROUP_BYTES`` each: a small model goes as one group, a push and then a pull, with no
-more round trips than the two calls it replaces. One variable is never split, so a model that is
-one big variable gains nothing.
+at least ``GROUP_BYTES`` each: a small model goes as one group, with no more round trips than
+the two calls it replaces (one, read back in the pushes' answers: below). One variable is never
+split, so a model that is one big variable gains nothing from the groups.
 
 A model with a synchronous variable sends every group's push at once, as ``push`` does: its
 pushes are answered only once every replica's have come, and replicas whose groups differ (their
@@ -23,8 +23,9 @@ Where every shard of the model is on this host (loopback, ipc, inproc) no link b
 do, and each group's requests cost them more than the overlap saves (64 MB over 16 groups took
 50.4 ms against 33.9 for push then pull on 2 loopback shards). The model then goes as one group.
 
-A small group (dense gradients, under ``push_read.READ_BYTES`` a shard) is read back in its
-pushes' own answers (:mod:`.push_read`): one round trip a shard in place of two.
+A small group (dense gradients, all synchronous or all asynchronous, under
+``push_read.READ_BYTES`` a shard with ``push_read.ITEM_BYTES`` counted for each part) is read
+back in its pushes' own answers (:mod:`.push_read`): one round trip a shard in place of two.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ async def push_pull(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int |
                     learning_rate: float | None, out: Mapping[str, np.ndarray] | None, cut_in: int | None = None,
                     answered: list[dict[str, Any]] | None = None) -> dict[str, np.ndarray]:
     """Push ``grads`` (as ``variables.push``) and pull each variable after its group's push is
-    answered (as ``variables.pull``, into ``out`` where it names the variable). The groups' pushes
+    answered (as ``variables.pull``, into ``out`` where it names the variable; a small group's
+    rows come in its pushes' answers, ``push_read``). The groups' pushes
     go in turn, ``WINDOW`` out at once (the next one's bytes go while the one before waits for
     its answer; all at once where a variable is synchronous), each group's pull beside later
     pushes. ``timeout`` (the session's by default) bounds the pushes, as ``push``'s does, and each

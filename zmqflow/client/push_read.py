@@ -2,8 +2,8 @@
 the rows it pushed back with its answer (``Push.read``), as a pull right after would read them.
 
 ``push_pull`` pushes a group and then pulls it: two round trips. For a small group the round
-trips are most of its time, not its bytes (a 17 KB model over tcp loopback on the 2-core machine
-of ``bench/README.md``: push 473 us, pull 355 us). A shard answers a push once it has applied it,
+trips are most of its time, not its bytes (a 17 KB model over tcp loopback on a 2-core machine:
+push 473 us, pull 355 us). A shard answers a push once it has applied it,
 a synchronous one once its step has, and reads the rows for the answer then: every value
 includes this push, as a pull on the answers would read it.
 
@@ -17,10 +17,15 @@ would still be more (a step of many replicas with long names), and the caller pu
 such a group goes on a bulk
 stream (those answer with no rows) or in more than one request a shard. Sparse and absent
 gradients read back the whole part, which the push did not carry: those go as a push and a pull.
+
+A shard older than ``read`` refuses the field before it applies anything: the push goes again
+without it, the group is pulled, and that shard is not asked to read back again by the session.
 """
 
 from __future__ import annotations
 
+import re
+import weakref
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -28,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..cluster import TaskId
-from ..errors import ProtocolError
+from ..errors import InvalidArgument, ProtocolError
 from ..observe import timeline
 from ..rpc.dedup import MAX_KEPT_REPLY
 from ..wire.requests import ps as rq
@@ -43,6 +48,18 @@ __all__ = ["READ_BYTES", "readable", "push_read"]
 # shard checks the answer itself, and sends no rows where it would be more (the caller then pulls).
 READ_BYTES = MAX_KEPT_REPLY - (8 << 10)
 ITEM_BYTES = 32  # a tensor's entry in the answer's header and its reference: about 20 bytes
+
+# The shards, by session, that refused ``read`` (a server older than it): pushed to without it
+# from then on, and pulled from, as before. Weak: a session's entry goes with the session.
+_REFUSED: "weakref.WeakKeyDictionary[Any, set[TaskId]]" = weakref.WeakKeyDictionary()
+_UNEXPECTED = re.compile(r"unexpected argument\(s\) ([\w, ]+)")
+
+
+def _refuses_read(exc: InvalidArgument) -> bool:
+    """Whether ``exc`` is a shard's refusal of the ``read`` field itself (its request check runs
+    before anything is applied, so the push can go again without it)."""
+    found = _UNEXPECTED.search(str(exc))
+    return found is not None and "read" in [name.strip() for name in found.group(1).split(",")]
 
 
 def readable(grads: Mapping[VarInfo, Any]) -> bool:
@@ -68,8 +85,8 @@ async def push_read(sess: SessionPort, grads: Mapping[VarInfo, np.ndarray], step
     Returns the values by name: ``into``'s arrays where it names the variable (filled), else a
     one-part variable's received array (read-only from an inproc shard: its memory is the
     shard's, as ``variables.pull`` says), else a new one. None where a shard answered with no rows
-    (a part it could not read once the step was done, dropped meanwhile; or an answer too big to
-    keep): the caller pulls, which reads them or says why."""
+    (a part it could not read once the step was done, dropped meanwhile; an answer too big to
+    keep; a shard older than ``read``): the caller pulls, which reads them or says why."""
     outs: dict[str, np.ndarray | None] = {}
     for info in grads:
         given = into.get(info.name)
@@ -85,12 +102,26 @@ async def push_read(sess: SessionPort, grads: Mapping[VarInfo, np.ndarray], step
             read[task].append(rq.PullItem(info.name, p, chunk[0], chunk[1]))
             where[task].append((info, p, chunk))
     tasks = list(dense)
-    answers = await gather_calls([
-        sess.call_task(task, "ps", "push", rq.Push(dense=dense[task], step=step, learning_rate=learning_rate,
-                                                    read=read[task]), timeout=timeout)
-        for task in tasks])
+    refused = _REFUSED.setdefault(sess, set())
+
+    async def one(task: TaskId) -> Any:
+        if task not in refused:
+            try:
+                return await sess.call_task(task, "ps", "push", rq.Push(
+                    dense=dense[task], step=step, learning_rate=learning_rate, read=read[task]), timeout=timeout)
+            except InvalidArgument as exc:
+                if not _refuses_read(exc):
+                    raise
+                refused.add(task)  # refused before anything was applied: again without it, then a pull
+        return await sess.call_task(task, "ps", "push", rq.Push(dense=dense[task], step=step,
+                                                                learning_rate=learning_rate), timeout=timeout)
+
+    answers = await gather_calls([one(task) for task in tasks])
+    if not all(isinstance(answer, dict) for answer in answers):
+        bad = next(task for task, answer in zip(tasks, answers) if not isinstance(answer, dict))
+        raise ProtocolError(f"{bad} answered a push with something other than a map", task=str(bad))
     answered.append(merged_answers(answers))
-    rows = [answer.get("values") if isinstance(answer, dict) else None for answer in answers]
+    rows = [answer.get("values") for answer in answers]
     if any(values is None for values in rows):
         return None
     for task, values in zip(tasks, rows):
