@@ -4,6 +4,8 @@ anything is applied; an answer without its rows refused, its step kept."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -33,6 +35,19 @@ def _recording(sess: zf.AsyncSession, monkeypatch: pytest.MonkeyPatch, ops: list
         return change(answer) if change is not None and op == "push" else answer
 
     monkeypatch.setattr(sess, "call_task", recorded)
+
+
+@contextlib.asynccontextmanager
+async def _one_sync_variable(monkeypatch: pytest.MonkeyPatch, ops: list[str],
+                             change: Any = None) -> AsyncIterator[zf.AsyncSession]:
+    """A session on a one-shard cluster holding ``w`` (2 float32, SGD(1) averaged over one
+    replica), its ps ops noted in ``ops`` (``change`` may rewrite a push's answer)."""
+    async with local_cluster({"ps": 1, "worker": 1}, timeout=10) as servers:
+        async with zf.AsyncSession(servers["worker:0"].target) as sess:
+            opt = zf.optim.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=1)
+            await sess.variable("w", np.zeros(2, np.float32), optimizer=opt)
+            _recording(sess, monkeypatch, ops, change)
+            yield sess
 
 
 @pytest.mark.parametrize("transport", ["inproc", "tcp"])
@@ -126,14 +141,10 @@ def test_a_shard_that_sends_no_rows_is_pulled_from(monkeypatch: pytest.MonkeyPat
         return {**reply, "values": None}
 
     async def main() -> None:
-        async with local_cluster({"ps": 1, "worker": 1}, timeout=10) as servers:
-            async with zf.AsyncSession(servers["worker:0"].target) as sess:
-                opt = zf.optim.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=1)
-                await sess.variable("w", np.zeros(2, np.float32), optimizer=opt)
-                ops: list[str] = []
-                _recording(sess, monkeypatch, ops, none)
-                got = await sess.push_pull({"w": np.ones(2, np.float32)}, step=0)
-                assert ops == ["push", "pull"] and sess.step == 1 and got["w"].tolist() == [-1, -1]
+        ops: list[str] = []
+        async with _one_sync_variable(monkeypatch, ops, none) as sess:
+            got = await sess.push_pull({"w": np.ones(2, np.float32)}, step=0)
+            assert ops == ["push", "pull"] and sess.step == 1 and got["w"].tolist() == [-1, -1]
 
     arun(main())
 
@@ -236,15 +247,11 @@ def test_a_shard_older_than_read_is_pushed_to_without_it_and_pulled(monkeypatch:
     monkeypatch.setattr(PsService, "push", older_push)
 
     async def main() -> None:
-        async with local_cluster({"ps": 1, "worker": 1}, timeout=10) as servers:
-            async with zf.AsyncSession(servers["worker:0"].target) as sess:
-                opt = zf.optim.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=1)
-                await sess.variable("w", np.zeros(2, np.float32), optimizer=opt)
-                ops: list[str] = []
-                _recording(sess, monkeypatch, ops)
-                for step in (1, 2):
-                    got = await sess.push_pull({"w": np.ones(2, np.float32)})
-                    assert got["w"].tolist() == [-step, -step] and sess.step == step
-                assert ops == ["push", "push", "pull", "push", "pull"]  # asked to read once, refused
+        ops: list[str] = []
+        async with _one_sync_variable(monkeypatch, ops) as sess:
+            for step in (1, 2):
+                got = await sess.push_pull({"w": np.ones(2, np.float32)})
+                assert got["w"].tolist() == [-step, -step] and sess.step == step
+            assert ops == ["push", "push", "pull", "push", "pull"]  # asked to read once, refused
 
     arun(main())

@@ -148,11 +148,11 @@ class PsOptimizerMixin(SharesState):
     def _zf_pull(self, grads: dict[str, Any] | None = None, rate: float | None = None) -> None:
         """The shards' values into the parameters; with ``grads``, those variables' only, after
         pushing them at ``rate`` in the same call (``Session.push_pull``: the pull of each group
-        beside the push of the next, or a small model's rows in the pushes' answers). A contiguous CPU parameter is the pull's ``out=`` (a numpy
-        view of its memory), filled slice by slice as the replies land: no received frames to
-        fault in and copy afterwards. Others (CUDA, strided) are copied in from the received
-        arrays. A pull that fails part way may have written some slices already: each is a value
-        the shards held."""
+        beside the push of the next, or a small model's rows in the pushes' answers). A contiguous
+        CPU parameter is the pull's ``out=`` (a numpy view of its memory), filled slice by slice
+        as the replies land: no received frames to fault in and copy afterwards. Others (CUDA,
+        strided) are copied in from the received arrays. A pull that fails part way may have
+        written some slices already: each is a value the shards held."""
         named = [(name, p, var) for (name, p), var in zip(self._zf_named, self._zf_names)
                  if grads is None or var in grads]
         into = {var: to_array(p.data, f"parameter {name!r}") for name, p, var in named
