@@ -13,6 +13,8 @@ import pytest
 
 import zmqflow as zf
 from zmqflow.client import push_read
+from zmqflow.client.var_info import VarInfo
+from zmqflow.cluster import TaskId
 from zmqflow.errors import InvalidArgument, NotFound, ProtocolError
 from zmqflow.rpc.counters import frames_nbytes
 from zmqflow.rpc.dedup import MAX_KEPT_REPLY
@@ -207,10 +209,10 @@ def test_a_resent_push_is_answered_again_with_its_rows():
 
 
 def test_only_small_dense_groups_read_back():
-    class Info:
-        def __init__(self, nbytes: int, tasks: str = "a", sync: bool = False):
-            self.shape, self.row_bytes, self.sync = (nbytes,), 1, sync
-            self.parts = [(t, i * nbytes // len(tasks), (i + 1) * nbytes // len(tasks)) for i, t in enumerate(tasks)]
+    def Info(nbytes: int, tasks: str = "a", sync: bool = False) -> VarInfo:  # noqa: N802  # bytes, one a row
+        shards = [TaskId("ps", "ab".index(t)) for t in tasks]
+        parts = tuple((t, i * nbytes // len(shards), (i + 1) * nbytes // len(shards)) for i, t in enumerate(shards))
+        return VarInfo("v", (nbytes,), np.dtype(np.uint8), parts, {"kind": "sync_replicas"} if sync else None, None)
 
     small, limit = Info(1000), push_read.READ_BYTES - push_read.ITEM_BYTES
     assert push_read.readable({small: np.ones(2)}) and push_read.readable({Info(limit - 1): np.ones(2)})

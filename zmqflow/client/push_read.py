@@ -70,8 +70,8 @@ def readable(grads: Mapping[VarInfo, Any]) -> bool:
     for info, grad in grads.items():
         if not isinstance(grad, np.ndarray):
             return False
-        for task, r0, r1 in info.parts:
-            shares[task] += ((r1 - r0) * info.row_bytes if info.shape else info.row_bytes) + ITEM_BYTES
+        for p, (task, _, _) in enumerate(info.parts):
+            shares[task] += info.part_bytes(p) + ITEM_BYTES
     return all(share < READ_BYTES for share in shares.values())
 
 

@@ -63,6 +63,11 @@ class VarInfo:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
+    def part_bytes(self, part: int) -> int:
+        """The bytes of one part's rows (a scalar's one element)."""
+        _, r0, r1 = self.parts[part]
+        return (r1 - r0) * self.row_bytes if self.shape else self.row_bytes
+
     def chunks(self, part: int) -> list[tuple[int | None, int | None]]:
         """Part-local row ranges of at most SLICE_BYTES (one row at least); scalars are one chunk.
         Computed once per part: every read, write and push of the variable asks again."""

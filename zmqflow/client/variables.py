@@ -74,8 +74,8 @@ async def _bulk_streams(sess: SessionPort, infos: Iterable[VarInfo], kind: str =
     """The bulk streams of ``kind`` of the tasks whose share of ``infos`` is big enough (``bulk_lanes.streams``)."""
     shares: dict[TaskId, int] = defaultdict(int)
     for info in infos:
-        for task, r0, r1 in info.parts:
-            shares[task] += (r1 - r0) * info.row_bytes if info.shape else info.row_bytes
+        for p, (task, _, _) in enumerate(info.parts):
+            shares[task] += info.part_bytes(p)
     return await streams(sess, shares, kind)
 
 
