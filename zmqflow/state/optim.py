@@ -255,7 +255,6 @@ def check_dtype(opt: "Optimizer | SyncReplicas | None", dtype: Any, label: str) 
 
 _WIDE = np.dtype(np.float32)
 _AS_IS = frozenset((_WIDE, np.dtype(np.float64)))  # dtypes whose slots are their own (the rule's answer, known)
-_SLOT_DTYPES: dict[np.dtype, np.dtype] = {}  # the rule's answers: it runs on every push, half_precision takes ~2 us
 
 
 def slot_dtype(dtype: Any) -> np.dtype:
@@ -263,10 +262,7 @@ def slot_dtype(dtype: Any) -> np.dtype:
     and bfloat16 (optimizer state kept in float32, as mixed-precision training does: see the module
     docstring for what half-precision slots do), the variable's own dtype otherwise."""
     dt = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
-    found = _SLOT_DTYPES.get(dt)
-    if found is None:
-        found = _SLOT_DTYPES[dt] = _WIDE if half_precision(dt) else dt
-    return found
+    return _WIDE if half_precision(dt) else dt  # answered from half_precision's cache: it runs on every push
 
 
 def held_itemsize(opt: "Optimizer | SyncReplicas | None", dtype: Any) -> int:
