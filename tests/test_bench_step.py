@@ -34,7 +34,7 @@ def test_a_model_of_four_variables_of_the_size_asked() -> None:
 
 
 def test_a_model_too_big_to_read_back_says_so() -> None:
-    rows = small_step.run([80], sync=False, steps=3, rounds=2)
+    rows = small_step.run([1100], sync=False, steps=3, rounds=2)  # past READ_BYTES a shard
     assert rows[0]["read_back"] is False and "no: too big" in small_step.format_table(rows)
 
 

@@ -164,35 +164,34 @@ def test_the_answer_is_never_bigger_than_the_shard_counts_it(count: int, elems: 
     assert answer_bytes(values, names) >= encoded
 
 
-def test_a_shard_sends_no_rows_where_the_answer_would_not_be_kept():
-    """Rows past what a server keeps of a reply (asked by a client other than zmqflow's, which asks
-    for less): the push is applied and answered without them."""
+def test_rows_past_what_a_server_keeps_of_a_reply_come_back_too():
+    """Rows of more than a server keeps of a reply for a resent request still come in the
+    answer; the shard keeps the answer without them (``rpc.service.Answer``)."""
     async def main() -> None:
         async with local_cluster({"ps": 1, "worker": 1}, timeout=10) as servers:
             async with zf.AsyncSession(servers["worker:0"].target) as sess:
                 w = await sess.variable("w", np.zeros(2, np.float32))
-                await sess.variable("big", np.zeros(MAX_KEPT_REPLY // 4, np.float32))
+                await sess.variable("big", np.arange(MAX_KEPT_REPLY // 4, dtype=np.float32))
                 task = w.info.parts[0][0]
                 push = rq.Push(dense=[rq.RowsItem("w", 0, 0, 2, np.ones(2, np.float32))],
                                read=[rq.PullItem("w", 0, None, None), rq.PullItem("big", 0, None, None)])
                 answer = await sess.call_task(task, "ps", "push", push)
-                assert answer["values"] is None and (await w.read()).tolist() == [1, 1]
-                push = rq.Push(dense=[rq.RowsItem("w", 0, 0, 2, np.ones(2, np.float32))],
-                               read=[rq.PullItem("w", 0, None, None), rq.PullItem("big", 0, 0, 8)])
-                answer = await sess.call_task(task, "ps", "push", push)
-                assert [v.tolist() for v in answer["values"]] == [[2, 2], [0] * 8]
+                assert [v.tolist() for v in answer["values"]] == [[1, 1], list(range(MAX_KEPT_REPLY // 4))]
+                assert (await w.read()).tolist() == [1, 1]
 
     arun(main())
 
 
-def test_a_resent_push_is_answered_again_with_its_rows():
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_resent_push_is_told_its_step_and_its_rows_where_they_were_kept(monkeypatch: pytest.MonkeyPatch,
+                                                                          kept: bool):
     """The answer to a push that reads back is lost; the client sends it again under the same id.
-    The rows fit what the shard keeps of a reply (``READ_BYTES``), so the resend gets them: the
-    step is applied once, and counted."""
+    Rows a shard kept with the answer (small) come again; bigger ones do not, and the group is
+    pulled. Either way the step is applied once, and counted."""
     from zmqflow.testing import faulty_cluster
     from zmqflow.transport.faults import REPLY
 
-    n = (push_read.READ_BYTES - push_read.ITEM_BYTES - 1) // 4  # the most a shard reads back in one answer
+    n = 1024 if kept else (push_read.READ_BYTES - push_read.ITEM_BYTES - 1) // 4  # the most read back at once
 
     async def main() -> None:
         async with faulty_cluster({"ps": 1, "worker": 1}, timeout=20) as (servers, faults):
@@ -200,8 +199,11 @@ def test_a_resent_push_is_answered_again_with_its_rows():
                 sess.client.retry_interval = 0.1
                 opt = zf.optim.SyncReplicas(zf.optim.SGD(1.0), replicas_to_aggregate=1)
                 await sess.variable("w", np.zeros(n, np.float32), optimizer=opt)
-                faults.drop(op="ps.push", direction=REPLY, times=1)
+                ops: list[str] = []
+                _recording(sess, monkeypatch, ops)
+                rule = faults.drop(op="ps.push", direction=REPLY, times=1)
                 got = await sess.push_pull({"w": np.ones(n, np.float32)}, step=0)
+                assert rule.fired == 1 and ops == (["push"] if kept else ["push", "pull"])
                 assert sess.step == 1 and await sess.global_step() == 1
                 assert np.all(got["w"] == -1.0) and np.all((await sess.pull(["w"]))["w"] == -1.0)
 
@@ -216,7 +218,7 @@ def test_only_small_dense_groups_read_back():
 
     small, limit = Info(1000), push_read.READ_BYTES - push_read.ITEM_BYTES
     assert push_read.readable({small: np.ones(2)}) and push_read.readable({Info(limit - 1): np.ones(2)})
-    assert not push_read.readable({Info(limit): np.ones(2)})  # over what a shard keeps for a resent request
+    assert not push_read.readable({Info(limit): np.ones(2)})  # a pull from here would take a bulk stream
     assert push_read.readable({Info(limit, "ab"): np.ones(2)})  # half on each of two shards
     many = {Info(100): np.ones(2) for _ in range(push_read.READ_BYTES // 100)}  # rows under the limit
     assert not push_read.readable(many)  # but each part costs the answer more than its rows

@@ -13,7 +13,8 @@ import zmq
 import zmq.asyncio
 
 from zmqflow.rpc import CallContext, RpcServer, Service, op
-from zmqflow.rpc.dedup import DONE, MAX_KEPT_BYTES, MAX_PEER_KEPT_BYTES, Dedup
+from zmqflow.rpc.dedup import DONE, MAX_KEPT_BYTES, MAX_KEPT_REPLY, MAX_PEER_KEPT_BYTES, Dedup
+from zmqflow.rpc.service import Answer
 from zmqflow.server.limits import ServerLimits
 from zmqflow.testing import free_port
 from zmqflow.wire import ERROR, REPLY, Message, decode, encode_request
@@ -123,6 +124,59 @@ def test_a_server_keeps_replies_within_its_caps_and_answers_every_retry_without_
         finally:
             for sock in socks:
                 sock.close(linger=0)
+            await server.close()
+
+    arun(main())
+
+
+class _Told(Service):
+    """Answers with a value and the shorter one a duplicate gets (``rpc.service.Answer``)."""
+
+    name = "told"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs = 0
+
+    @op
+    def get(self, ctx: CallContext, n: int, retry: object = "short") -> Answer:
+        self.runs += 1
+        return Answer(b"x" * n, retry if retry != "unencodable" else object())
+
+
+def test_a_duplicate_of_a_reply_too_big_to_keep_gets_the_ops_shorter_answer():
+    """The first answer goes whole; a resent request gets the whole answer where it was small
+    enough to keep, else the op's ``retry``, else (unencodable) "already ran". None runs twice."""
+    async def main():
+        ep = f"tcp://127.0.0.1:{free_port()}"
+        told = _Told()
+        server = RpcServer(ep, {"told": told}, name="told:0")
+        await server.start()
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(ep)
+
+        async def call(i: int, body: dict) -> Message:
+            await sock.send_multipart(encode_request(i, "told", "get", body, 10.0, ""))
+            async with asyncio.timeout(10):
+                return decode(await sock.recv_multipart())
+
+        big = MAX_KEPT_REPLY + 1
+        try:
+            cases = [(1, {"n": 100}, b"x" * 100), (2, {"n": big}, "short"), (3, {"n": big, "retry": None}, None),
+                     (4, {"n": big, "retry": "unencodable"}, None)]
+            for i, body, _ in cases:
+                first = await call(i, body)
+                assert first.kind == REPLY and first.body == b"x" * body["n"]
+            for i, body, again in cases:
+                second = await call(i, body)
+                if i < 3:
+                    assert second.kind == REPLY and second.body == again
+                else:  # no shorter answer to keep: told the call ran
+                    assert second.kind == ERROR and "already ran" in second.error["message"]
+            assert told.runs == len(cases)
+        finally:
+            sock.close(linger=0)
             await server.close()
 
     arun(main())

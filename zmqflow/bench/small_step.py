@@ -7,7 +7,7 @@ a model of 4 float32 variables of the given size in all, through ``SyncReplicas(
 replica (``--async``: plain SGD), one ``AsyncSession`` on this process's loop, the shard a
 separate task server process on tcp loopback (or ipc).
 
-    zmqflow bench step [--quick] [--kb 4,16,48] [--transport tcp|ipc] [--async] [--json FILE]
+    zmqflow bench step [--quick] [--kb 4,16,48,256,1000] [--transport tcp|ipc] [--async] [--json FILE]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from .procs import Child, plaintext, zf_keyed_task_process
 
 __all__ = ["run", "format_table", "model_of", "SIZES_KB"]
 
-SIZES_KB = (4, 16, 48)  # the largest under what one shard reads back in a push's answer (56 KiB)
+SIZES_KB = (4, 16, 48, 256, 1000)  # every size reads back: under a shard's READ_BYTES (1 MiB)
 
 
 def model_of(kb: float) -> dict[str, np.ndarray]:

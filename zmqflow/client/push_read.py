@@ -9,14 +9,16 @@ includes this push, as a pull on the answers would read it.
 
 Only for a group of dense gradients, all synchronous or all asynchronous (where both are, a shard
 of asynchronous ones would read before another shard's synchronous step is done, which a pull
-after every answer does not), whose rows on each shard are under ``READ_BYTES``: the
-answer then fits what a shard keeps of a reply for a resent request (``rpc.dedup``), so a push
-whose answer was lost and which is sent again is answered again, rows included, never refused as
-already run (its step would be lost to the caller); the shard sends no rows where its answer
-would still be more (a step of many replicas with long names), and the caller pulls. No part of
-such a group goes on a bulk
-stream (those answer with no rows) or in more than one request a shard. Sparse and absent
-gradients read back the whole part, which the push did not carry: those go as a push and a pull.
+after every answer does not), whose rows on each shard are under ``READ_BYTES``, where a pull
+would start to use the shard's bulk stream (straight into the arrays, which an answer cannot be).
+No part of such a group goes on a bulk stream or in more than one request a shard. Sparse and
+absent gradients read back the whole part, which the push did not carry: those go as a push and
+a pull.
+
+A push whose answer was lost is sent again under its id, and answered from what the shard kept of
+the first answer (``rpc.dedup``): the rows where the answer was small enough to keep, else the
+step without them (``rpc.service.Answer``), and the caller pulls. Never "already ran": the step
+would be lost to the caller.
 
 A shard older than ``read`` refuses the field before it applies anything: the push goes again
 without it, the group is pulled, and that shard is not asked to read back again by the session.
@@ -35,18 +37,17 @@ import numpy as np
 from ..cluster import TaskId
 from ..errors import InvalidArgument, ProtocolError
 from ..observe import timeline
-from ..rpc.dedup import MAX_KEPT_REPLY
 from ..wire.requests import ps as rq
+from .bulk_pull import BULK_FROM
 from .port import SessionPort
 from .var_info import VarInfo, landed, rows_of
 from .variables import gather_calls, in_process, merged_answers
 
 __all__ = ["READ_BYTES", "readable", "push_read"]
 
-# a shard's rows in one answer, ITEM_BYTES counted for each part: under what a server keeps of a
-# reply, less room for the rest of the answer (its header, the names of the step's replicas). The
-# shard checks the answer itself, and sends no rows where it would be more (the caller then pulls).
-READ_BYTES = MAX_KEPT_REPLY - (8 << 10)
+# a shard's rows in one answer, ITEM_BYTES counted for each part: under the share from which a
+# pull takes a shard's bulk stream
+READ_BYTES = BULK_FROM
 ITEM_BYTES = 32  # a tensor's entry in the answer's header and its reference: about 20 bytes
 
 # The shards, by session, that refused ``read`` (a server older than it): pushed to without it
@@ -86,7 +87,8 @@ async def push_read(sess: SessionPort, grads: Mapping[VarInfo, np.ndarray], step
     one-part variable's received array (read-only from an inproc shard: its memory is the
     shard's, as ``variables.pull`` says), else a new one. None where a shard answered with no rows
     (a part it could not read once the step was done, dropped meanwhile; an answer too big to
-    keep; a shard older than ``read``): the caller pulls, which reads them or says why."""
+    keep for a resent push; a shard older than ``read``): the caller pulls, which reads them or
+    says why."""
     outs: dict[str, np.ndarray | None] = {}
     for info in grads:
         given = into.get(info.name)

@@ -41,7 +41,7 @@ from .coalesce import Coalescer
 from .counters import Counters, frames_nbytes
 from .dedup import DONE, IN_FLIGHT, MAX_KEPT_BYTES, MAX_PEER_KEPT_BYTES, Dedup
 from .roles import authorize, client_ops
-from .service import CallContext, Service
+from .service import Answer, CallContext, Service
 
 __all__ = ["RpcServer", "REPLY_GRACE", "MAX_DEADLINE", "MAX_IN_FLIGHT"]
 
@@ -55,7 +55,7 @@ MAX_DEADLINE = 3600.0
 # Handlers one peer may have running at once (a multi-GiB push in 4 MiB slices stays well below).
 MAX_IN_FLIGHT = 4096
 # what most handlers return: known not to be coroutines without asking asyncio (an ABC check)
-_PLAIN_RESULTS = frozenset((dict, list, tuple, int, float, str, bytes, bool, type(None)))
+_PLAIN_RESULTS = frozenset((dict, list, tuple, int, float, str, bytes, bool, type(None), Answer))
 
 
 class RpcServer:
@@ -289,15 +289,28 @@ class RpcServer:
         """Answer request ``rid`` with ``result``, or with ``error`` (an error message) when given."""
         if self._listener is None:
             return
+        retry = None
+        if result.__class__ is Answer:
+            result, retry = result.value, result.retry
         try:  # a listener closed meanwhile sends nothing (_send_now looks)
             frames = [identity, *(encode_reply(rid, result) if error is None else encode(error))]
         except Exception as exc:  # a result that cannot be encoded is the handler's error
             self.counters.errors += 1
             frames = [identity, *encode(error_message(rid, exc, source=self.name, with_traceback=self.debug))]
+            retry = None
         nbytes = frames_nbytes(frames)  # once: for the record and the counters
         self._send(frames, rid, deadline, nbytes)
-        if record:  # after the send, off the reply's path: nothing runs between them to change its bytes
-            self.dedup.finish(identity, rid, frames[1:], nbytes - len(identity))
+        if not record:
+            return
+        # after the send, off the reply's path: nothing runs between them to change its bytes
+        nbytes -= len(identity)
+        if retry is not None and nbytes > self.dedup.max_kept_reply:
+            try:  # too big to keep: a duplicate gets the op's shorter answer
+                frames = [identity, *encode_reply(rid, retry)]
+                nbytes = frames_nbytes(frames) - len(identity)
+            except Exception:  # unencodable too: the duplicate is told the call ran, as for any big reply
+                pass
+        self.dedup.finish(identity, rid, frames[1:], nbytes)
 
     def _send(self, frames: list[Any], rid: int, deadline: float | None, nbytes: int | None = None) -> None:
         identity = frames[0]

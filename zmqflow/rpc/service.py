@@ -6,7 +6,8 @@ An op is a method marked with :func:`op`. Declared ops (``@op(Decl)``, ``Decl`` 
 is an ``InvalidArgument`` naming the op and the field, never a crash. Undeclared ops (a bare
 ``@op``, for services outside zmqflow and ops that take any map) get the arguments as keywords,
 their names checked against the signature. An op returns a msgpack-able value (arrays may sit
-anywhere in it) or a coroutine for ops that wait.
+anywhere in it), an :class:`Answer` (such a value and a shorter one for a resent request), or a
+coroutine for ops that wait and return either.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..errors import InvalidArgument, NotFound
 from ..wire.requests import OPEN, Request, Validator, compile_validator
 from ..wire.requests.ps import Empty
 
-__all__ = ["op", "Service", "CallContext", "Op"]
+__all__ = ["op", "Service", "CallContext", "Op", "Answer"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -83,6 +84,19 @@ class CallContext:
     deadline: float | None  # loop time, or None for no deadline
     role: str = "task"
     verified: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """An op's answer, ``value``, and ``retry``, what a duplicate of its request is answered with
+    where ``value`` encodes to more than a server keeps of a reply for one (``dedup.MAX_KEPT_REPLY``).
+
+    A reply too big to keep leaves a duplicate only "already ran"; a push that read rows back
+    would then lose its step to a client whose answer was lost. Its ``retry`` keeps the step and
+    leaves the rows out: that client pulls them. A ``retry`` of None is none: "already ran"."""
+
+    value: Any
+    retry: Any
 
 
 class Op:

@@ -27,6 +27,7 @@ from ...state.tables import HashTable
 from ...state.store import PartKey, Plan, Rows, ShardStore, Sparse, build, part_label
 from ...state.sync import READY, STALE
 from ...rpc import CallContext, Service, op
+from ...rpc.service import Answer
 from ...rpc.dedup import MAX_KEPT_REPLY
 from ...wire.requests import ps as rq
 from ..checkpoint_roots import CheckpointRoots
@@ -245,7 +246,7 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
         return int(len(req.indices))
 
     @op(rq.Push)
-    def push(self, ctx: CallContext, req: rq.Push) -> "dict[str, Any] | Coroutine[Any, Any, dict[str, Any]]":
+    def push(self, ctx: CallContext, req: rq.Push) -> "dict[str, Any] | Answer | Coroutine[Any, Any, Any]":
         """Apply gradients, every item checked first. Async parts apply at once; sync parts wait
         for their step, and the answer names the replicas whose gradients that step averaged
         (every pusher of the step hears the same). Runs where it is admitted (``admit`` checked
@@ -320,17 +321,18 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
         return self._push_answer(list(by_part), stale, req.read)
 
     async def _push_waits(self, ctx: CallContext, waits: list[tuple[PartKey, int]], keys: list[PartKey],
-                          stale: bool, epoch: int, read: list[rq.PullItem]) -> dict[str, Any]:
+                          stale: bool, epoch: int, read: list[rq.PullItem]) -> dict[str, Any] | Answer:
         for key, mine in waits:
             await self._wait_step(ctx, key, mine, epoch)
         return self._push_answer(keys, stale, read)
 
-    def _push_answer(self, keys: list[PartKey], stale: bool, read: list[rq.PullItem]) -> dict[str, Any]:
+    def _push_answer(self, keys: list[PartKey], stale: bool, read: list[rq.PullItem]) -> dict[str, Any] | Answer:
         """The synchronous step and its replicas; the ``global_step`` variable's new value where
         the push counted its step in it (an asynchronous step learns it with no read); and, where
         the push asked, the rows of ``read`` as ``pull`` sends them (``values``). None where one
-        is gone since the push was checked (a sync push waited), or where the answer would be
-        more than the server keeps of a reply for a resent request: the caller pulls."""
+        is gone since the push was checked (a sync push waited): the caller pulls. An answer with
+        rows that may be more than the server keeps of a reply goes as an :class:`Answer` whose
+        ``retry`` has none: a resent push is told its step, and its caller pulls."""
         syncs = [s for k in keys if (s := self.store.get(*k).sync) is not None]
         answer = {"step": max(s.step for s in syncs) if syncs else None, "stale": stale,
                   "replicas": sorted({r for s in syncs for r in s.last_contributors}) if syncs else None}
@@ -341,9 +343,9 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
                 values: list[np.ndarray] | None = self._views(read)
             except ZmqflowError:  # dropped or made anew while the step waited: the step stands, the caller pulls
                 values = None
-            if values is not None and answer_bytes(values, answer["replicas"]) > MAX_KEPT_REPLY:
-                values = None  # too big to keep for a resent push, whose step would then be lost: the caller pulls
             answer["values"] = values
+            if values is not None and answer_bytes(values, answer["replicas"]) > MAX_KEPT_REPLY:
+                return Answer(answer, {**answer, "values": None})
         return answer
 
     def _apply(self, key: PartKey, dense: dict, sparse: Any, learning_rate: float | None) -> None:
