@@ -31,6 +31,7 @@ back in its pushes' own answers (:mod:`.push_read`): one round trip a shard in p
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 from collections.abc import Mapping
 from typing import Any
@@ -73,12 +74,16 @@ def groups(infos: list[VarInfo], groups: int = GROUPS, least: int = GROUP_BYTES)
 def on_this_host(address: Address) -> bool:
     """Whether ``address`` is on this host by its form: ipc, inproc, a loopback address or
     ``localhost``. A host name is not resolved (no lookup blocks the loop): it counts as another."""
-    if address.scheme != "tcp":
-        return True
-    if address.host == "localhost":
+    return address.scheme != "tcp" or _loopback(address.host)
+
+
+@functools.lru_cache(maxsize=1024)
+def _loopback(host: str) -> bool:
+    """Parsed once a host: every ``push_pull`` asks of each of its shards."""
+    if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(address.host.strip("[]")).is_loopback
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
 

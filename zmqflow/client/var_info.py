@@ -6,6 +6,7 @@ assembles the variable from its parts' rows, so a gap would leave memory no shar
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -51,15 +52,16 @@ class VarInfo:
             r.get("initializer"),
         )
 
-    @property
+    # computed once (the fields are frozen): every push, pull and step asks again
+    @functools.cached_property
     def sync(self) -> bool:
         return isinstance(self.optimizer, dict) and self.optimizer.get("kind") == "sync_replicas"
 
-    @property
+    @functools.cached_property
     def row_bytes(self) -> int:
         return math.prod(self.shape[1:]) * self.dtype.itemsize if self.shape else self.dtype.itemsize
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 

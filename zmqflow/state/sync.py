@@ -85,8 +85,10 @@ class SyncState:
         when dead replicas were dropped; dense half-precision ones in float32), at ``learning_rate``
         afterwards; advances the step and starts the next one."""
         n = float(max(1, len(self.contributors)))
-        dense = {rows: g / n if self._dtype is not None else (g / n).astype(g.dtype, copy=False)
-                 for rows, g in self._dense.items()}
+        dense = self._dense  # the sums are this state's own copies: one gradient's is its mean as it is
+        if n != 1.0:
+            dense = {rows: g / n if self._dtype is not None else (g / n).astype(g.dtype, copy=False)
+                     for rows, g in dense.items()}
         sparse = None
         if self._sparse:
             idx = np.concatenate([i for i, _ in self._sparse])

@@ -310,7 +310,7 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
                 mean_dense, mean_sparse = p.sync.take()
                 self._apply(key, mean_dense, mean_sparse, p.sync.learning_rate)
                 self._round_done([])
-                self._advanced.pop(key, asyncio.Event()).set()
+                self._wake(key)
                 self._rounds.close(mine)
             elif p.sync.drop_dead and set(p.sync.missing(self.replicas)) <= self._gone and self._drop_dead(key):
                 pass  # every replica still missing is one already known gone: no need to wait for it
@@ -406,8 +406,14 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
         mean_dense, mean_sparse = sync.take()
         self._apply(key, mean_dense, mean_sparse, sync.learning_rate)
         self._round_done(gone)
-        self._advanced.pop(key, asyncio.Event()).set()
+        self._wake(key)
         return True
+
+    def _wake(self, key: PartKey) -> None:
+        """Wake the pushes waiting for ``key``'s step (none with one replica: no event is made)."""
+        event = self._advanced.pop(key, None)
+        if event is not None:
+            event.set()
 
     def _round_done(self, missing: list[str], completed: bool = True) -> None:
         """Count a sync step completed (or timed out), and the replicas it went without."""
