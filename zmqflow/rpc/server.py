@@ -289,24 +289,33 @@ class RpcServer:
         """Answer request ``rid`` with ``result``, or with ``error`` (an error message) when given."""
         if self._listener is None:
             return
-        retry = None
         if result.__class__ is Answer:
-            result, retry = result.value, result.retry
+            self._reply_answer(identity, rid, result, deadline)
+            return
         try:  # a listener closed meanwhile sends nothing (_send_now looks)
             frames = [identity, *(encode_reply(rid, result) if error is None else encode(error))]
         except Exception as exc:  # a result that cannot be encoded is the handler's error
             self.counters.errors += 1
             frames = [identity, *encode(error_message(rid, exc, source=self.name, with_traceback=self.debug))]
-            retry = None
         nbytes = frames_nbytes(frames)  # once: for the record and the counters
         self._send(frames, rid, deadline, nbytes)
-        if not record:
+        if record:  # after the send, off the reply's path: nothing runs between them to change its bytes
+            self.dedup.finish(identity, rid, frames[1:], nbytes - len(identity))
+
+    def _reply_answer(self, identity: bytes, rid: int, answer: Answer, deadline: float | None) -> None:
+        """Answer with ``answer.value``, and keep ``answer.retry`` for a duplicate where the value
+        is more than the record keeps (apart from ``_reply``: every other reply skips the check)."""
+        try:
+            frames = [identity, *encode_reply(rid, answer.value)]
+        except Exception:  # the handler's error, answered and kept as ``_reply`` does
+            self._reply(identity, rid, answer.value, deadline)
             return
-        # after the send, off the reply's path: nothing runs between them to change its bytes
+        nbytes = frames_nbytes(frames)
+        self._send(frames, rid, deadline, nbytes)
         nbytes -= len(identity)
-        if retry is not None and nbytes > self.dedup.max_kept_reply:
-            try:  # too big to keep: a duplicate gets the op's shorter answer
-                frames = [identity, *encode_reply(rid, retry)]
+        if answer.retry is not None and nbytes > self.dedup.max_kept_reply:
+            try:
+                frames = [identity, *encode_reply(rid, answer.retry)]
                 nbytes = frames_nbytes(frames) - len(identity)
             except Exception:  # unencodable too: the duplicate is told the call ran, as for any big reply
                 pass
