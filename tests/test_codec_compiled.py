@@ -247,6 +247,21 @@ def test_tensors_anywhere_in_the_body_are_read_alike():
     assert same(check_read(whole).body, arrays[0])
 
 
+@pytest.mark.parametrize("count", [64, 65, 200, 4000])
+def test_many_tensors_are_read_by_the_compiled_codec_alike(count: int):
+    """Past the 64 references read without an allocation (a model of hundreds of variables
+    pushes as many tensors): read alike, in lists and maps."""
+    arrays = [np.full(3, i, np.float32) for i in range(count)]
+    body = {"l": arrays[:count // 2], "m": {f"v{i}": a for i, a in enumerate(arrays[count // 2:])}, "x": arrays[0]}
+    frames = as_bytes(python_encode(Message(REQUEST, 9, "ps", "push", body, 5.0)))
+    got = check_read(frames)
+    assert got is not None and len(got.body["l"]) + len(got.body["m"]) == count
+    assert [int(a[0]) for a in got.body["l"]] == list(range(count // 2)) and int(got.body["x"][0]) == 0
+    unnamed = frames[:-1]  # the table names a frame that is not there: handed back, refused by the Python codec
+    assert codec._built.decode(unnamed, Limits()) is None and isinstance(python_decode(unnamed), DecodeError)
+    assert codec._built.decode(frames, Limits(max_frames=count)) is None  # over a limit: the Python codec decides
+
+
 def test_non_canonical_encodings_read_alike():
     raw = b"\x86\xa1v\xcc\x01\xa1k\xa3rep\xa2id\xcf" + (5).to_bytes(8, "big") + b"\xa1a\xca\x3f\xc0\x00\x00" + \
         b"\xa3src\xd9\x02me\xa1t\xdc\x00\x00"

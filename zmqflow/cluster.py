@@ -127,6 +127,10 @@ def _is_ip(host: str) -> bool:
     return True
 
 
+_PARSED: "dict[str, TaskId]" = {}  # TaskId.parse's answers by string; cleared when full
+_PARSED_MAX = 4096
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class TaskId:
     """A task: a job name and an index. ``str()`` is ``job:index``; ``device`` is TF's form."""
@@ -136,13 +140,24 @@ class TaskId:
 
     @classmethod
     def parse(cls, value: "str | TaskId") -> "TaskId":
+        """The task ``value`` names. The same string gives the same instance (up to
+        ``_PARSED_MAX`` strings): the parts of every variable a session learns name their tasks so,
+        and the dicts a push or pull keys by task then match them by identity, not by ``__eq__``."""
         if isinstance(value, TaskId):
             return value
         if isinstance(value, str):
+            known = _PARSED.get(value) if cls is TaskId else None
+            if known is not None:
+                return known
             for pattern in _TASK_RES:
                 m = pattern.match(value.strip())
                 if m:
-                    return cls(m["job"], int(m["index"]))
+                    task = cls(m["job"], int(m["index"]))
+                    if cls is TaskId:
+                        if len(_PARSED) >= _PARSED_MAX:
+                            _PARSED.clear()
+                        _PARSED[value] = task
+                    return task
         raise ConfigError(f"malformed task {value!r}: expected 'job:index' or '/job:name/task:index'")
 
     @property

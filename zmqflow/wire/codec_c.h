@@ -17,7 +17,8 @@
 #endif
 
 #define MAX_DEPTH 32     /* deeper nests go to the Python codec (which enforces Limits.max_depth) */
-#define MAX_REFS 64      /* tensor references per message handled here */
+#define INLINE_REFS 64   /* tensor references read without an allocation; more go to the heap */
+#define MAX_REFS 65536   /* tensor references per message handled here (more: the Python codec) */
 #define MAX_NDIM 32
 #define MAX_NAME 128
 

@@ -23,9 +23,28 @@ typedef struct {
     const unsigned char *p, *end;
     Py_ssize_t cap;
     int max_depth;
-    int nrefs;
-    Ref refs[MAX_REFS];
+    int nrefs, cap_refs;
+    Ref *refs;  /* ``inline_refs`` until more are read, then a block of the heap */
+    Ref inline_refs[INLINE_REFS];
 } R;
+
+/* room for one more reference (doubled on the heap when full), or -1 past MAX_REFS or out of memory */
+static int r_room(R *r) {
+    if (r->nrefs < r->cap_refs)
+        return 0;
+    if (r->cap_refs >= MAX_REFS)
+        return -1;
+    int cap = r->cap_refs * 2 < MAX_REFS ? r->cap_refs * 2 : MAX_REFS;
+    Ref *grown = PyMem_Malloc((size_t)cap * sizeof(Ref));
+    if (grown == NULL)
+        return -1;
+    memcpy(grown, r->refs, (size_t)r->nrefs * sizeof(Ref));
+    if (r->refs != r->inline_refs)
+        PyMem_Free(r->refs);
+    r->refs = grown;
+    r->cap_refs = cap;
+    return 0;
+}
 
 #define NEED(r, n) ((r)->end - (r)->p >= (Py_ssize_t)(n))
 
@@ -175,7 +194,7 @@ static PyObject *r_obj(R *r, int depth, Ref *ref) {
         return PyLong_FromLongLong((long long)(v << shift) >> shift);
     }
     case 0xd6:  /* fixext 4: type 1 is a tensor reference, allowed only in the body */
-        if (ref == NULL || !NEED(r, 5) || r->p[0] != 1 || r->nrefs == MAX_REFS)
+        if (ref == NULL || !NEED(r, 5) || r->p[0] != 1 || r_room(r))
             return NULL;
         ref->box = Py_None;
         ref->index = (uint32_t)be(r->p + 1, 4);
@@ -264,11 +283,16 @@ static PyObject *r_tensors(PyObject *table, PyObject *frames, Py_ssize_t nframes
         return nframes == 1 ? PyList_New(0) : NULL;
     if (!PyList_CheckExact(table) || PyList_GET_SIZE(table) != nframes - 1)
         return NULL;
+    if (nframes - 1 > MAX_REFS)
+        return NULL;
     PyObject *arrays = PyList_New(nframes - 1);
-    char seen[MAX_REFS + 1] = {0};
+    char few[INLINE_REFS + 1] = {0};  /* which frames the table named; on the heap past INLINE_REFS */
+    char *seen = nframes <= INLINE_REFS + 1 ? few : PyMem_Calloc((size_t)nframes, 1);
     long long total = 0;
-    if (arrays == NULL || nframes - 1 > MAX_REFS) {
+    if (arrays == NULL || seen == NULL) {
         Py_XDECREF(arrays);
+        if (seen != NULL && seen != few)
+            PyMem_Free(seen);
         return NULL;
     }
     for (Py_ssize_t i = 0; i < nframes - 1; i++) {
@@ -310,8 +334,12 @@ static PyObject *r_tensors(PyObject *table, PyObject *frames, Py_ssize_t nframes
             goto fail;
         PyList_SET_ITEM(arrays, i, arr);
     }
+    if (seen != few)
+        PyMem_Free(seen);
     return arrays;
 fail:
+    if (seen != few)
+        PyMem_Free(seen);
     Py_DECREF(arrays);
     return NULL;
 }
@@ -338,11 +366,15 @@ static PyObject *new_message(PyObject **values) {
 /* every reference replaced by its array; each array referenced at least once */
 static int resolve(R *r, PyObject *arrays, PyObject **body) {
     Py_ssize_t n = PyList_GET_SIZE(arrays);
-    char used[MAX_REFS] = {0};
-    for (int i = 0; i < r->nrefs; i++) {
+    char few[INLINE_REFS] = {0};  /* which arrays are referenced; on the heap past INLINE_REFS */
+    char *used = n <= INLINE_REFS ? few : PyMem_Calloc((size_t)n, 1);
+    int bad = used == NULL;
+    for (int i = 0; i < r->nrefs && !bad; i++) {
         Ref *ref = &r->refs[i];
-        if (ref->index >= n)
-            return -1;
+        if (ref->index >= n) {
+            bad = 1;
+            break;
+        }
         used[ref->index] = 1;
         PyObject *arr = PyList_GET_ITEM(arrays, ref->index);
         if (ref->box == NULL) {
@@ -352,13 +384,14 @@ static int resolve(R *r, PyObject *arrays, PyObject **body) {
             Py_INCREF(arr);
             PyList_SetItem(ref->box, ref->at, arr);
         } else if (PyDict_SetItem(ref->box, ref->key, arr)) {
-            return -1;
+            bad = 1;
         }
     }
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (!used[i])
-            return -1;
-    return 0;
+    for (Py_ssize_t i = 0; i < n && !bad; i++)
+        bad = !used[i];
+    if (used != NULL && used != few)
+        PyMem_Free(used);
+    return bad ? -1 : 0;
 }
 
 PyObject *codec_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -383,7 +416,8 @@ PyObject *codec_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     }
     PyObject *got[NFIELDS] = {NULL};
     PyObject *arrays = NULL, *out = NULL;
-    R r = {.p = hv.buf, .end = (const unsigned char *)hv.buf + hv.len, .nrefs = 0};
+    R r = {.p = hv.buf, .end = (const unsigned char *)hv.buf + hv.len, .nrefs = 0, .cap_refs = INLINE_REFS};
+    r.refs = r.inline_refs;
     r.cap = lim.container < PY_SSIZE_T_MAX ? (Py_ssize_t)lim.container : PY_SSIZE_T_MAX;
     r.max_depth = lim.depth < 0 ? 0 : lim.depth < MAX_DEPTH ? (int)lim.depth : MAX_DEPTH;  /* negative as 0 */
     if (hv.len > lim.header || r_head(&r, got))
@@ -429,6 +463,8 @@ PyObject *codec_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     out = new_message(values);
     Py_DECREF(body);
 done:
+    if (r.refs != r.inline_refs)
+        PyMem_Free(r.refs);
     PyBuffer_Release(&hv);
     for (int i = 0; i < NFIELDS; i++)
         Py_XDECREF(got[i]);
