@@ -171,6 +171,19 @@ def test_task_str_device_order_and_hash():
     assert len({TaskId("ps", 0), TaskId.parse("ps:0"), TaskId.parse("/job:ps/task:0")}) == 1
 
 
+def test_a_task_parsed_twice_is_one_instance_and_the_record_is_bounded():
+    """So that the dicts keyed by task match by identity; the record of strings stays bounded."""
+    from zmqflow import cluster
+
+    assert TaskId.parse("ps:7") is TaskId.parse("ps:7") and TaskId.parse("/job:ps/task:7") == TaskId.parse("ps:7")
+    for i in range(cluster._PARSED_MAX + 10):
+        assert TaskId.parse(f"worker:{i}") == TaskId("worker", i)
+        assert len(cluster._PARSED) <= cluster._PARSED_MAX
+    with pytest.raises(ConfigError):
+        TaskId.parse("ps:x")
+    assert "ps:x" not in cluster._PARSED
+
+
 @pytest.mark.parametrize(
     "value",
     ["worker", "worker:", ":0", "0worker:0", "worker:-1", "worker:0:1", "worker:x", "/job:worker", "/job:worker/task:",

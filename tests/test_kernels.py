@@ -313,3 +313,25 @@ def test_arrays_off_their_alignment_are_stepped_by_numpy(dtype: str) -> None:
     want = p - np.multiply(g, 0.1, dtype=dtype)
     wrappers.sub_scaled(p, g, 0.1)
     assert p.tobytes() == want.tobytes()
+
+
+def test_one_written_and_one_read_array_are_judged_as_by_the_general_rule() -> None:
+    """The shortcut for one param and one gradient (a push's every variable) says what the rule
+    for any number of arrays says: one dtype and shape, contiguous, aligned, the written one
+    writeable, the two apart."""
+    base = np.zeros(16, np.float32)
+    frozen = np.zeros(8, np.float32)
+    frozen.flags.writeable = False
+    cases = {
+        "apart": (np.zeros(8, np.float32), np.ones(8, np.float32), True),
+        "read-only param": (frozen, np.ones(8, np.float32), False),
+        "read-only gradient": (np.zeros(8, np.float32), frozen, True),
+        "other dtype": (np.zeros(8, np.float64), np.ones(8, np.float32), False),
+        "other shape": (np.zeros(8, np.float32), np.ones((8, 1), np.float32), False),
+        "strided": (np.zeros(16, np.float32)[::2], np.ones(8, np.float32), False),
+        "misaligned": (misaligned(8, "float32", 2, 0.0), np.ones(8, np.float32), False),
+        "overlapping": (base[:8], base[4:12], False),
+    }
+    for name, (w, r, want) in cases.items():
+        assert wrappers._takes([w], [r]) is want, name
+        assert wrappers._takes([w], [r, r.copy()]) is want, name  # the general rule, a second read beside
