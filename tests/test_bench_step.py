@@ -33,6 +33,14 @@ def test_a_model_of_four_variables_of_the_size_asked() -> None:
         assert sum(v.nbytes for v in model.values()) == max(160, int(kb * 1000 / 4) * 4)
 
 
+def test_a_model_of_many_variables_of_one_size() -> None:
+    model = small_step.model_of(100, variables=100)
+    assert len(model) == 100 and {v.shape for v in model.values()} == {(250,)}
+    assert len(small_step.model_of(0.001, variables=7)) == 7  # none empty
+    rows = small_step.run([8], sync=True, steps=3, rounds=2, variables=80)  # past 64 tensors a message
+    assert rows[0]["variables"] == 80 and rows[0]["read_back"] is True
+
+
 def test_a_model_too_big_to_read_back_says_so() -> None:
     rows = small_step.run([1100], sync=False, steps=3, rounds=2)  # past READ_BYTES a shard
     assert rows[0]["read_back"] is False and "no: too big" in small_step.format_table(rows)
@@ -43,3 +51,6 @@ def test_bench_step_on_the_command_line() -> None:
     for bad in ("x", "0", "-1", "nan", "4,inf"):
         result = CliRunner().invoke(bench, ["step", "--kb", bad])
         assert result.exit_code != 0 and "--kb" in result.output, bad
+    for bad in ("0", "4001", "x"):
+        result = CliRunner().invoke(bench, ["step", "--vars", bad])
+        assert result.exit_code != 0 and "--vars" in result.output, bad

@@ -3,11 +3,11 @@ trips) beside ``push_pull``, whose pushes bring the rows back in their answers (
 
 For a model of a few KB the round trips are the step, not its bytes. Each row times both ways of
 the same step of the same variables on the same shard in one run, alternating round by round:
-a model of 4 float32 variables of the given size in all, through ``SyncReplicas(SGD)`` over one
-replica (``--async``: plain SGD), one ``AsyncSession`` on this process's loop, the shard a
-separate task server process on tcp loopback (or ipc).
+a model of 4 float32 variables of the given size in all (``--vars N``: N of one size), through
+``SyncReplicas(SGD)`` over one replica (``--async``: plain SGD), one ``AsyncSession`` on this
+process's loop, the shard a separate task server process on tcp loopback (or ipc).
 
-    zmqflow bench step [--quick] [--kb 4,16,48,256,1000] [--transport tcp|ipc] [--async] [--json FILE]
+    zmqflow bench step [--quick] [--kb 4,16,48,256,1000] [--vars N] [--transport tcp|ipc] [--async] [--json FILE]
 """
 
 from __future__ import annotations
@@ -33,10 +33,14 @@ __all__ = ["run", "format_table", "model_of", "SIZES_KB"]
 SIZES_KB = (4, 16, 48, 256, 1000)  # every size reads back: under a shard's READ_BYTES (1 MiB)
 
 
-def model_of(kb: float) -> dict[str, np.ndarray]:
-    """4 float32 variables of ``kb`` KB in all (160 bytes at least: none empty), shaped as a small
-    MLP's: two matrices, two biases."""
+def model_of(kb: float, variables: int = 4) -> dict[str, np.ndarray]:
+    """``variables`` float32 variables of ``kb`` KB in all (none empty: 160 bytes at least for 4,
+    4 bytes a variable otherwise). Four are shaped as a small MLP's (two matrices, two biases);
+    any other count are of one size, as the many layers of a deeper model, where what a step costs
+    a variable counts more than its bytes."""
     n = max(40, int(kb * 1000 / 4))
+    if variables != 4:
+        return {f"v{i}": np.zeros((max(1, n // variables),), np.float32) for i in range(variables)}
     return {"w1": np.zeros((n * 6 // 10,), np.float32), "b1": np.zeros((n // 10,), np.float32),
             "w2": np.zeros((n * 2 // 10,), np.float32), "b2": np.zeros((n - n * 9 // 10,), np.float32)}
 
@@ -48,8 +52,8 @@ async def _us_per_step(step: Callable[[], Awaitable[Any]], steps: int) -> float:
     return (time.perf_counter() - t0) / steps * 1e6
 
 
-async def _row(sess: AsyncSession, kb: float, sync: bool, steps: int, rounds: int) -> dict[str, Any]:
-    model = {f"{name}_{kb:g}": value for name, value in model_of(kb).items()}
+async def _row(sess: AsyncSession, kb: float, sync: bool, steps: int, rounds: int, variables: int) -> dict[str, Any]:
+    model = {f"{name}_{kb:g}": value for name, value in model_of(kb, variables).items()}
     opt = optim.SyncReplicas(optim.SGD(0.01), replicas_to_aggregate=1) if sync else optim.SGD(0.01)
     handles = [await sess.variable(name, value, optimizer=opt) for name, value in model.items()]
     grads = {name: np.full_like(value, 1e-3) for name, value in model.items()}
@@ -81,7 +85,8 @@ async def _row(sess: AsyncSession, kb: float, sync: bool, steps: int, rounds: in
             "rounds": rounds, "steps_per_round": steps}
 
 
-async def _run(sizes: Sequence[float], sync: bool, steps: int, rounds: int, transport: str) -> list[dict[str, Any]]:
+async def _run(sizes: Sequence[float], sync: bool, steps: int, rounds: int, transport: str,
+               variables: int) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="zfstep-") as tmp:
         address = f"ipc://{tmp}/ps.sock" if transport == "ipc" else f"127.0.0.1:{free_port()}"
         spec = {"ps": [address]}
@@ -90,18 +95,20 @@ async def _run(sizes: Sequence[float], sync: bool, steps: int, rounds: int, tran
             try:
                 child.wait_ready()
                 async with AsyncSession(cluster=spec, task="ps:0", timeout=30) as sess:
-                    return [await _row(sess, kb, sync, steps, rounds) | {"transport": transport} for kb in sizes]
+                    return [await _row(sess, kb, sync, steps, rounds, variables) | {"transport": transport}
+                            for kb in sizes]
             finally:
                 child.stop()
 
 
 def run(sizes: Sequence[float] = SIZES_KB, sync: bool = True, quick: bool = False, transport: str = "tcp",
-        json_out: str | None = None, steps: int | None = None, rounds: int | None = None) -> list[dict[str, Any]]:
-    """One row a model size: microseconds a step each way (medians of ``rounds`` rounds of
-    ``steps`` steps each way) and their ratio."""
+        json_out: str | None = None, steps: int | None = None, rounds: int | None = None,
+        variables: int = 4) -> list[dict[str, Any]]:
+    """One row a model size (of ``variables`` variables, ``model_of``): microseconds a step each
+    way (medians of ``rounds`` rounds of ``steps`` steps each way) and their ratio."""
     steps = steps or (200 if quick else 1000)
     rounds = rounds or (4 if quick else 8)
-    rows = zf_loop.run(_run(sizes, sync, steps, rounds, transport))
+    rows = zf_loop.run(_run(sizes, sync, steps, rounds, transport, variables))
     if json_out:
         with open(json_out, "a") as fh:
             for row in rows:

@@ -75,11 +75,14 @@ def ps(quick: bool, shards: tuple[int, ...], json_out: str | None, rival: str | 
 
 @bench.command("step")
 @click.option("--quick", is_flag=True, help="Fewer steps and rounds (seconds).")
-@click.option("--kb", "sizes", metavar="LIST", help="Comma-separated model sizes in KB (default 4,16,48).")
+@click.option("--kb", "sizes", metavar="LIST", help="Comma-separated model sizes in KB (default 4,16,48,256,1000).")
+@click.option("--vars", "variables", type=click.IntRange(1, 4000), default=4, show_default=True,
+              help="Variables in the model: 4 shaped as a small MLP's, else as many of one size.")
 @click.option("--transport", type=click.Choice(["tcp", "ipc"]), default="tcp", show_default=True)
 @click.option("--async", "is_async", is_flag=True, help="Plain SGD variables instead of SyncReplicas over one replica.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Append JSON lines here.")
-def step_bench(quick: bool, sizes: str | None, transport: str, is_async: bool, json_out: str | None) -> None:
+def step_bench(quick: bool, sizes: str | None, variables: int, transport: str, is_async: bool,
+               json_out: str | None) -> None:
     """A small model's step on a ps shard: push then pull, beside push_pull (the rows in the push's answers)."""
     from ..bench.small_step import SIZES_KB, format_table, run
 
@@ -89,7 +92,8 @@ def step_bench(quick: bool, sizes: str | None, transport: str, is_async: bool, j
         raise click.BadParameter(f"expected comma-separated numbers, got {sizes!r}", param_hint="--kb") from None
     if any(not 0 < kb <= 1e6 for kb in kbs):
         raise click.BadParameter(f"sizes must be in (0, 1e6] KB, got {sizes!r}", param_hint="--kb")
-    click.echo(format_table(run(kbs, sync=not is_async, quick=quick, transport=transport, json_out=json_out)))
+    click.echo(format_table(run(kbs, sync=not is_async, quick=quick, transport=transport, json_out=json_out,
+                                variables=variables)))
 
 
 @bench.command("embedding")
