@@ -10,7 +10,8 @@ includes this push, as a pull on the answers would read it.
 Only for a group of dense gradients, all synchronous or all asynchronous (where both are, a shard
 of asynchronous ones would read before another shard's synchronous step is done, which a pull
 after every answer does not), whose rows on each shard are under ``READ_BYTES``, where a pull
-would start to use the shard's bulk stream (straight into the arrays, which an answer cannot be).
+would start to use the shard's bulk stream (straight into the arrays, which an answer cannot be),
+in ``ITEMS_PER_REQUEST`` parts at most.
 No part of such a group goes on a bulk stream or in more than one request a shard. Sparse and
 absent gradients read back the whole part, which the push did not carry: those go as a push and
 a pull.
@@ -40,7 +41,7 @@ from ..observe import timeline
 from ..wire.requests import ps as rq
 from .bulk_pull import BULK_FROM
 from .port import SessionPort
-from .var_info import VarInfo, landed, rows_of
+from .var_info import ITEMS_PER_REQUEST, VarInfo, landed, rows_of
 from .variables import gather_calls, in_process, merged_answers
 
 __all__ = ["READ_BYTES", "readable", "push_read"]
@@ -66,6 +67,7 @@ def _refuses_read(exc: InvalidArgument) -> bool:
 def readable(grads: Mapping[VarInfo, Any]) -> bool:
     """Whether ``grads`` (checked: ``variables.checked_grads``) go as pushes that read back."""
     shares: dict[TaskId, int] = defaultdict(int)
+    parts: dict[TaskId, int] = defaultdict(int)
     if len({info.sync for info in grads}) > 1:
         return False
     for info, grad in grads.items():
@@ -73,7 +75,9 @@ def readable(grads: Mapping[VarInfo, Any]) -> bool:
             return False
         for p, (task, _, _) in enumerate(info.parts):
             shares[task] += info.part_bytes(p) + ITEM_BYTES
-    return all(share < READ_BYTES for share in shares.values())
+            parts[task] += 1
+    # a shard's parts go in one request, each an item of it and a tensor of its answer
+    return all(share < READ_BYTES for share in shares.values()) and max(parts.values(), default=0) <= ITEMS_PER_REQUEST
 
 
 @timeline.traced("push", "push and read back")

@@ -20,9 +20,14 @@ from ..state.catalog import check_tiling
 from ..state.kernels import copy_into
 from ..wire.dtypes import dtype_from_name
 
-__all__ = ["SLICE_BYTES", "VarInfo", "rows_of", "landed", "check_out", "check_apart", "checked_outs"]
+__all__ = ["SLICE_BYTES", "ITEMS_PER_REQUEST", "VarInfo", "rows_of", "landed", "check_out", "check_apart",
+           "checked_outs", "runs_of_parts"]
 
 SLICE_BYTES = 4 << 20
+# Items in one request, each a frame of it or of its answer: well under the frames a peer reads of
+# one message (``wire.Limits.max_frames``, 4096), so that a model of thousands of small variables
+# goes to a shard in several requests, not in one that shard (or its answer, this client) refuses.
+ITEMS_PER_REQUEST = 1024
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,6 +93,19 @@ class VarInfo:
 
     def describe(self) -> list[dict[str, Any]]:
         return [{"task": str(t), "rows": [a, b]} for t, a, b in self.parts]
+
+
+def runs_of_parts(items: list[Any], cap: int = ITEMS_PER_REQUEST) -> list[list[Any]]:
+    """``items`` (each naming its ``name`` and ``part``, a part's items together) in runs of
+    about ``cap``, cut only between parts: a synchronous part's gradient is one replica's
+    contribution, and must come in one request (a second would count as a duplicate)."""
+    runs: list[list[Any]] = [[]]
+    for item in items:
+        last = runs[-1]
+        if len(last) >= cap and (item.name, item.part) != (last[-1].name, last[-1].part):
+            runs.append(last := [])
+        last.append(item)
+    return runs
 
 
 def rows_of(info: VarInfo, part: int, chunk: tuple[int | None, int | None], x: np.ndarray) -> np.ndarray:

@@ -29,7 +29,7 @@ from .bulk_push import push_from
 from .claims import declare_claimed, give_up, settle
 from .port import SessionPort
 from .placement import current_device, current_policy
-from .var_info import SLICE_BYTES, VarInfo, check_out, checked_outs, landed, rows_of
+from .var_info import ITEMS_PER_REQUEST, SLICE_BYTES, VarInfo, check_out, checked_outs, landed, rows_of, runs_of_parts
 from ..state.partition import num_partitions, row_splits
 from ..wire.dtypes import dtype_name
 from ..wire.requests import cluster as crq
@@ -46,12 +46,12 @@ T = TypeVar("T")
 
 
 def _bundle(items: Iterable[tuple[TaskId, int, T]]) -> dict[TaskId, list[list[T]]]:
-    """Group items per task into requests of about SLICE_BYTES each."""
+    """Group items per task into requests of about SLICE_BYTES each, and ITEMS_PER_REQUEST at most."""
     out: dict[TaskId, list[list[T]]] = defaultdict(list)
     sizes: dict[TaskId, int] = defaultdict(int)
     for task, nbytes, item in items:
         batches = out[task]
-        if not batches or sizes[task] + nbytes > SLICE_BYTES:
+        if not batches or sizes[task] + nbytes > SLICE_BYTES or len(batches[-1]) >= ITEMS_PER_REQUEST:
             batches.append([])
             sizes[task] = 0
         batches[-1].append(item)
@@ -410,9 +410,14 @@ async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None
         body = rq.Push(sparse=items, step=step, learning_rate=learning_rate)
         calls.append(sess.call_task(task, "ps", "push", body, timeout=timeout))
     for task in set(sync_dense) | set(sync_sparse) | set(absent):
-        body = rq.Push(dense=sync_dense.get(task, []), sparse=sync_sparse.get(task, []), absent=absent.get(task, []),
-                       step=step, learning_rate=learning_rate)
-        calls.append(sess.call_task(task, "ps", "push", body, timeout=timeout))
+        lists = (sync_dense.get(task, []), sync_sparse.get(task, []), absent.get(task, []))
+        if sum(map(len, lists)) <= ITEMS_PER_REQUEST:  # one request, as nearly always
+            bodies = [rq.Push(dense=lists[0], sparse=lists[1], absent=lists[2], step=step, learning_rate=learning_rate)]
+        else:  # thousands of parts: several requests, a part's items in one (runs_of_parts)
+            bodies = [rq.Push(**{field: run}, step=step, learning_rate=learning_rate)
+                      for field, items in zip(("dense", "sparse", "absent"), lists)
+                      for run in runs_of_parts(items) if run]
+        calls += [sess.call_task(task, "ps", "push", body, timeout=timeout) for body in bodies]
     for task, pieces in bulk.items():
         calls += [push_from(sess, task, stream, batch, timeout, learning_rate)
                   for stream, batch in bulk_to[task].spread(pieces)]
