@@ -3,8 +3,9 @@
 A variable's record (from the catalog) says where each part lives. Reads and writes of big
 variables are cut into row slices of at most ``SLICE_BYTES`` and bundled per shard into requests
 of about that size, all sent at once: a 100 MB model moves as ~25 pipelined 4 MB requests, a
-model of many small variables as one request per shard. A synchronous part's gradient is kept in
-one request (one replica, one contribution), still in frames of at most ``SLICE_BYTES``.
+model of many small variables as one request per shard (per ``ITEMS_PER_REQUEST`` parts). A
+synchronous part's gradient is kept in one request (one replica, one contribution), still in
+frames of at most ``SLICE_BYTES``.
 """
 
 from __future__ import annotations
