@@ -140,18 +140,15 @@ class TaskId:
 
     @classmethod
     def parse(cls, value: "str | TaskId") -> "TaskId":
-        """The task ``value`` names. The same string gives the same instance (up to
-        ``_PARSED_MAX`` strings): the parts of every variable a session learns name their tasks so,
-        and the dicts a push or pull keys by task then match them by identity, not by ``__eq__``."""
+        """The task ``value`` names; one instance per string (``_PARSED``), so that the dicts a
+        push or pull keys by its parts' tasks match them by identity, not by ``__eq__``."""
         if isinstance(value, TaskId):
             return value
         if isinstance(value, str):
-            known = _PARSED.get(value) if cls is TaskId else None
-            if known is not None:
+            if (known := _PARSED.get(value)) is not None and cls is TaskId:
                 return known
             for pattern in _TASK_RES:
-                m = pattern.match(value.strip())
-                if m:
+                if m := pattern.match(value.strip()):
                     task = cls(m["job"], int(m["index"]))
                     if cls is TaskId:
                         if len(_PARSED) >= _PARSED_MAX:
