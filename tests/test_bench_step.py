@@ -15,15 +15,16 @@ from zmqflow.cli.bench import bench
 @pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
 def test_the_step_bench_times_both_ways_on_a_shard_process(tmp_path, sync: bool) -> None:
     out = tmp_path / "step.json"
-    rows = small_step.run([2, 8], sync=sync, json_out=str(out), steps=5, rounds=2)
+    optimizer = "sgd" if sync else "adam"
+    rows = small_step.run([2, 8], sync=sync, json_out=str(out), steps=5, rounds=2, optimizer=optimizer)
     assert [r["model_kb"] for r in rows] == [2, 8] and all(r["sync"] is sync for r in rows)
     for r in rows:
         assert r["push_then_pull_us"] > 0 and r["push_pull_us"] > 0 and r["read_back"] is True
         assert r["model_bytes"] == r["model_kb"] * 1000
-        assert r["optimizer"]["kind"] == ("sync_replicas" if sync else "sgd")
+        assert r["optimizer"]["kind"] == ("sync_replicas" if sync else "adam") and r["base_optimizer"] == optimizer
         assert r["speedup"] == r["push_then_pull_us"] / r["push_pull_us"]
     assert [json.loads(line)["bench"] for line in out.read_text().splitlines()] == ["small_step"] * 2
-    assert "2 KB, 4 variables" in small_step.format_table(rows)
+    assert f"2 KB, 4 variables | tcp | {optimizer} | {sync} |" in small_step.format_table(rows)
 
 
 def test_a_model_of_four_variables_of_the_size_asked() -> None:
@@ -54,3 +55,7 @@ def test_bench_step_on_the_command_line() -> None:
     for bad in ("0", "4001", "x"):
         result = CliRunner().invoke(bench, ["step", "--vars", bad])
         assert result.exit_code != 0 and "--vars" in result.output, bad
+    result = CliRunner().invoke(bench, ["step", "--optimizer", "rmsprop"])
+    assert result.exit_code != 0 and "--optimizer" in result.output
+    with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'"):
+        small_step.run([2], optimizer="rmsprop")

@@ -4,10 +4,12 @@ trips) beside ``push_pull``, whose pushes bring the rows back in their answers (
 For a model of a few KB the round trips are the step, not its bytes. Each row times both ways of
 the same step of the same variables on the same shard in one run, alternating round by round:
 a model of 4 float32 variables of the given size in all (``--vars N``: N of one size), through
-``SyncReplicas(SGD)`` over one replica (``--async``: plain SGD), one ``AsyncSession`` on this
+``SyncReplicas(SGD)`` over one replica (``--async``: plain SGD; ``--optimizer``: another one with
+its defaults at rate 0.01), one ``AsyncSession`` on this
 process's loop, the shard a separate task server process on tcp loopback (or ipc).
 
-    zmqflow bench step [--quick] [--kb 4,16,48,256,1000] [--vars N] [--transport tcp|ipc] [--async] [--json FILE]
+    zmqflow bench step [--quick] [--kb 4,16,48,256,1000] [--vars N] [--transport tcp|ipc] [--async]
+                       [--optimizer sgd|momentum|adagrad|adam] [--json FILE]
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .procs import Child, plaintext, zf_keyed_task_process
 __all__ = ["run", "format_table", "model_of", "SIZES_KB"]
 
 SIZES_KB = (4, 16, 48, 256, 1000)  # every size reads back: under a shard's READ_BYTES (1 MiB)
+OPTIMIZERS = {"sgd": optim.SGD, "momentum": optim.Momentum, "adagrad": optim.Adagrad, "adam": optim.Adam}
 
 
 def model_of(kb: float, variables: int = 4) -> dict[str, np.ndarray]:
@@ -52,9 +55,11 @@ async def _us_per_step(step: Callable[[], Awaitable[Any]], steps: int) -> float:
     return (time.perf_counter() - t0) / steps * 1e6
 
 
-async def _row(sess: AsyncSession, kb: float, sync: bool, steps: int, rounds: int, variables: int) -> dict[str, Any]:
+async def _row(sess: AsyncSession, kb: float, sync: bool, steps: int, rounds: int, variables: int,
+               optimizer: str) -> dict[str, Any]:
     model = {f"{name}_{kb:g}": value for name, value in model_of(kb, variables).items()}
-    opt = optim.SyncReplicas(optim.SGD(0.01), replicas_to_aggregate=1) if sync else optim.SGD(0.01)
+    base = OPTIMIZERS[optimizer](learning_rate=0.01)
+    opt = optim.SyncReplicas(base, replicas_to_aggregate=1) if sync else base
     handles = [await sess.variable(name, value, optimizer=opt) for name, value in model.items()]
     grads = {name: np.full_like(value, 1e-3) for name, value in model.items()}
     read_back = readable({v.info: grads[v.name] for v in handles})  # else push_pull is a push, then a pull
@@ -80,13 +85,14 @@ async def _row(sess: AsyncSession, kb: float, sync: bool, steps: int, rounds: in
         raise RuntimeError(f"push_pull of the {kb:g} KB model returned values a pull right after does not read")
     two_us, one_us = statistics.median(times["push_then_pull"]), statistics.median(times["push_pull"])
     return {"bench": "small_step", "model_kb": kb, "model_bytes": sum(v.nbytes for v in model.values()),
-            "variables": len(model), "sync": sync, "optimizer": opt.spec(), "read_back": read_back,
+            "variables": len(model), "sync": sync, "optimizer": opt.spec(), "base_optimizer": optimizer,
+            "read_back": read_back,
             "push_then_pull_us": two_us, "push_pull_us": one_us, "speedup": two_us / one_us,
             "rounds": rounds, "steps_per_round": steps}
 
 
 async def _run(sizes: Sequence[float], sync: bool, steps: int, rounds: int, transport: str,
-               variables: int) -> list[dict[str, Any]]:
+               variables: int, optimizer: str) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="zfstep-") as tmp:
         address = f"ipc://{tmp}/ps.sock" if transport == "ipc" else f"127.0.0.1:{free_port()}"
         spec = {"ps": [address]}
@@ -95,20 +101,22 @@ async def _run(sizes: Sequence[float], sync: bool, steps: int, rounds: int, tran
             try:
                 child.wait_ready()
                 async with AsyncSession(cluster=spec, task="ps:0", timeout=30) as sess:
-                    return [await _row(sess, kb, sync, steps, rounds, variables) | {"transport": transport}
-                            for kb in sizes]
+                    return [await _row(sess, kb, sync, steps, rounds, variables, optimizer)
+                            | {"transport": transport} for kb in sizes]
             finally:
                 child.stop()
 
 
 def run(sizes: Sequence[float] = SIZES_KB, sync: bool = True, quick: bool = False, transport: str = "tcp",
         json_out: str | None = None, steps: int | None = None, rounds: int | None = None,
-        variables: int = 4) -> list[dict[str, Any]]:
+        variables: int = 4, optimizer: str = "sgd") -> list[dict[str, Any]]:
     """One row a model size (of ``variables`` variables, ``model_of``): microseconds a step each
     way (medians of ``rounds`` rounds of ``steps`` steps each way) and their ratio."""
     steps = steps or (200 if quick else 1000)
     rounds = rounds or (4 if quick else 8)
-    rows = zf_loop.run(_run(sizes, sync, steps, rounds, transport, variables))
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}: one of {', '.join(OPTIMIZERS)}")
+    rows = zf_loop.run(_run(sizes, sync, steps, rounds, transport, variables, optimizer))
     if json_out:
         with open(json_out, "a") as fh:
             for row in rows:
@@ -117,10 +125,11 @@ def run(sizes: Sequence[float] = SIZES_KB, sync: bool = True, quick: bool = Fals
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    out = ["| model | transport | sync | read back in the push's answers | push, then pull (us) | push_pull (us) "
-           "| speed-up |", "|---|---|---|---|---|---|---|"]
+    out = ["| model | transport | optimizer | sync | read back in the push's answers | push, then pull (us) "
+           "| push_pull (us) | speed-up |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['model_kb']:g} KB, {r['variables']} variables | {r['transport']} | {r['sync']} | "
+        out.append(f"| {r['model_kb']:g} KB, {r['variables']} variables | {r['transport']} | {r['base_optimizer']} "
+                   f"| {r['sync']} | "
                    f"{'yes' if r['read_back'] else 'no: too big'} | {r['push_then_pull_us']:.0f} | "
                    f"{r['push_pull_us']:.0f} | {r['speedup']:.2f}x |")
     return "\n".join(out)

@@ -80,8 +80,10 @@ def ps(quick: bool, shards: tuple[int, ...], json_out: str | None, rival: str | 
               help="Variables in the model: 4 shaped as a small MLP's, else as many of one size.")
 @click.option("--transport", type=click.Choice(["tcp", "ipc"]), default="tcp", show_default=True)
 @click.option("--async", "is_async", is_flag=True, help="Plain SGD variables instead of SyncReplicas over one replica.")
+@click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adagrad", "adam"]), default="sgd",
+              show_default=True, help="The variables' optimizer (its defaults, at rate 0.01).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Append JSON lines here.")
-def step_bench(quick: bool, sizes: str | None, variables: int, transport: str, is_async: bool,
+def step_bench(quick: bool, sizes: str | None, variables: int, transport: str, is_async: bool, optimizer: str,
                json_out: str | None) -> None:
     """A small model's step on a ps shard: push then pull, beside push_pull (the rows in the push's answers)."""
     from ..bench.small_step import SIZES_KB, format_table, run
@@ -93,7 +95,7 @@ def step_bench(quick: bool, sizes: str | None, variables: int, transport: str, i
     if any(not 0 < kb <= 1e6 for kb in kbs):
         raise click.BadParameter(f"sizes must be in (0, 1e6] KB, got {sizes!r}", param_hint="--kb")
     click.echo(format_table(run(kbs, sync=not is_async, quick=quick, transport=transport, json_out=json_out,
-                                variables=variables)))
+                                variables=variables, optimizer=optimizer)))
 
 
 @bench.command("embedding")

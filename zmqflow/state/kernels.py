@@ -8,6 +8,8 @@ result's sign and payload are unspecified (NaN either way; see kernels_c.c and f
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 try:
@@ -80,10 +82,19 @@ def _takes(written: list[np.ndarray], read: list[np.ndarray]) -> bool:
     return not any(np.may_share_memory(w, a) for i, w in enumerate(written) for a in arrays[i + 1:])
 
 
-def _fusable(written: list[np.ndarray], read: list[np.ndarray]) -> bool:
-    """Whether the C updates take these arrays (built and on): as ``_takes``, all float32 or all
-    float64."""
-    return _kernels is not None and written[0].dtype in _FUSED and _takes(written, read)
+def _judged(update: Any, *args: Any) -> bool:
+    """``update(*args)``, a C update, where it takes the arrays: it checks each one before it
+    writes any (one of float32 or float64, contiguous, aligned, the written ones writeable and
+    apart from every other, ``_takes``'s rule but for the shapes, which callers compare), and
+    refuses the call otherwise; then False, nothing done. Cheaper than judging them here: a small
+    variable's push paid more for ``_takes``'s pairwise overlap checks than for its update."""
+    if update is None:
+        return False
+    try:
+        update(*args)
+    except (TypeError, ValueError, BufferError):
+        return False
+    return True
 
 
 def sub_scaled(param: np.ndarray, x: np.ndarray, scale: float) -> None:
@@ -91,9 +102,7 @@ def sub_scaled(param: np.ndarray, x: np.ndarray, scale: float) -> None:
     in C where the arrays allow (both float32 or both float64, contiguous, apart), with the bits
     of numpy's temporary-then-subtract, which runs everywhere else. A shard's SGD push spends
     most of its CPU here: the two passes move each byte about five times, the one pass three."""
-    if _fusable([param], [x]):
-        _kernels.axpy(param, x, -scale)
-    else:
+    if not (param.shape == x.shape and _judged(_kernels and _kernels.axpy, param, x, -scale)):
         param -= scaled(x, scale, param.dtype)
 
 
@@ -113,29 +122,24 @@ def add_into(y: np.ndarray, x: np.ndarray, sign: float) -> bool:
 
 def momentum_step(param: np.ndarray, grad: np.ndarray, m: np.ndarray, lr: float, mu: float, nesterov: bool) -> bool:
     """Momentum's step (Nesterov's too) in one C pass where the arrays allow; False (nothing done) where not."""
-    if not _fusable([param, m], [grad]):
-        return False
-    _kernels.momentum(param, grad, m, lr, mu, nesterov)
-    return True
+    return param.shape == grad.shape == m.shape and _judged(_kernels and _kernels.momentum, param, grad, m, lr, mu,
+                                                            nesterov)
 
 
 def adagrad_step(param: np.ndarray, grad: np.ndarray, acc: np.ndarray, lr: float) -> bool:
     """Adagrad's step in one C pass where the arrays allow; False (nothing done) where not."""
-    if not _fusable([param, acc], [grad]):
-        return False
-    _kernels.adagrad(param, grad, acc, lr)
-    return True
+    return param.shape == grad.shape == acc.shape and _judged(_kernels and _kernels.adagrad, param, grad, acc, lr)
 
 
 def adam_step(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, beta1: float, beta2: float,
               epsilon: float, lr_rows: np.ndarray) -> bool:
     """Adam's step in one C pass where the arrays allow (``lr_rows``: the step size of each row,
     one per row of ``param``); False (nothing done) where not."""
-    if param.ndim == 0 or len(lr_rows) != len(param) or not _fusable([param, m, v], [grad]):
+    if (_kernels is None or param.ndim == 0 or len(lr_rows) != len(param) or param.dtype not in _FUSED
+            or not param.shape == grad.shape == m.shape == v.shape):
         return False
     lr = np.ascontiguousarray(lr_rows, dtype=param.dtype)
-    _kernels.adam(param, grad, m, v, 1 - beta1, beta1, 1 - beta2, beta2, epsilon, lr)
-    return True
+    return _judged(_kernels.adam, param, grad, m, v, 1 - beta1, beta1, 1 - beta2, beta2, epsilon, lr)
 
 
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:

@@ -179,8 +179,7 @@ class Adam(Optimizer):
 
     def update(self, param, grad, slots, t):
         m, v = slots["m"], slots["v"]
-        tt = t.reshape((-1,) + (1,) * (param.ndim - 1)).astype(np.float64)
-        lr_t = self.learning_rate * np.sqrt(1 - self.beta2**tt) / (1 - self.beta1**tt)  # per row, small
+        lr_t = self.learning_rate * _bias(self.beta1, self.beta2, t).reshape((-1,) + (1,) * (param.ndim - 1))
         if _kernels.adam_step(param, grad, m, v, self.beta1, self.beta2, self.epsilon, lr_t.reshape(-1)):
             return param
         # numpy's way, in place, with one scratch array of the chunk's size: no full-size temporaries
@@ -197,6 +196,31 @@ class Adam(Optimizer):
         tmp *= lr_t.astype(tmp.dtype)
         param -= tmp.astype(param.dtype, copy=False)
         return param
+
+
+# Adam's bias correction for the first steps, looked up, not computed, on every push: the
+# formula's seven numpy calls cost a small variable's push more than its update (13 us against 2).
+_BIAS_STEPS = 1 << 16
+
+
+@functools.lru_cache(maxsize=8)
+def _bias_table(beta1: float, beta2: float) -> np.ndarray:
+    """``_bias`` of steps 0..``_BIAS_STEPS``-1 (step 0, never used, is NaN), computed element
+    by element as the formula is: a looked-up value has the bits a computed one would."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return _bias_of(beta1, beta2, np.arange(_BIAS_STEPS, dtype=np.float64))
+
+
+def _bias_of(beta1: float, beta2: float, t: np.ndarray) -> np.ndarray:
+    return np.sqrt(1 - beta2**t) / (1 - beta1**t)
+
+
+def _bias(beta1: float, beta2: float, t: np.ndarray) -> np.ndarray:
+    """Adam's ``sqrt(1 - beta2**t) / (1 - beta1**t)`` for each row's step count ``t`` (from 1)."""
+    try:
+        return _bias_table(beta1, beta2).take(t)
+    except IndexError:  # a row past the table's steps
+        return _bias_of(beta1, beta2, t.astype(np.float64))
 
 
 # Replicas one synchronous step may wait for: far past any cluster's workers. A step keeps each

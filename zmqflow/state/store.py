@@ -9,6 +9,7 @@ without awaiting, so it is atomic on the shard.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import dataclass, field
@@ -66,10 +67,14 @@ class Part:
         """Bytes of one row (of the one item, for a scalar)."""
         return self.dtype.itemsize * math.prod(self.full_shape[1:])
 
+    @functools.cached_property
+    def cols(self) -> int:
+        """Items in one row (1 for a scalar): a part's shape never changes."""
+        return math.prod(self.full_shape[1:]) if self.full_shape else 1
+
     def grid(self, arr: np.ndarray) -> np.ndarray:
         """``arr`` (this part's shape, or rows of it) seen as 2-D: rows x everything else (a view)."""
-        cols = math.prod(self.full_shape[1:]) if self.full_shape else 1
-        return arr.reshape(arr.shape[0] if arr.ndim else 1, cols)
+        return arr.reshape(arr.shape[0] if arr.ndim else 1, self.cols)
 
     @property
     def nbytes(self) -> int:
@@ -418,12 +423,13 @@ class ShardStore:
 
     def _update(self, p: Part, rows: slice | np.ndarray, grad2d: np.ndarray, learning_rate: float | None) -> None:
         assert p.optimizer is not None
-        value2d = p.grid(p.value)
+        grid = p.grid
+        value2d = grid(p.value)
         fancy = not isinstance(rows, slice)
         param = value2d[rows].copy() if fancy else value2d[rows]
         slots: dict[str, np.ndarray] = {}  # SGD has none: no comprehension (it costs more than ``apply``'s check)
         if p.slots:
-            slots = {k: (p.grid(s)[rows].copy() if fancy else p.grid(s)[rows]) for k, s in p.slots.items()}
+            slots = {k: (grid(s)[rows].copy() if fancy else grid(s)[rows]) for k, s in p.slots.items()}
         t = None
         if p.steps is not None:  # only for an optimizer that reads them (Adam's t)
             p.steps[rows] += 1

@@ -63,6 +63,9 @@ class SyncState:
         if worker in self._counted:  # already counted: the step is pending (else it would have been taken)
             self.dropped += 1
             return PENDING
+        if dense and self.replicas_to_aggregate == 1 and not any(half_precision(g.dtype) for g in dense.values()):
+            self._dense = dict(dense)  # taken and applied now, before the caller's arrays go: no copy
+            dense = None
         for rows, g in (dense or {}).items():
             acc = self._dense.get(rows)
             if acc is None:

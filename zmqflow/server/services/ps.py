@@ -24,7 +24,7 @@ from ...observe.metrics import CHECKPOINT_BUCKETS, MAX_LABELS, Histogram
 from ...observe import stragglers
 from ...state.limits import DEFAULT_STATE_LIMITS, StateLimits
 from ...state.tables import HashTable
-from ...state.store import PartKey, Plan, Rows, ShardStore, Sparse, build, part_label
+from ...state.store import Part, PartKey, Plan, Rows, ShardStore, Sparse, build, part_label
 from ...state.sync import READY, STALE
 from ...rpc import CallContext, Service, op
 from ...rpc.service import Answer
@@ -254,89 +254,95 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
         parts, or the push that completes its step): a task, its deadline scope and its
         bookkeeping cost more than applying a small gradient. Else the answer is a coroutine that
         waits for the step; a fence meanwhile fails it (``_wait_step``)."""
-        by_part: dict[PartKey, dict[str, Any]] = defaultdict(lambda: {"dense": {}, "sparse": None})
+        rows = self.store.rows
+        by_part: dict[PartKey, list[Any]] = {}  # key -> [part, {(start, stop): gradient}, sparse or None]
         for it in req.dense:
-            r = self.store.rows(it.name, it.part, it.start, it.stop, it.value, "gradient")
-            dense = by_part[(it.name, it.part)]["dense"]
-            if (r.start, r.stop) in dense:
+            r = rows(it.name, it.part, it.start, it.stop, it.value, "gradient")
+            key = (it.name, it.part)
+            entry = by_part.get(key)
+            if entry is None:
+                by_part[key] = [r.part, {(r.start, r.stop): r.value}, None]
+            elif (r.start, r.stop) in entry[1]:
                 _twice(r.part.label, f"rows [{r.start}, {r.stop})")
-            dense[(r.start, r.stop)] = r.value
+            else:
+                entry[1][(r.start, r.stop)] = r.value
         for sp in req.sparse:
             checked = self.store.sparse(sp.name, sp.part, sp.indices, sp.rows, "sparse gradient")
-            grads = by_part[(sp.name, sp.part)]
-            if grads["sparse"] is not None or grads["dense"]:
+            if (sp.name, sp.part) in by_part:
                 _twice(checked.part.label, "a sparse gradient beside another gradient")
-            grads["sparse"] = (checked.indices, checked.rows)
-        for key, grads in by_part.items():  # metadata only: most parts come in one item
-            if len(grads["dense"]) > 1:
-                ranges = sorted(grads["dense"])
+            by_part[(sp.name, sp.part)] = [checked.part, {}, (checked.indices, checked.rows)]
+        for p, dense, _ in by_part.values():  # metadata only: most parts come in one item
+            if len(dense) > 1:
+                ranges = sorted(dense)
                 for (_, end), (start, _) in zip(ranges, ranges[1:]):
                     if start < end:
-                        _twice(part_label(key), f"overlapping rows {ranges}")
+                        _twice(p.label, f"overlapping rows {ranges}")
         for it in req.absent:  # a replica without a gradient: counted in its round, adds nothing
             key = (it.name, it.part)
+            p = self.store.get(*key)  # NotFound before any part is applied
             if key in by_part:
-                label = self.store.get(*key).label
-                raise InvalidArgument(f"push names variable {label} both with a gradient and as absent")
-            self.store.get(*key)  # NotFound before any part is applied
-            by_part[key] = {"dense": {}, "sparse": None}
+                raise InvalidArgument(f"push names variable {p.label} both with a gradient and as absent")
+            by_part[key] = [p, {}, None]
         step = req.step
         if step is None:  # refused before any part is applied: a retry must not apply the others twice
-            for key in by_part:
-                if (p := self.store.get(*key)).sync is not None:
+            for p, _, _ in by_part.values():
+                if p.sync is not None:
                     raise InvalidArgument(f"variable {p.label} is synchronous: pushes must carry the pusher's step")
         for it in req.read:  # an unknown part or a bad range is refused before any part is applied
             self.store.row_range(it.name, it.part, it.start, it.stop)
         waits: list[tuple[PartKey, int]] = []
         stale = False
-        for key, grads in by_part.items():
-            p = self.store.get(*key)
-            if p.sync is None:
-                if grads["dense"] or grads["sparse"] is not None:
-                    self._apply(key, grads["dense"], grads["sparse"], req.learning_rate)
+        who = ctx.source or "anonymous"  # with keys, the name of the pusher's key (CallContext)
+        for key, (p, dense, sparse) in by_part.items():
+            sync = p.sync
+            if sync is None:
+                if dense or sparse is not None:
+                    self._apply(p, dense, sparse, req.learning_rate)
                     self.pushes_applied["async"] += 1
                 continue
             assert step is not None  # checked above
-            mine = min(step, p.sync.step)
-            who = ctx.source or "anonymous"  # with keys, the name of the pusher's key (CallContext)
+            mine = min(step, sync.step)
             self._pushers[who] = ctx.peer
             self._gone.discard(who)
             self._rounds.arrive(mine, who)
-            outcome = p.sync.offer(step, who, grads["dense"], grads["sparse"], req.learning_rate)
+            outcome = sync.offer(step, who, dense, sparse, req.learning_rate)
             if outcome == STALE:
                 stale = True
                 self.stale_gradients += 1
             elif outcome == READY:
-                mean_dense, mean_sparse = p.sync.take()
-                self._apply(key, mean_dense, mean_sparse, p.sync.learning_rate)
+                mean_dense, mean_sparse = sync.take()
+                self._apply(p, mean_dense, mean_sparse, sync.learning_rate)
                 self._round_done([])
                 self._wake(key)
                 self._rounds.close(mine)
-            elif p.sync.drop_dead and set(p.sync.missing(self.replicas)) <= self._gone and self._drop_dead(key):
+            elif sync.drop_dead and set(sync.missing(self.replicas)) <= self._gone and self._drop_dead(key):
                 pass  # every replica still missing is one already known gone: no need to wait for it
             else:
                 waits.append((key, mine))
         if waits:  # the epoch of the offers: a fence from now on abandons their step
             return self._push_waits(ctx, waits, list(by_part), stale, self.epoch, req.read)
-        return self._push_answer(list(by_part), stale, req.read)
+        syncs = [p.sync for p, _, _ in by_part.values() if p.sync is not None]
+        return self._push_answer(syncs, _GLOBAL_STEP in by_part, stale, req.read)
 
     async def _push_waits(self, ctx: CallContext, waits: list[tuple[PartKey, int]], keys: list[PartKey],
                           stale: bool, epoch: int, read: list[rq.PullItem]) -> dict[str, Any] | Answer:
         for key, mine in waits:
             await self._wait_step(ctx, key, mine, epoch)
-        return self._push_answer(keys, stale, read)
+        syncs = [s for k in keys if (s := self.store.get(*k).sync) is not None]  # as they are now
+        return self._push_answer(syncs, _GLOBAL_STEP in keys, stale, read)
 
-    def _push_answer(self, keys: list[PartKey], stale: bool, read: list[rq.PullItem]) -> dict[str, Any] | Answer:
-        """The synchronous step and its replicas; the ``global_step`` variable's new value where
-        the push counted its step in it (an asynchronous step learns it with no read); and, where
-        the push asked, the rows of ``read`` as ``pull`` sends them (``values``). None where one
-        is gone since the push was checked (a sync push waited): the caller pulls. An answer with
-        rows that may be more than the server keeps of a reply goes as an :class:`Answer` whose
+    def _push_answer(self, syncs: list[Any], counts_steps: bool, stale: bool,
+                     read: list[rq.PullItem]) -> dict[str, Any] | Answer:
+        """The synchronous step and its replicas (of ``syncs``, the states of the push's sync
+        parts); the ``global_step`` variable's new value where the push counted its step in it
+        (``counts_steps``: an asynchronous step learns it with no read); and, where the push
+        asked, the rows of ``read`` as ``pull`` sends them (``values``). None where one is gone
+        since the push was checked (a sync push waited): the caller pulls. An answer with rows
+        that may be more than the server keeps of a reply goes as an :class:`Answer` whose
         ``retry`` has none: a resent push is told its step, and its caller pulls."""
-        syncs = [s for k in keys if (s := self.store.get(*k).sync) is not None]
         answer = {"step": max(s.step for s in syncs) if syncs else None, "stale": stale,
                   "replicas": sorted({r for s in syncs for r in s.last_contributors}) if syncs else None}
-        if _GLOBAL_STEP in keys and (counted := self._counted()) is not None:
+        if counts_steps and (counted := self._counted()) is not None:
             answer["global_step"] = counted
         if read:
             try:
@@ -348,14 +354,14 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
                 return Answer(answer, {**answer, "values": None})
         return answer
 
-    def _apply(self, key: PartKey, dense: dict, sparse: Any, learning_rate: float | None) -> None:
-        """Gradients checked on arrival (or their means): applied without checking again, at the
-        push's learning rate where it gave one."""
-        p = self.store.get(*key)
+    def _apply(self, p: Part, dense: dict, sparse: Any, learning_rate: float | None) -> None:
+        """Gradients checked on arrival (or their means): applied to part ``p`` without checking
+        again, at the push's learning rate where it gave one."""
+        apply = self.store.apply
         for (a, b), grad in dense.items():
-            self.store.apply(Rows(p, a, b, grad), learning_rate)
+            apply(Rows(p, a, b, grad), learning_rate)
         if sparse is not None:
-            self.store.apply(Sparse(p, *sparse), learning_rate)
+            apply(Sparse(p, *sparse), learning_rate)
 
     async def _wait_step(self, ctx: CallContext, key: PartKey, mine: int, epoch: int) -> None:
         """Until step ``mine`` of ``key`` completes; Recovering once a fence has followed the
@@ -404,7 +410,7 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
                         len(sync.contributors), sync.replicas_to_aggregate, ", ".join(gone))
             self._gone |= set(gone)
         mean_dense, mean_sparse = sync.take()
-        self._apply(key, mean_dense, mean_sparse, sync.learning_rate)
+        self._apply(p, mean_dense, mean_sparse, sync.learning_rate)
         self._round_done(gone)
         self._wake(key)
         return True
