@@ -112,7 +112,8 @@ async def push_pull(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int |
     deadline = loop.time() + limit  # the pushes'; each pull has ``limit`` from its push's answer
     if cut_in is None:
         spec = await sess.cluster()
-        local = all(on_this_host(spec.address(task)) for info in grads for task, _, _ in info.parts)
+        tasks = {task for info in grads for task, _, _ in info.parts}  # a model's many parts, its few shards
+        local = all(on_this_host(spec.address(task)) for task in tasks)
         cut = groups(list(grads), 1 if local else GROUPS, GROUP_BYTES)
     else:
         cut = groups(list(grads), cut_in, 1)

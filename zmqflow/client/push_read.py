@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
@@ -66,18 +65,19 @@ def _refuses_read(exc: InvalidArgument) -> bool:
 
 def readable(grads: Mapping[VarInfo, Any]) -> bool:
     """Whether ``grads`` (checked: ``variables.checked_grads``) go as pushes that read back."""
-    shares: dict[TaskId, int] = defaultdict(int)
-    parts: dict[TaskId, int] = defaultdict(int)
     if len({info.sync for info in grads}) > 1:
         return False
+    shards: dict[TaskId, list[int]] = {}  # a shard's [bytes, parts]: one lookup a part (a task hashes in Python)
     for info, grad in grads.items():
         if not isinstance(grad, np.ndarray):
             return False
         for p, (task, _, _) in enumerate(info.parts):
-            shares[task] += info.part_bytes(p) + ITEM_BYTES
-            parts[task] += 1
+            if (share := shards.get(task)) is None:
+                share = shards[task] = [0, 0]
+            share[0] += info.part_bytes(p) + ITEM_BYTES
+            share[1] += 1
     # a shard's parts go in one request, each an item of it and a tensor of its answer
-    return all(share < READ_BYTES for share in shares.values()) and max(parts.values(), default=0) <= ITEMS_PER_REQUEST
+    return all(size < READ_BYTES and parts <= ITEMS_PER_REQUEST for size, parts in shards.values())
 
 
 @timeline.traced("push", "push and read back")
@@ -98,28 +98,30 @@ async def push_read(sess: SessionPort, grads: Mapping[VarInfo, np.ndarray], step
         given = into.get(info.name)
         outs[info.name] = given if given is not None or len(info.parts) == 1 else np.empty(info.shape, info.dtype)
     shared = await in_process(sess, {info.parts[0][0] for info in grads if outs[info.name] is None})
-    dense: dict[TaskId, list[rq.RowsItem]] = defaultdict(list)
-    read: dict[TaskId, list[rq.PullItem]] = defaultdict(list)
-    where: dict[TaskId, list[tuple[VarInfo, int, tuple[int | None, int | None]]]] = defaultdict(list)
+    # a shard's gradients, reads, and where each read lands: one lookup a part (a task hashes in Python)
+    shards: dict[TaskId, tuple[list[rq.RowsItem], list[rq.PullItem], list[tuple[VarInfo, int, Any]]]] = {}
     for info, grad in grads.items():
         for p, (task, _, _) in enumerate(info.parts):
             (chunk,) = info.chunks(p)  # under READ_BYTES: the whole part
-            dense[task].append(rq.RowsItem(info.name, p, chunk[0], chunk[1], rows_of(info, p, chunk, grad)))
-            read[task].append(rq.PullItem(info.name, p, chunk[0], chunk[1]))
-            where[task].append((info, p, chunk))
-    tasks = list(dense)
+            if (mine := shards.get(task)) is None:
+                mine = shards[task] = ([], [], [])
+            mine[0].append(rq.RowsItem(info.name, p, chunk[0], chunk[1], rows_of(info, p, chunk, grad)))
+            mine[1].append(rq.PullItem(info.name, p, chunk[0], chunk[1]))
+            mine[2].append((info, p, chunk))
+    tasks = list(shards)
     refused = _REFUSED.setdefault(sess, set())
 
     async def one(task: TaskId) -> Any:
+        dense, read, _ = shards[task]
         if task not in refused:
             try:
                 return await sess.call_task(task, "ps", "push", rq.Push(
-                    dense=dense[task], step=step, learning_rate=learning_rate, read=read[task]), timeout=timeout)
+                    dense=dense, step=step, learning_rate=learning_rate, read=read), timeout=timeout)
             except InvalidArgument as exc:
                 if not _refuses_read(exc):
                     raise
                 refused.add(task)  # refused before anything was applied: again without it, then a pull
-        return await sess.call_task(task, "ps", "push", rq.Push(dense=dense[task], step=step,
+        return await sess.call_task(task, "ps", "push", rq.Push(dense=dense, step=step,
                                                                 learning_rate=learning_rate), timeout=timeout)
 
     answers = await gather_calls([one(task) for task in tasks])
@@ -131,11 +133,12 @@ async def push_read(sess: SessionPort, grads: Mapping[VarInfo, np.ndarray], step
     if any(values is None for values in rows):
         return None
     for task, values in zip(tasks, rows):
-        if (not isinstance(values, list) or len(values) != len(where[task])
+        where = shards[task][2]
+        if (not isinstance(values, list) or len(values) != len(where)
                 or not all(isinstance(v, np.ndarray) for v in values)):
             raise ProtocolError(f"{task} answered a push that reads back without one array for each of its "
-                                f"{len(where[task])} parts", task=str(task))
-        for (info, p, chunk), arr in zip(where[task], values):
+                                f"{len(where)} parts", task=str(task))
+        for (info, p, chunk), arr in zip(where, values):
             target = outs[info.name]
             landed(info, p, chunk, target, arr, task)
             if target is None:

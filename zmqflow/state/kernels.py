@@ -8,6 +8,7 @@ result's sign and payload are unspecified (NaN either way; see kernels_c.c and f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -82,14 +83,12 @@ def _takes(written: list[np.ndarray], read: list[np.ndarray]) -> bool:
     return not any(np.may_share_memory(w, a) for i, w in enumerate(written) for a in arrays[i + 1:])
 
 
-def _judged(update: Any, *args: Any) -> bool:
+def _judged(update: Callable[..., None], *args: Any) -> bool:
     """``update(*args)``, a C update, where it takes the arrays: it checks each one before it
     writes any (one of float32 or float64, contiguous, aligned, the written ones writeable and
     apart from every other, ``_takes``'s rule but for the shapes, which callers compare), and
     refuses the call otherwise; then False, nothing done. Cheaper than judging them here: a small
     variable's push paid more for ``_takes``'s pairwise overlap checks than for its update."""
-    if update is None:
-        return False
     try:
         update(*args)
     except (TypeError, ValueError, BufferError):
@@ -97,12 +96,19 @@ def _judged(update: Any, *args: Any) -> bool:
     return True
 
 
+def _aligned(x: np.ndarray) -> np.ndarray:
+    """``x``, or a copy where it lies off its type's alignment: a gradient of a few KB received
+    over tcp lies where ZeroMQ's receive buffer put it, mostly off. The copy and the C pass cost
+    less than numpy's passes over it, or the failed call (an exception) before them."""
+    return x if x.flags.aligned else x.copy()
+
+
 def sub_scaled(param: np.ndarray, x: np.ndarray, scale: float) -> None:
     """``param -= x * scale`` in place, the product rounded to ``param``'s dtype first. One pass
     in C where the arrays allow (both float32 or both float64, contiguous, apart), with the bits
     of numpy's temporary-then-subtract, which runs everywhere else. A shard's SGD push spends
     most of its CPU here: the two passes move each byte about five times, the one pass three."""
-    if not (param.shape == x.shape and _judged(_kernels and _kernels.axpy, param, x, -scale)):
+    if not (param.shape == x.shape and _kernels is not None and _judged(_kernels.axpy, param, _aligned(x), -scale)):
         param -= scaled(x, scale, param.dtype)
 
 
@@ -122,13 +128,14 @@ def add_into(y: np.ndarray, x: np.ndarray, sign: float) -> bool:
 
 def momentum_step(param: np.ndarray, grad: np.ndarray, m: np.ndarray, lr: float, mu: float, nesterov: bool) -> bool:
     """Momentum's step (Nesterov's too) in one C pass where the arrays allow; False (nothing done) where not."""
-    return param.shape == grad.shape == m.shape and _judged(_kernels and _kernels.momentum, param, grad, m, lr, mu,
-                                                            nesterov)
+    return (param.shape == grad.shape == m.shape and _kernels is not None
+            and _judged(_kernels.momentum, param, _aligned(grad), m, lr, mu, nesterov))
 
 
 def adagrad_step(param: np.ndarray, grad: np.ndarray, acc: np.ndarray, lr: float) -> bool:
     """Adagrad's step in one C pass where the arrays allow; False (nothing done) where not."""
-    return param.shape == grad.shape == acc.shape and _judged(_kernels and _kernels.adagrad, param, grad, acc, lr)
+    return (param.shape == grad.shape == acc.shape and _kernels is not None
+            and _judged(_kernels.adagrad, param, _aligned(grad), acc, lr))
 
 
 def adam_step(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, beta1: float, beta2: float,
@@ -139,7 +146,7 @@ def adam_step(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray,
             or not param.shape == grad.shape == m.shape == v.shape):
         return False
     lr = np.ascontiguousarray(lr_rows, dtype=param.dtype)
-    return _judged(_kernels.adam, param, grad, m, v, 1 - beta1, beta1, 1 - beta2, beta2, epsilon, lr)
+    return _judged(_kernels.adam, param, _aligned(grad), m, v, 1 - beta1, beta1, 1 - beta2, beta2, epsilon, lr)
 
 
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
