@@ -335,3 +335,38 @@ def test_one_written_and_one_read_array_are_judged_as_by_the_general_rule() -> N
     for name, (w, r, want) in cases.items():
         assert wrappers._takes([w], [r]) is want, name
         assert wrappers._takes([w], [r, r.copy()]) is want, name  # the general rule, a second read beside
+
+
+@needs_kernels
+@pytest.mark.parametrize("opt", [SGD(0.1), Momentum(0.05, 0.9), Adagrad(0.05), Adam(0.01)],
+                         ids=["sgd", "momentum", "adagrad", "adam"])
+def test_a_gradient_off_its_alignment_is_stepped_in_c_with_numpys_bits(opt) -> None:
+    """A small gradient received over tcp lies off its type's alignment (as ZeroMQ's receive
+    buffer placed it): the update still runs in C, on a copy, and leaves the gradient as it was."""
+    rng = np.random.default_rng(11)
+    init = rng.standard_normal((6, 5)).astype(np.float32)
+    grad = misaligned(30, "float32", 2, 0.0).reshape(6, 5)
+    grad[...] = rng.standard_normal((6, 5))
+    sent = grad.copy()
+    t = np.arange(1, 7)
+
+    def run(g: np.ndarray) -> list[bytes]:
+        param = init.copy()
+        slots = {k: np.full(init.shape, opt.slot_init(k), np.float32) for k in opt.slot_names}
+        assert opt.update(param, g, slots, t if opt.uses_step else None) is param
+        return [param.tobytes(), *(s.tobytes() for s in slots.values())]
+
+    ran: list[bool] = []
+    real = wrappers._judged
+
+    def judged(update, *args) -> bool:
+        ran.append(real(update, *args))
+        return ran[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(wrappers, "_judged", judged)
+        fused = run(grad)
+    assert ran == [True]  # the C update took it
+    with _numpy_only():
+        assert run(sent) == fused
+    assert np.array_equal(grad, sent) and not grad.flags.aligned

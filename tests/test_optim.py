@@ -393,3 +393,14 @@ def test_no_optimizer_scalar_plain_add():
     store.create("s", 0, [], [0, 1], "float64", value=np.array(2.0))
     store.apply_dense("s", 0, np.array(0.5))
     assert store.read("s") == 2.5
+
+
+def test_adams_bias_correction_is_looked_up_with_the_formulas_bits_and_computed_past_the_table():
+    from zmqflow.state import optim as state_optim
+
+    rng = np.random.default_rng(12)
+    for beta1, beta2 in ((0.9, 0.999), (0.5, 0.7)):
+        for t in (rng.integers(1, state_optim._BIAS_STEPS, 40), np.array([state_optim._BIAS_STEPS - 1,
+                                                                            state_optim._BIAS_STEPS, 10**9])):
+            want = np.sqrt(1 - beta2 ** t.astype(np.float64)) / (1 - beta1 ** t.astype(np.float64))
+            assert state_optim._bias(beta1, beta2, t).tobytes() == want.tobytes()
