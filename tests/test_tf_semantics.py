@@ -3,9 +3,11 @@ handle call, and a typed error (not NotFound) when a shard restarted empty."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -292,5 +294,28 @@ def test_an_unknown_name_on_a_live_shard_is_still_not_found():
                 assert not isinstance(info.value, ShardStateLost)
             finally:
                 await sess.close()
+
+    arun(scenario())
+
+
+def test_variables_declared_at_once_ask_each_shard_who_it_is_once():
+    """A model's variables declared in one gather: each shard is asked its incarnation once, not
+    once a variable (each question sums what the shard holds: quadratic in all)."""
+    async def scenario() -> None:
+        async with local_cluster({"ps": 2, "worker": 1}, timeout=20) as servers:
+            async with AsyncSession(servers["worker:0"].target) as sess:
+                asked: list[str] = []
+                call = sess.client.call
+
+                async def counted(endpoint: str, service: str, op: str, *args: Any, **kw: Any) -> Any:
+                    if (service, op) == ("ps", "status"):
+                        asked.append(kw.get("name", endpoint))
+                    return await call(endpoint, service, op, *args, **kw)
+
+                sess.client.call = counted  # type: ignore[method-assign]
+                part = zf.fixed_size_partitioner(2)
+                made = await asyncio.gather(*(sess.variable(f"v{i}", np.zeros(4), partitioner=part)
+                                              for i in range(40)))
+                assert sorted(asked) == ["ps:0", "ps:1"] and len(made) == 40
 
     arun(scenario())

@@ -95,6 +95,7 @@ class AsyncSession:
         self._closed = False
         self._infos: dict[str, VarInfo] = {}
         self._incarnations: dict[TaskId, str] = {}  # each shard this session used, as it was then
+        self._asking: dict[TaskId, asyncio.Future[None]] = {}  # shards ``_learn`` is asking who they are
         self._routes: dict[TaskId, tuple[str, str]] = {}  # task -> (endpoint, name): the spec is fixed once known
         self._bulk: BulkStreams | None = None
         # read once, here: a bad value stops the session at its start, not at its first large pull
@@ -151,16 +152,31 @@ class AsyncSession:
         """Remember who each shard of ``tasks`` is now (its incarnation), once per task: how this
         session later tells a restarted shard from an unknown name. A shard that does not answer
         is asked again next time."""
-        new = sorted({t for t in tasks if t not in self._incarnations})
+        new = {t for t in tasks if t not in self._incarnations}
         if not new:
             return
-        spec = await self.cluster()
-        limit = min(_LEARN_TIMEOUT, self.timeout)
-        got = await asyncio.gather(*(self.client.call(spec.address(t).endpoint, "ps", "status", timeout=limit,
-                                                      name=str(t)) for t in new), return_exceptions=True)
-        for task, status in zip(new, got):
-            if isinstance(status, dict) and isinstance(status.get("incarnation"), str):
-                self._incarnations.setdefault(task, status["incarnation"])
+        # One question a shard at a time: the declarations of a model's many variables run at once
+        # (a gather), and each asked every shard anew, which sums what it holds: quadratic in all.
+        ask = sorted(t for t in new if t not in self._asking)
+        if ask:
+            asking = asyncio.ensure_future(self._ask(ask))
+            for t in ask:
+                self._asking[t] = asking
+        await asyncio.gather(*(asyncio.shield(f) for f in {self._asking[t] for t in new if t in self._asking}))
+
+    async def _ask(self, tasks: list[TaskId]) -> None:
+        """``_learn``'s question to ``tasks``, shared by every call that needs one of them meanwhile."""
+        try:
+            spec = await self.cluster()
+            limit = min(_LEARN_TIMEOUT, self.timeout)
+            got = await asyncio.gather(*(self.client.call(spec.address(t).endpoint, "ps", "status", timeout=limit,
+                                                          name=str(t)) for t in tasks), return_exceptions=True)
+            for task, status in zip(tasks, got):
+                if isinstance(status, dict) and isinstance(status.get("incarnation"), str):
+                    self._incarnations.setdefault(task, status["incarnation"])
+        finally:
+            for task in tasks:
+                self._asking.pop(task, None)
 
     async def _state_lost(self, task: TaskId, exc: NotFound, timeout: float) -> ShardStateLost | None:
         """:class:`ShardStateLost` when ``task``'s shard is not the one this session used (it
