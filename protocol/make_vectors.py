@@ -152,7 +152,9 @@ def valid_vectors() -> list[dict[str, Any]]:
         _valid(
             "request_tensors",
             "A request whose body nests arrays of several dtypes and shapes (an empty array, a 0-d "
-            "array, a non-contiguous slice sent C-ordered) in lists and maps beside plain values.",
+            "array, a non-contiguous slice sent C-ordered) in lists and maps beside plain values. The "
+            "small ones share one pack frame, each at an offset that is a multiple of 16; the empty "
+            "array has a frame of its own.",
             Message(
                 REQUEST,
                 2,
@@ -281,6 +283,30 @@ def invalid_vectors() -> list[dict[str, Any]]:
             [head({"v": 1, "k": "req", "id": 13, "svc": "s", "op": "o", "a": msgpack.ExtType(2, bytes(4)), "t": []})],
             "DecodeError",
             13,
+        ),
+        _invalid(
+            "invalid_pack_overlap",
+            "Two float32 tensors packed in one frame, the second starting inside the first (offset 4 of 8 bytes).",
+            [head({"v": 1, "k": "rep", "id": 15, "a": [_ref(0), _ref(1)],
+                   "t": [["float32", [2], 1, 0], ["float32", [2], 1, 4]]}), bytes(16)],
+            "DecodeError",
+            15,
+        ),
+        _invalid(
+            "invalid_pack_offset",
+            "A packed float64 tensor at offset 4, not a multiple of its itemsize.",
+            [head({"v": 1, "k": "rep", "id": 16, "a": [_ref(0), _ref(1)],
+                   "t": [["uint8", [4], 1, 0], ["float64", [1], 1, 4]]}), bytes(16)],
+            "DecodeError",
+            16,
+        ),
+        _invalid(
+            "invalid_pack_past_end",
+            "A packed tensor whose bytes run past the end of its frame (8 bytes from offset 16 of 16).",
+            [head({"v": 1, "k": "rep", "id": 17, "a": [_ref(0), _ref(1)],
+                   "t": [["uint8", [4], 1, 0], ["float64", [1], 1, 16]]}), bytes(16)],
+            "DecodeError",
+            17,
         ),
         _invalid(
             "invalid_truncated_header",

@@ -19,6 +19,7 @@ from zmqflow.errors import InvalidArgument, RemoteError, VersionMismatch
 from zmqflow.wire import ERROR, REPLY, REQUEST, Message, decode, encode
 from zmqflow.wire import error_message, raise_error
 from zmqflow.wire.dtypes import WIRE_DTYPES
+from zmqflow.wire.tensors import PACK_BELOW
 
 from .codec_helpers import VECTORS, mv, roundtrip, decode_error, assert_same, sample, SHAPES
 
@@ -76,9 +77,10 @@ def test_fortran_and_strided_input_arrive_equal_and_c_ordered():
         np.arange(10, dtype=np.int32)[::3],
     ]
     assert not any(a.flags.c_contiguous for a in inputs)
-    frames = encode(Message(REPLY, 1, body=inputs))
-    for arr, frame in zip(inputs, frames[1:]):
-        assert bytes(memoryview(frame)) == np.ascontiguousarray(arr).tobytes()
+    for arr in inputs:  # alone in its message, an array has a frame of its own
+        frames = encode(Message(REPLY, 1, body=[arr]))
+        assert len(frames) == 2 and bytes(memoryview(frames[1])) == np.ascontiguousarray(arr).tobytes()
+    frames = encode(Message(REPLY, 1, body=inputs))  # together, these small ones share a pack
     got = decode(frames).body
     for sent, arrived in zip(inputs, got):
         assert arrived.flags.c_contiguous and arrived.shape == sent.shape
@@ -115,9 +117,12 @@ def test_plain_values_and_numpy_scalars_round_trip():
 def test_one_array_sent_twice_travels_twice():
     arr = np.arange(3)
     frames = encode(Message(REPLY, 1, body=[arr, arr]))
-    assert len(frames) == 3
+    assert len(frames) == 2 and len(frames[1]) == 32 + arr.nbytes  # both in one pack, the second at 32
     a, b = decode(frames).body
     np.testing.assert_array_equal(a, b)
+    assert not np.shares_memory(a, b)
+    big = np.arange(PACK_BELOW)
+    assert len(encode(Message(REPLY, 1, body=[big, big]))) == 3
 
 
 # zero copy on receipt ---------------------------------------------------------------------

@@ -10,6 +10,7 @@ import pytest
 
 from zmqflow.errors import InvalidArgument, ProtocolError, VersionMismatch
 from zmqflow.wire import ERROR, REPLY, REQUEST, Limits, Message, decode, encode
+from zmqflow.wire.tensors import PACK_BELOW
 
 from .codec_helpers import roundtrip, ref, header, DROP, request_header, one_tensor, decode_error
 
@@ -95,10 +96,15 @@ def test_more_frames_than_tensors():
 
 
 def test_fewer_frames_than_tensors():
-    good = encode(Message(REPLY, 6, body=[np.arange(3), np.arange(2)]))
+    big = np.arange(PACK_BELOW // 8)  # a frame of its own
+    good = encode(Message(REPLY, 6, body=[big, big + 1]))
     err = decode_error(good[:2])
     assert err.request_id == 6 and "2 tensors but 1 tensor frames" in str(err)
     assert "2 tensors but 0" in str(decode_error(good[:1]))
+    packed = encode(Message(REPLY, 6, body=[big, np.arange(3), np.arange(2)]))  # the small two in one pack
+    assert len(packed) == 3 and len(decode(packed).body) == 3
+    err = decode_error(packed[:2])  # the pack is missing
+    assert err.request_id == 6 and "frame index 2 is out of range" in str(err)
 
 
 @pytest.mark.parametrize("size", [0, 15, 17, 32])
@@ -167,7 +173,7 @@ def test_frames_may_be_listed_in_any_order():
     assert a.tolist() == [3] and b.tolist() == [1, 2]
 
 
-@pytest.mark.parametrize("entry", [["uint8", [1]], ["uint8", [1], 1, 0], "uint8", {"dtype": "uint8"}])
+@pytest.mark.parametrize("entry", [["uint8", [1]], ["uint8", [1], 1, 0, 0], "uint8", {"dtype": "uint8"}])
 def test_malformed_table_entry(entry):
     assert "entry" in str(decode_error([header(a=ref(0), t=[entry]), b"\x00"]))
 
@@ -194,7 +200,7 @@ def test_header_over_the_size_limit():
 
 
 def test_too_many_frames():
-    frames = encode(Message(REPLY, 3, body=[np.zeros(1)] * 3))
+    frames = encode(Message(REPLY, 3, body=[np.zeros(PACK_BELOW // 8)] * 3))  # too big to share a pack
     assert len(decode(frames, Limits(max_frames=4)).body) == 3
     assert "exceed the limit of 3" in str(decode_error(frames, Limits(max_frames=3)))
 

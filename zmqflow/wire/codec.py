@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import reprlib
 import struct
 import threading
 from collections.abc import Sequence
@@ -29,9 +28,10 @@ import numpy as np
 from ..errors import InvalidArgument
 from .message import (DEFAULT_LIMITS, ERROR, KINDS, REPLY, REQUEST, VERSION, DecodeError, LimitExceeded, Limits,
                       Message, VersionError)
-from .dtypes import AS_IS, LOADED as _LOADED_DTYPES, WIRE_DTYPES, dtype_name
+from .dtypes import AS_IS, LOADED as _LOADED_DTYPES
 from .peek import container_marks, read_start, too_deep
 from .structs import REQUIRED, layout as struct_layout, sent_fields
+from .tensors import read as read_table, short as _short, wire_buffer as _wire_buffer, write as write_table
 
 __all__ = [
     "VERSION",
@@ -54,7 +54,6 @@ __all__ = [
 _EXT_TENSOR = 1
 _MAX_ID = (1 << 64) - 1
 _MAX_NAME = 128
-_MAX_NDIM = 32
 _U32 = struct.Struct(">I")
 _from_bytes = int.from_bytes
 _INF = math.inf
@@ -99,13 +98,8 @@ def encode(msg: Message) -> list[Any]:
         head["e"] = msg.error or {}
     else:
         head["a"] = _extract(msg.body, arrays)
-    frames: list[Any] = [None]
-    table = []
-    for i, arr in enumerate(arrays):
-        buf, name = _wire_buffer(arr)
-        table.append([name, list(arr.shape), i + 1])
-        frames.append(buf)
-    head["t"] = table
+    head["t"], tail = write_table(arrays)
+    frames: list[Any] = [None, *tail]
     try:
         frames[0] = _packer().pack(head)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -189,21 +183,6 @@ def _extract(obj: Any, arrays: list[np.ndarray]) -> Any:
 
 
 _Struct = msgspec.Struct
-
-
-def _wire_buffer(arr: np.ndarray) -> tuple[np.ndarray, str]:
-    """A little-endian C-ordered buffer of ``arr``: the array itself when it is one (no per-send
-    reshape or view), else a flat byte view; copies only when the layout forces it."""
-    dtype = arr.dtype
-    name = AS_IS.get(dtype)
-    if name is not None and arr.flags.c_contiguous:  # the common case: a native array, sent as it is
-        return arr, name
-    name = dtype_name(dtype)
-    if arr.dtype.byteorder == ">":
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
-    if not arr.flags.c_contiguous:
-        arr = np.ascontiguousarray(arr)
-    return arr.reshape(-1).view(np.uint8), name
 
 
 # decoding ---------------------------------------------------------------------------------
@@ -308,7 +287,7 @@ def _from_header(head: dict, frames: Sequence[Any], limits: Limits, exts: list[o
         bad = exts[0]
         raise DecodeError(f"unknown msgpack extension type {bad.code} (length {bad.size})", request_id=rid, kind=kind)
     table = head.get("t", _NO_TABLE)
-    arrays = _tensors(table, frames, limits, rid, kind) if table != [] or len(frames) > 1 else _NO_TABLE
+    arrays = read_table(table, frames, limits, rid, kind) if table != [] or len(frames) > 1 else _NO_TABLE
     source = head.get("src", "")
     if source.__class__ is not str or len(source) > _MAX_NAME:
         _opt_str(head, "src", rid, kind)  # raises, naming the field
@@ -344,71 +323,6 @@ def _from_header(head: dict, frames: Sequence[Any], limits: Limits, exts: list[o
 
 
 _NO_TABLE: list = []  # read only: "no tensors", without a new list per message
-
-
-def _tensors(table: object, frames: Sequence[Any], limits: Limits, rid: int, kind: str) -> list[np.ndarray]:
-    if not isinstance(table, list):
-        raise DecodeError(f"tensor table must be a list, got {type(table).__name__}", request_id=rid, kind=kind)
-    if len(table) != len(frames) - 1:
-        raise DecodeError(f"header describes {len(table)} tensors but {len(frames) - 1} tensor frames arrived",
-                          request_id=rid, kind=kind)
-    arrays: list[np.ndarray] = []
-    seen: set[int] = set()
-    total = 0
-    nframes = len(frames)
-    for i, entry in enumerate(table):
-        if entry.__class__ is not list or len(entry) != 3:
-            raise DecodeError(f"tensor {i}: entry must be [dtype, shape, frame]", request_id=rid, kind=kind)
-        name, shape, index = entry
-        dtype = _LOADED_DTYPES.get(name) if name.__class__ is str else None
-        if dtype is None:
-            dtype = WIRE_DTYPES.get(name) if name.__class__ is str else None  # ml_dtypes' load on first use
-            if dtype is None:
-                raise DecodeError(f"tensor {i}: unknown wire dtype {_short(name)}", request_id=rid, kind=kind)
-        if shape.__class__ is not list or len(shape) > _MAX_NDIM or not _dims_ok(shape):
-            raise DecodeError(f"tensor {i}: shape must be a list of at most {_MAX_NDIM} non-negative ints, got "
-                              f"{_short(shape)}", request_id=rid, kind=kind)
-        if index.__class__ is not int or not 1 <= index < nframes or index in seen:
-            raise DecodeError(f"tensor {i}: frame index {_short(index)} is out of range or used twice",
-                              request_id=rid, kind=kind)
-        seen.add(index)
-        view = memoryview(frames[index])
-        nbytes = view.nbytes  # a zmq Frame or bytes: one-dimensional bytes, so nbytes is its length
-        if nbytes > limits.max_frame_bytes:
-            raise LimitExceeded(
-                f"tensor {i}: frame of {nbytes} bytes exceeds the limit of {limits.max_frame_bytes}", request_id=rid, kind=kind
-            )
-        total += nbytes
-        if total > limits.max_message_bytes:
-            raise LimitExceeded(
-                f"tensor frames of more than {limits.max_message_bytes} bytes in one message exceed the limit",
-                request_id=rid, kind=kind)
-        expected = (shape[0] if len(shape) == 1 else math.prod(shape)) * dtype.itemsize
-        if expected != nbytes:
-            raise DecodeError(
-                f"tensor {i}: {name}{tuple(shape)} needs {expected} bytes but its frame has {nbytes}", request_id=rid, kind=kind
-            )
-        try:
-            arrays.append(np.ndarray(shape, dtype, view))  # over the frame's memory, read-only where it is
-        except ValueError:  # an empty shape whose other dimensions overflow numpy's index type
-            raise DecodeError(f"tensor {i}: shape {_short(shape)} is too large", request_id=rid, kind=kind) from None
-    return arrays
-
-
-_SHORT = reprlib.Repr()
-_SHORT.maxstring = _SHORT.maxlong = _SHORT.maxother = 40
-
-
-def _short(value: object) -> str:
-    """A peer's value as a refusal quotes it: a few dozen characters, cheaply, however large the value."""
-    return _SHORT.repr(value[:40] if isinstance(value, (bytes, bytearray)) else value)[:80]  # reprlib: bytes whole
-
-
-def _dims_ok(shape: list) -> bool:
-    for d in shape:
-        if d.__class__ is not int or d < 0:  # msgpack's ints are exact ints
-            return False
-    return True
 
 
 def _resolve(obj: object, arrays: list[np.ndarray], used: bytearray, rid: int, kind: str) -> object:

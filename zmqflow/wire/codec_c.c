@@ -135,5 +135,12 @@ PyMODINIT_FUNC PyInit_codec_c(void) {
     S_DTYPE = PyUnicode_InternFromString("dtype");
     if (EMPTY == NULL || S_ITEMSIZE == NULL || S_SHAPE == NULL || S_DTYPE == NULL)
         return NULL;
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && (PyModule_AddIntConstant(m, "PACK_BELOW", PACK_BELOW) ||
+                      PyModule_AddIntConstant(m, "PACK_ALIGN", PACK_ALIGN) ||
+                      PyModule_AddIntConstant(m, "PACK_BYTES", PACK_BYTES))) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -20,6 +20,10 @@
 #define INLINE_REFS 64   /* tensor references read without an allocation; more go to the heap */
 #define MAX_REFS 65536   /* tensor references per message handled here (more: the Python codec) */
 #define MAX_NDIM 32
+/* as zmqflow/wire/tensors.py: two or more arrays of 1..PACK_BELOW-1 bytes share pack frames */
+#define PACK_BELOW (16 << 10)
+#define PACK_ALIGN 16
+#define PACK_BYTES (1 << 20)
 #define MAX_NAME 128
 
 /* set once by configure(): see codec_c.c */

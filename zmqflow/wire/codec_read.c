@@ -277,40 +277,37 @@ static int short_str(PyObject *s, Py_ssize_t min) {
     return s != NULL && PyUnicode_CheckExact(s) && PyUnicode_GET_LENGTH(s) >= min && PyUnicode_GET_LENGTH(s) <= MAX_NAME;
 }
 
-/* the arrays the table describes, checked as the Python codec checks them, or NULL */
+/* the arrays the table describes, checked as the Python codec checks them (tensors.read), or NULL */
 static PyObject *r_tensors(PyObject *table, PyObject *frames, Py_ssize_t nframes, const Lim *lim) {
     if (table == NULL)
         return nframes == 1 ? PyList_New(0) : NULL;
-    if (!PyList_CheckExact(table) || PyList_GET_SIZE(table) != nframes - 1)
+    if (!PyList_CheckExact(table) || PyList_GET_SIZE(table) > MAX_REFS)
         return NULL;
-    if (nframes - 1 > MAX_REFS)
-        return NULL;
-    PyObject *arrays = PyList_New(nframes - 1);
-    char few[INLINE_REFS + 1] = {0};  /* which frames the table named; on the heap past INLINE_REFS */
+    Py_ssize_t n = PyList_GET_SIZE(table);
+    PyObject *arrays = PyList_New(n);
+    char few[INLINE_REFS + 1] = {0};  /* 1: a frame of one array, 2: a pack; on the heap past INLINE_REFS */
     char *seen = nframes <= INLINE_REFS + 1 ? few : PyMem_Calloc((size_t)nframes, 1);
-    long long total = 0;
-    if (arrays == NULL || seen == NULL) {
-        Py_XDECREF(arrays);
-        if (seen != NULL && seen != few)
-            PyMem_Free(seen);
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < nframes - 1; i++) {
+    long long total = 0, last_frame = 0, last_end = 0;  /* where the last packed array ended */
+    if (arrays == NULL || seen == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *e = PyList_GET_ITEM(table, i);
-        if (!PyList_CheckExact(e) || PyList_GET_SIZE(e) != 3)
+        if (!PyList_CheckExact(e) || PyList_GET_SIZE(e) < 3 || PyList_GET_SIZE(e) > 4)
             goto fail;
+        int packed = PyList_GET_SIZE(e) == 4;
         PyObject *name = PyList_GET_ITEM(e, 0), *shape = PyList_GET_ITEM(e, 1), *at = PyList_GET_ITEM(e, 2);
+        PyObject *off = packed ? PyList_GET_ITEM(e, 3) : NULL;
         PyObject *dtype = PyUnicode_CheckExact(name) ? PyDict_GetItemWithError(DTYPES, name) : NULL;
-        if (dtype == NULL || !PyList_CheckExact(shape) || PyList_GET_SIZE(shape) > MAX_NDIM || !PyLong_CheckExact(at))
+        if (dtype == NULL || !PyList_CheckExact(shape) || PyList_GET_SIZE(shape) > MAX_NDIM || !PyLong_CheckExact(at) ||
+            (packed && !PyLong_CheckExact(off)))
             goto fail;
         long index = PyLong_AsLong(at);
-        if (index < 1 || index >= nframes || seen[index])
+        if (index < 1 || index >= nframes || seen[index] == 1 || (seen[index] && !packed))
             goto fail;
-        seen[index] = 1;
         PyObject *itemsize = PyObject_GetAttr(dtype, S_ITEMSIZE);
-        long long expected = itemsize == NULL ? -1 : PyLong_AsLongLong(itemsize);
+        long long item = itemsize == NULL ? -1 : PyLong_AsLongLong(itemsize), expected = item;
         Py_XDECREF(itemsize);
-        if (expected < 0)
+        if (item <= 0)
             goto fail;
         for (Py_ssize_t d = 0; d < PyList_GET_SIZE(shape); d++) {
             PyObject *dim = PyList_GET_ITEM(shape, d);
@@ -318,29 +315,49 @@ static PyObject *r_tensors(PyObject *table, PyObject *frames, Py_ssize_t nframes
             if (v < 0 || __builtin_mul_overflow(expected, v, &expected))
                 goto fail;
         }
+        long long offset = packed ? PyLong_AsLongLong(off) : 0;
+        if (packed && (offset < 0 || offset % item || index < last_frame || (index == last_frame && offset < last_end)))
+            goto fail;
         PyObject *frame = PyList_GET_ITEM(frames, index);
         Py_buffer view;
         if (PyObject_GetBuffer(frame, &view, PyBUF_SIMPLE))
             goto fail;
         long long nbytes = view.len;
         PyBuffer_Release(&view);
-        total += nbytes;
-        if (nbytes > lim->frame_bytes || total > lim->message_bytes || nbytes != expected)
+        if (!seen[index]) {
+            total += nbytes;
+            if (nbytes > lim->frame_bytes || total > lim->message_bytes)
+                goto fail;
+            seen[index] = packed ? 2 : 1;
+        }
+        long long end;
+        if (packed ? __builtin_add_overflow(offset, expected, &end) || end > nbytes : nbytes != expected)
             goto fail;
-        /* ndarray(shape, dtype, frame): one call where frombuffer and a reshape took three, the
-           frame itself its base (read-only when the frame is) */
-        PyObject *arr = PyObject_CallFunctionObjArgs(NDARRAY, shape, dtype, frame, NULL);
+        if (packed) {
+            last_frame = index;
+            last_end = end;
+        }
+        /* ndarray(shape, dtype, frame[, offset]): one call where frombuffer and a reshape took
+           three, the frame itself its base (read-only when the frame is) */
+        PyObject *arr;
+        if (packed)
+            arr = PyObject_CallFunctionObjArgs(NDARRAY, shape, dtype, frame, off, NULL);
+        else
+            arr = PyObject_CallFunctionObjArgs(NDARRAY, shape, dtype, frame, NULL);
         if (arr == NULL)
             goto fail;
         PyList_SET_ITEM(arrays, i, arr);
     }
+    for (Py_ssize_t k = 1; k < nframes; k++)
+        if (!seen[k])
+            goto fail;
     if (seen != few)
         PyMem_Free(seen);
     return arrays;
 fail:
-    if (seen != few)
+    if (seen != NULL && seen != few)
         PyMem_Free(seen);
-    Py_DECREF(arrays);
+    Py_XDECREF(arrays);
     return NULL;
 }
 

@@ -331,36 +331,109 @@ static PyObject *as_is(PyObject *arr) {
     return PyTuple_Pack(2, arr, name);
 }
 
-/* the tensor table [[dtype, shape, frame], ...], and each array's buffer appended to ``frames`` */
+/* one table entry: [name, shape, frame] or, packed, [name, shape, frame, offset] */
+static int w_entry(W *w, PyObject *arr, PyObject *name, Py_ssize_t frame, Py_ssize_t offset) {
+    PyObject *shape = PyObject_GetAttr(arr, S_SHAPE);
+    int r = shape == NULL || w_tag(w, offset < 0 ? 0x93 : 0x94, 0, 0) || w_obj(w, name, NULL, 0, 1) ||
+            w_obj(w, shape, NULL, 0, 1);
+    Py_XDECREF(shape);
+    for (int k = 0; k < 2 && !r; k++) {
+        Py_ssize_t v = k == 0 ? frame : offset;
+        if (v < 0)
+            break;
+        PyObject *at = PyLong_FromSsize_t(v);
+        r = at == NULL || w_int(w, at);
+        Py_XDECREF(at);
+    }
+    if (r && !PyErr_Occurred())
+        PyErr_SetString(PyExc_TypeError, "table");
+    return r ? -1 : 0;
+}
+
+/* the tensor table, and the frames after the header appended to ``frames``: as tensors.write,
+   byte for byte (the arrays sent whole, in order, then the packs of the small ones) */
 static int w_table(W *w, PyObject *arrays, PyObject *frames) {
-    Py_ssize_t n = PyList_GET_SIZE(arrays);
+    Py_ssize_t n = PyList_GET_SIZE(arrays), small = 0, whole = 0, npacks = 1;
     if (w_len(w, n, 0x90, 16, 0, 0xdc, 0xdd))
         return -1;
+    PyObject *pairs = PyList_New(n);  /* (buffer, wire name) of each array */
+    Py_ssize_t *place = PyMem_Calloc((size_t)n + 1, 2 * sizeof(Py_ssize_t));  /* (pack, offset); -1: whole */
+    Py_ssize_t *sizes = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));  /* of each pack */
+    PyObject *packs = NULL;
+    int r = -1;
+    if (pairs == NULL || place == NULL || sizes == NULL)
+        goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *arr = PyList_GET_ITEM(arrays, i);
         PyObject *pair = as_is(arr);
         if (pair == NULL && !PyErr_Occurred())
             pair = PyObject_CallOneArg(WIRE_BUFFER, arr);
         if (pair == NULL)
-            return -1;
-        PyObject *shape = PyObject_GetAttr(arr, S_SHAPE);
-        int r = shape == NULL || !PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 ||
-                PyList_Append(frames, PyTuple_GET_ITEM(pair, 0)) || w_tag(w, 0x93, 0, 0) ||
-                w_obj(w, PyTuple_GET_ITEM(pair, 1), NULL, 0, 1) || w_obj(w, shape, NULL, 0, 1);
-        Py_DECREF(pair);
-        Py_XDECREF(shape);
-        if (r) {
+            goto done;
+        PyList_SET_ITEM(pairs, i, pair);
+        Py_buffer view;
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 ||
+            PyObject_GetBuffer(PyTuple_GET_ITEM(pair, 0), &view, PyBUF_C_CONTIGUOUS) < 0) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_TypeError, "table");
-            return -1;
+            goto done;
         }
-        PyObject *at = PyLong_FromSsize_t(i + 1);
-        r = at == NULL || w_int(w, at);
-        Py_XDECREF(at);
-        if (r)
-            return -1;
+        place[2 * i] = view.len > 0 && view.len < PACK_BELOW ? view.len : -1;  /* its bytes, for now */
+        small += place[2 * i] > 0;
+        PyBuffer_Release(&view);
     }
-    return 0;
+    for (Py_ssize_t i = 0; i < n; i++) {  /* where each small one goes, as tensors.write places them */
+        Py_ssize_t len = place[2 * i];
+        if (small < 2 || len < 0) {
+            place[2 * i] = -1;
+            continue;
+        }
+        Py_ssize_t offset = (sizes[npacks - 1] + PACK_ALIGN - 1) / PACK_ALIGN * PACK_ALIGN;
+        if (offset + len > PACK_BYTES) {
+            npacks++;
+            offset = 0;
+        }
+        place[2 * i] = npacks - 1;
+        place[2 * i + 1] = offset;
+        sizes[npacks - 1] = offset + len;
+    }
+    Py_ssize_t first_pack = 1 + n - (small < 2 ? 0 : small);
+    if (small >= 2 && (packs = PyList_New(npacks)) == NULL)
+        goto done;
+    for (Py_ssize_t k = 0; packs != NULL && k < npacks; k++) {
+        PyObject *pack = PyByteArray_FromStringAndSize(NULL, sizes[k]);
+        if (pack == NULL)
+            goto done;
+        memset(PyByteArray_AS_STRING(pack), 0, (size_t)sizes[k]);
+        PyList_SET_ITEM(packs, k, pack);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *arr = PyList_GET_ITEM(arrays, i), *pair = PyList_GET_ITEM(pairs, i);
+        PyObject *buf = PyTuple_GET_ITEM(pair, 0), *name = PyTuple_GET_ITEM(pair, 1);
+        if (place[2 * i] < 0) {
+            if (PyList_Append(frames, buf) || w_entry(w, arr, name, ++whole, -1))
+                goto done;
+            continue;
+        }
+        Py_buffer view;
+        if (PyObject_GetBuffer(buf, &view, PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        PyObject *pack = PyList_GET_ITEM(packs, place[2 * i]);
+        memcpy(PyByteArray_AS_STRING(pack) + place[2 * i + 1], view.buf, (size_t)view.len);
+        PyBuffer_Release(&view);
+        if (w_entry(w, arr, name, first_pack + place[2 * i], place[2 * i + 1]))
+            goto done;
+    }
+    for (Py_ssize_t k = 0; packs != NULL && k < npacks; k++)
+        if (PyList_Append(frames, PyList_GET_ITEM(packs, k)))
+            goto done;
+    r = 0;
+done:
+    Py_XDECREF(pairs);
+    Py_XDECREF(packs);
+    PyMem_Free(place);
+    PyMem_Free(sizes);
+    return r;
 }
 
 PyObject *codec_encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
