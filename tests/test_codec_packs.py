@@ -43,8 +43,9 @@ def _read_alike(frames: list[Any]) -> Message:
             slow = decode(list(frames))
         finally:
             codec.use_compiled(True)
-        assert len(slow.body) == len(got.body)
-        for a, b in zip(slow.body, got.body):
+        flat = [list(m.body.values()) if isinstance(m.body, dict) else m.body for m in (slow, got)]
+        assert len(flat[0]) == len(flat[1])
+        for a, b in zip(*flat):
             assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
     return got
 
