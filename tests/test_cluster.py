@@ -173,15 +173,32 @@ def test_task_str_device_order_and_hash():
 
 def test_a_task_parsed_twice_is_one_instance_and_the_record_is_bounded():
     """So that the dicts keyed by task match by identity; the record of strings stays bounded."""
-    from zmqflow import cluster
+    from zmqflow import task_id
 
     assert TaskId.parse("ps:7") is TaskId.parse("ps:7") and TaskId.parse("/job:ps/task:7") == TaskId.parse("ps:7")
-    for i in range(cluster._PARSED_MAX + 10):
+    for i in range(task_id._PARSED_MAX + 10):
         assert TaskId.parse(f"worker:{i}") == TaskId("worker", i)
-        assert len(cluster._PARSED) <= cluster._PARSED_MAX
+        assert len(task_id._PARSED) <= task_id._PARSED_MAX
     with pytest.raises(ConfigError):
         TaskId.parse("ps:x")
-    assert "ps:x" not in cluster._PARSED
+    assert "ps:x" not in task_id._PARSED
+
+
+def test_a_tasks_kept_hash_is_its_fields_and_is_made_anew_where_it_is_unpickled():
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    task = TaskId("ps", 3)
+    assert hash(task) == hash(("ps", 3)) and pickle.loads(pickle.dumps(task)) == task
+    assert repr(task) == "TaskId(job='ps', index=3)" and TaskId("ps", 3) < TaskId("ps", 4)
+    code = ("import pickle, sys; t = pickle.loads(sys.stdin.buffer.read()); "
+            "print(hash(t) == hash(('ps', 3)) and {t: 1}.get(type(t)('ps', 3)) == 1)")
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}  # another process, another string hash
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(task), capture_output=True, timeout=60,
+                         env=env, check=True).stdout
+    assert out.strip() == b"True"
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from typing import Any
 
 from . import slurm as _slurm
 from .errors import ConfigError
+from .task_id import TaskId
 
 __all__ = ["Address", "TaskId", "ClusterSpec", "KNOWN_ROLES", "resolve", "load_config", "shard_tasks", "catalog_task",
            "holder_tasks", "from_slurm", "task_from_pod", "env_task_name"]
@@ -27,10 +28,6 @@ __all__ = ["Address", "TaskId", "ClusterSpec", "KNOWN_ROLES", "resolve", "load_c
 KNOWN_ROLES = ("chief", "worker", "ps", "evaluator")
 _JOB_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]*$")
 _HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9\-\.]*[A-Za-z0-9])?$")
-_TASK_RES = (
-    re.compile(r"^(?P<job>[A-Za-z][A-Za-z0-9_\-]*):(?P<index>\d+)$", re.ASCII),
-    re.compile(r"^/job:(?P<job>[A-Za-z][A-Za-z0-9_\-]*)(/replica:\d+)?/task:(?P<index>\d+)(/.*)?$", re.ASCII),
-)
 
 
 def _is_digits(text: str) -> bool:
@@ -125,44 +122,6 @@ def _is_ip(host: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-_PARSED: "dict[str, TaskId]" = {}  # TaskId.parse's answers by string; cleared when full
-_PARSED_MAX = 4096
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class TaskId:
-    """A task: a job name and an index. ``str()`` is ``job:index``; ``device`` is TF's form."""
-
-    job: str
-    index: int
-
-    @classmethod
-    def parse(cls, value: "str | TaskId") -> "TaskId":
-        """The task ``value`` names; one instance per string (``_PARSED``), so that the dicts a
-        push or pull keys by its parts' tasks match them by identity, not by ``__eq__``."""
-        if isinstance(value, TaskId):
-            return value
-        if isinstance(value, str):
-            if (known := _PARSED.get(value)) is not None and cls is TaskId:
-                return known
-            for pattern in _TASK_RES:
-                if m := pattern.match(value.strip()):
-                    task = cls(m["job"], int(m["index"]))
-                    if cls is TaskId:
-                        if len(_PARSED) >= _PARSED_MAX:
-                            _PARSED.clear()
-                        _PARSED[value] = task
-                    return task
-        raise ConfigError(f"malformed task {value!r}: expected 'job:index' or '/job:name/task:index'")
-
-    @property
-    def device(self) -> str:
-        return f"/job:{self.job}/task:{self.index}"
-
-    def __str__(self) -> str:
-        return f"{self.job}:{self.index}"
 
 
 class ClusterSpec:
