@@ -260,6 +260,13 @@ class AsyncSession:
             for r in await self.call_catalog("records", crq.Records())
         ]
 
+    def _known(self, var: object) -> VarInfo | None:
+        """``_info`` where it needs no call (a handle, or a name this session has met): no
+        coroutine a variable, for a model of hundreds."""
+        if isinstance(var, str):
+            return self._infos.get(var)
+        return var.info if isinstance(var, AsyncVariable) else None
+
     async def _info(self, var: "str | AsyncVariable") -> VarInfo:
         if isinstance(var, AsyncVariable):
             return var.info
@@ -274,7 +281,7 @@ class AsyncSession:
                    out: "Mapping[str, Any] | None" = None) -> dict[str, Any]:
         """Current values by name: one request per shard (more for big variables), all at once,
         each within ``timeout`` (the session's by default); ``out``: name -> array to fill, reused."""
-        infos = [await self._info(n) for n in names]
+        infos = [self._known(n) or await self._info(n) for n in names]
         return await _pull(self, infos, timeout, out)
 
     async def push(self, grads: "Mapping[str | AsyncVariable, Any]", step: int | None = None, *,
@@ -328,7 +335,7 @@ class AsyncSession:
         infos: dict[VarInfo, Any] = {}
         names: set[str] = set()
         for k, v in grads.items():
-            info = await self._info(k)
+            info = self._known(k) or await self._info(k)
             if info.name in names:
                 raise InvalidArgument(f"push names variable {info.name!r} twice: one gradient per variable and step",
                                       name=info.name)

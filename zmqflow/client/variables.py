@@ -30,6 +30,8 @@ from .bulk_push import push_from
 from .claims import declare_claimed, give_up, settle
 from .port import SessionPort
 from .placement import current_device, current_policy
+from . import pull_plan
+from .pull_plan import bundle
 from .var_info import ITEMS_PER_REQUEST, SLICE_BYTES, VarInfo, check_out, checked_outs, landed, rows_of, runs_of_parts
 from ..state.partition import num_partitions, row_splits
 from ..wire.dtypes import dtype_name
@@ -40,24 +42,7 @@ from ..wire.requests import ps as rq
 __all__ = ["SLICE_BYTES", "VarInfo", "check_out", "checked_grads", "gather_calls", "merged_answers", "AsyncVariable",
            "declare", "create_parts", "in_process", "pull", "push", "assign", "scatter"]
 
-# a one-part variable pulled without out= up to this size comes whole, as one frame that becomes
-# the result (no copy); bigger ones come in slices, copied into a new array as they land
-WHOLE_PULL_BYTES = 1 << 30
 T = TypeVar("T")
-
-
-def _bundle(items: Iterable[tuple[TaskId, int, T]]) -> dict[TaskId, list[list[T]]]:
-    """Group items per task into requests of about SLICE_BYTES each, and ITEMS_PER_REQUEST at most."""
-    out: dict[TaskId, list[list[T]]] = defaultdict(list)
-    sizes: dict[TaskId, int] = defaultdict(int)
-    for task, nbytes, item in items:
-        batches = out[task]
-        if not batches or sizes[task] + nbytes > SLICE_BYTES or len(batches[-1]) >= ITEMS_PER_REQUEST:
-            batches.append([])
-            sizes[task] = 0
-        batches[-1].append(item)
-        sizes[task] += nbytes
-    return out
 
 
 def _pieces(info: VarInfo, part: int, x: np.ndarray, lanes: Lanes) -> list[Piece]:
@@ -232,36 +217,22 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
     land in their arrays, copied by no one. Every reply's shape and dtype are checked against
     what the session knows of the part: VariableConflict when the part has changed since."""
     given = checked_outs(infos, out, "pulled")
-    outs: dict[str, np.ndarray | None] = {}
-    for info in infos:
-        if info.name in given:
-            outs[info.name] = given[info.name]
-        elif len(info.parts) == 1 and info.nbytes <= WHOLE_PULL_BYTES:
-            outs[info.name] = None  # the reply's array, once it lands
-        else:
-            outs[info.name] = np.empty(info.shape, dtype=info.dtype)
-    shared = await in_process(sess, {info.parts[0][0] for info in infos if outs[info.name] is None})
-    bulk_to = await _bulk_streams(sess, infos)
+    plan = pull_plan.kept(sess, infos, given)
+    bulk_to = {} if plan is not None else await _bulk_streams(sess, infos)
+    if plan is None:
+        plan = pull_plan.make(infos, given, bulk_to)
+        if not bulk_to:  # its requests are the same next time: its lanes might not be
+            pull_plan.keep(sess, plan, given)
+    outs = plan.targets(given)
+    shared = await in_process(sess, set(plan.whole_tasks))
     bulk: dict[TaskId, list[Piece]] = defaultdict(list)
-    where: dict[int, tuple[VarInfo, int, tuple[int | None, int | None]]] = {}
-    items = []
-    for info in infos:
-        for p, (task, r0, r1) in enumerate(info.parts):
+    for info in infos if bulk_to else ():
+        for p, (task, _, _) in enumerate(info.parts):
             if task in bulk_to:  # straight into its rows
-                target = outs[info.name]
-                if target is None:
-                    target = outs[info.name] = np.empty(info.shape, dtype=info.dtype)
-                bulk[task] += _pieces(info, p, target, bulk_to[task])
-                continue
-            # a variable received whole comes in one frame: slices would have to be copied together
-            chunks = info.chunks(p) if outs[info.name] is not None or not info.shape else [(0, r1 - r0)]
-            for chunk in chunks:
-                key = len(where)
-                where[key] = (info, p, chunk)
-                nbytes = ((chunk[1] or 0) - (chunk[0] or 0)) * info.row_bytes if info.shape else info.row_bytes
-                items.append((task, nbytes, (key, nbytes, rq.PullItem(info.name, p, chunk[0], chunk[1]))))
+                bulk[task] += _pieces(info, p, outs[info.name], bulk_to[task])  # type: ignore[arg-type]
+    where = plan.where
 
-    def place(task: TaskId, keys: list[int], arrays: list[np.ndarray]) -> None:
+    def place(task: TaskId, keys: tuple[int, ...], arrays: list[np.ndarray]) -> None:
         for key, arr in zip(keys, arrays):
             info, p, chunk = where[key]
             target = outs[info.name]
@@ -272,16 +243,11 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
                 arr.flags.writeable = False
             outs[info.name] = arr
 
-    async def fetch(task: TaskId, keys: list[int], call: Awaitable[list[np.ndarray]]) -> None:
+    async def fetch(task: TaskId, keys: tuple[int, ...], call: Awaitable[list[np.ndarray]]) -> None:
         place(task, keys, await call)
 
-    calls = []
-    for task, batches in _bundle(items).items():
-        for batch in batches:
-            keys = [key for key, _, _ in batch]
-            call = sess.call_task(task, "ps", "pull", rq.Pull(items=[it for _, _, it in batch]), timeout=timeout,
-                                  size=sum(n for _, n, _ in batch))  # the reply's bytes pick its stream
-            calls.append(fetch(task, keys, call))
+    calls = [fetch(task, keys, sess.call_task(task, "ps", "pull", req, timeout=timeout, size=size))
+             for task, keys, req, size in plan.calls]
     for task, pieces in bulk.items():
         calls += [pull_into(sess, task, stream, batch, timeout) for stream, batch in bulk_to[task].spread(pieces)]
     await gather_calls(calls)
@@ -302,7 +268,7 @@ async def assign(sess: SessionPort, info: VarInfo, x: Any, mode: str, timeout: f
             items.append((task, rows.nbytes, rq.RowsItem(info.name, p, chunk[0], chunk[1], rows)))
     await gather_calls([
         sess.call_task(task, "ps", "assign", rq.Assign(items=batch, mode=mode), timeout=timeout)
-        for task, batches in _bundle(items).items() for batch in batches
+        for task, batches in bundle(items).items() for batch in batches
     ])
 
 
@@ -404,7 +370,7 @@ async def push(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int | None
                 else:
                     async_items.append((task, rows.nbytes, item))
     calls = []
-    for task, batches in _bundle(async_items).items():
+    for task, batches in bundle(async_items).items():
         calls += [sess.call_task(task, "ps", "push", rq.Push(dense=b, step=step, learning_rate=learning_rate),
                                  timeout=timeout) for b in batches]
     for task, items in async_sparse.items():

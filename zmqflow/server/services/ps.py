@@ -30,6 +30,7 @@ from ...rpc import CallContext, Service, op
 from ...rpc.service import Answer
 from ...rpc.dedup import MAX_KEPT_REPLY
 from ...wire.requests import ps as rq
+from ...wire.tensors import PACK_ALIGN
 from ..checkpoint_roots import CheckpointRoots
 from .bulk_ops import BulkOps
 from .fence import FenceOps
@@ -434,9 +435,10 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
 
 def answer_bytes(values: list[np.ndarray], replicas: list[str] | None) -> int:
     """At least the bytes of a push's encoded answer with ``values``: the rows, a tensor's entry
-    and reference each (about 20 bytes, counted 32), the replicas' names, the rest of the header."""
+    and reference each (about 25 bytes, counted 32) and its padding in a pack (under PACK_ALIGN),
+    the replicas' names, the rest of the header."""
     names = sum(len(r.encode()) + 4 for r in replicas) if replicas else 0
-    return sum(v.nbytes for v in values) + 32 * len(values) + names + 512
+    return sum(v.nbytes for v in values) + (32 + PACK_ALIGN) * len(values) + names + 512
 
 
 def _twice(label: str, what: str) -> None:
