@@ -128,16 +128,23 @@ def test_tf1_tiny_run_does_the_same_work_on_both_sides():
 @needs_tf
 def test_cli_vs_tf1_prints_the_ratio_table_and_writes_json(tmp_path):
     out = tmp_path / "rows.jsonl"
-    args = ["ps", "--vs", "tf1", "--quick", "--shards", "1", "--model-mb", "1", "--json", str(out)]
+    args = ["ps", "--vs", "tf1", "--quick", "--shards", "1", "--model-mb", "1", "--vars", "3", "--json", str(out)]
     if plot.available():
         args += ["--plot", str(tmp_path / "curve.png")]
     result = _invoke(*args)
     assert result.exit_code == 0, result.output
-    assert "ratio" in result.output and "dense step" in result.output
+    assert "ratio" in result.output and "dense step" in result.output and "1 MB / 3 vars" in result.output
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["measure"] for r in lines] == MEASURES and all(r["ratio"] > 0 for r in lines)
     if plot.available():
         assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_vars_goes_with_the_tf1_anchor_only():
+    result = _invoke("ps", "--quick", "--vars", "3")
+    assert result.exit_code != 0 and "--vars goes with --vs tf1" in result.output
+    result = _invoke("ps", "--vs", "tf1", "--vars", "0")
+    assert result.exit_code != 0 and "--vars" in result.output
 
 
 def test_allreduce_runs_the_ranks_and_sizes_asked(tmp_path):

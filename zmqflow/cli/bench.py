@@ -41,10 +41,12 @@ def transport(quick: bool, transports: tuple[str, ...], json_out: str | None, cu
 @click.option("--model-mb", "model_mbs", multiple=True, type=FiniteFloatRange(min=0.1),
               help="Model size in MB; repeatable (several draw a curve with --plot). "
                    "Default 100 (20 with --quick); 64 with --vs tf1.")
+@click.option("--vars", "variables", type=click.IntRange(1, 4000),
+              help="With --vs tf1: the dense model as this many variables of one size (default 10).")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False),
               help="Draw throughput against model size into this image (needs the [plot] extra).")
 def ps(quick: bool, shards: tuple[int, ...], json_out: str | None, rival: str | None, model_mbs: tuple[float, ...],
-       plot_out: str | None) -> None:
+       variables: int | None, plot_out: str | None) -> None:
     """Pull/push of a whole model over 1-4 ps shards and scalar updates, vs raw pyzmq (or vs TF1 ps)."""
     from ..bench.anchors import plot
 
@@ -56,12 +58,14 @@ def ps(quick: bool, shards: tuple[int, ...], json_out: str | None, rival: str | 
         if not tf1.tf_available():  # an optional extra: say so before anything runs
             raise click.ClickException(tf1.MISSING_TF)
         rows = tf1.run(quick=quick, shards=shards or (1, 2), model_mbs=model_mbs or (64,), json_out=json_out,
-                       echo=click.echo)
+                       echo=click.echo, **({} if variables is None else {"nvars": variables}))
         click.echo(tf1.format_table(rows))
         if plot_out:
             plot.plot_ps_vs_tf1(rows, plot_out)
             click.echo(f"plot: {plot_out}")
         return
+    if variables is not None:
+        raise click.UsageError("--vars goes with --vs tf1 (the raw-pyzmq side moves one model's bytes)")
     from ..bench.ps import format_table, run
 
     rows = []

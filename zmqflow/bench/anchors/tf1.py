@@ -24,7 +24,7 @@ per task, the worker's ``tf.compat.v1.Session`` on its own server. Both sides pl
 ``ZMQFLOW_KEYS`` for zmqflow's processes or client). Medians of several repetitions; ratio =
 zmqflow's throughput / TF's (above 1: zmqflow faster). Needs the ``[anchors]`` extra.
 
-Run ``zmqflow bench ps --vs tf1 [--quick] [--shards N ...] [--model-mb MB ...] [--json FILE]``.
+Run ``zmqflow bench ps --vs tf1 [--quick] [--shards N ...] [--model-mb MB ...] [--vars N] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ def _rows(n_ps: int, p: dict[str, Any], zf: dict[str, Any], tf: dict[str, Any] |
                  calls=p["trips"])]
     for mb in p["model_mbs"]:
         nbytes = int(mb * 1e6) // p["nvars"] // 4 * 4 * p["nvars"]
-        size = f"{mb:g} MB"
+        size = f"{mb:g} MB / {p['nvars']} vars"
         for what, j, k in (("pull", 0, 0), ("pull out=", 2, 0), ("push", 1, 1)):  # zmqflow's j-th, TF's k-th
             rows.append(_row(f"dense {what}", n_ps, size, nbytes, "GB/s", nbytes / 1e9, col(zf, "dense", mb, j),
                              col(tf, "dense", mb, k)))
