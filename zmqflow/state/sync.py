@@ -88,7 +88,7 @@ class SyncState:
         when dead replicas were dropped; dense half-precision ones in float32), at ``learning_rate``
         afterwards; advances the step and starts the next one."""
         n = float(max(1, len(self.contributors)))
-        dense = self._dense  # the sums are this state's own copies: one gradient's is its mean as it is
+        dense = self._dense  # the sums (or one replica's pushed arrays, applied at once): one is its own mean
         if n != 1.0:
             dense = {rows: g / n if self._dtype is not None else (g / n).astype(g.dtype, copy=False)
                      for rows, g in dense.items()}
