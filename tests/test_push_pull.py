@@ -146,7 +146,7 @@ def test_the_step_a_push_completed_stands_when_its_pull_fails(monkeypatch: pytes
                 w = await sess.variable("w", np.zeros(2, np.float32), optimizer=opt)
                 with monkeypatch.context() as m:
                     if read == "pull":
-                        m.setattr(pp, "readable", lambda _grads: False)
+                        m.setattr(pp, "readable", lambda *_: False)
                         m.setattr(pp, "_pull", lost)
                     else:
                         m.setattr(push_read, "landed", gone)
@@ -170,7 +170,7 @@ def test_a_pull_has_its_own_time_after_a_sync_push_that_waited_for_a_straggler(m
         return await pull(*a)
 
     monkeypatch.setattr(pp, "_pull", slow)
-    monkeypatch.setattr(pp, "readable", lambda _grads: False)  # a model too big to come back in the push's answer
+    monkeypatch.setattr(pp, "readable", lambda *_: False)  # a model too big to come back in the push's answer
 
     async def main() -> None:
         async with local_cluster({"ps": 1, "worker": 2}, timeout=20) as servers:

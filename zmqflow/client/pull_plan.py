@@ -22,7 +22,7 @@ from ..cluster import TaskId
 from ..wire.requests import ps as rq
 from .var_info import ITEMS_PER_REQUEST, SLICE_BYTES, VarInfo
 
-__all__ = ["WHOLE_PULL_BYTES", "PLANS", "Plan", "bundle", "make", "kept", "keep"]
+__all__ = ["WHOLE_PULL_BYTES", "PLANS", "Plan", "Kept", "bundle", "make", "kept", "keep", "targets"]
 
 # a one-part variable pulled without out= up to this size comes whole, as one frame that becomes
 # the result (no copy); bigger ones come in slices, copied into a new array as they land
@@ -60,11 +60,7 @@ class Plan:
 
     def targets(self, given: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | None]:
         """Each name's array to fill: ``given``'s, a new one, or None (the reply's array)."""
-        outs: dict[str, np.ndarray | None] = dict(self.names)
-        outs.update(given)
-        for info in self.fresh:
-            outs[info.name] = np.empty(info.shape, dtype=info.dtype)
-        return outs
+        return targets(self.names, given, self.fresh)
 
 
 def make(infos: list[VarInfo], given: Mapping[str, np.ndarray], bulk: Collection[TaskId] = ()) -> Plan:
@@ -90,27 +86,53 @@ def make(infos: list[VarInfo], given: Mapping[str, np.ndarray], bulk: Collection
                 tuple(where), calls, frozenset(info.parts[0][0] for info in infos if info.name in whole))
 
 
-_KEPT: "weakref.WeakKeyDictionary[Any, OrderedDict[tuple, Plan]]" = weakref.WeakKeyDictionary()
+class Kept:
+    """Plans kept by session (weakly: a session's go with it), the last ``PLANS`` of each, by
+    the records they were made for (the same objects, in the same order) and the names given."""
+
+    def __init__(self) -> None:
+        self._by_sess: "weakref.WeakKeyDictionary[Any, OrderedDict[tuple, Any]]" = weakref.WeakKeyDictionary()
+
+    def get(self, sess: Any, infos: list[VarInfo], names: Collection[str]) -> Any:
+        """The plan kept for these records and names, or None."""
+        plans = self._by_sess.get(sess)
+        key = _key(infos, names)
+        plan = None if plans is None else plans.get(key)
+        if plan is None or len(plan.infos) != len(infos) or any(a is not b for a, b in zip(plan.infos, infos)):
+            return None  # (an id of a record gone may be another's now: the plan holds its own)
+        plans.move_to_end(key)  # type: ignore[union-attr]
+        return plan
+
+    def put(self, sess: Any, plan: Any, names: Collection[str]) -> None:
+        plans = self._by_sess.setdefault(sess, OrderedDict())
+        plans[_key(list(plan.infos), names)] = plan
+        while len(plans) > PLANS:
+            plans.popitem(last=False)
 
 
-def _key(infos: list[VarInfo], given: Mapping[str, np.ndarray]) -> tuple:
-    return tuple(map(id, infos)), frozenset(given)
+def _key(infos: list[VarInfo], names: Collection[str]) -> tuple:
+    return tuple(map(id, infos)), frozenset(names)
+
+
+_PULLS = Kept()
 
 
 def kept(sess: Any, infos: list[VarInfo], given: Mapping[str, np.ndarray]) -> Plan | None:
     """The plan ``keep`` kept for a pull of these records into these names, if any."""
-    plans = _KEPT.get(sess)
-    key = _key(infos, given)
-    plan = None if plans is None else plans.get(key)
-    if plan is None or len(plan.infos) != len(infos) or any(a is not b for a, b in zip(plan.infos, infos)):
-        return None  # (an id of a record gone may be another's now: the plan holds its own)
-    plans.move_to_end(key)  # type: ignore[union-attr]
-    return plan
+    return _PULLS.get(sess, infos, given)
 
 
 def keep(sess: Any, plan: Plan, given: Mapping[str, np.ndarray]) -> None:
     """Keep ``plan`` (made with no bulk task) for the session's next pull of its records into ``given``'s names."""
-    plans = _KEPT.setdefault(sess, OrderedDict())
-    plans[_key(list(plan.infos), given)] = plan
-    while len(plans) > PLANS:
-        plans.popitem(last=False)
+    _PULLS.put(sess, plan, given)
+
+
+def targets(names: dict[str, None], given: Mapping[str, np.ndarray],
+            fresh: Iterable[VarInfo]) -> dict[str, np.ndarray | None]:
+    """Each name's array to fill, in ``names``' order: ``given``'s, a new one for each of
+    ``fresh``, else None (the reply's array becomes the value)."""
+    outs: dict[str, np.ndarray | None] = dict(names)
+    outs.update(given)
+    for info in fresh:
+        outs[info.name] = np.empty(info.shape, dtype=info.dtype)
+    return outs

@@ -130,7 +130,7 @@ async def push_pull(sess: SessionPort, grads: Mapping[VarInfo, Any], step: int |
         left = max(0.001, deadline - loop.time())  # of the pushes' time: the later groups get no more
         mine = grads if len(cut) == 1 else {info: grads[info] for info in group}  # one group: all of them
         into = given if len(cut) == 1 else {info.name: given[info.name] for info in group if info.name in given}
-        if readable(mine):  # small: the shards send the new rows back with their answers
+        if readable(mine, sess, into):  # small: the shards send the new rows back with their answers
             values = await push_read(sess, mine, step, left, learning_rate, into, answers)
             turns[k].set()
             if values is not None:

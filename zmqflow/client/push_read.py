@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,10 +41,11 @@ from ..observe import timeline
 from ..wire.requests import ps as rq
 from .bulk_pull import BULK_FROM
 from .port import SessionPort
+from .pull_plan import Chunk, Kept, targets
 from .var_info import ITEMS_PER_REQUEST, VarInfo, landed, rows_of
 from .variables import gather_calls, in_process, merged_answers
 
-__all__ = ["READ_BYTES", "readable", "push_read"]
+__all__ = ["READ_BYTES", "ReadPlan", "plan", "readable", "push_read"]
 
 # a shard's rows in one answer, ITEM_BYTES counted for each part: under the share from which a
 # pull takes a shard's bulk stream
@@ -63,21 +65,65 @@ def _refuses_read(exc: InvalidArgument) -> bool:
     return found is not None and "read" in [name.strip() for name in found.group(1).split(",")]
 
 
-def readable(grads: Mapping[VarInfo, Any]) -> bool:
-    """Whether ``grads`` (checked: ``variables.checked_grads``) go as pushes that read back."""
-    if len({info.sync for info in grads}) > 1:
-        return False
-    shards: dict[TaskId, list[int]] = {}  # a shard's [bytes, parts]: one lookup a part (a task hashes in Python)
-    for info, grad in grads.items():
-        if not isinstance(grad, np.ndarray):
-            return False
+@dataclass(frozen=True, slots=True, eq=False)
+class ReadPlan:
+    """What a push that reads back of ``infos`` sends and where its rows land, but the
+    gradients: per shard (``tasks``), each part's place (``where``) and its read (``reads``)."""
+
+    infos: tuple[VarInfo, ...]
+    ok: bool  # the rule of ``readable`` but for the gradients' types: else none of the rest
+    tasks: tuple[TaskId, ...] = ()
+    where: tuple[tuple[tuple[VarInfo, int, Chunk], ...], ...] = ()
+    reads: tuple[list[rq.PullItem], ...] = ()
+    names: dict[str, None] = field(default_factory=dict)  # every name, in order
+    fresh: tuple[VarInfo, ...] = ()  # of more than one part, not in ``into``: a new array each push
+    whole_tasks: frozenset[TaskId] = frozenset()
+
+
+def _make(infos: list[VarInfo], into: Collection[str]) -> ReadPlan:
+    if len({info.sync for info in infos}) > 1:
+        return ReadPlan(tuple(infos), False)
+    shards: dict[TaskId, list[Any]] = {}  # a shard's [bytes, places, reads]: one lookup a part
+    for info in infos:
         for p, (task, _, _) in enumerate(info.parts):
+            nbytes = info.part_bytes(p)
+            if nbytes >= READ_BYTES:  # its shard's share is past it too
+                return ReadPlan(tuple(infos), False)
+            (chunk,) = info.chunks(p)  # under READ_BYTES: the whole part
             if (share := shards.get(task)) is None:
-                share = shards[task] = [0, 0]
-            share[0] += info.part_bytes(p) + ITEM_BYTES
-            share[1] += 1
+                share = shards[task] = [0, [], []]
+            share[0] += nbytes + ITEM_BYTES
+            share[1].append((info, p, chunk))
+            share[2].append(rq.PullItem(info.name, p, chunk[0], chunk[1]))
     # a shard's parts go in one request, each an item of it and a tensor of its answer
-    return all(size < READ_BYTES and parts <= ITEMS_PER_REQUEST for size, parts in shards.values())
+    if not all(size < READ_BYTES and len(places) <= ITEMS_PER_REQUEST for size, places, _ in shards.values()):
+        return ReadPlan(tuple(infos), False)
+    return ReadPlan(tuple(infos), True, tuple(shards), tuple(tuple(places) for _, places, _ in shards.values()),
+                    tuple(reads for _, _, reads in shards.values()), dict.fromkeys(info.name for info in infos),
+                    tuple(info for info in infos if info.name not in into and len(info.parts) > 1),
+                    frozenset(info.parts[0][0] for info in infos if info.name not in into and len(info.parts) == 1))
+
+
+_PLANS = Kept()
+
+
+def plan(sess: SessionPort, grads: Mapping[VarInfo, Any], into: Collection[str]) -> ReadPlan:
+    """The plan of a push of ``grads``' variables reading back into ``into``'s names: kept for
+    the session's next push of the same records (a training loop's every step)."""
+    infos = list(grads)
+    made = _PLANS.get(sess, infos, into)
+    if made is None:
+        made = _make(infos, into)
+        _PLANS.put(sess, made, into)
+    return made
+
+
+def readable(grads: Mapping[VarInfo, Any], sess: SessionPort | None = None, into: Collection[str] = ()) -> bool:
+    """Whether ``grads`` (checked: ``variables.checked_grads``) go as pushes that read back (with
+    ``sess``, by the plan it keeps for them)."""
+    if not all(isinstance(g, np.ndarray) for g in grads.values()):
+        return False
+    return (_make(list(grads), into) if sess is None else plan(sess, grads, into)).ok
 
 
 @timeline.traced("push", "push and read back")
@@ -93,38 +139,27 @@ async def push_read(sess: SessionPort, grads: Mapping[VarInfo, np.ndarray], step
     (a part it could not read once the step was done, dropped meanwhile; an answer too big to
     keep for a resent push; a shard older than ``read``): the caller pulls, which reads them or
     says why."""
-    outs: dict[str, np.ndarray | None] = {}
-    for info in grads:
-        given = into.get(info.name)
-        outs[info.name] = given if given is not None or len(info.parts) == 1 else np.empty(info.shape, info.dtype)
-    shared = await in_process(sess, {info.parts[0][0] for info in grads if outs[info.name] is None})
-    # a shard's gradients, reads, and where each read lands: one lookup a part (a task hashes in Python)
-    shards: dict[TaskId, tuple[list[rq.RowsItem], list[rq.PullItem], list[tuple[VarInfo, int, Any]]]] = {}
-    for info, grad in grads.items():
-        for p, (task, _, _) in enumerate(info.parts):
-            (chunk,) = info.chunks(p)  # under READ_BYTES: the whole part
-            if (mine := shards.get(task)) is None:
-                mine = shards[task] = ([], [], [])
-            mine[0].append(rq.RowsItem(info.name, p, chunk[0], chunk[1], rows_of(info, p, chunk, grad)))
-            mine[1].append(rq.PullItem(info.name, p, chunk[0], chunk[1]))
-            mine[2].append((info, p, chunk))
-    tasks = list(shards)
+    made = plan(sess, grads, into)
+    outs = targets(made.names, into, made.fresh)
+    shared = await in_process(sess, set(made.whole_tasks))
+    dense = [[rq.RowsItem(info.name, p, chunk[0], chunk[1], rows_of(info, p, chunk, grads[info]))
+              for info, p, chunk in places] for places in made.where]
+    tasks = made.tasks
     refused = _REFUSED.setdefault(sess, set())
 
-    async def one(task: TaskId) -> Any:
-        dense, read, _ = shards[task]
+    async def one(k: int, task: TaskId) -> Any:
         if task not in refused:
             try:
                 return await sess.call_task(task, "ps", "push", rq.Push(
-                    dense=dense, step=step, learning_rate=learning_rate, read=read), timeout=timeout)
+                    dense=dense[k], step=step, learning_rate=learning_rate, read=made.reads[k]), timeout=timeout)
             except InvalidArgument as exc:
                 if not _refuses_read(exc):
                     raise
                 refused.add(task)  # refused before anything was applied: again without it, then a pull
-        return await sess.call_task(task, "ps", "push", rq.Push(dense=dense, step=step,
+        return await sess.call_task(task, "ps", "push", rq.Push(dense=dense[k], step=step,
                                                                 learning_rate=learning_rate), timeout=timeout)
 
-    answers = await gather_calls([one(task) for task in tasks])
+    answers = await gather_calls([one(k, task) for k, task in enumerate(tasks)])
     if not all(isinstance(answer, dict) for answer in answers):
         bad = next(task for task, answer in zip(tasks, answers) if not isinstance(answer, dict))
         raise ProtocolError(f"{bad} answered a push with something other than a map", task=str(bad))
@@ -132,8 +167,7 @@ async def push_read(sess: SessionPort, grads: Mapping[VarInfo, np.ndarray], step
     rows = [answer.get("values") for answer in answers]
     if any(values is None for values in rows):
         return None
-    for task, values in zip(tasks, rows):
-        where = shards[task][2]
+    for task, values, where in zip(tasks, rows, made.where):
         if (not isinstance(values, list) or len(values) != len(where)
                 or not all(isinstance(v, np.ndarray) for v in values)):
             raise ProtocolError(f"{task} answered a push that reads back without one array for each of its "
