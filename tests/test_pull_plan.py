@@ -10,6 +10,7 @@ import numpy as np
 
 import zmqflow as zf
 from zmqflow.client import pull_plan, push_read
+from zmqflow.client.bulk_pull import BULK_FROM
 from zmqflow.client.var_info import VarInfo
 from zmqflow.cluster import TaskId
 from zmqflow.testing import local_cluster
@@ -38,6 +39,9 @@ def test_a_plan_is_kept_for_the_same_records_and_names_only():
     assert [(t, len(keys), [it.name for it in req.items]) for t, keys, req, _ in made.calls] == [
         (TaskId("ps", 0), 2, ["a", "b"]), (TaskId("ps", 1), 1, ["b"])]
     assert made.names == {"a": None, "b": None} and [i.name for i in made.fresh] == ["b"]  # b: two parts
+    big = [_info("big", rows=BULK_FROM // 12)]  # a share that could take the shard's bulk stream
+    pull_plan.keep(sess, pull_plan.make(big, {}), {})
+    assert pull_plan.kept(sess, big, {}) is None  # whether it does is the session's state: planned each time
 
 
 def test_a_session_keeps_its_last_plans_and_they_go_with_it():

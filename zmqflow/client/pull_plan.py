@@ -4,8 +4,9 @@ A training loop pulls the same variables every step. Working out which shard sen
 in which request, and where each lands cost a model of hundreds of small variables several
 microseconds a variable on every pull. :func:`kept` hands back the plan made for the same
 records (the same objects, in the same order) and the same ``out=`` names, of the last
-``PLANS`` a session kept. A pull that takes a shard's bulk stream is planned anew each time: its
-lanes are the session's, opened and closed as it goes.
+``PLANS`` a session kept. A pull with a share of some shard that could take its bulk stream is
+planned anew each time: whether it does is the session's state (its lanes, opened and closed as
+it goes, or none where the shard offered none).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 
 from ..cluster import TaskId
 from ..wire.requests import ps as rq
+from .bulk_pull import BULK_FROM
 from .var_info import ITEMS_PER_REQUEST, SLICE_BYTES, VarInfo
 
 __all__ = ["WHOLE_PULL_BYTES", "PLANS", "Plan", "Kept", "bundle", "make", "kept", "keep", "targets"]
@@ -57,6 +59,7 @@ class Plan:
     where: tuple[tuple[VarInfo, int, Chunk], ...]
     calls: tuple[tuple[TaskId, tuple[int, ...], rq.Pull, int], ...]
     whole_tasks: frozenset[TaskId]  # the shards of the variables received whole
+    small: bool  # every shard's share under BULK_FROM: no bulk stream, whatever the session holds
 
     def targets(self, given: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | None]:
         """Each name's array to fill: ``given``'s, a new one, or None (the reply's array)."""
@@ -69,9 +72,11 @@ def make(infos: list[VarInfo], given: Mapping[str, np.ndarray], bulk: Collection
              and info.nbytes <= WHOLE_PULL_BYTES and info.parts[0][0] not in bulk}
     where: list[tuple[VarInfo, int, Chunk]] = []
     items = []
+    shares: dict[TaskId, int] = {}
     for info in infos:
         one = info.name in whole and bool(info.shape)  # one frame: slices would have to be copied together
         for p, (task, r0, r1) in enumerate(info.parts):
+            shares[task] = shares.get(task, 0) + info.part_bytes(p)
             if task in bulk:
                 continue
             for chunk in [(0, r1 - r0)] if one else info.chunks(p):
@@ -83,7 +88,8 @@ def make(infos: list[VarInfo], given: Mapping[str, np.ndarray], bulk: Collection
                   for task, batches in bundle(items).items() for batch in batches)
     return Plan(tuple(infos), dict.fromkeys(info.name for info in infos),
                 tuple(info for info in infos if info.name not in given and info.name not in whole),
-                tuple(where), calls, frozenset(info.parts[0][0] for info in infos if info.name in whole))
+                tuple(where), calls, frozenset(info.parts[0][0] for info in infos if info.name in whole),
+                all(share < BULK_FROM for share in shares.values()))
 
 
 class Kept:
@@ -123,8 +129,10 @@ def kept(sess: Any, infos: list[VarInfo], given: Mapping[str, np.ndarray]) -> Pl
 
 
 def keep(sess: Any, plan: Plan, given: Mapping[str, np.ndarray]) -> None:
-    """Keep ``plan`` (made with no bulk task) for the session's next pull of its records into ``given``'s names."""
-    _PULLS.put(sess, plan, given)
+    """Keep ``plan`` for the session's next pull of its records into ``given``'s names, where
+    no share of it could take a bulk stream (``Plan.small``)."""
+    if plan.small:
+        _PULLS.put(sess, plan, given)
 
 
 def targets(names: dict[str, None], given: Mapping[str, np.ndarray],

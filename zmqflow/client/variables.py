@@ -221,8 +221,7 @@ async def pull(sess: SessionPort, infos: list[VarInfo], timeout: float | None = 
     bulk_to = {} if plan is not None else await _bulk_streams(sess, infos)
     if plan is None:
         plan = pull_plan.make(infos, given, bulk_to)
-        if not bulk_to:  # its requests are the same next time: its lanes might not be
-            pull_plan.keep(sess, plan, given)
+        pull_plan.keep(sess, plan, given)  # where no shard's share could take a bulk stream
     outs = plan.targets(given)
     shared = await in_process(sess, set(plan.whole_tasks))
     bulk: dict[TaskId, list[Piece]] = defaultdict(list)
