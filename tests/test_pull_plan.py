@@ -39,7 +39,7 @@ def test_a_plan_is_kept_for_the_same_records_and_names_only():
     assert [(t, len(keys), [it.name for it in req.items]) for t, keys, req, _ in made.calls] == [
         (TaskId("ps", 0), 2, ["a", "b"]), (TaskId("ps", 1), 1, ["b"])]
     assert made.names == {"a": None, "b": None} and [i.name for i in made.fresh] == ["b"]  # b: two parts
-    big = [_info("big", rows=BULK_FROM // 12)]  # a share that could take the shard's bulk stream
+    big = [_info("big", rows=BULK_FROM // 12 + 1)]  # a share that could take the shard's bulk stream
     pull_plan.keep(sess, pull_plan.make(big, {}), {})
     assert pull_plan.kept(sess, big, {}) is None  # whether it does is the session's state: planned each time
 
