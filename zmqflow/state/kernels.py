@@ -66,11 +66,6 @@ def _takes(written: list[np.ndarray], read: list[np.ndarray]) -> bool:
     loops read and write whole elements of their type: a view at an odd offset of a frame is
     left to numpy), the written ones writeable and apart from every other array (the read ones
     are only read: they may share memory with one another, as a fold's views of one array may)."""
-    if len(written) == 1 and len(read) == 1:  # one update's param and gradient: a push's every variable
-        w, r = written[0], read[0]
-        fw, fr = w.flags, r.flags
-        return (w.dtype == r.dtype and w.shape == r.shape and fw.c_contiguous and fw.aligned and fw.writeable
-                and fr.c_contiguous and fr.aligned and not np.may_share_memory(w, r))
     arrays = written + read
     first = arrays[0]
     dtype, shape, nwritten = first.dtype, first.shape, len(written)
