@@ -34,3 +34,16 @@ def test_loop_latency_times_real_echoes_and_leaves_the_socket_as_it_was():
     finally:
         sock.close(0)
         server.stop()
+
+
+def test_a_throughput_measurement_lasts_long_enough_where_bytes_cost_nothing():
+    from zmqflow.bench.transport import QUICK
+    from zmqflow.bench.transport.plan import MiB
+
+    by_bytes = QUICK.tput_msgs(16 * MiB)  # 96 MiB of payload: the floor of 2 windows (16)
+    assert by_bytes == 2 * QUICK.window(16 * MiB)
+    # inproc hands over a pointer: 70 us a message asks for QUICK.tput_min_s of them
+    timed = QUICK.tput_msgs(16 * MiB, 70e-6)
+    assert timed * 70e-6 >= QUICK.tput_min_s > (timed - 2) * 70e-6
+    assert QUICK.tput_msgs(16 * MiB, 1e-9) == QUICK.tput_max_msgs  # capped
+    assert QUICK.tput_msgs(16 * MiB, 1.0) == by_bytes  # slow messages: the byte budget rules

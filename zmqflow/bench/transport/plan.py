@@ -51,6 +51,7 @@ class Plan:
     lat_min: int
     lat_max: int
     memcpy_bytes: int
+    tput_min_s: float = 0.0  # a throughput measurement lasts at least this long (see ``tput_msgs``)
     window_bytes: int = 128 * MiB  # at most this much payload in flight
     max_window: int = 64
     min_window: int = 2
@@ -58,8 +59,14 @@ class Plan:
     def window(self, size: int) -> int:
         return clamp(self.window_bytes // size, self.min_window, self.max_window)
 
-    def tput_msgs(self, size: int) -> int:
-        return clamp(self.tput_bytes // size, max(self.tput_min_msgs, 2 * self.window(size)), self.tput_max_msgs)
+    def tput_msgs(self, size: int, per_msg_s: float = 0.0) -> int:
+        """Messages a throughput measurement sends: ``tput_bytes`` of payload, and, where the
+        warm-up found ``per_msg_s`` seconds a message (the slower side's), at least enough for
+        ``tput_min_s``. A byte budget alone leaves inproc's big messages, which move no bytes (a
+        pointer each), a measurement of a millisecond or two: noise, not throughput."""
+        timed = int(self.tput_min_s / per_msg_s) + 1 if per_msg_s > 0 else 0
+        return clamp(max(self.tput_bytes // size, timed), max(self.tput_min_msgs, 2 * self.window(size)),
+                     self.tput_max_msgs)
 
     def lat_iters(self, size: int) -> int:
         return clamp(self.lat_bytes // (2 * size), self.lat_min, self.lat_max)
@@ -70,9 +77,9 @@ class Plan:
 
 
 FULL = Plan(reps=5, tput_bytes=1 << 30, tput_min_msgs=16, tput_max_msgs=20000, lat_bytes=512 * MiB, lat_min=10,
-            lat_max=2000, memcpy_bytes=512 * MiB)
+            lat_max=2000, memcpy_bytes=512 * MiB, tput_min_s=0.2)
 QUICK = Plan(reps=3, tput_bytes=96 * MiB, tput_min_msgs=8, tput_max_msgs=3000, lat_bytes=32 * MiB, lat_min=5,
-             lat_max=300, memcpy_bytes=64 * MiB)
+             lat_max=300, memcpy_bytes=64 * MiB, tput_min_s=0.05)
 
 
 def tensor(size: int) -> np.ndarray:

@@ -80,9 +80,10 @@ async def _measure_size(
     await zmqflow_rpc.check(client, zf_ep, arr)
     raw_pyzmq.check(raw, arr)
     # warm up both paths (allocator, page faults, pipes) before anything is timed
-    warm = max(2 * window, n_tput // 10)
-    raw_pyzmq.throughput(raw, arr, min(warm, n_tput), window)
-    await zmqflow_rpc.throughput(client, zf_ep, arr, min(warm, n_tput), window)
+    warm = min(max(2 * window, n_tput // 10), n_tput)
+    took = max(raw_pyzmq.throughput(raw, arr, warm, window),
+               await zmqflow_rpc.throughput(client, zf_ep, arr, warm, window))
+    n_tput = plan.tput_msgs(size, took / warm)  # long enough to measure (``Plan.tput_min_s``)
     raw_pyzmq.latency(raw, arr, max(2, n_lat // 10))
     await zmqflow_rpc.latency(client, zf_ep, arr, max(2, n_lat // 10))
 
