@@ -25,7 +25,7 @@ _kernels = _built  # what the functions call: the modules, or None when not buil
 _folds = _built_fold
 
 __all__ = ["compiled", "use_compiled", "scaled", "sub_scaled", "momentum_step", "adagrad_step", "adam_step",
-           "copy_into", "fold_sum", "add_into", "STREAM_FROM", "FOLD_STREAM_FROM", "MAX_FOLD"]
+           "axpy_many", "momentum_many", "adagrad_many", "adam_many", "copy_into", "fold_sum", "add_into", "STREAM_FROM", "FOLD_STREAM_FROM", "MAX_FOLD"]
 
 _FUSED = (np.dtype(np.float32), np.dtype(np.float64))
 # Copies from this size on stream past the cache: below it the destination may well be read
@@ -142,6 +142,34 @@ def adam_step(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray,
         return False
     lr = np.ascontiguousarray(lr_rows, dtype=param.dtype)
     return _judged(_kernels.adam, param, _aligned(grad), m, v, 1 - beta1, beta1, 1 - beta2, beta2, epsilon, lr)
+
+
+def axpy_many(ys: list[np.ndarray], xs: list[np.ndarray], a: float) -> bool:
+    """``ys[i] += a * xs[i]`` for every i in one C call, where it takes every item (each as
+    ``add_into``'s or ``sub_scaled``'s call would); False (nothing done) where not. The caller
+    has checked each pair's shapes and dtypes."""
+    return _kernels is not None and _judged(_kernels.axpy_many, ys, xs, a)
+
+
+def momentum_many(params: list[np.ndarray], grads: list[np.ndarray], ms: list[np.ndarray], lr: float, mu: float,
+                  nesterov: bool) -> bool:
+    """``momentum_step`` on every item in one C call; False (nothing done) where one does not fit."""
+    return _kernels is not None and _judged(_kernels.momentum_many, params, grads, ms, lr, mu, nesterov)
+
+
+def adagrad_many(params: list[np.ndarray], grads: list[np.ndarray], accs: list[np.ndarray], lr: float) -> bool:
+    """``adagrad_step`` on every item in one C call; False (nothing done) where one does not fit."""
+    return _kernels is not None and _judged(_kernels.adagrad_many, params, grads, accs, lr)
+
+
+def adam_many(params: list[np.ndarray], grads: list[np.ndarray], ms: list[np.ndarray], vs: list[np.ndarray],
+              steps: list[np.ndarray], table: np.ndarray, beta1: float, beta2: float, epsilon: float,
+              learning_rate: float) -> bool:
+    """Adam's step on every item in one C call: each ``steps[i]`` (a count a row) added one,
+    each row's step size ``learning_rate * table[count]`` (the bias table), then ``adam_step``'s
+    pass. False (nothing done) where an item does not fit or a count would pass the table."""
+    return _kernels is not None and _judged(_kernels.adam_many, params, grads, ms, vs, steps, table, 1 - beta1,
+                                            beta1, 1 - beta2, beta2, epsilon, learning_rate)
 
 
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:

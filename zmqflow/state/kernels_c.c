@@ -30,24 +30,16 @@
        The float arrays: C-contiguous, aligned to their type, all float32 ('f') or all float64
        ('d'), the same length, none overlapping another; lr_rows: one value a row, of the same
        type (rows = its length), aligned.
-   copy(dst, src)                         dst writable, both C-contiguous, the same bytes, apart. */
+   copy(dst, src)                         dst writable, both C-contiguous, the same bytes, apart.
 
-#include "kernels_common.h"
+   The same updates over many parts in one call (a push's): kernels_many.c. */
+
+#include "kernels_c.h"
 
 #include <math.h>
 #include <string.h>
 
-#define MAX_ARRAYS 5
-
-/* the arrays of one call: acquired and checked together, released together */
-typedef struct {
-    Py_buffer b[MAX_ARRAYS];
-    int n;
-    char type; /* 'f' or 'd' */
-    Py_ssize_t count; /* elements of each */
-} Arrays;
-
-static void release(Arrays *a) {
+void zfk_release(Arrays *a) {
     for (int i = 0; i < a->n; i++)
         PyBuffer_Release(&a->b[i]);
     a->n = 0;
@@ -55,12 +47,12 @@ static void release(Arrays *a) {
 
 /* Acquire ``n`` float arrays, the first ``writable`` of them writable: one type, one length,
    apart. -1 with an exception set (and nothing held) when they are not. */
-static int acquire(Arrays *a, const char *what, PyObject **objs, int n, int writable) {
+int zfk_acquire(Arrays *a, const char *what, PyObject **objs, int n, int writable) {
     a->n = 0;
     for (int i = 0; i < n; i++) {
         int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (i < writable ? PyBUF_WRITABLE : 0);
         if (PyObject_GetBuffer(objs[i], &a->b[i], flags) < 0) {
-            release(a);
+            zfk_release(a);
             return -1;
         }
         a->n++;
@@ -70,23 +62,23 @@ static int acquire(Arrays *a, const char *what, PyObject **objs, int n, int writ
         if (a->type == 0 || type_of(&a->b[i]) != a->type) {
             PyErr_Format(PyExc_TypeError, "%s takes float32 arrays or float64 arrays, all alike; array %d is '%s'",
                          what, i, a->b[i].format ? a->b[i].format : "B");
-            release(a);
+            zfk_release(a);
             return -1;
         }
         if ((uintptr_t)a->b[i].buf % (a->type == 'f' ? sizeof(float) : sizeof(double))) {
             PyErr_Format(PyExc_ValueError, "%s: array %d is not aligned to its type", what, i);
-            release(a);
+            zfk_release(a);
             return -1;
         }
         if (a->b[i].len != a->b[0].len) {
             PyErr_Format(PyExc_ValueError, "%s: array 0 holds %zd bytes and array %d %zd", what, a->b[0].len, i, a->b[i].len);
-            release(a);
+            zfk_release(a);
             return -1;
         }
         for (int j = 0; j < i; j++) {
             if (a->b[i].len && overlap(&a->b[i], &a->b[j])) {
                 PyErr_Format(PyExc_ValueError, "%s: arrays %d and %d overlap", what, j, i);
-                release(a);
+                zfk_release(a);
                 return -1;
             }
         }
@@ -98,14 +90,14 @@ static int acquire(Arrays *a, const char *what, PyObject **objs, int n, int writ
 /* ---- axpy ---------------------------------------------------------------------------------- */
 
 #define AXPY(T, NAME)                                                             \
-    static void NAME(T *restrict y, const T *restrict x, T a, Py_ssize_t n) {     \
+    void NAME(T *restrict y, const T *restrict x, T a, Py_ssize_t n) {     \
         for (Py_ssize_t i = 0; i < n; i++) {                                      \
             T t = a * x[i];                                                       \
             y[i] = y[i] + t;                                                      \
         }                                                                         \
     }
-AXPY(float, axpy_f32)
-AXPY(double, axpy_f64)
+AXPY(float, zfk_axpy_f32)
+AXPY(double, zfk_axpy_f64)
 
 static PyObject *kernels_axpy(PyObject *self, PyObject *args) {
     PyObject *o[2];
@@ -113,21 +105,21 @@ static PyObject *kernels_axpy(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOd", &o[0], &o[1], &a))
         return NULL;
     Arrays arr;
-    if (acquire(&arr, "axpy", o, 2, 1) < 0)
+    if (zfk_acquire(&arr, "axpy", o, 2, 1) < 0)
         return NULL;
     Py_ssize_t n = arr.count;
     if (arr.type == 'f')
-        MAYBE_WITHOUT_GIL(n, axpy_f32(arr.b[0].buf, arr.b[1].buf, (float)a, n));
+        MAYBE_WITHOUT_GIL(n, zfk_axpy_f32(arr.b[0].buf, arr.b[1].buf, (float)a, n));
     else
-        MAYBE_WITHOUT_GIL(n, axpy_f64(arr.b[0].buf, arr.b[1].buf, a, n));
-    release(&arr);
+        MAYBE_WITHOUT_GIL(n, zfk_axpy_f64(arr.b[0].buf, arr.b[1].buf, a, n));
+    zfk_release(&arr);
     Py_RETURN_NONE;
 }
 
 /* ---- momentum ------------------------------------------------------------------------------ */
 
 #define MOMENTUM(T, NAME)                                                                                \
-    static void NAME(T *restrict p, const T *restrict g, T *restrict m, T lr, T mu, int nesterov, Py_ssize_t n) { \
+    void NAME(T *restrict p, const T *restrict g, T *restrict m, T lr, T mu, int nesterov, Py_ssize_t n) { \
         for (Py_ssize_t i = 0; i < n; i++) {                                                             \
             T gi = g[i];                                                                                 \
             T mi = m[i] * mu;                                                                            \
@@ -142,8 +134,8 @@ static PyObject *kernels_axpy(PyObject *self, PyObject *args) {
             p[i] = p[i] - d;                                                                             \
         }                                                                                                \
     }
-MOMENTUM(float, momentum_f32)
-MOMENTUM(double, momentum_f64)
+MOMENTUM(float, zfk_momentum_f32)
+MOMENTUM(double, zfk_momentum_f64)
 
 static PyObject *kernels_momentum(PyObject *self, PyObject *args) {
     PyObject *o[3];
@@ -153,21 +145,21 @@ static PyObject *kernels_momentum(PyObject *self, PyObject *args) {
         return NULL;
     Arrays arr;
     PyObject *order[3] = {o[0], o[2], o[1]}; /* param and m written; the gradient read */
-    if (acquire(&arr, "momentum", order, 3, 2) < 0)
+    if (zfk_acquire(&arr, "momentum", order, 3, 2) < 0)
         return NULL;
     Py_ssize_t n = arr.count;
     if (arr.type == 'f')
-        MAYBE_WITHOUT_GIL(n, momentum_f32(arr.b[0].buf, arr.b[2].buf, arr.b[1].buf, (float)lr, (float)mu, nesterov, n));
+        MAYBE_WITHOUT_GIL(n, zfk_momentum_f32(arr.b[0].buf, arr.b[2].buf, arr.b[1].buf, (float)lr, (float)mu, nesterov, n));
     else
-        MAYBE_WITHOUT_GIL(n, momentum_f64(arr.b[0].buf, arr.b[2].buf, arr.b[1].buf, lr, mu, nesterov, n));
-    release(&arr);
+        MAYBE_WITHOUT_GIL(n, zfk_momentum_f64(arr.b[0].buf, arr.b[2].buf, arr.b[1].buf, lr, mu, nesterov, n));
+    zfk_release(&arr);
     Py_RETURN_NONE;
 }
 
 /* ---- adagrad ------------------------------------------------------------------------------- */
 
 #define ADAGRAD(T, SQRT, NAME)                                                                  \
-    static void NAME(T *restrict p, const T *restrict g, T *restrict acc, T lr, Py_ssize_t n) { \
+    void NAME(T *restrict p, const T *restrict g, T *restrict acc, T lr, Py_ssize_t n) { \
         for (Py_ssize_t i = 0; i < n; i++) {                                                    \
             T gi = g[i];                                                                        \
             T sq = gi * gi;                                                                     \
@@ -179,8 +171,8 @@ static PyObject *kernels_momentum(PyObject *self, PyObject *args) {
             p[i] = p[i] - d;                                                                    \
         }                                                                                       \
     }
-ADAGRAD(float, sqrtf, adagrad_f32)
-ADAGRAD(double, sqrt, adagrad_f64)
+ADAGRAD(float, sqrtf, zfk_adagrad_f32)
+ADAGRAD(double, sqrt, zfk_adagrad_f64)
 
 static PyObject *kernels_adagrad(PyObject *self, PyObject *args) {
     PyObject *o[3];
@@ -190,21 +182,21 @@ static PyObject *kernels_adagrad(PyObject *self, PyObject *args) {
     Arrays arr;
     /* param and acc are written: acquire them first (writable), then the gradient */
     PyObject *order[3] = {o[0], o[2], o[1]};
-    if (acquire(&arr, "adagrad", order, 3, 2) < 0)
+    if (zfk_acquire(&arr, "adagrad", order, 3, 2) < 0)
         return NULL;
     Py_ssize_t n = arr.count;
     if (arr.type == 'f')
-        MAYBE_WITHOUT_GIL(n, adagrad_f32(arr.b[0].buf, arr.b[2].buf, arr.b[1].buf, (float)lr, n));
+        MAYBE_WITHOUT_GIL(n, zfk_adagrad_f32(arr.b[0].buf, arr.b[2].buf, arr.b[1].buf, (float)lr, n));
     else
-        MAYBE_WITHOUT_GIL(n, adagrad_f64(arr.b[0].buf, arr.b[2].buf, arr.b[1].buf, lr, n));
-    release(&arr);
+        MAYBE_WITHOUT_GIL(n, zfk_adagrad_f64(arr.b[0].buf, arr.b[2].buf, arr.b[1].buf, lr, n));
+    zfk_release(&arr);
     Py_RETURN_NONE;
 }
 
 /* ---- adam ---------------------------------------------------------------------------------- */
 
 #define ADAM(T, SQRT, NAME)                                                                        \
-    static void NAME(T *restrict p, const T *restrict g, T *restrict m, T *restrict v, T c1, T b1, \
+    void NAME(T *restrict p, const T *restrict g, T *restrict m, T *restrict v, T c1, T b1, \
                      T c2, T b2, T eps, const T *restrict lr, Py_ssize_t rows, Py_ssize_t cols) {  \
         for (Py_ssize_t r = 0; r < rows; r++) {                                                    \
             T lr_r = lr[r];                                                                        \
@@ -229,8 +221,8 @@ static PyObject *kernels_adagrad(PyObject *self, PyObject *args) {
             }                                                                                      \
         }                                                                                          \
     }
-ADAM(float, sqrtf, adam_f32)
-ADAM(double, sqrt, adam_f64)
+ADAM(float, sqrtf, zfk_adam_f32)
+ADAM(double, sqrt, zfk_adam_f64)
 
 static PyObject *kernels_adam(PyObject *self, PyObject *args) {
     PyObject *o[4], *lro;
@@ -239,11 +231,11 @@ static PyObject *kernels_adam(PyObject *self, PyObject *args) {
         return NULL;
     Arrays arr;
     PyObject *order[4] = {o[0], o[2], o[3], o[1]}; /* param, m, v written; the gradient read */
-    if (acquire(&arr, "adam", order, 4, 3) < 0)
+    if (zfk_acquire(&arr, "adam", order, 4, 3) < 0)
         return NULL;
     Py_buffer lr;
     if (PyObject_GetBuffer(lro, &lr, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        release(&arr);
+        zfk_release(&arr);
         return NULL;
     }
     PyObject *result = NULL;
@@ -258,16 +250,16 @@ static PyObject *kernels_adam(PyObject *self, PyObject *args) {
     } else {
         Py_ssize_t cols = rows ? n / rows : 0;
         if (arr.type == 'f')
-            MAYBE_WITHOUT_GIL(n, adam_f32(arr.b[0].buf, arr.b[3].buf, arr.b[1].buf, arr.b[2].buf, (float)c1, (float)b1,
+            MAYBE_WITHOUT_GIL(n, zfk_adam_f32(arr.b[0].buf, arr.b[3].buf, arr.b[1].buf, arr.b[2].buf, (float)c1, (float)b1,
                                           (float)c2, (float)b2, (float)eps, lr.buf, rows, cols));
         else
-            MAYBE_WITHOUT_GIL(n, adam_f64(arr.b[0].buf, arr.b[3].buf, arr.b[1].buf, arr.b[2].buf, c1, b1, c2, b2, eps,
+            MAYBE_WITHOUT_GIL(n, zfk_adam_f64(arr.b[0].buf, arr.b[3].buf, arr.b[1].buf, arr.b[2].buf, c1, b1, c2, b2, eps,
                                           lr.buf, rows, cols));
         result = Py_None;
         Py_INCREF(result);
     }
     PyBuffer_Release(&lr);
-    release(&arr);
+    zfk_release(&arr);
     return result;
 }
 
@@ -329,6 +321,14 @@ static PyMethodDef methods[] = {
     {"momentum", kernels_momentum, METH_VARARGS, "momentum(param, grad, m, lr, mu, nesterov): momentum's step, in place, one pass."},
     {"adagrad", kernels_adagrad, METH_VARARGS, "adagrad(param, grad, acc, lr): Adagrad's step, in place, one pass."},
     {"adam", kernels_adam, METH_VARARGS, "adam(param, grad, m, v, c1, b1, c2, b2, eps, lr_rows): Adam's step, in place, one pass."},
+    {"axpy_many", zfk_axpy_many, METH_VARARGS, "axpy_many(ys, xs, a): axpy on each item, every item checked first."},
+    {"momentum_many", zfk_momentum_many, METH_VARARGS,
+     "momentum_many(params, grads, ms, lr, mu, nesterov): momentum on each item, every item checked first."},
+    {"adagrad_many", zfk_adagrad_many, METH_VARARGS,
+     "adagrad_many(params, grads, accs, lr): Adagrad on each item, every item checked first."},
+    {"adam_many", zfk_adam_many, METH_VARARGS,
+     "adam_many(params, grads, ms, vs, steps, table, c1, b1, c2, b2, eps, lr): Adam on each item, its rows' counts "
+     "stepped and their step sizes looked up, every item checked first."},
     {"copy", kernels_copy, METH_VARARGS, "copy(dst, src): src's bytes into dst, with non-temporal stores."},
     {NULL, NULL, 0, NULL},
 };

@@ -32,7 +32,7 @@ from .kernels import scaled as _scaled
 from .kernels import sub_scaled as _sub_scaled
 
 __all__ = ["Optimizer", "SGD", "Momentum", "Adagrad", "Adam", "SyncReplicas", "from_spec", "check_dtype", "slot_dtype",
-           "held_itemsize", "restorable_slot"]
+           "held_itemsize", "restorable_slot", "bias_table"]
 
 # Each hyperparameter's allowed range, as (low, low included, high): one out of range makes every
 # update NaN or infinite (Adam's beta1 = 1 divides by zero, a zero Adagrad accumulator beside a
@@ -204,7 +204,7 @@ _BIAS_STEPS = 1 << 16
 
 
 @functools.lru_cache(maxsize=8)
-def _bias_table(beta1: float, beta2: float) -> np.ndarray:
+def bias_table(beta1: float, beta2: float) -> np.ndarray:
     """``_bias`` of steps 0..``_BIAS_STEPS``-1 (step 0, never used, is NaN), computed element
     by element as the formula is: a looked-up value has the bits a computed one would."""
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -218,7 +218,7 @@ def _bias_of(beta1: float, beta2: float, t: np.ndarray) -> np.ndarray:
 def _bias(beta1: float, beta2: float, t: np.ndarray) -> np.ndarray:
     """Adam's ``sqrt(1 - beta2**t) / (1 - beta1**t)`` for each row's step count ``t`` (from 1)."""
     try:
-        return _bias_table(beta1, beta2).take(t)
+        return bias_table(beta1, beta2).take(t)
     except IndexError:  # a row past the table's steps
         return _bias_of(beta1, beta2, t.astype(np.float64))
 

@@ -25,6 +25,7 @@ from ...observe import stragglers
 from ...state.limits import DEFAULT_STATE_LIMITS, StateLimits
 from ...state.tables import HashTable
 from ...state.store import Part, PartKey, Plan, Rows, ShardStore, Sparse, build, part_label
+from ...state.apply_many import Update, apply_all
 from ...state.sync import READY, STALE
 from ...rpc import CallContext, Service, op
 from ...rpc.service import Answer
@@ -294,32 +295,36 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
         waits: list[tuple[PartKey, int]] = []
         stale = False
         who = ctx.source or "anonymous"  # with keys, the name of the pusher's key (CallContext)
-        for key, (p, dense, sparse) in by_part.items():
-            sync = p.sync
-            if sync is None:
-                if dense or sparse is not None:
-                    self._apply(p, dense, sparse, req.learning_rate)
-                    self.pushes_applied["async"] += 1
-                continue
-            assert step is not None  # checked above
-            mine = min(step, sync.step)
-            self._pushers[who] = ctx.peer
-            self._gone.discard(who)
-            self._rounds.arrive(mine, who)
-            outcome = sync.offer(step, who, dense, sparse, req.learning_rate)
-            if outcome == STALE:
-                stale = True
-                self.stale_gradients += 1
-            elif outcome == READY:
-                mean_dense, mean_sparse = sync.take()
-                self._apply(p, mean_dense, mean_sparse, sync.learning_rate)
-                self._round_done([])
-                self._wake(key)
-                self._rounds.close(mine)
-            elif sync.drop_dead and set(sync.missing(self.replicas)) <= self._gone and self._drop_dead(key):
-                pass  # every replica still missing is one already known gone: no need to wait for it
-            else:
-                waits.append((key, mine))
+        applies: list[Update] = []  # applied together after the loop (apply_many), whatever ends it
+        try:
+            for key, (p, dense, sparse) in by_part.items():
+                sync = p.sync
+                if sync is None:
+                    if dense or sparse is not None:
+                        applies.append((p, dense, sparse, req.learning_rate))
+                        self.pushes_applied["async"] += 1
+                    continue
+                assert step is not None  # checked above
+                mine = min(step, sync.step)
+                self._pushers[who] = ctx.peer
+                self._gone.discard(who)
+                self._rounds.arrive(mine, who)
+                outcome = sync.offer(step, who, dense, sparse, req.learning_rate)
+                if outcome == STALE:
+                    stale = True
+                    self.stale_gradients += 1
+                elif outcome == READY:
+                    mean_dense, mean_sparse = sync.take()
+                    applies.append((p, mean_dense, mean_sparse, sync.learning_rate))
+                    self._round_done([])
+                    self._wake(key)  # its waiters run after this returns: the step is applied by then
+                    self._rounds.close(mine)
+                elif sync.drop_dead and set(sync.missing(self.replicas)) <= self._gone and self._drop_dead(key):
+                    pass  # every replica still missing is one already known gone: no need to wait for it
+                else:
+                    waits.append((key, mine))
+        finally:
+            apply_all(applies, self._apply)
         if waits:  # the epoch of the offers: a fence from now on abandons their step
             return self._push_waits(ctx, waits, list(by_part), stale, self.epoch, req.read)
         syncs = [p.sync for p, _, _ in by_part.values() if p.sync is not None]
