@@ -54,8 +54,8 @@ class Part:
     def label(self) -> str:
         return part_label((self.name, self.index))
 
-    @property
-    def nrows(self) -> int:
+    @functools.cached_property
+    def nrows(self) -> int:  # ``rows`` never change; a push reads this three times an item
         return self.rows[1] - self.rows[0]
 
     @property

@@ -63,7 +63,7 @@ class SyncState:
         if worker in self._counted:  # already counted: the step is pending (else it would have been taken)
             self.dropped += 1
             return PENDING
-        if dense and self.replicas_to_aggregate == 1 and not any(half_precision(g.dtype) for g in dense.values()):
+        if dense and self.replicas_to_aggregate == 1 and not _any_half(dense):
             self._dense = dict(dense)  # taken and applied now, before the caller's arrays go: no copy
             dense = None
         for rows, g in (dense or {}).items():
@@ -115,3 +115,11 @@ class SyncState:
     def missing(self, expected: list[str]) -> list[str]:
         """Which of ``expected`` have not pushed for the current step."""
         return [w for w in expected if w not in self._counted]
+
+
+def _any_half(dense: dict[tuple[int, int], np.ndarray]) -> bool:
+    """Whether a gradient is float16 or bfloat16 (a loop: a generator costs a push's part more)."""
+    for g in dense.values():
+        if half_precision(g.dtype):
+            return True
+    return False
