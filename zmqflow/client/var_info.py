@@ -25,9 +25,10 @@ __all__ = ["SLICE_BYTES", "ITEMS_PER_REQUEST", "VarInfo", "rows_of", "landed", "
            "checked_outs", "runs_of_parts"]
 
 SLICE_BYTES = 4 << 20
-# Items in one request, each a frame of it or of its answer: well under the frames a peer reads of
-# one message (``wire.Limits.max_frames``, 4096), so that a model of thousands of small variables
-# goes to a shard in several requests, not in one that shard (or its answer, this client) refuses.
+# Items in one request, each a tensor of it or of its answer: well under what a peer reads of one
+# message (``wire.Limits.max_frames``, 4096 frames, a big tensor taking one and small ones sharing
+# pack frames; 65536 tensors a table), so that a model of thousands of small variables goes to a
+# shard in several requests, not in one that shard (or its answer, this client) refuses.
 ITEMS_PER_REQUEST = 1024
 
 
