@@ -3,6 +3,8 @@ every part, slot and step count with the bits of the one-part way; a refused cal
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 
@@ -144,11 +146,14 @@ def test_adam_past_its_bias_table_goes_one_by_one_with_the_same_bits():
     together, alone = _store(optim.Adam(0.01), "float32"), _store(optim.Adam(0.01), "float32")
     for store in (together, alone):
         store.get("b").steps[...] = len(optim.bias_table(0.9, 0.999)) - 1  # the next step is past it
+    values = {key: weakref.ref(p.value) for key, p in together.parts.items()}  # no reference held
     apply_many.apply_all(_updates(together, "float32", None), _one_by_one(together))
     one = _one_by_one(alone)
     for u in _updates(alone, "float32", None):
         one(*u)
     _same_bits(_state(together), _state(alone))
+    # the refused group's views were let go first: no part copied its value as if a pull held it
+    assert all(p.value is values[key]() for key, p in together.parts.items())
 
 
 def test_without_the_c_loops_every_update_goes_one_by_one():

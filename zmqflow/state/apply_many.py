@@ -43,15 +43,17 @@ def apply_all(updates: list[Update], one: Callable[[Part, dict, Any, "float | No
         if planned is None:
             one(*u)
             continue
-        key, arrays = planned
-        group = groups.get(key)
+        group = groups.get(planned[0])
         if group is None:
-            group = groups[key] = ([], [[] for _ in arrays])
+            group = groups[planned[0]] = ([], [[] for _ in planned[1]])
         group[0].append(u)
-        for column, a in zip(group[1], arrays):
+        for column, a in zip(group[1], planned[1]):
             column.append(a)
+    planned = None
     for key, (members, columns) in groups.items():
-        if not _run(key, columns):
+        done = _run(key, columns)
+        columns.clear()  # the views go: a part's ``own`` below must not take them for a pull's and copy
+        if not done:
             for u in members:
                 one(*u)
 
