@@ -131,23 +131,31 @@ def test_a_refused_call_writes_nothing_not_even_the_items_before_the_one_at_faul
     params, grads = [np.zeros(2), np.zeros(2)], [np.ones(2), np.ones(2)]
     ms, vs = [np.zeros(2), np.zeros(2)], [np.zeros(2), np.zeros(2)]
     table = optim.bias_table(0.9, 0.999)
-    steps = [np.zeros(2, np.int64), np.array([3, len(table) - 1], np.int64)]  # a row at the table's end
-    assert not kernels.adam_many(params, grads, ms, vs, steps, table, 0.9, 0.999, 1e-8, 0.01)
-    assert not any(a.any() for a in params + ms + vs) and not steps[0].any() and steps[1][0] == 3
+    steps = [np.zeros(2, np.int64), np.zeros(2, np.int64)]
+    wrong = [np.zeros(2, np.int64), np.zeros(2, np.int32)]  # the second item's counts are not int64
+    assert kernels.adam_many(params, grads, ms, vs, wrong, table, 0.9, 0.999, 1e-8, 0.01) is None
+    assert not any(a.any() for a in params + ms + vs + wrong)
     with pytest.raises(ValueError, match="list 0 holds 2 arrays and list 1 1"):
         kernels._kernels.axpy_many(ys, xs[:1], 1.0)
+    steps[1][...] = [3, len(table) - 1]  # a row at the table's end: that item is left out, untouched
+    assert kernels.adam_many(params, grads, ms, vs, steps, table, 0.9, 0.999, 1e-8, 0.01) == [1]
+    assert steps[1].tolist() == [3, len(table) - 1] and not (params[1].any() or ms[1].any() or vs[1].any())
     steps[1][1] = 0
-    assert kernels.adam_many(params, grads, ms, vs, steps, table, 0.9, 0.999, 1e-8, 0.01)
-    assert steps[0].tolist() == [1, 1] and steps[1].tolist() == [4, 1]
+    assert kernels.adam_many(params, grads, ms, vs, steps, table, 0.9, 0.999, 1e-8, 0.01) == []
+    assert steps[0].tolist() == [2, 2] and steps[1].tolist() == [4, 1]
     assert params[0][0] != 0 and params[1][0] != params[1][1]  # each row at its own count's step size
 
 
 def test_adam_past_its_bias_table_goes_one_by_one_with_the_same_bits():
     together, alone = _store(optim.Adam(0.01), "float32"), _store(optim.Adam(0.01), "float32")
+    by_one: list[str] = []
+    real_one = _one_by_one(together)
     for store in (together, alone):
         store.get("b").steps[...] = len(optim.bias_table(0.9, 0.999)) - 1  # the next step is past it
     values = {key: weakref.ref(p.value) for key, p in together.parts.items()}  # no reference held
-    apply_many.apply_all(_updates(together, "float32", None), _one_by_one(together))
+    apply_many.apply_all(_updates(together, "float32", None),
+                         lambda p, *rest: (by_one.append(p.name), real_one(p, *rest)))
+    assert by_one == (["b"] if kernels.compiled() else ["w", "b", "s", "e"])  # only the part past the table
     one = _one_by_one(alone)
     for u in _updates(alone, "float32", None):
         one(*u)

@@ -6,8 +6,8 @@ optimizer's call chain, Adam's per-row step counts and bias lookups, each a few 
 than for the update itself. Here the parts whose update the C loops take are grouped by what
 they run (a plain add, SGD, momentum, Adagrad or Adam at one setting) and each group is one
 call (:func:`.kernels.axpy_many` and its siblings), with the bits each part's own update would
-have. Everything else, or a group the C call refuses (nothing written then), goes the
-one-part way.
+have. Everything else, a group the C call refuses (nothing written then) and the Adam parts
+past its bias table of 65536 steps go the one-part way.
 """
 
 from __future__ import annotations
@@ -51,11 +51,10 @@ def apply_all(updates: list[Update], one: Callable[[Part, dict, Any, "float | No
             column.append(a)
     planned = None
     for key, (members, columns) in groups.items():
-        done = _run(key, columns)
+        left = _run(key, columns)
         columns.clear()  # the views go: a part's ``own`` below must not take them for a pull's and copy
-        if not done:
-            for u in members:
-                one(*u)
+        for i in range(len(members)) if left is None else left:
+            one(*members[i])
 
 
 def _plan(u: Update) -> tuple[Any, tuple[np.ndarray, ...]] | None:
@@ -95,14 +94,16 @@ def _plan(u: Update) -> tuple[Any, tuple[np.ndarray, ...]] | None:
     return ("adam", opt, p.dtype), (value, grad, m, v, p.steps[rows])
 
 
-def _run(key: Any, columns: list[list[np.ndarray]]) -> bool:
-    """One group's C call; False (nothing written) where it refused."""
+def _run(key: Any, columns: list[list[np.ndarray]]) -> list[int] | None:
+    """One group's C call: the members it left as they were, None where it refused (none written)."""
     kind, opt = key[0], key[1]
     if kind in ("add", "sgd"):
-        return kernels.axpy_many(columns[0], columns[1], opt)
-    if kind == "momentum":
-        return kernels.momentum_many(*columns, opt.learning_rate, opt.momentum, opt.nesterov)
-    if kind == "adagrad":
-        return kernels.adagrad_many(*columns, opt.learning_rate)
-    table = bias_table(opt.beta1, opt.beta2)
-    return kernels.adam_many(*columns, table, opt.beta1, opt.beta2, opt.epsilon, opt.learning_rate)
+        done = kernels.axpy_many(columns[0], columns[1], opt)
+    elif kind == "momentum":
+        done = kernels.momentum_many(*columns, opt.learning_rate, opt.momentum, opt.nesterov)
+    elif kind == "adagrad":
+        done = kernels.adagrad_many(*columns, opt.learning_rate)
+    else:  # Adam leaves out the parts past its bias table: the one-part way computes their rates
+        table = bias_table(opt.beta1, opt.beta2)
+        return kernels.adam_many(*columns, table, opt.beta1, opt.beta2, opt.epsilon, opt.learning_rate)
+    return [] if done else None

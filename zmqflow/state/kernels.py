@@ -164,12 +164,18 @@ def adagrad_many(params: list[np.ndarray], grads: list[np.ndarray], accs: list[n
 
 def adam_many(params: list[np.ndarray], grads: list[np.ndarray], ms: list[np.ndarray], vs: list[np.ndarray],
               steps: list[np.ndarray], table: np.ndarray, beta1: float, beta2: float, epsilon: float,
-              learning_rate: float) -> bool:
+              learning_rate: float) -> list[int] | None:
     """Adam's step on every item in one C call: each ``steps[i]`` (a count a row) added one,
     each row's step size ``learning_rate * table[count]`` (the bias table), then ``adam_step``'s
-    pass. False (nothing done) where an item does not fit or a count would pass the table."""
-    return _kernels is not None and _judged(_kernels.adam_many, params, grads, ms, vs, steps, table, 1 - beta1,
-                                            beta1, 1 - beta2, beta2, epsilon, learning_rate)
+    pass. Returns the items it left as they were, whose counts would pass the table (for the
+    one-part way, which computes those rates); None (nothing done) where an item does not fit."""
+    if _kernels is None:
+        return None
+    try:
+        return _kernels.adam_many(params, grads, ms, vs, steps, table, 1 - beta1, beta1, 1 - beta2, beta2, epsilon,
+                                  learning_rate)
+    except (TypeError, ValueError, BufferError):
+        return None
 
 
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:

@@ -9,11 +9,11 @@
    axpy_many(ys, xs, a)                   ys[i] += a * xs[i]
    momentum_many(params, grads, ms, lr, mu, nesterov), adagrad_many(params, grads, accs, lr)
                                           kernels_c.c's momentum and adagrad on each item
-   adam_many(params, grads, ms, vs, steps, table, c1, b1, c2, b2, eps, lr)
+   adam_many(params, grads, ms, vs, steps, table, c1, b1, c2, b2, eps, lr) -> [items left out]
        steps[i]: int64, one count a row of params[i] (rows = its length), each added one first;
        the row's step size is lr * table[count] in double, rounded to the arrays' type (the
-       numpy side's lr * bias table, cast). A count that would reach past the table refuses the
-       call: numpy's side computes those. */
+       numpy side's lr * bias table, cast). An item with a count that would reach past the table
+       is left as it was and named in the list returned: numpy's side computes those. */
 
 #include "kernels_c.h"
 
@@ -125,7 +125,8 @@ PyObject *zfk_adagrad_many(PyObject *self, PyObject *args) {
 }
 
 /* Item ``i``'s step counts: int64, C-contiguous, writable, aligned, one a row of its arrays, apart
-   from them, each below ``limit`` once added one. -1 with an exception where not. */
+   from them: -1 with an exception where not. 1 where a count would reach ``limit`` (the table's
+   length) once added one: the item is left to numpy's side. 0: the item is taken. */
 static int check_steps(Py_buffer *s, const Arrays *x, Py_ssize_t i, Py_ssize_t limit) {
     const char *f = s->format ? s->format : "B";
     if (f[0] == '<' || f[0] == '=' || f[0] == '@')
@@ -151,11 +152,12 @@ static int check_steps(Py_buffer *s, const Arrays *x, Py_ssize_t i, Py_ssize_t l
     }
     const int64_t *t = s->buf;
     for (Py_ssize_t r = 0; r < rows; r++) {
-        if (t[r] < 0 || t[r] >= limit - 1) {
-            PyErr_Format(PyExc_ValueError, "adam_many: item %zd row %zd has taken %lld steps: past the table",
-                         i, r, (long long)t[r]);
+        if (t[r] < 0) {
+            PyErr_Format(PyExc_ValueError, "adam_many: item %zd row %zd has taken %lld steps", i, r, (long long)t[r]);
             return -1;
         }
+        if (t[r] >= limit - 1)
+            return 1;
     }
     return 0;
 }
@@ -187,9 +189,11 @@ PyObject *zfk_adam_many(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_buffer *steps = PyMem_Calloc(items ? (size_t)items : 1, sizeof(Py_buffer));
+    char *past = PyMem_Calloc(items ? (size_t)items : 1, 1); /* items left to numpy's side */
     Py_ssize_t held = 0, most = 0;
     PyObject *result = NULL;
-    if (steps == NULL) {
+    void *rates = NULL;
+    if (steps == NULL || past == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -197,22 +201,36 @@ PyObject *zfk_adam_many(PyObject *self, PyObject *args) {
         int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE;
         if (PyObject_GetBuffer(PyList_GET_ITEM(lists[4], held), &steps[held], flags) < 0)
             goto done;
-        if (check_steps(&steps[held], &all[held], held, table.len / (Py_ssize_t)sizeof(double)) < 0) {
+        int fit = check_steps(&steps[held], &all[held], held, table.len / (Py_ssize_t)sizeof(double));
+        if (fit < 0) {
             held++;
             goto done;
         }
+        past[held] = (char)fit;
         if (steps[held].len / 8 > most)
             most = steps[held].len / 8;
     }
-    char type = items ? all[0].type : 'f';
-    size_t item = type == 'f' ? sizeof(float) : sizeof(double);
-    void *rates = PyMem_Malloc(most ? (size_t)most * item : 1); /* one item's step sizes at a time */
-    if (rates == NULL) {
-        PyErr_NoMemory();
+    result = PyList_New(0);
+    rates = PyMem_Malloc(most ? (size_t)most * sizeof(double) : 1); /* one item's step sizes at a time */
+    if (result == NULL || rates == NULL) {
+        Py_CLEAR(result);
+        if (rates == NULL)
+            PyErr_NoMemory();
         goto done;
+    }
+    for (Py_ssize_t i = 0; i < items; i++) { /* the items left out, named before any is written */
+        PyObject *index = past[i] ? PyLong_FromSsize_t(i) : NULL;
+        if (past[i] && (index == NULL || PyList_Append(result, index) < 0)) {
+            Py_XDECREF(index);
+            Py_CLEAR(result);
+            goto done;
+        }
+        Py_XDECREF(index);
     }
     const double *bias = table.buf;
     for (Py_ssize_t i = 0; i < items; i++) {
+        if (past[i])
+            continue;
         Arrays *x = &all[i];
         int64_t *t = steps[i].buf;
         Py_ssize_t rows = steps[i].len / 8, cols = rows ? x->count / rows : 0;
@@ -230,13 +248,12 @@ PyObject *zfk_adam_many(PyObject *self, PyObject *args) {
             MAYBE_WITHOUT_GIL(x->count, zfk_adam_f64(x->b[0].buf, x->b[3].buf, x->b[1].buf, x->b[2].buf, c1, b1, c2, b2,
                                                  eps, rates, rows, cols));
     }
-    PyMem_Free(rates);
-    result = Py_None;
-    Py_INCREF(result);
 done:
+    PyMem_Free(rates);
     for (Py_ssize_t i = 0; i < held && steps != NULL; i++)
         PyBuffer_Release(&steps[i]);
     PyMem_Free(steps);
+    PyMem_Free(past);
     release_many(all, items);
     PyBuffer_Release(&table);
     return result;
