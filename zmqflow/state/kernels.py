@@ -25,7 +25,8 @@ _kernels = _built  # what the functions call: the modules, or None when not buil
 _folds = _built_fold
 
 __all__ = ["compiled", "use_compiled", "scaled", "sub_scaled", "momentum_step", "adagrad_step", "adam_step",
-           "axpy_many", "momentum_many", "adagrad_many", "adam_many", "copy_into", "fold_sum", "add_into", "STREAM_FROM", "FOLD_STREAM_FROM", "MAX_FOLD"]
+           "axpy_many", "momentum_many", "adagrad_many", "adam_many", "copy_into", "fold_sum", "add_into",
+           "STREAM_FROM", "FOLD_STREAM_FROM", "MAX_FOLD"]
 
 _FUSED = (np.dtype(np.float32), np.dtype(np.float64))
 # Copies from this size on stream past the cache: below it the destination may well be read
