@@ -31,8 +31,8 @@ _KINDS = (SGD, Momentum, Adagrad, Adam)  # exactly these: a subclass may update 
 
 
 def apply_all(updates: list[Update], one: Callable[[Part, dict, Any, "float | None"], None]) -> None:
-    """Apply every update: the fused ones by group, the rest (and a refused group) by ``one``,
-    the one-part way, in their order."""
+    """Apply every update once: the fused ones by group, the rest (and a refused group) by
+    ``one``, the one-part way. A push names each part once, so their order does not matter."""
     if len(updates) < 2:  # nothing to share a call with
         for u in updates:
             one(*u)
