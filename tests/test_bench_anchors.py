@@ -69,7 +69,7 @@ def test_plot_without_matplotlib_names_the_extra(command, tmp_path):
     assert not (tmp_path / "x.png").exists()
 
 
-def _check_rows(rows: list[dict], shards: tuple[int, ...], with_tf: bool) -> None:
+def _check_rows(rows: list[dict], shards: tuple[int, ...], with_tf: bool, reps: int = TINY["reps"]) -> None:
     assert [(r["ps"], r["measure"]) for r in rows] == [(n, m) for n in shards for m in MEASURES]
     for r in rows:
         assert r["zmqflow"] > 0 and r["zmqflow_ms"] > 0
@@ -87,7 +87,7 @@ def _check_rows(rows: list[dict], shards: tuple[int, ...], with_tf: bool) -> Non
         # the wire's own time for the same bytes, measured beside it
         assert step["wire_ms"] > 0 and step["over_wire"] == pytest.approx(step["zmqflow_ms"] / step["wire_ms"])
         # warm-up + reps SGD pushes of 1e-3 on zeros: the pushes were applied, not only sent
-        expected = -(TINY["reps"] + 1) * DENSE_LR * 1e-3
+        expected = -(reps + 1) * DENSE_LR * 1e-3
         assert step["final_value"]["zmqflow"] == pytest.approx(expected, rel=1e-4)
         if with_tf:
             assert step["final_value"]["tf1"] == pytest.approx(expected, rel=1e-4)
@@ -120,22 +120,17 @@ def test_plots_are_drawn(tmp_path):
 
 
 @needs_tf
-def test_tf1_tiny_run_does_the_same_work_on_both_sides():
-    rows = tf1.run(shards=(2,), model_mbs=(1,), echo=lambda _: None, **TINY)  # 2 ps: partitioned on both sides
-    _check_rows(rows, (2,), with_tf=True)
-
-
-@needs_tf
-def test_cli_vs_tf1_prints_the_ratio_table_and_writes_json(tmp_path):
-    out = tmp_path / "rows.jsonl"
-    args = ["ps", "--vs", "tf1", "--quick", "--shards", "1", "--model-mb", "1", "--vars", "3", "--json", str(out)]
+def test_cli_vs_tf1_does_the_same_work_on_both_sides_prints_the_ratios_and_writes_json(tmp_path):
+    out = tmp_path / "rows.jsonl"  # 2 ps: the variables spread over both, on both sides
+    args = ["ps", "--vs", "tf1", "--quick", "--shards", "2", "--model-mb", "1", "--vars", "4", "--json", str(out)]
     if plot.available():
         args += ["--plot", str(tmp_path / "curve.png")]
     result = _invoke(*args)
     assert result.exit_code == 0, result.output
-    assert "ratio" in result.output and "dense step" in result.output and "1 MB / 3 vars" in result.output
+    assert "ratio" in result.output and "dense step" in result.output and "1 MB / 4 vars" in result.output
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["measure"] for r in lines] == MEASURES and all(r["ratio"] > 0 for r in lines)
+    _check_rows(lines, (2,), with_tf=True, reps=tf1.plan(quick=True)["reps"])
+    assert all(r["ratio"] > 0 for r in lines)
     if plot.available():
         assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
 

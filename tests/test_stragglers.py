@@ -108,7 +108,7 @@ SYNC_PS = textwrap.dedent(
     """
     import os, time, numpy as np, zmqflow as zf
     slow = os.environ["ZMQFLOW_TASK"] == "worker:2"
-    with zf.MonitoredTrainingSession(zf.ParameterServerStrategy(sync=True), hooks=[zf.StopAtStep(40)],
+    with zf.MonitoredTrainingSession(zf.ParameterServerStrategy(sync=True), hooks=[zf.StopAtStep(16)],
                                      progress=False) as mon:
         mon.create({"w": np.zeros(4)}, optimizer=zf.optim.SGD(0.1))
         while not mon.should_stop():
@@ -135,7 +135,7 @@ RING = textwrap.dedent(
     import os, time, numpy as np
     from zmqflow.bridge import runtime
     rt = runtime.init(timeout=30)
-    for step in range(30):
+    for step in range(14):
         if rt.rank == 1:
             time.sleep(0.3)
         rt.ring.allreduce(np.ones(256, np.float32))  # small: every rank hears every other directly
