@@ -1,6 +1,7 @@
 """The compiled parts: the hash index's inner loops (zmqflow/state/hash_probe.c), the
 optimizers' one-pass updates, of one part or many, and the pull's streaming copy
-(zmqflow/state/kernels_c.c, kernels_many.c), the ring's one-pass fold (zmqflow/state/fold_c.c), and the codec's common case (zmqflow/wire/codec_c.c).
+(zmqflow/state/kernels_c.c, kernels_many.c), the ring's one-pass fold (zmqflow/state/fold_c.c),
+and the codec's common case (zmqflow/wire/codec_c.c).
 
 All are optional: where no C compiler is found the build goes on without them, the index runs
 its numpy rounds (``zmqflow.state.hash_index.compiled()`` tells which), the kernels numpy's

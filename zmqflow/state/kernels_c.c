@@ -149,7 +149,8 @@ static PyObject *kernels_momentum(PyObject *self, PyObject *args) {
         return NULL;
     Py_ssize_t n = arr.count;
     if (arr.type == 'f')
-        MAYBE_WITHOUT_GIL(n, zfk_momentum_f32(arr.b[0].buf, arr.b[2].buf, arr.b[1].buf, (float)lr, (float)mu, nesterov, n));
+        MAYBE_WITHOUT_GIL(n, zfk_momentum_f32(arr.b[0].buf, arr.b[2].buf, arr.b[1].buf, (float)lr, (float)mu,
+                                              nesterov, n));
     else
         MAYBE_WITHOUT_GIL(n, zfk_momentum_f64(arr.b[0].buf, arr.b[2].buf, arr.b[1].buf, lr, mu, nesterov, n));
     zfk_release(&arr);
@@ -250,11 +251,11 @@ static PyObject *kernels_adam(PyObject *self, PyObject *args) {
     } else {
         Py_ssize_t cols = rows ? n / rows : 0;
         if (arr.type == 'f')
-            MAYBE_WITHOUT_GIL(n, zfk_adam_f32(arr.b[0].buf, arr.b[3].buf, arr.b[1].buf, arr.b[2].buf, (float)c1, (float)b1,
-                                          (float)c2, (float)b2, (float)eps, lr.buf, rows, cols));
+            MAYBE_WITHOUT_GIL(n, zfk_adam_f32(arr.b[0].buf, arr.b[3].buf, arr.b[1].buf, arr.b[2].buf, (float)c1,
+                                              (float)b1, (float)c2, (float)b2, (float)eps, lr.buf, rows, cols));
         else
-            MAYBE_WITHOUT_GIL(n, zfk_adam_f64(arr.b[0].buf, arr.b[3].buf, arr.b[1].buf, arr.b[2].buf, c1, b1, c2, b2, eps,
-                                          lr.buf, rows, cols));
+            MAYBE_WITHOUT_GIL(n, zfk_adam_f64(arr.b[0].buf, arr.b[3].buf, arr.b[1].buf, arr.b[2].buf, c1, b1, c2,
+                                              b2, eps, lr.buf, rows, cols));
         result = Py_None;
         Py_INCREF(result);
     }
