@@ -25,7 +25,6 @@ __all__ = ["Update", "apply_all"]
 
 # (part, {(start, stop): gradient}, sparse or None, the push's learning rate or None)
 Update = tuple[Part, dict[tuple[int, int], np.ndarray], Any, "float | None"]
-_FUSED = (np.dtype(np.float32), np.dtype(np.float64))
 _PLAIN = ("add", 1.0)  # no optimizer: y += x is axpy at 1 (times one is exact)
 _KINDS = (SGD, Momentum, Adagrad, Adam)  # exactly these: a subclass may update otherwise
 
@@ -61,17 +60,15 @@ def _plan(u: Update) -> tuple[Any, tuple[np.ndarray, ...]] | None:
     """The group key and the arrays of an update the C loops take, None for the one-part way.
     Makes the part own its value first (``Part.own``): the arrays are views of what is written."""
     p, dense, sparse, rate = u
-    if sparse is not None or len(dense) != 1 or p.dtype not in _FUSED:
+    if sparse is not None or len(dense) != 1 or p.dtype not in kernels.FUSED:
         return None
     opt = p.optimizer
     kind = type(opt)
     if opt is not None and kind not in _KINDS:
         return None
     ((a, b), grad), = dense.items()
-    if grad.dtype != p.dtype or not grad.flags.c_contiguous:
+    if grad.dtype != p.dtype or not grad.flags.c_contiguous:  # misaligned is fine: the kernels copy it
         return None
-    if not grad.flags.aligned:  # a gradient of a few KB lies where the receive buffer put it
-        grad = grad.copy()
     p.own()
     whole = not p.full_shape or (a == 0 and b == p.nrows)
     value = p.value if whole else p.value[a:b]

@@ -26,9 +26,9 @@ _folds = _built_fold
 
 __all__ = ["compiled", "use_compiled", "scaled", "sub_scaled", "momentum_step", "adagrad_step", "adam_step",
            "axpy_many", "momentum_many", "adagrad_many", "adam_many", "copy_into", "fold_sum", "add_into",
-           "STREAM_FROM", "FOLD_STREAM_FROM", "MAX_FOLD"]
+           "FUSED", "STREAM_FROM", "FOLD_STREAM_FROM", "MAX_FOLD"]
 
-_FUSED = (np.dtype(np.float32), np.dtype(np.float64))
+FUSED = (np.dtype(np.float32), np.dtype(np.float64))  # the dtypes the C loops take
 # Copies from this size on stream past the cache: below it the destination may well be read
 # again while it is still cached, and the plain copy is as fast.
 STREAM_FROM = 1 << 20
@@ -113,7 +113,7 @@ def add_into(y: np.ndarray, x: np.ndarray, sign: float) -> bool:
     float64, both contiguous, apart (the C call checks, and refuses otherwise); False (nothing
     done) where not. The caller has checked that ``x`` has ``y``'s shape and dtype. Multiplying by
     one is exact, so the bits are numpy's; a scalar update skips the ufunc machinery (~1 us)."""
-    if _kernels is None or y.dtype not in _FUSED:
+    if _kernels is None or y.dtype not in FUSED:
         return False
     try:
         _kernels.axpy(y, x, sign)
@@ -138,7 +138,7 @@ def adam_step(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray,
               epsilon: float, lr_rows: np.ndarray) -> bool:
     """Adam's step in one C pass where the arrays allow (``lr_rows``: the step size of each row,
     one per row of ``param``); False (nothing done) where not."""
-    if (_kernels is None or param.ndim == 0 or len(lr_rows) != len(param) or param.dtype not in _FUSED
+    if (_kernels is None or param.ndim == 0 or len(lr_rows) != len(param) or param.dtype not in FUSED
             or not param.shape == grad.shape == m.shape == v.shape):
         return False
     lr = np.ascontiguousarray(lr_rows, dtype=param.dtype)
@@ -149,18 +149,19 @@ def axpy_many(ys: list[np.ndarray], xs: list[np.ndarray], a: float) -> bool:
     """``ys[i] += a * xs[i]`` for every i in one C call, where it takes every item (each as
     ``add_into``'s or ``sub_scaled``'s call would); False (nothing done) where not. The caller
     has checked each pair's shapes and dtypes."""
-    return _kernels is not None and _judged(_kernels.axpy_many, ys, xs, a)
+    return _kernels is not None and _judged(_kernels.axpy_many, ys, [_aligned(x) for x in xs], a)
 
 
 def momentum_many(params: list[np.ndarray], grads: list[np.ndarray], ms: list[np.ndarray], lr: float, mu: float,
                   nesterov: bool) -> bool:
     """``momentum_step`` on every item in one C call; False (nothing done) where one does not fit."""
-    return _kernels is not None and _judged(_kernels.momentum_many, params, grads, ms, lr, mu, nesterov)
+    return _kernels is not None and _judged(_kernels.momentum_many, params, [_aligned(g) for g in grads], ms, lr, mu,
+                                            nesterov)
 
 
 def adagrad_many(params: list[np.ndarray], grads: list[np.ndarray], accs: list[np.ndarray], lr: float) -> bool:
     """``adagrad_step`` on every item in one C call; False (nothing done) where one does not fit."""
-    return _kernels is not None and _judged(_kernels.adagrad_many, params, grads, accs, lr)
+    return _kernels is not None and _judged(_kernels.adagrad_many, params, [_aligned(g) for g in grads], accs, lr)
 
 
 def adam_many(params: list[np.ndarray], grads: list[np.ndarray], ms: list[np.ndarray], vs: list[np.ndarray],
@@ -173,8 +174,8 @@ def adam_many(params: list[np.ndarray], grads: list[np.ndarray], ms: list[np.nda
     if _kernels is None:
         return None
     try:
-        return _kernels.adam_many(params, grads, ms, vs, steps, table, 1 - beta1, beta1, 1 - beta2, beta2, epsilon,
-                                  learning_rate)
+        return _kernels.adam_many(params, [_aligned(g) for g in grads], ms, vs, steps, table, 1 - beta1, beta1,
+                                  1 - beta2, beta2, epsilon, learning_rate)
     except (TypeError, ValueError, BufferError):
         return None
 
@@ -197,7 +198,7 @@ def fold_sum(out: np.ndarray, views: list[np.ndarray], div: int = 0, stream: boo
     numpy's ``np.add`` per view and ``out /= div``; False (nothing done) where it does not.
     ``stream``: write ``out`` with non-temporal stores. numpy makes one pass per view, each
     writing out."""
-    if _folds is None or not 2 <= len(views) <= MAX_FOLD or out.dtype not in _FUSED:
+    if _folds is None or not 2 <= len(views) <= MAX_FOLD or out.dtype not in FUSED:
         return False
     if not _takes([out], views):
         return False
