@@ -105,7 +105,8 @@ CONTEXT_CHECK = textwrap.dedent("""
                 conns[who] = t.connect(lst.endpoint, who.encode(), lambda f: None, states[who].append, loop=loop,
                                        options=DEFAULT_OPTIONS, name=who,
                                        security=CurveClient(k.public, k.secret, server.public))
-            await conns["bad"].send([b"bad"], loop.time() + 5)
+            # never sendable: a connection that failed its handshake has no pipe to queue on
+            assert not await conns["bad"].send([b"bad"], loop.time() + 0.3)
             assert await conns["good"].send([b"good"], loop.time() + 5)
             await async_wait_until(lambda: got and "auth-failed" in states["bad"], 10,
                                    what=f"{tag}: the good message and the bad handshake's refusal")

@@ -214,14 +214,16 @@ def run(
     echo: Callable[[str], Any] | None = print,
     curve: bool = False,
     keys: str | None = None,
+    plan: Plan | None = None,
 ) -> list[dict[str, Any]]:
     """Run the benchmark; returns one row per transport x size (also written as JSON lines to
     ``json_out``, replacing what it held). Progress and the final table go to ``echo`` (``None``:
     silent). ``curve``: ipc and tcp again with CurveZMQ, with the keys of directory ``keys`` (it
-    must hold a shared task key: ``zmqflow keys generate DIR``) or fresh temporary ones."""
+    must hold a shared task key: ``zmqflow keys generate DIR``) or fresh temporary ones. ``plan``:
+    how much to measure, in place of the quick or full one (a smaller one checks the wiring)."""
     say: Callable[[str], Any] = echo if echo is not None else (lambda _line: None)
     keep_big_blocks()  # both clients, raw and zmqflow, share this process and its allocator
-    plan = QUICK if quick else FULL
+    plan = plan or (QUICK if quick else FULL)
     transports = list(transports)
     for t in transports:
         if t not in TRANSPORTS:
