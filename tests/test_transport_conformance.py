@@ -276,3 +276,26 @@ def test_bad_frames_are_answered_or_counted_and_serving_goes_on(net):
             await server.close()
 
     arun(main())
+
+
+def test_an_ipc_listener_removes_its_socket_file_on_close_but_not_a_newer_ones(tmp_path):
+    """libzmq leaves a closed ipc listener's file behind: a server stopped on ipc would litter its
+    directory. The listener removes its own file, and leaves one another socket bound since."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        t = ZmqTransport()
+        path = tmp_path / "srv.sock"
+        first = await t.listen(f"ipc://{path}", lambda f, user: None, loop=loop, options=DEFAULT_OPTIONS, name="a")
+        assert path.exists()
+        first.close()
+        assert not path.exists()
+        old = await t.listen(f"ipc://{path}", lambda f, user: None, loop=loop, options=DEFAULT_OPTIONS, name="b")
+        new = await t.listen(f"ipc://{path}", lambda f, user: None, loop=loop, options=DEFAULT_OPTIONS, name="c")
+        try:
+            old.close()  # its file was replaced by the newer bind: not its to remove
+            assert path.exists()
+        finally:
+            new.close()
+        assert not path.exists()
+
+    arun(main())

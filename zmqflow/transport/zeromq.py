@@ -85,6 +85,7 @@ class ZmqListener:
         self._domain = domain
         self._bind_endpoint = bind_endpoint
         self._channel = channel
+        self._socket_file = _ipc_file(endpoint)
         self.try_send = channel.try_send
         self.send = channel.send
 
@@ -96,12 +97,38 @@ class ZmqListener:
         if self._channel.closed:
             return
         self._channel.close()
+        if self._socket_file is not None:
+            _remove_ipc_file(*self._socket_file)
         if self._domain is not None:
             zap.unregister(self._domain)
         now = time.monotonic()
         for endpoint in [e for e, t in _released.items() if now - t >= REBIND_S]:
             del _released[endpoint]
         _released[self._bind_endpoint] = now
+
+
+def _ipc_file(endpoint: str) -> tuple[str, int, int] | None:
+    """(path, device, inode) of the socket file an ipc listener just bound; None for other
+    transports, Linux's abstract names (``ipc://@name``) and a file that is gone already."""
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+        return None
+    path = os.path.abspath(endpoint[len("ipc://"):])
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return path, st.st_dev, st.st_ino
+
+
+def _remove_ipc_file(path: str, dev: int, ino: int) -> None:
+    """Remove a closed listener's socket file, which libzmq leaves behind, unless another socket
+    has bound the path since (a new file there, not ours)."""
+    try:
+        st = os.stat(path)
+        if (st.st_dev, st.st_ino) == (dev, ino):
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 class ZmqConnection:
