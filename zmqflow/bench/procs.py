@@ -32,7 +32,7 @@ from ..cluster import ClusterSpec
 from ..server.idle_trim import IDLE_TRIM
 from ..server.task import AsyncServer
 from ..transport.curve import KEYS_ENV
-from ..transport.memory import keep_big_blocks
+from ..transport.memory import keep_big_blocks, settle_gc
 
 __all__ = ["SECURITY", "Child", "Procs", "Served", "plaintext", "reap", "run_to_end", "spawn_queue",
            "zf_keyed_task_process", "zf_task_process"]
@@ -88,6 +88,7 @@ async def _serve(spec_json: str, task: str, conn: Any) -> None:
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
+    settle_gc()  # as `zmqflow serve`
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_reader(conn.fileno(), stop.set)  # a stop message or EOF (parent gone)

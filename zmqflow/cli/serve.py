@@ -20,7 +20,7 @@ from ..observe.endpoint import start_for as start_metrics
 from ..server.idle_trim import IDLE_TRIM
 from ..server.limits import ServerLimits
 from ..server.task import AsyncServer
-from ..transport.memory import keep_big_blocks
+from ..transport.memory import keep_big_blocks, settle_gc
 from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, LOG_LEVELS, FiniteFloatRange, fail, setup_logging
 
 log = logging.getLogger("zmqflow.serve")
@@ -168,6 +168,7 @@ async def _serve(spec: ClusterSpec, tid: TaskId, allow_modules: list[str] | None
         fail("serve", exc, EXIT_FAILURE)
     except ConfigError as exc:
         fail("serve", exc, EXIT_USAGE)
+    settle_gc()  # what start-up made lives as long as the server: out of the collector's sight
     stop = asyncio.Event()
     server.stop_handler = lambda _reason: stop.set()  # zmqflow stop, or training done: as on SIGTERM
     loop = asyncio.get_running_loop()
