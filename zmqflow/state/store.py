@@ -182,20 +182,8 @@ class ShardStore:
         self._held_parts = 0
 
     # lifecycle --------------------------------------------------------------------------
-    def create(
-        self,
-        name: str,
-        part: int,
-        shape: list[int],
-        rows: list[int],
-        dtype: str,
-        *,
-        num_parts: int = 1,
-        optimizer: Any = None,
-        initializer: Any = None,
-        value: np.ndarray | None = None,
-        salt: int = 0,
-    ) -> bool:
+    def create(self, name: str, part: int, shape: list[int], rows: list[int], dtype: str, *, num_parts: int = 1,
+               optimizer: Any = None, initializer: Any = None, value: np.ndarray | None = None, salt: int = 0) -> bool:
         """Create the part unless it exists; True when this call created it. Conflicts raise."""
         plan = self.plan(name, part, shape, rows, dtype, num_parts=num_parts, optimizer=optimizer,
                          initializer=initializer, value=value, salt=salt)
@@ -314,7 +302,11 @@ class ShardStore:
         """A read-only view of rows ``[start, stop)``, to send zero-copy: writes made while it is
         alive go to a copy of the part (``Part.own``), so its bytes never change under it."""
         p = self.get(name, part)
-        a, b = _local_range(p, start, stop)
+        return self.view_rows(p, *_local_range(p, start, stop))
+
+    @staticmethod
+    def view_rows(p: Part, a: int, b: int) -> np.ndarray:
+        """``view`` of part ``p``'s local rows ``[a, b)``, checked already (``row_range``)."""
         if p.value.base is not None:  # views must refer to ``value`` itself for ``own`` to count them
             p.value = p.value.copy()
         v = p.value[...] if not p.full_shape else p.value[a:b]

@@ -290,8 +290,8 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
             for p, _, _ in by_part.values():
                 if p.sync is not None:
                     raise InvalidArgument(f"variable {p.label} is synchronous: pushes must carry the pusher's step")
-        for it in req.read:  # an unknown part or a bad range is refused before any part is applied
-            self.store.row_range(it.name, it.part, it.start, it.stop)
+        row_range = self.store.row_range  # an unknown part or a bad range is refused before any part is applied
+        reads = [row_range(it.name, it.part, it.start, it.stop) for it in req.read]
         waits: list[tuple[PartKey, int]] = []
         stale = False
         who = ctx.source or "anonymous"  # with keys, the name of the pusher's key (CallContext)
@@ -328,7 +328,7 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
         if waits:  # the epoch of the offers: a fence from now on abandons their step
             return self._push_waits(ctx, waits, list(by_part), stale, self.epoch, req.read)
         syncs = [p.sync for p, _, _ in by_part.values() if p.sync is not None]
-        return self._push_answer(syncs, _GLOBAL_STEP in by_part, stale, req.read)
+        return self._push_answer(syncs, _GLOBAL_STEP in by_part, stale, req.read, reads)
 
     async def _push_waits(self, ctx: CallContext, waits: list[tuple[PartKey, int]], keys: list[PartKey],
                           stale: bool, epoch: int, read: list[rq.PullItem]) -> dict[str, Any] | Answer:
@@ -337,22 +337,27 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
         syncs = [s for k in keys if (s := self.store.get(*k).sync) is not None]  # as they are now
         return self._push_answer(syncs, _GLOBAL_STEP in keys, stale, read)
 
-    def _push_answer(self, syncs: list[Any], counts_steps: bool, stale: bool,
-                     read: list[rq.PullItem]) -> dict[str, Any] | Answer:
+    def _push_answer(self, syncs: list[Any], counts_steps: bool, stale: bool, read: list[rq.PullItem],
+                     checked: list[tuple[Part, int, int]] | None = None) -> dict[str, Any] | Answer:
         """The synchronous step and its replicas (of ``syncs``, the states of the push's sync
         parts); the ``global_step`` variable's new value where the push counted its step in it
         (``counts_steps``: an asynchronous step learns it with no read); and, where the push
         asked, the rows of ``read`` as ``pull`` sends them (``values``). None where one is gone
         since the push was checked (a sync push waited): the caller pulls. An answer with rows
         that may be more than the server keeps of a reply goes as an :class:`Answer` whose
-        ``retry`` has none: a resent push is told its step, and its caller pulls."""
+        ``retry`` has none: a resent push is told its step, and its caller pulls. ``checked``:
+        ``read``'s parts and rows, checked by a push answered with nothing awaited since."""
         answer = {"step": max(s.step for s in syncs) if syncs else None, "stale": stale,
                   "replicas": sorted({r for s in syncs for r in s.last_contributors}) if syncs else None}
         if counts_steps and (counted := self._counted()) is not None:
             answer["global_step"] = counted
         if read:
             try:
-                values: list[np.ndarray] | None = self._views(read)
+                if checked is not None:
+                    view_rows = self.store.view_rows
+                    values: list[np.ndarray] | None = [view_rows(p, a, b) for p, a, b in checked]
+                else:
+                    values = self._views(read)
             except ZmqflowError:  # dropped or made anew while the step waited: the step stands, the caller pulls
                 values = None
             answer["values"] = values
