@@ -296,19 +296,24 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
         stale = False
         who = ctx.source or "anonymous"  # with keys, the name of the pusher's key (CallContext)
         applies: list[Update] = []  # applied together after the loop (apply_many), whatever ends it
+        applied_async = completed = 0  # counted once, after the loop
+        arrived = None  # the round this pusher was last noted arriving in: a push's parts share one
         try:
             for key, (p, dense, sparse) in by_part.items():
                 sync = p.sync
                 if sync is None:
                     if dense or sparse is not None:
                         applies.append((p, dense, sparse, req.learning_rate))
-                        self.pushes_applied["async"] += 1
+                        applied_async += 1
                     continue
                 assert step is not None  # checked above
                 mine = min(step, sync.step)
-                self._pushers[who] = ctx.peer
-                self._gone.discard(who)
-                self._rounds.arrive(mine, who)
+                if mine != arrived:
+                    if arrived is None:  # the pusher's route, and that it is back: once a push
+                        self._pushers[who] = ctx.peer
+                        self._gone.discard(who)
+                    self._rounds.arrive(mine, who)  # a round's first arrival is what counts
+                    arrived = mine
                 outcome = sync.offer(step, who, dense, sparse, req.learning_rate)
                 if outcome == STALE:
                     stale = True
@@ -316,7 +321,7 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
                 elif outcome == READY:
                     mean_dense, mean_sparse = sync.take()
                     applies.append((p, mean_dense, mean_sparse, sync.learning_rate))
-                    self._round_done([])
+                    completed += 1
                     self._wake(key)  # its waiters run after this returns: the step is applied by then
                     self._rounds.close(mine)
                 elif sync.drop_dead and set(sync.missing(self.replicas)) <= self._gone and self._drop_dead(key):
@@ -324,6 +329,8 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
                 else:
                     waits.append((key, mine))
         finally:
+            self.pushes_applied["async"] += applied_async
+            self._round_done([], completed)
             apply_all(applies, self._apply)
         if waits:  # the epoch of the offers: a fence from now on abandons their step
             return self._push_waits(ctx, waits, list(by_part), stale, self.epoch, req.read)
@@ -391,7 +398,7 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
                 missing = p.sync.missing(self.replicas) or ["(unknown)"]
                 if self._missing_noted.get(key) != mine:  # once per step, not once per waiting pusher
                     self._missing_noted[key] = mine
-                    self._round_done(missing, completed=False)
+                    self._round_done(missing, completed=0)
                 raise DeadlineExceeded(
                     f"step {mine} of {part_label(key)} was not completed: {len(p.sync.contributors)} of "
                     f"{p.sync.replicas_to_aggregate} gradients arrived; no push from {', '.join(missing)}",
@@ -432,11 +439,11 @@ class PsService(Service, TableOps, SnapshotOps, FenceOps, BulkOps):
         if event is not None:
             event.set()
 
-    def _round_done(self, missing: list[str], completed: bool = True) -> None:
-        """Count a sync step completed (or timed out), and the replicas it went without."""
+    def _round_done(self, missing: list[str], completed: int = 1) -> None:
+        """Count ``completed`` sync steps (none: one timed out), and the replicas it went without."""
         if completed:
-            self.sync_rounds += 1
-            self.pushes_applied["sync"] += 1
+            self.sync_rounds += completed
+            self.pushes_applied["sync"] += completed
         for m in missing:
             if m not in self.sync_missing and len(self.sync_missing) >= MAX_LABELS:
                 m = "other"
