@@ -16,11 +16,18 @@ from typing import Any
 import numpy as np
 import pytest
 
+from zmqflow.bench.transport.plan import Plan
 from zmqflow.errors import InvalidArgument
 from zmqflow.loop import run
 from zmqflow.rpc import CallContext, Service, op
 from zmqflow.transport.zeromq import open_connections
 from zmqflow.wire import codec
+
+
+# a transport benchmark plan of enough messages to fill every column, not to measure: for the
+# tests that check its rows' wiring
+BENCH_WIRING = Plan(reps=1, tput_bytes=1 << 20, tput_min_msgs=4, tput_max_msgs=64, lat_bytes=1 << 16, lat_min=20,
+                    lat_max=50, memcpy_bytes=1 << 20)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

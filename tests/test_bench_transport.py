@@ -10,16 +10,13 @@ import zmq
 
 from zmqflow import loop as zf_loop
 from zmqflow.bench.transport import format_table, raw_pyzmq, run
-from zmqflow.bench.transport.plan import Plan
 from zmqflow.transport.context import context
 
-# enough messages to fill every column, not to measure: these tests check the rows' wiring
-WIRING = Plan(reps=1, tput_bytes=1 << 20, tput_min_msgs=4, tput_max_msgs=64, lat_bytes=1 << 16, lat_min=20, lat_max=50,
-              memcpy_bytes=1 << 20)
+from .conftest import BENCH_WIRING
 
 
 def test_small_rows_measure_raw_pyzmq_on_the_loop_beside_the_blocking_baseline():
-    rows = run(quick=True, transports=("inproc",), sizes=[64, 4096], echo=None, plan=WIRING)
+    rows = run(quick=True, transports=("inproc",), sizes=[64, 4096], echo=None, plan=BENCH_WIRING)
     small, big = rows
     assert small["loop_p50_us"] > 0 and small["lat_ratio_loop"] == small["zf_p50_us"] / small["loop_p50_us"]
     assert "loop_p50_us" not in big  # only where the latency target judges

@@ -25,7 +25,7 @@ from zmqflow.transport.curve import ANY_TASK, CurveClient, Keys, generate, is_lo
 from zmqflow.transport.options import DEFAULT_OPTIONS
 from zmqflow.transport.zeromq import ZmqTransport
 
-from .conftest import ZMQFLOW, arun
+from .conftest import BENCH_WIRING, ZMQFLOW, arun
 
 
 def _spec(**jobs: int) -> zf.ClusterSpec:
@@ -389,12 +389,10 @@ def test_launch_checks_keys_and_exposure_before_starting(tmp_path, procs):
 
 
 def test_bench_transport_measures_curve_beside_plaintext():
-    from .test_bench_transport import WIRING
-
     from zmqflow.bench.transport import format_table, run
     from zmqflow.bench.transport.report import format_curve_table
 
-    rows = run(quick=True, transports=("tcp",), sizes=[4096], curve=True, echo=None, plan=WIRING)
+    rows = run(quick=True, transports=("tcp",), sizes=[4096], curve=True, echo=None, plan=BENCH_WIRING)
     assert [(r["transport"], r["security"]) for r in rows] == [("tcp", "plain"), ("tcp", "curve")]
     assert all(r["zf_gbps"] > 0 and r["raw_gbps"] > 0 for r in rows)
     table = format_curve_table(rows)
