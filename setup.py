@@ -1,7 +1,7 @@
 """The compiled parts: the hash index's inner loops (zmqflow/state/hash_probe.c), the
-optimizers' one-pass updates, of one part or many, and the pull's streaming copy
-(zmqflow/state/kernels_c.c, kernels_many.c), the ring's one-pass fold (zmqflow/state/fold_c.c),
-and the codec's common case (zmqflow/wire/codec_c.c).
+optimizers' one-pass updates, of one part or many, the pull's streaming copy and the sum of a
+sparse gradient's rows per id (zmqflow/state/kernels_c.c, kernels_many.c, kernels_rows.c), the
+ring's one-pass fold (zmqflow/state/fold_c.c), and the codec's common case (zmqflow/wire/codec_c.c).
 
 All are optional: where no C compiler is found the build goes on without them, the index runs
 its numpy rounds (``zmqflow.state.hash_index.compiled()`` tells which), the kernels numpy's
@@ -17,7 +17,8 @@ _EXACT = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
 
 setup(ext_modules=[
     Extension("zmqflow.state.hash_probe", ["zmqflow/state/hash_probe.c"], optional=True, extra_compile_args=["-O3"]),
-    Extension("zmqflow.state.kernels_c", ["zmqflow/state/kernels_c.c", "zmqflow/state/kernels_many.c"], optional=True,
+    Extension("zmqflow.state.kernels_c", ["zmqflow/state/kernels_c.c", "zmqflow/state/kernels_many.c",
+                                          "zmqflow/state/kernels_rows.c"], optional=True,
               depends=[*_COMMON, "zmqflow/state/kernels_c.h"],
               extra_compile_args=_EXACT),
     Extension("zmqflow.state.fold_c", ["zmqflow/state/fold_c.c"], optional=True, depends=_COMMON,

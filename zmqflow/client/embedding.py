@@ -182,7 +182,9 @@ class AsyncEmbedding:
                         timeout: float | None = None, step: int | None = None) -> list[tuple[np.ndarray, Any]]:
         """``emb_lookup`` (``rows`` None) or ``emb_push`` of ``rows`` to each part owning some ids."""
         part, local = self.info.owners(uniq)
-        masks = [(p, part == p) for p in np.unique(part).tolist()]
+        # which ids each part owns: all of them where there is one part (a view, no mask to build)
+        masks: list[tuple[int, Any]] = ([(0, slice(None))] if len(self.info.tasks) == 1 else
+                                        [(p, part == p) for p in np.unique(part).tolist()])
         calls = []
         for p, mask in masks:
             ids = local[mask]  # a boolean index copies, C-ordered
@@ -203,10 +205,14 @@ class AsyncEmbedding:
         if flat.size == 0:
             return np.zeros((*shape, self.dim), self.info.dtype)
         uniq, inverse = np.unique(flat, return_inverse=True)
-        rows = np.empty((len(uniq), self.dim), self.info.dtype)
-        for mask, got in await self._per_part(uniq, "emb_lookup", bool(create), timeout=timeout):
-            rows[mask] = got
-        return rows[inverse.reshape(-1)].reshape(*shape, self.dim)
+        answers = await self._per_part(uniq, "emb_lookup", bool(create), timeout=timeout)
+        rows = answers[0][1] if len(answers) == 1 else None  # one part's answer: its rows, as they came
+        if not (isinstance(rows, np.ndarray) and rows.shape == (len(uniq), self.dim) and rows.dtype == self.info.dtype):
+            rows = np.empty((len(uniq), self.dim), self.info.dtype)
+            for mask, got in answers:
+                rows[mask] = got
+        # ``take`` gathers a new array, twice as fast as indexing
+        return np.take(rows, inverse.reshape(-1), axis=0).reshape(*shape, self.dim)
 
     async def lookup_sparse(self, ids: Any, segment_ids: Any, weights: Any = None, combiner: str = "mean",
                             num_segments: int | None = None, *, create: bool = True,

@@ -25,7 +25,7 @@ _kernels = _built  # what the functions call: the modules, or None when not buil
 _folds = _built_fold
 
 __all__ = ["compiled", "use_compiled", "scaled", "sub_scaled", "momentum_step", "adagrad_step", "adam_step",
-           "axpy_many", "momentum_many", "adagrad_many", "adam_many", "copy_into", "fold_sum", "add_into",
+           "axpy_many", "momentum_many", "adagrad_many", "adam_many", "copy_into", "fold_sum", "add_into", "segment_sum",
            "FUSED", "STREAM_FROM", "FOLD_STREAM_FROM", "MAX_FOLD"]
 
 FUSED = (np.dtype(np.float32), np.dtype(np.float64))  # the dtypes the C loops take
@@ -189,6 +189,22 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
         _kernels.copy(dst, src)
     else:
         dst[...] = src
+
+
+def segment_sum(rows: np.ndarray, order: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """``np.add.reduceat(rows[order], starts, axis=0)``, with its bits: each run of ``order``
+    (from one start to the next) summed left to right. In one C pass over the rows in place where
+    it was built and ``rows`` is float32 or float64 (``order`` the ids' stable argsort, ``starts``
+    where each id's run begins: int64 both); reduceat walks a 4096 x 64 gradient at about
+    0.2 GB/s, most of an embedding push's client time."""
+    if _kernels is None or rows.dtype not in FUSED or rows.ndim < 1 or not len(starts):
+        return np.add.reduceat(rows[order], starts, axis=0)
+    flat = np.ascontiguousarray(rows).reshape(len(rows), -1)
+    out = np.empty((len(starts), *rows.shape[1:]), rows.dtype)
+    if flat.shape[1]:
+        _kernels.segment_sum(out, flat, order.astype(np.int64, copy=False), starts.astype(np.int64, copy=False),
+                             flat.shape[1])
+    return out
 
 
 def fold_sum(out: np.ndarray, views: list[np.ndarray], div: int = 0, stream: bool = False) -> bool:

@@ -32,7 +32,8 @@
        type (rows = its length), aligned.
    copy(dst, src)                         dst writable, both C-contiguous, the same bytes, apart.
 
-   The same updates over many parts in one call (a push's): kernels_many.c. */
+   The same updates over many parts in one call (a push's): kernels_many.c. The sum of a sparse
+   gradient's rows per id: kernels_rows.c. */
 
 #include "kernels_c.h"
 
@@ -330,6 +331,8 @@ static PyMethodDef methods[] = {
     {"adam_many", zfk_adam_many, METH_VARARGS,
      "adam_many(params, grads, ms, vs, steps, table, c1, b1, c2, b2, eps, lr): Adam on each item, its rows' counts "
      "stepped and their step sizes looked up, every item checked first."},
+    {"segment_sum", zfk_segment_sum, METH_VARARGS,
+     "segment_sum(out, rows, order, starts, cols): each run's rows, read through order, summed into its row of out."},
     {"copy", kernels_copy, METH_VARARGS, "copy(dst, src): src's bytes into dst, with non-temporal stores."},
     {NULL, NULL, 0, NULL},
 };

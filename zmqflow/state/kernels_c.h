@@ -41,4 +41,7 @@ PyObject *zfk_momentum_many(PyObject *self, PyObject *args);
 PyObject *zfk_adagrad_many(PyObject *self, PyObject *args);
 PyObject *zfk_adam_many(PyObject *self, PyObject *args);
 
+/* kernels_rows.c */
+PyObject *zfk_segment_sum(PyObject *self, PyObject *args);
+
 #endif

@@ -1,5 +1,5 @@
-"""Sparse rows, sans-IO: summing the rows of repeated ids (a sort and one reduceat, several times
-faster than ``np.add.at``)."""
+"""Sparse rows, sans-IO: summing the rows of repeated ids (a sort, then each id's rows summed in
+one C pass where it was built, else one reduceat: both many times faster than ``np.add.at``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import numpy as np
 
 from ..errors import InvalidArgument
 from ..wire.dtypes import half_precision
+from .kernels import segment_sum
 
 __all__ = ["unique_sum", "has_repeats", "int64_ids"]
 
@@ -15,17 +16,16 @@ def unique_sum(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarra
     """Sorted unique ``ids`` and, for each, the sum of its ``rows``, returned in the rows' dtype.
     Half-precision rows are summed in float32: bfloat16 cannot count past 256 (its 8-bit
     significand), so a hot id's 3000 gradients of 1 would sum to 256."""
-    if len(ids) == 0:
-        return ids[:0], rows[:0]
+    if len(ids) < 2 or bool((ids[1:] > ids[:-1]).all()):  # unique and sorted already, as a client sends them
+        return ids, rows
     order = np.argsort(ids, kind="stable")
     ordered = ids[order]
     starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
     if len(starts) == len(ids):  # already unique: just reorder
         return ordered, rows[order]
     if not half_precision(rows.dtype):
-        return ordered[starts], np.add.reduceat(rows[order], starts, axis=0)
-    summed = np.add.reduceat(rows[order].astype(np.float32), starts, axis=0)
-    return ordered[starts], summed.astype(rows.dtype)
+        return ordered[starts], segment_sum(rows, order, starts)
+    return ordered[starts], segment_sum(rows.astype(np.float32), order, starts).astype(rows.dtype)
 
 
 def has_repeats(ids: np.ndarray) -> bool:

@@ -418,10 +418,11 @@ class ShardStore:
         grid = p.grid
         value2d = grid(p.value)
         fancy = not isinstance(rows, slice)
-        param = value2d[rows].copy() if fancy else value2d[rows]
+        # rows by index: gathered into new arrays (``take``: twice as fast as indexing, which copies too)
+        param = np.take(value2d, rows, axis=0) if fancy else value2d[rows]
         slots: dict[str, np.ndarray] = {}  # SGD has none: no comprehension (it costs more than ``apply``'s check)
         if p.slots:
-            slots = {k: (grid(s)[rows].copy() if fancy else grid(s)[rows]) for k, s in p.slots.items()}
+            slots = {k: (np.take(grid(s), rows, axis=0) if fancy else grid(s)[rows]) for k, s in p.slots.items()}
         t = None
         if p.steps is not None:  # only for an optimizer that reads them (Adam's t)
             p.steps[rows] += 1

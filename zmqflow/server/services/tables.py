@@ -99,7 +99,7 @@ class TableOps:
         if ids.size and (ids.min() < 0 or ids.max() >= p.nrows):
             bad = ids[(ids < 0) | (ids >= p.nrows)][0]
             raise InvalidArgument(f"embedding {p.label}: row {int(bad)} out of range [0, {p.nrows})")
-        return p.value[ids]
+        return np.take(p.value, ids, axis=0)  # a new array, as indexing makes, in half its time
 
     @op(rq.EmbPush)
     def emb_push(self, ctx: CallContext, req: rq.EmbPush) -> int:
