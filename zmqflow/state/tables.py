@@ -373,8 +373,8 @@ class HashTable:
         if self.optimizer is None:
             self.values[slots] += g
         else:
-            param = self.values[slots]
-            slot_rows = {k: s[slots] for k, s in self.slots.items()} if self.slots else {}
+            param = np.take(self.values, slots, axis=0)  # new arrays, as indexing makes, in half its time
+            slot_rows = {k: np.take(s, slots, axis=0) for k, s in self.slots.items()} if self.slots else {}
             t = None
             if self.steps is not None:
                 self.steps[slots] += 1
