@@ -95,6 +95,34 @@ def test_lookup_sparse_combiners(combiner):
     arun(main())
 
 
+def test_lookup_sparse_of_a_batch_matches_a_sum_id_by_id():
+    """Many ids, repeated, in unsorted segments of unsigned type, some segments empty: each combiner
+    agrees with np.add.at, a sum one id at a time."""
+    async def main():
+        async with cluster(ps=2) as servers:
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                emb = await sess.embedding("b", 300, 8, initializer=zf.init.uniform(-1, 1, seed=4), dtype="float32")
+                full = (await emb.lookup(np.arange(300))).astype(np.float64)
+                rng = np.random.default_rng(9)
+                ids = rng.integers(0, 300, 2000)
+                seg = rng.integers(0, 150, 2000).astype(np.uint32)
+                seg[seg == 7] = 8  # segment 7 stays empty
+                w = rng.standard_normal(2000)
+                for combiner in ("sum", "mean", "sqrtn"):
+                    got = await emb.lookup_sparse(ids, seg, w, combiner=combiner, num_segments=160)
+                    total, norm = np.zeros((160, 8)), np.zeros(160)
+                    np.add.at(total, seg, full[ids] * w[:, None])
+                    np.add.at(norm, seg, w if combiner != "sqrtn" else w * w)
+                    norm = np.ones(160) if combiner == "sum" else norm if combiner == "mean" else np.sqrt(norm)
+                    want = np.divide(total, norm[:, None], out=np.zeros_like(total), where=norm[:, None] != 0)
+                    assert got.dtype == np.float32 and got.shape == (160, 8)
+                    np.testing.assert_allclose(got, want.astype(np.float32), rtol=1e-5, atol=1e-6)
+                    assert not got[7].any() and not got[150:].any()
+                assert (await emb.lookup_sparse([], [], combiner="mean", num_segments=3)).shape == (3, 8)
+
+    arun(main())
+
+
 def test_sparse_push_touches_only_its_rows_and_slots():
     async def main():
         async with cluster() as servers:

@@ -1,6 +1,7 @@
 """The sum of a sparse gradient's rows per id (zmqflow/state/kernels_rows.c): reduceat's bits, run
 for run and column for column (numpy's pairwise order, zeros' signs, infinities and NaN), strict
-about what it is handed, and the same through ``unique_sum`` with the C loop on or off."""
+about what it is handed, and the same through ``unique_sum`` with the C loop on or off; the ids'
+grouping by a hash table (``first_seen``, ``runs``) gives ``np.unique``'s answers."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zmqflow.state import kernels as wrappers
-from zmqflow.state.sparse import unique_sum
+from zmqflow.state.sparse import unique_inverse, unique_sum
 
 kernels = wrappers._built
 needs_kernels = pytest.mark.skipif(kernels is None, reason="zmqflow/state/kernels_c.c is not built here: numpy runs")
@@ -129,3 +130,64 @@ def test_the_c_loop_refuses_what_it_cannot_do_and_changes_nothing() -> None:
 def test_no_ids_sum_to_no_rows() -> None:
     ids, rows = unique_sum(np.zeros(0, np.int64), np.zeros((0, 5), np.float32))
     assert ids.shape == (0,) and rows.shape == (0, 5) and rows.dtype == np.float32
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.one_of(st.integers(-3, 40), st.integers(-(2**63), 2**63 - 1)), max_size=300))
+def test_unique_inverse_is_numpys_with_the_c_loop_on_or_off(ids: list[int]) -> None:
+    """Any int64 ids, the extremes and negatives included: the sorted distinct ids, and each id's
+    index among them, as np.unique gives them."""
+    a = np.array(ids, np.int64)
+    want = np.unique(a, return_inverse=True)
+    before = wrappers.use_compiled(False)
+    try:
+        plain = unique_inverse(a)
+    finally:
+        wrappers.use_compiled(before)
+    for got in (unique_inverse(a), plain):
+        assert got[0].dtype == np.int64 and np.array_equal(got[0], want[0])
+        assert np.array_equal(got[1], want[1].reshape(-1))
+
+
+@needs_kernels
+def test_ids_that_share_a_hash_slot_are_told_apart() -> None:
+    """Ids a multiple of a large power of two apart, which a plain table would pile into one run of
+    slots, and many copies of a few ids: grouped exactly, whatever the process's hash key."""
+    ids = np.concatenate([np.arange(2000, dtype=np.int64) << 40, np.full(3000, 5, np.int64), np.arange(-50, 50)])
+    np.random.default_rng(1).shuffle(ids)
+    got, want = unique_inverse(ids), np.unique(ids, return_inverse=True)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    first, inverse = wrappers.first_seen(ids)
+    assert np.array_equal(first[inverse], ids)  # each id's index points at its own value
+    assert len(np.unique(first)) == len(first)
+
+
+@needs_kernels
+def test_runs_are_a_stable_counting_sort() -> None:
+    inverse = np.array([2, 0, 2, 1, 0, 2], np.int64)
+    order, starts = wrappers.runs(inverse, 3)
+    assert order.tolist() == [1, 4, 3, 0, 2, 5] and starts.tolist() == [0, 2, 3]
+    before = wrappers.use_compiled(False)
+    try:
+        plain = wrappers.runs(inverse, 3)
+    finally:
+        wrappers.use_compiled(before)
+    assert plain[0].tolist() == order.tolist() and plain[1].tolist() == starts.tolist()
+
+
+@needs_kernels
+def test_the_grouping_refuses_what_it_cannot_do() -> None:
+    ids = np.arange(4, dtype=np.int64)
+    room = np.empty(4, np.int64)
+    for args in [(ids.astype(np.int32), 1, room, room.copy()),  # not int64
+                 (ids, 1, np.empty(3, np.int64), room),  # too little room
+                 (ids, 1, room, np.empty(4, np.int64)[::-1])]:  # not contiguous
+        with pytest.raises((ValueError, TypeError, BufferError)):
+            kernels.first_seen(*args)
+    order, starts = np.full(4, 7, np.int64), np.full(2, 7, np.int64)
+    for inv, u in [(np.array([0, 1, 2, 0], np.int64), 2), (np.array([0, -1, 1, 0], np.int64), 2)]:
+        with pytest.raises(ValueError):
+            kernels.runs(inv, u, order, starts)
+        assert order.tolist() == [7] * 4 and starts.tolist() == [7, 7]  # nothing written
+    with pytest.raises(ValueError):
+        kernels.runs(np.zeros(4, np.int64), 3, order, starts)  # starts not u long

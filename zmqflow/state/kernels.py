@@ -8,6 +8,7 @@ result's sign and payload are unspecified (NaN either way; see kernels_c.c and f
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ _folds = _built_fold
 
 __all__ = ["compiled", "use_compiled", "scaled", "sub_scaled", "momentum_step", "adagrad_step", "adam_step",
            "axpy_many", "momentum_many", "adagrad_many", "adam_many", "copy_into", "fold_sum", "add_into", "segment_sum",
+           "first_seen", "runs",
            "FUSED", "STREAM_FROM", "FOLD_STREAM_FROM", "MAX_FOLD"]
 
 FUSED = (np.dtype(np.float32), np.dtype(np.float64))  # the dtypes the C loops take
@@ -37,6 +39,9 @@ STREAM_FROM = 1 << 20
 # the plain stores would read each line of it first.
 FOLD_STREAM_FROM = 4 << 20
 MAX_FOLD = 64  # views one fold takes (fold_c.c's MAX_FOLD)
+# first_seen's hash key, drawn once a process: ids chosen to collide in its table (a shard groups
+# the ids a request names) cannot be found without it
+_SEED = int.from_bytes(os.urandom(8), "little")
 
 
 def compiled() -> bool:
@@ -205,6 +210,29 @@ def segment_sum(rows: np.ndarray, order: np.ndarray, starts: np.ndarray) -> np.n
         _kernels.segment_sum(out, flat, order.astype(np.int64, copy=False), starts.astype(np.int64, copy=False),
                              flat.shape[1])
     return out
+
+
+def first_seen(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """(the distinct ``ids`` in order of first appearance, each id's index among them), from int64
+    ``ids`` in two linear passes of a hash table; None (nothing done) where the C loops do not run.
+    A sort-based ``np.unique`` takes 4-10x as long for a batch of 4096."""
+    if _kernels is None or ids.dtype != np.int64 or ids.ndim != 1:
+        return None
+    first, inverse = np.empty(len(ids), np.int64), np.empty(len(ids), np.int64)
+    u = _kernels.first_seen(np.ascontiguousarray(ids), _SEED, first, inverse)
+    return first[:u], inverse
+
+
+def runs(inverse: np.ndarray, u: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order, starts) for :func:`segment_sum`: the positions of group 0, then group 1, ..., each
+    group's in increasing order (a stable sort of ``inverse``, int64 in ``[0, u)``), and where each
+    group begins; counted in C where it was built."""
+    if _kernels is None:
+        order = np.argsort(inverse, kind="stable")
+        return order, np.searchsorted(inverse[order], np.arange(u))
+    order, starts = np.empty(len(inverse), np.int64), np.empty(u, np.int64)
+    _kernels.runs(np.ascontiguousarray(inverse, np.int64), u, order, starts)
+    return order, starts
 
 
 def fold_sum(out: np.ndarray, views: list[np.ndarray], div: int = 0, stream: bool = False) -> bool:

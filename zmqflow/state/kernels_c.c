@@ -333,6 +333,9 @@ static PyMethodDef methods[] = {
      "stepped and their step sizes looked up, every item checked first."},
     {"segment_sum", zfk_segment_sum, METH_VARARGS,
      "segment_sum(out, rows, order, starts, cols): each run's rows, read through order, summed into its row of out."},
+    {"first_seen", zfk_first_seen, METH_VARARGS,
+     "first_seen(ids, seed, first, inverse) -> u: the distinct ids in order of first appearance, and each id's index there."},
+    {"runs", zfk_runs, METH_VARARGS, "runs(inverse, u, order, starts): a stable counting sort of the positions by group."},
     {"copy", kernels_copy, METH_VARARGS, "copy(dst, src): src's bytes into dst, with non-temporal stores."},
     {NULL, NULL, 0, NULL},
 };

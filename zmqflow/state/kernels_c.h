@@ -43,5 +43,7 @@ PyObject *zfk_adam_many(PyObject *self, PyObject *args);
 
 /* kernels_rows.c */
 PyObject *zfk_segment_sum(PyObject *self, PyObject *args);
+PyObject *zfk_first_seen(PyObject *self, PyObject *args);
+PyObject *zfk_runs(PyObject *self, PyObject *args);
 
 #endif

@@ -98,17 +98,17 @@
 SEGMENT_SUM(float, segment_sum_f32, pairwise_f32)
 SEGMENT_SUM(double, segment_sum_f64, pairwise_f64)
 
-/* an int64 buffer's elements, or -1 with an exception set */
-static Py_ssize_t int64_count(const Py_buffer *b, const char *what) {
+/* an int64 buffer's elements, or -1 with an exception set naming call ``fn`` and argument ``what`` */
+static Py_ssize_t int64_count(const Py_buffer *b, const char *fn, const char *what) {
     const char *f = b->format ? b->format : "B";
     if (f[0] == '<' || f[0] == '=' || f[0] == '@')
         f++;
     if (!((f[0] == 'q' || (f[0] == 'l' && sizeof(long) == 8)) && f[1] == '\0') || b->itemsize != 8) {
-        PyErr_Format(PyExc_TypeError, "segment_sum: %s must be int64, got '%s'", what, b->format ? b->format : "B");
+        PyErr_Format(PyExc_TypeError, "%s: %s must be int64, got '%s'", fn, what, b->format ? b->format : "B");
         return -1;
     }
     if ((uintptr_t)b->buf % 8) {
-        PyErr_Format(PyExc_ValueError, "segment_sum: %s is not aligned to its type", what);
+        PyErr_Format(PyExc_ValueError, "%s: %s is not aligned to its type", fn, what);
         return -1;
     }
     return b->len / 8;
@@ -159,7 +159,7 @@ PyObject *zfk_segment_sum(PyObject *self, PyObject *args) {
         goto done;
     char type = type_of(&ob[0]);
     Py_ssize_t item = type == 'f' ? (Py_ssize_t)sizeof(float) : (Py_ssize_t)sizeof(double);
-    Py_ssize_t n = int64_count(&ob[2], "order"), u = n < 0 ? -1 : int64_count(&sb, "starts");
+    Py_ssize_t n = int64_count(&ob[2], "segment_sum", "order"), u = n < 0 ? -1 : int64_count(&sb, "segment_sum", "starts");
     if (n < 0 || u < 0)
         goto release_starts;
     if (type == 0 || type_of(&ob[1]) != type) {
@@ -200,3 +200,149 @@ done:
         PyBuffer_Release(&ob[i]);
     return result;
 }
+
+/* ---- grouping ids: the sort's work in two linear passes -------------------------------------
+
+   first_seen(ids, seed, first, inverse) -> u
+       ids: n int64. Writes the u distinct ids in order of first appearance into first[0..u), and
+       for each id the index of its value there into inverse[i]. An open-addressing table of at
+       least 2n slots, its hash keyed by ``seed`` (random per process: ids chosen to collide
+       cannot be found without it). first, inverse: n int64 each, writable.
+   runs(inverse, u, order, starts)
+       inverse: n int64, each in [0, u). A stable counting sort: order (n int64) lists the
+       positions of group 0, then group 1, ..., each group's in increasing order; starts (u int64)
+       where each group begins in order. What segment_sum reads. */
+
+static inline uint64_t mix_id(uint64_t x, uint64_t seed) {
+    x ^= seed;
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+/* the int64 buffers of call ``fn``, writable from ``writable`` on, their lengths in ``lens``: 0,
+   or -1 with an exception set and nothing held */
+static int int64_buffers(Py_buffer *b, PyObject **objs, int n, int writable, const char *fn, const char **names,
+                         Py_ssize_t *lens) {
+    for (int i = 0; i < n; i++) {
+        int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (i >= writable ? PyBUF_WRITABLE : 0);
+        int held = PyObject_GetBuffer(objs[i], &b[i], flags) < 0 ? i : -1;
+        if (held < 0 && (lens[i] = int64_count(&b[i], fn, names[i])) < 0)
+            held = i + 1;
+        if (held >= 0) {
+            for (int j = 0; j < held; j++)
+                PyBuffer_Release(&b[j]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+#define FN "first_seen"
+PyObject *zfk_first_seen(PyObject *self, PyObject *args) {
+    PyObject *o[3];
+    unsigned long long seed;
+    if (!PyArg_ParseTuple(args, "OKOO", &o[0], &seed, &o[1], &o[2]))
+        return NULL;
+    Py_buffer b[3];
+    Py_ssize_t len[3];
+    const char *names[3] = {"ids", "first", "inverse"};
+    if (int64_buffers(b, o, 3, 1, FN, names, len) < 0)
+        return NULL;
+    Py_ssize_t n = len[0], u = 0;
+    PyObject *result = NULL;
+    if (len[1] < n || len[2] < n) {
+        PyErr_Format(PyExc_ValueError, "first_seen: first and inverse must hold %zd ids each", n);
+        goto done;
+    }
+    size_t cap = 16;
+    while (cap < 2 * (size_t)n)
+        cap <<= 1;
+    int64_t *keys = PyMem_RawMalloc(cap * sizeof(int64_t)), *slot = PyMem_RawMalloc(cap * sizeof(int64_t));
+    if (keys == NULL || slot == NULL) {
+        PyMem_RawFree(keys);
+        PyMem_RawFree(slot);
+        PyErr_NoMemory();
+        goto done;
+    }
+    const int64_t *ids = b[0].buf;
+    int64_t *first = b[1].buf, *inverse = b[2].buf;
+    size_t mask = cap - 1;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t h = 0; h < cap; h++)
+        slot[h] = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t id = ids[i];
+        size_t h = (size_t)mix_id((uint64_t)id, seed) & mask;
+        while (slot[h] >= 0 && keys[h] != id)
+            h = (h + 1) & mask;
+        if (slot[h] < 0) {
+            keys[h] = id;
+            slot[h] = u;
+            first[u++] = id;
+        }
+        inverse[i] = slot[h];
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(keys);
+    PyMem_RawFree(slot);
+    result = PyLong_FromSsize_t(u);
+done:
+    for (int i = 0; i < 3; i++)
+        PyBuffer_Release(&b[i]);
+    return result;
+}
+
+#undef FN
+#define FN "runs"
+PyObject *zfk_runs(PyObject *self, PyObject *args) {
+    PyObject *o[3];
+    Py_ssize_t u;
+    if (!PyArg_ParseTuple(args, "OnOO", &o[0], &u, &o[1], &o[2]))
+        return NULL;
+    Py_buffer b[3];
+    Py_ssize_t len[3];
+    const char *names[3] = {"inverse", "order", "starts"};
+    if (int64_buffers(b, o, 3, 1, FN, names, len) < 0)
+        return NULL;
+    Py_ssize_t n = len[0];
+    const int64_t *inverse = b[0].buf;
+    int64_t *order = b[1].buf, *starts = b[2].buf;
+    PyObject *result = NULL;
+    if (u < 0 || len[1] != n || len[2] != u) {
+        PyErr_Format(PyExc_ValueError, "runs: order must hold %zd positions and starts %zd groups, not %zd and %zd",
+                     n, u, len[1], len[2]);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (inverse[i] < 0 || inverse[i] >= u) {
+            PyErr_Format(PyExc_ValueError, "runs: inverse[%zd] = %lld is outside [0, %zd)", i, (long long)inverse[i], u);
+            goto done;
+        }
+    }
+    memset(starts, 0, (size_t)u * sizeof(int64_t));
+    for (Py_ssize_t i = 0; i < n; i++) /* counts */
+        starts[inverse[i]]++;
+    int64_t at = 0;
+    for (Py_ssize_t k = 0; k < u; k++) { /* each group's first place */
+        int64_t c = starts[k];
+        starts[k] = at;
+        at += c;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) /* each group's places in turn: starts[k] ends at the next group's start */
+        order[starts[inverse[i]]++] = i;
+    for (Py_ssize_t k = u - 1; k > 0; k--)
+        starts[k] = starts[k - 1];
+    if (u > 0)
+        starts[0] = 0;
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    for (int i = 0; i < 3; i++)
+        PyBuffer_Release(&b[i]);
+    return result;
+}
+#undef FN
