@@ -123,6 +123,27 @@ def test_lookup_sparse_of_a_batch_matches_a_sum_id_by_id():
     arun(main())
 
 
+@pytest.mark.parametrize("ps", [1, 2])
+def test_a_lookup_of_sorted_unique_ids_gives_the_callers_own_rows(ps):
+    """Ids already unique and sorted skip the grouping: the rows are the same, writable, and the
+    caller's own (changing them changes neither the table nor the next lookup)."""
+    async def main():
+        async with cluster(ps=ps) as servers:
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                emb = await sess.embedding("s", 20, 4, initializer=zf.init.uniform(-1, 1, seed=3))
+                ids = np.array([[1, 4], [9, 17]])
+                first = await emb.lookup(ids)
+                mixed = await emb.lookup(np.array([[17, 4], [9, 1]]))
+                assert first.shape == (2, 2, 4) and first.flags.writeable
+                np.testing.assert_array_equal(first[1, 1], mixed[0, 0])
+                np.testing.assert_array_equal(first[0, 0], mixed[1, 1])
+                kept = first.copy()
+                first[...] = 0
+                np.testing.assert_array_equal(await emb.lookup(ids), kept)
+
+    arun(main())
+
+
 def test_sparse_push_touches_only_its_rows_and_slots():
     async def main():
         async with cluster() as servers:

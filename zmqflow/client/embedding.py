@@ -204,13 +204,21 @@ class AsyncEmbedding:
         flat = self._ids(ids, "lookup")
         if flat.size == 0:
             return np.zeros((*shape, self.dim), self.info.dtype)
-        uniq, inverse = unique_inverse(flat)
+        if len(flat) < 2 or bool((flat[1:] > flat[:-1]).all()):  # unique and sorted already, as torch's layer sends them
+            uniq, inverse = flat, None
+        else:
+            uniq, inverse = unique_inverse(flat)
         answers = await self._per_part(uniq, "emb_lookup", bool(create), timeout=timeout)
         rows = answers[0][1] if len(answers) == 1 else None  # one part's answer: its rows, as they came
-        if not (isinstance(rows, np.ndarray) and rows.shape == (len(uniq), self.dim) and rows.dtype == self.info.dtype):
+        if isinstance(rows, np.ndarray) and rows.shape == (len(uniq), self.dim) and rows.dtype == self.info.dtype:
+            if inverse is None:
+                return rows.copy().reshape(*shape, self.dim)  # the caller's own, not a view of a received frame
+        else:
             rows = np.empty((len(uniq), self.dim), self.info.dtype)
             for mask, got in answers:
                 rows[mask] = got
+            if inverse is None:
+                return rows.reshape(*shape, self.dim)
         # ``take`` gathers a new array, twice as fast as indexing
         return np.take(rows, inverse.reshape(-1), axis=0).reshape(*shape, self.dim)
 
