@@ -191,3 +191,26 @@ def test_the_grouping_refuses_what_it_cannot_do() -> None:
         assert order.tolist() == [7] * 4 and starts.tolist() == [7, 7]  # nothing written
     with pytest.raises(ValueError):
         kernels.runs(np.zeros(4, np.int64), 3, order, starts)  # starts not u long
+
+
+def _off_alignment(a: np.ndarray) -> np.ndarray:
+    """``a``'s values in a view one byte off its type's alignment, as an array may lie in a frame."""
+    raw = np.zeros(a.nbytes + 1, np.uint8)
+    view = raw[1:].view(a.dtype).reshape(a.shape)
+    view[...] = a
+    assert not view.flags.aligned
+    return view
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_ids_and_rows_off_their_alignment_are_summed_alike(dtype: str) -> None:
+    """A shard's ids and rows are views of a received frame, which need not be aligned: the sums,
+    the grouping and lookup's uniques take them as they take aligned ones."""
+    rng = np.random.default_rng(11)
+    ids = rng.integers(0, 40, 500).astype(np.int64)
+    rows = rng.standard_normal((500, 6)).astype(dtype)
+    want = _reference(ids, rows)
+    got = unique_sum(_off_alignment(ids), _off_alignment(rows))
+    assert np.array_equal(got[0], want[0]) and _same_bits(got[1], want[1])
+    uniq, inverse = unique_inverse(_off_alignment(ids))
+    assert np.array_equal(uniq, want[0]) and np.array_equal(uniq[inverse], ids)

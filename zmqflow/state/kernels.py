@@ -204,10 +204,10 @@ def segment_sum(rows: np.ndarray, order: np.ndarray, starts: np.ndarray) -> np.n
     0.2 GB/s, most of an embedding push's client time."""
     if _kernels is None or rows.dtype not in FUSED or rows.ndim < 1 or not len(starts):
         return np.add.reduceat(rows[order], starts, axis=0)
-    flat = np.ascontiguousarray(rows).reshape(len(rows), -1)
+    flat = np.require(rows, requirements=("C", "A")).reshape(len(rows), -1)  # a view off its alignment: a copy
     out = np.empty((len(starts), *rows.shape[1:]), rows.dtype)
     if flat.shape[1]:
-        _kernels.segment_sum(out, flat, order.astype(np.int64, copy=False), starts.astype(np.int64, copy=False),
+        _kernels.segment_sum(out, flat, np.require(order, np.int64, ("C", "A")), np.require(starts, np.int64, ("C", "A")),
                              flat.shape[1])
     return out
 
@@ -219,7 +219,7 @@ def first_seen(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     if _kernels is None or ids.dtype != np.int64 or ids.ndim != 1:
         return None
     first, inverse = np.empty(len(ids), np.int64), np.empty(len(ids), np.int64)
-    u = _kernels.first_seen(np.ascontiguousarray(ids), _SEED, first, inverse)
+    u = _kernels.first_seen(np.require(ids, requirements=("C", "A")), _SEED, first, inverse)
     return first[:u], inverse
 
 
@@ -231,7 +231,7 @@ def runs(inverse: np.ndarray, u: int) -> tuple[np.ndarray, np.ndarray]:
         order = np.argsort(inverse, kind="stable")
         return order, np.searchsorted(inverse[order], np.arange(u))
     order, starts = np.empty(len(inverse), np.int64), np.empty(u, np.int64)
-    _kernels.runs(np.ascontiguousarray(inverse, np.int64), u, order, starts)
+    _kernels.runs(np.require(inverse, np.int64, ("C", "A")), u, order, starts)
     return order, starts
 
 
