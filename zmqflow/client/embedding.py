@@ -172,10 +172,9 @@ class AsyncEmbedding:
     def _ids(self, ids: Any, what: str) -> np.ndarray:
         flat = int64_ids(np.asarray(ids).reshape(-1), f"{what} of {self.name!r}")
         num = self.info.num_embeddings
-        if num is not None and flat.size:
+        if num is not None and flat.size and (flat.min() < 0 or flat.max() >= num):  # two reductions, no masks
             bad = (flat < 0) | (flat >= num)
-            if bad.any():
-                raise InvalidArgument(f"{what} of {self.name!r}: id {int(flat[bad][0])} out of range [0, {num})")
+            raise InvalidArgument(f"{what} of {self.name!r}: id {int(flat[bad][0])} out of range [0, {num})")
         return flat
 
     async def _per_part(self, uniq: np.ndarray, op: str, create: bool = True, rows: np.ndarray | None = None,

@@ -1,4 +1,5 @@
-/* The sum of the rows of repeated ids, in one pass (a sparse gradient's rows, summed per id).
+/* The sum of the rows of repeated ids, in one pass (a sparse gradient's rows, summed per id), and
+   the grouping of the ids that finds them, in two (below: first_seen, runs).
 
    numpy's way is a gather of the rows into sorted order and ``np.add.reduceat`` over them:
    reduceat along the rows walks a 4096 x 64 float32 gradient at about 0.2 GB/s (1.4 ms), the
@@ -12,7 +13,7 @@
 
    segment_sum(out, rows, order, starts, cols)
        rows:   n rows of ``cols`` floats, float32 ('f') or float64 ('d'), C-contiguous, aligned
-       order:  n int64 row numbers in [0, n) (the ids' stable argsort)
+       order:  n int64 row numbers in [0, n): each id's rows in the order they came (runs())
        starts: u int64, where each id's run starts in ``order``: 0 first, strictly increasing,
                each below n (a run ends where the next starts, the last at n)
        out:    u rows of ``cols`` floats of rows' type, writable, apart from ``rows``
