@@ -96,8 +96,8 @@ def test_lookup_sparse_combiners(combiner):
 
 
 def test_lookup_sparse_of_a_batch_matches_a_sum_id_by_id():
-    """Many ids, repeated, in unsorted segments of unsigned type, some segments empty: each combiner
-    agrees with np.add.at, a sum one id at a time."""
+    """Many ids, repeated, in unsorted segments of unsigned type, some segments empty, weighted or
+    not: each combiner agrees with np.add.at, a sum one id at a time."""
     async def main():
         async with cluster(ps=2) as servers:
             async with zf.AsyncSession(servers["worker:0"].target) as sess:
@@ -107,9 +107,10 @@ def test_lookup_sparse_of_a_batch_matches_a_sum_id_by_id():
                 ids = rng.integers(0, 300, 2000)
                 seg = rng.integers(0, 150, 2000).astype(np.uint32)
                 seg[seg == 7] = 8  # segment 7 stays empty
-                w = rng.standard_normal(2000)
-                for combiner in ("sum", "mean", "sqrtn"):
+                for w, combiner in [(rng.standard_normal(2000), c) for c in ("sum", "mean", "sqrtn")] + [
+                        (None, c) for c in ("sum", "mean", "sqrtn")]:  # unweighted: rows summed from the unique ones
                     got = await emb.lookup_sparse(ids, seg, w, combiner=combiner, num_segments=160)
+                    w = np.ones(2000) if w is None else w
                     total, norm = np.zeros((160, 8)), np.zeros(160)
                     np.add.at(total, seg, full[ids] * w[:, None])
                     np.add.at(norm, seg, w if combiner != "sqrtn" else w * w)

@@ -214,3 +214,30 @@ def test_ids_and_rows_off_their_alignment_are_summed_alike(dtype: str) -> None:
     assert np.array_equal(got[0], want[0]) and _same_bits(got[1], want[1])
     uniq, inverse = unique_inverse(_off_alignment(ids))
     assert np.array_equal(uniq, want[0]) and np.array_equal(uniq[inverse], ids)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_runs_may_read_a_row_more_than_once_and_weigh_it(dtype: str) -> None:
+    """``order`` naming rows of a smaller array, some many times (a bag's rows read from the unique
+    ones), each weighted or not: the sums are reduceat's over the (scaled) rows it names, with the
+    C loop on or off."""
+    rng = np.random.default_rng(12)
+    rows = rng.standard_normal((30, 5)).astype(dtype)
+    order = rng.integers(0, 30, 400).astype(np.int64)
+    starts = np.flatnonzero(np.concatenate(([True], rng.random(399) < 0.05))).astype(np.int64)
+    weights = rng.standard_normal(400).astype(dtype)
+    for w in (None, weights):
+        want = np.add.reduceat(rows[order] if w is None else rows[order] * w[:, None], starts, axis=0)
+        before = wrappers.use_compiled(False)
+        try:
+            plain = wrappers.segment_sum(rows, order, starts, w)
+        finally:
+            wrappers.use_compiled(before)
+        assert _same_bits(wrappers.segment_sum(rows, order, starts, w), want) and _same_bits(plain, want)
+    if kernels is not None:
+        out = np.empty((len(starts), 5), dtype)
+        with pytest.raises(ValueError):  # a row past the array
+            kernels.segment_sum(out, rows, np.full(400, 30, np.int64), starts, 5)
+        for bad in (weights[:-1], weights.astype(np.float16), weights[::-1][::-1].reshape(20, 20)[:, ::2]):
+            with pytest.raises((ValueError, TypeError, BufferError)):  # short, of another type, not contiguous
+                kernels.segment_sum(out, rows, order, starts, 5, bad)

@@ -196,19 +196,25 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
         dst[...] = src
 
 
-def segment_sum(rows: np.ndarray, order: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """``np.add.reduceat(rows[order], starts, axis=0)``, with its bits: each run of ``order``
-    (from one start to the next) summed left to right. In one C pass over the rows in place where
-    it was built and ``rows`` is float32 or float64 (``order`` the ids' stable argsort, ``starts``
-    where each id's run begins: int64 both); reduceat walks a 4096 x 64 gradient at about
-    0.2 GB/s, most of an embedding push's client time."""
-    if _kernels is None or rows.dtype not in FUSED or rows.ndim < 1 or not len(starts):
-        return np.add.reduceat(rows[order], starts, axis=0)
+def segment_sum(rows: np.ndarray, order: np.ndarray, starts: np.ndarray,
+                weights: np.ndarray | None = None) -> np.ndarray:
+    """``np.add.reduceat(rows[order] * weights, starts, axis=0)`` (no product without ``weights``),
+    with its bits: each run of ``order`` (from one start to the next) summed in numpy's pairwise
+    order. ``order`` may name a row more than once (a bag's rows read from the unique ones);
+    ``weights``, one a position of ``order``, of the rows' dtype. In one C pass over the rows in
+    place where it was built and ``rows`` is float32 or float64 (``order`` and ``starts`` int64);
+    reduceat walks a 4096 x 64 gradient at about 0.2 GB/s, most of an embedding push's client time."""
+    if _kernels is None or rows.dtype not in FUSED or rows.ndim < 1 or not len(starts) or (
+            weights is not None and weights.dtype != rows.dtype):
+        picked = rows[order]
+        if weights is not None:
+            picked = picked * weights.reshape(-1, *(1,) * (rows.ndim - 1))
+        return np.add.reduceat(picked, starts, axis=0)
     flat = np.require(rows, requirements=("C", "A")).reshape(len(rows), -1)  # a view off its alignment: a copy
     out = np.empty((len(starts), *rows.shape[1:]), rows.dtype)
     if flat.shape[1]:
         _kernels.segment_sum(out, flat, np.require(order, np.int64, ("C", "A")), np.require(starts, np.int64, ("C", "A")),
-                             flat.shape[1])
+                             flat.shape[1], None if weights is None else np.require(weights, rows.dtype, ("C", "A")))
     return out
 
 

@@ -332,7 +332,8 @@ static PyMethodDef methods[] = {
      "adam_many(params, grads, ms, vs, steps, table, c1, b1, c2, b2, eps, lr): Adam on each item, its rows' counts "
      "stepped and their step sizes looked up, every item checked first."},
     {"segment_sum", zfk_segment_sum, METH_VARARGS,
-     "segment_sum(out, rows, order, starts, cols): each run's rows, read through order, summed into its row of out."},
+     "segment_sum(out, rows, order, starts, cols, weights=None): each run's rows, read through order (each scaled by "
+     "its weight), summed into its row of out."},
     {"first_seen", zfk_first_seen, METH_VARARGS,
      "first_seen(ids, seed, first, inverse) -> u: the distinct ids in order of first appearance, and each id's index there."},
     {"runs", zfk_runs, METH_VARARGS, "runs(inverse, u, order, starts): a stable counting sort of the positions by group."},

@@ -11,12 +11,15 @@
    one; past 128 the two halves' sums, split at a multiple of 8). The same additions in the same
    order, done for ``CHUNK`` columns at a time, so each row's chunk is read once per run.
 
-   segment_sum(out, rows, order, starts, cols)
-       rows:   n rows of ``cols`` floats, float32 ('f') or float64 ('d'), C-contiguous, aligned
-       order:  n int64 row numbers in [0, n): each id's rows in the order they came (runs())
+   segment_sum(out, rows, order, starts, cols, weights=None)
+       rows:   m rows of ``cols`` floats, float32 ('f') or float64 ('d'), C-contiguous, aligned
+       order:  n int64 row numbers in [0, m): each id's rows in the order they came (runs()); a
+               row may be named more than once (a bag's rows read straight from the unique ones)
        starts: u int64, where each id's run starts in ``order``: 0 first, strictly increasing,
                each below n (a run ends where the next starts, the last at n)
        out:    u rows of ``cols`` floats of rows' type, writable, apart from ``rows``
+       weights: None, or n values of rows' type: row order[j] is scaled by weights[j] before it is
+               summed (the product rounded, then added: numpy's bits for reduceat of the products)
    Every bound is checked before anything is written: a bad argument raises and leaves ``out``
    as it was. */
 
@@ -28,30 +31,37 @@
 #define MAX_LEVELS 64 /* halvings of a run: a run of n rows needs under log2(n) */
 #define BLOCK 128     /* numpy's PW_BLOCKSIZE */
 
-/* numpy's pairwise sum of rows order[0..n), columns [c0, c0 + w), into res; scratch holds the
-   8 partial sums (8 * CHUNK) and each level's first half (MAX_LEVELS * CHUNK) */
+/* numpy's pairwise sum of rows order[0..n), each scaled by its weight wt[i * ws] (ws 0: one
+   weight, 1.0, for all: a product by one is exact), columns [c0, c0 + w), into res; scratch holds
+   the 8 partial sums (8 * CHUNK) and each level's first half (MAX_LEVELS * CHUNK) */
 #define PAIRWISE(T, NAME)                                                                                      \
-    static void NAME(T *restrict res, const T *rows, const int64_t *order, Py_ssize_t n, Py_ssize_t cols,     \
-                     Py_ssize_t c0, Py_ssize_t w, T *scratch, int level) {                                    \
+    static void NAME(T *restrict res, const T *rows, const int64_t *order, const T *wt, Py_ssize_t ws,        \
+                     Py_ssize_t n, Py_ssize_t cols, Py_ssize_t c0, Py_ssize_t w, T *scratch, int level) {     \
         if (n < 8) {                                                                                           \
             for (Py_ssize_t c = 0; c < w; c++)                                                                 \
                 res[c] = (T)-0.0; /* addition's identity, as numpy 2 starts: -0.0 + x is x */            \
             for (Py_ssize_t i = 0; i < n; i++) {                                                               \
                 const T *restrict src = rows + order[i] * cols + c0;                                           \
+                T v = wt[i * ws];                                                                              \
                 for (Py_ssize_t c = 0; c < w; c++)                                                             \
-                    res[c] = res[c] + src[c];                                                                  \
+                    res[c] = res[c] + v * src[c];                                                              \
             }                                                                                                  \
         } else if (n <= BLOCK) {                                                                               \
             T *restrict r = scratch;                                                                           \
-            for (int j = 0; j < 8; j++)                                                                        \
-                memcpy(r + j * CHUNK, rows + order[j] * cols + c0, (size_t)w * sizeof(T));                     \
+            for (int j = 0; j < 8; j++) {                                                                      \
+                const T *restrict src = rows + order[j] * cols + c0;                                           \
+                T v = wt[j * ws];                                                                              \
+                for (Py_ssize_t c = 0; c < w; c++)                                                             \
+                    r[j * CHUNK + c] = v * src[c];                                                             \
+            }                                                                                                  \
             Py_ssize_t i = 8;                                                                                  \
             for (; i < n - (n % 8); i += 8)                                                                    \
                 for (int j = 0; j < 8; j++) {                                                                  \
                     const T *restrict src = rows + order[i + j] * cols + c0;                                   \
                     T *restrict acc = r + j * CHUNK;                                                           \
+                    T v = wt[(i + j) * ws];                                                                    \
                     for (Py_ssize_t c = 0; c < w; c++)                                                         \
-                        acc[c] = acc[c] + src[c];                                                              \
+                        acc[c] = acc[c] + v * src[c];                                                          \
                 }                                                                                              \
             for (Py_ssize_t c = 0; c < w; c++) {                                                               \
                 T a = r[c] + r[CHUNK + c], b = r[2 * CHUNK + c] + r[3 * CHUNK + c];                            \
@@ -62,35 +72,43 @@
             }                                                                                                  \
             for (; i < n; i++) {                                                                               \
                 const T *restrict src = rows + order[i] * cols + c0;                                           \
+                T v = wt[i * ws];                                                                              \
                 for (Py_ssize_t c = 0; c < w; c++)                                                             \
-                    res[c] = res[c] + src[c];                                                                  \
+                    res[c] = res[c] + v * src[c];                                                              \
             }                                                                                                  \
         } else {                                                                                               \
             Py_ssize_t n2 = n / 2;                                                                             \
             n2 -= n2 % 8;                                                                                      \
             T *left = scratch + (8 + level) * CHUNK;                                                           \
-            NAME(left, rows, order, n2, cols, c0, w, scratch, level + 1);                                      \
-            NAME(res, rows, order + n2, n - n2, cols, c0, w, scratch, level + 1);                              \
+            NAME(left, rows, order, wt, ws, n2, cols, c0, w, scratch, level + 1);                              \
+            NAME(res, rows, order + n2, wt + n2 * ws, ws, n - n2, cols, c0, w, scratch, level + 1);            \
             for (Py_ssize_t c = 0; c < w; c++)                                                                 \
                 res[c] = left[c] + res[c];                                                                     \
         }                                                                                                      \
     }
 
-/* each run: its first row, plus the pairwise sum of the rest (reduceat's order) */
+/* each run: its first row (scaled), plus the pairwise sum of the rest (reduceat's order) */
 #define SEGMENT_SUM(T, NAME, PW)                                                                              \
     PAIRWISE(T, PW)                                                                                           \
     static void NAME(T *restrict out, const T *rows, const int64_t *order, const int64_t *starts, Py_ssize_t n, \
-                     Py_ssize_t u, Py_ssize_t cols, void *scratch) {                                          \
+                     Py_ssize_t u, Py_ssize_t cols, const T *wt, void *scratch) {                             \
         T rest[CHUNK];                                                                                        \
+        static const T one = 1;                                                                               \
+        Py_ssize_t ws = wt != NULL;                                                                           \
+        if (wt == NULL)                                                                                       \
+            wt = &one;                                                                                        \
         for (Py_ssize_t k = 0; k < u; k++) {                                                                  \
             Py_ssize_t s = (Py_ssize_t)starts[k], end = k + 1 < u ? (Py_ssize_t)starts[k + 1] : n;            \
             T *restrict dst = out + k * cols;                                                                 \
-            memcpy(dst, rows + order[s] * cols, (size_t)cols * sizeof(T));                                   \
+            const T *restrict first = rows + order[s] * cols;                                                 \
+            T v = wt[s * ws];                                                                                 \
+            for (Py_ssize_t c = 0; c < cols; c++)                                                             \
+                dst[c] = v * first[c];                                                                        \
             if (end - s < 2)                                                                                  \
                 continue;                                                                                     \
             for (Py_ssize_t c0 = 0; c0 < cols; c0 += CHUNK) {                                                 \
                 Py_ssize_t w = cols - c0 < CHUNK ? cols - c0 : CHUNK;                                         \
-                PW(rest, rows, order + s + 1, end - s - 1, cols, c0, w, scratch, 0);                          \
+                PW(rest, rows, order + s + 1, wt + (s + 1) * ws, ws, end - s - 1, cols, c0, w, scratch, 0);   \
                 for (Py_ssize_t c = 0; c < w; c++)                                                            \
                     dst[c0 + c] = dst[c0 + c] + rest[c];                                                      \
             }                                                                                                 \
@@ -115,11 +133,11 @@ static Py_ssize_t int64_count(const Py_buffer *b, const char *fn, const char *wh
     return b->len / 8;
 }
 
-/* 0 where order and starts describe runs of n rows, else -1 with ValueError set */
-static int check_runs(const int64_t *order, Py_ssize_t n, const int64_t *starts, Py_ssize_t u) {
+/* 0 where order (n row numbers, each below m) and starts describe runs, else -1 with ValueError set */
+static int check_runs(const int64_t *order, Py_ssize_t n, Py_ssize_t m, const int64_t *starts, Py_ssize_t u) {
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (order[i] < 0 || order[i] >= n) {
-            PyErr_Format(PyExc_ValueError, "segment_sum: order[%zd] = %lld is outside [0, %zd)", i, (long long)order[i], n);
+        if (order[i] < 0 || order[i] >= m) {
+            PyErr_Format(PyExc_ValueError, "segment_sum: order[%zd] = %lld is outside [0, %zd)", i, (long long)order[i], m);
             return -1;
         }
     }
@@ -138,9 +156,9 @@ static int check_runs(const int64_t *order, Py_ssize_t n, const int64_t *starts,
 }
 
 PyObject *zfk_segment_sum(PyObject *self, PyObject *args) {
-    PyObject *o[2], *order_obj, *starts_obj;
+    PyObject *o[2], *order_obj, *starts_obj, *weights_obj = Py_None;
     Py_ssize_t cols;
-    if (!PyArg_ParseTuple(args, "OOOOn", &o[0], &o[1], &order_obj, &starts_obj, &cols))
+    if (!PyArg_ParseTuple(args, "OOOOn|O", &o[0], &o[1], &order_obj, &starts_obj, &cols, &weights_obj))
         return NULL;
     if (cols < 1) {
         PyErr_Format(PyExc_ValueError, "segment_sum: cols must be at least 1, got %zd", cols);
@@ -171,29 +189,42 @@ PyObject *zfk_segment_sum(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "segment_sum: out and rows must be aligned to their type");
         goto release_starts;
     }
-    if (ob[1].len != n * cols * item || ob[0].len != u * cols * item) {
-        PyErr_Format(PyExc_ValueError, "segment_sum: rows hold %zd bytes and out %zd, not %zd and %zd rows of %zd",
-                     ob[1].len, ob[0].len, n, u, cols);
+    Py_ssize_t m = ob[1].len / (cols * item); /* rows */
+    if (ob[1].len != m * cols * item || ob[0].len != u * cols * item) {
+        PyErr_Format(PyExc_ValueError, "segment_sum: rows hold %zd bytes and out %zd, not whole rows of %zd and %zd such rows",
+                     ob[1].len, ob[0].len, cols, u);
         goto release_starts;
     }
     if (ob[0].len && overlap(&ob[0], &ob[1])) {
         PyErr_SetString(PyExc_ValueError, "segment_sum: out and rows overlap");
         goto release_starts;
     }
-    if (check_runs(ob[2].buf, n, sb.buf, u) < 0)
+    if (check_runs(ob[2].buf, n, m, sb.buf, u) < 0)
         goto release_starts;
+    Py_buffer wb = {0};
+    if (weights_obj != Py_None) {
+        if (PyObject_GetBuffer(weights_obj, &wb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+            goto release_starts;
+        if (type_of(&wb) != type || (uintptr_t)wb.buf % item || wb.len != n * item) {
+            PyErr_Format(PyExc_ValueError, "segment_sum: weights must be %zd aligned values of the rows' type", n);
+            goto release_weights;
+        }
+    }
     void *scratch = PyMem_RawMalloc((8 + MAX_LEVELS) * CHUNK * sizeof(double));
     if (scratch == NULL) {
         PyErr_NoMemory();
-        goto release_starts;
+        goto release_weights;
     }
     if (type == 'f')
-        MAYBE_WITHOUT_GIL(n * cols, segment_sum_f32(ob[0].buf, ob[1].buf, ob[2].buf, sb.buf, n, u, cols, scratch));
+        MAYBE_WITHOUT_GIL(n * cols, segment_sum_f32(ob[0].buf, ob[1].buf, ob[2].buf, sb.buf, n, u, cols, wb.buf, scratch));
     else
-        MAYBE_WITHOUT_GIL(n * cols, segment_sum_f64(ob[0].buf, ob[1].buf, ob[2].buf, sb.buf, n, u, cols, scratch));
+        MAYBE_WITHOUT_GIL(n * cols, segment_sum_f64(ob[0].buf, ob[1].buf, ob[2].buf, sb.buf, n, u, cols, wb.buf, scratch));
     PyMem_RawFree(scratch);
     Py_INCREF(Py_None);
     result = Py_None;
+release_weights:
+    if (wb.obj != NULL)
+        PyBuffer_Release(&wb);
 release_starts:
     PyBuffer_Release(&sb);
 done:
