@@ -273,37 +273,33 @@ static int int64_buffers(Py_buffer *b, PyObject **objs, int n, int writable, con
     return 0;
 }
 
-#define FN "first_seen"
-PyObject *zfk_first_seen(PyObject *self, PyObject *args) {
-    PyObject *o[3];
-    unsigned long long seed;
-    if (!PyArg_ParseTuple(args, "OKOO", &o[0], &seed, &o[1], &o[2]))
-        return NULL;
+/* a call's arguments: an int64 array, a number, and two writable int64 arrays */
+typedef struct {
     Py_buffer b[3];
     Py_ssize_t len[3];
-    const char *names[3] = {"ids", "first", "inverse"};
-    if (int64_buffers(b, o, 3, 1, FN, names, len) < 0)
-        return NULL;
-    Py_ssize_t n = len[0], u = 0;
-    PyObject *result = NULL;
-    if (len[1] < n || len[2] < n) {
-        PyErr_Format(PyExc_ValueError, "first_seen: first and inverse must hold %zd ids each", n);
-        goto done;
-    }
-    size_t cap = 16;
-    while (cap < 2 * (size_t)n)
-        cap <<= 1;
-    int64_t *keys = PyMem_RawMalloc(cap * sizeof(int64_t)), *slot = PyMem_RawMalloc(cap * sizeof(int64_t));
-    if (keys == NULL || slot == NULL) {
-        PyMem_RawFree(keys);
-        PyMem_RawFree(slot);
-        PyErr_NoMemory();
-        goto done;
-    }
-    const int64_t *ids = b[0].buf;
-    int64_t *first = b[1].buf, *inverse = b[2].buf;
+    unsigned long long number;
+} ArrayNumberTwoOut;
+
+/* 0, or -1 with an exception set naming call ``fn`` (and the argument at fault) and nothing held */
+static int array_number_two_out(PyObject *args, const char *fn, const char *n0, const char *n2, const char *n3,
+                                ArrayNumberTwoOut *a) {
+    PyObject *o[3];
+    const char *names[3] = {n0, n2, n3};
+    if (!PyArg_ParseTuple(args, "OKOO", &o[0], &a->number, &o[1], &o[2]))
+        return -1;
+    return int64_buffers(a->b, o, 3, 1, fn, names, a->len);
+}
+
+static void release_three(ArrayNumberTwoOut *a) {
+    for (int i = 0; i < 3; i++)
+        PyBuffer_Release(&a->b[i]);
+}
+
+/* the grouping itself, in a table of ``cap`` (a power of two) slots; returns the distinct ids */
+static Py_ssize_t group_ids(const int64_t *ids, Py_ssize_t n, uint64_t seed, int64_t *keys, int64_t *slot, size_t cap,
+                            int64_t *first, int64_t *inverse) {
     size_t mask = cap - 1;
-    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t u = 0;
     for (size_t h = 0; h < cap; h++)
         slot[h] = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -318,35 +314,49 @@ PyObject *zfk_first_seen(PyObject *self, PyObject *args) {
         }
         inverse[i] = slot[h];
     }
-    Py_END_ALLOW_THREADS
+    return u;
+}
+
+PyObject *zfk_first_seen(PyObject *self, PyObject *args) {
+    ArrayNumberTwoOut a;
+    if (array_number_two_out(args, "first_seen", "ids", "first", "inverse", &a) < 0)
+        return NULL;
+    Py_ssize_t n = a.len[0], u = 0;
+    PyObject *result = NULL;
+    if (a.len[1] < n || a.len[2] < n) {
+        PyErr_Format(PyExc_ValueError, "first_seen: first and inverse must hold %zd ids each", n);
+        goto done;
+    }
+    size_t cap = 16;
+    while (cap < 2 * (size_t)n)
+        cap <<= 1;
+    int64_t *keys = PyMem_RawMalloc(cap * sizeof(int64_t)), *slot = PyMem_RawMalloc(cap * sizeof(int64_t));
+    if (keys == NULL || slot == NULL) {
+        PyMem_RawFree(keys);
+        PyMem_RawFree(slot);
+        PyErr_NoMemory();
+        goto done;
+    }
+    MAYBE_WITHOUT_GIL(n, u = group_ids(a.b[0].buf, n, a.number, keys, slot, cap, a.b[1].buf, a.b[2].buf));
     PyMem_RawFree(keys);
     PyMem_RawFree(slot);
     result = PyLong_FromSsize_t(u);
 done:
-    for (int i = 0; i < 3; i++)
-        PyBuffer_Release(&b[i]);
+    release_three(&a);
     return result;
 }
 
-#undef FN
-#define FN "runs"
 PyObject *zfk_runs(PyObject *self, PyObject *args) {
-    PyObject *o[3];
-    Py_ssize_t u;
-    if (!PyArg_ParseTuple(args, "OnOO", &o[0], &u, &o[1], &o[2]))
+    ArrayNumberTwoOut a;
+    if (array_number_two_out(args, "runs", "inverse", "order", "starts", &a) < 0)
         return NULL;
-    Py_buffer b[3];
-    Py_ssize_t len[3];
-    const char *names[3] = {"inverse", "order", "starts"};
-    if (int64_buffers(b, o, 3, 1, FN, names, len) < 0)
-        return NULL;
-    Py_ssize_t n = len[0];
-    const int64_t *inverse = b[0].buf;
-    int64_t *order = b[1].buf, *starts = b[2].buf;
+    const int64_t *inverse = a.b[0].buf;
+    int64_t *order = a.b[1].buf, *starts = a.b[2].buf;
+    Py_ssize_t n = a.len[0], u = a.number > (unsigned long long)PY_SSIZE_T_MAX ? -1 : (Py_ssize_t)a.number;
     PyObject *result = NULL;
-    if (u < 0 || len[1] != n || len[2] != u) {
+    if (u < 0 || a.len[1] != n || a.len[2] != u) {
         PyErr_Format(PyExc_ValueError, "runs: order must hold %zd positions and starts %zd groups, not %zd and %zd",
-                     n, u, len[1], len[2]);
+                     n, u, a.len[1], a.len[2]);
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -373,8 +383,6 @@ PyObject *zfk_runs(PyObject *self, PyObject *args) {
     Py_INCREF(Py_None);
     result = Py_None;
 done:
-    for (int i = 0; i < 3; i++)
-        PyBuffer_Release(&b[i]);
+    release_three(&a);
     return result;
 }
-#undef FN
