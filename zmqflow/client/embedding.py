@@ -210,7 +210,8 @@ class AsyncEmbedding:
         # ``take`` gathers a new array, twice as fast as indexing
         return np.take(rows, inverse, axis=0).reshape(*shape, self.dim)
 
-    async def _unique_rows(self, flat: np.ndarray, create: Any, timeout: float | None) -> tuple[np.ndarray, np.ndarray | None]:
+    async def _unique_rows(self, flat: np.ndarray, create: Any,
+                           timeout: float | None) -> tuple[np.ndarray, np.ndarray | None]:
         """(the rows of ``flat``'s unique ids, the caller's own; each id's index among them, or
         None where ``flat`` is its own uniques: already unique and sorted, as torch's layer sends them)."""
         if len(flat) < 2 or bool((flat[1:] > flat[:-1]).all()):

@@ -335,12 +335,17 @@ static PyMethodDef methods[] = {
      "segment_sum(out, rows, order, starts, cols, weights=None): each run's rows, read through order (each scaled by "
      "its weight), summed into its row of out."},
     {"first_seen", zfk_first_seen, METH_VARARGS,
-     "first_seen(ids, seed, first, inverse) -> u: the distinct ids in order of first appearance, and each id's index there."},
-    {"runs", zfk_runs, METH_VARARGS, "runs(inverse, u, order, starts): a stable counting sort of the positions by group."},
+     "first_seen(ids, seed, first, inverse) -> u: the distinct ids in order of first appearance, and each id's "
+     "index there."},
+    {"runs", zfk_runs, METH_VARARGS,
+     "runs(inverse, u, order, starts): a stable counting sort of the positions by group."},
     {"copy", kernels_copy, METH_VARARGS, "copy(dst, src): src's bytes into dst, with non-temporal stores."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kernels_c", "Memory-bound loops in C: the optimizers' updates, the streaming copy.", -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kernels_c",
+                                    "Memory-bound loops in C: the optimizers' updates, the streaming copy, the sparse "
+                                    "rows' sums and the ids' grouping.",
+                                    -1, methods};
 
 PyMODINIT_FUNC PyInit_kernels_c(void) { return PyModule_Create(&module); }

@@ -137,7 +137,8 @@ static Py_ssize_t int64_count(const Py_buffer *b, const char *fn, const char *wh
 static int check_runs(const int64_t *order, Py_ssize_t n, Py_ssize_t m, const int64_t *starts, Py_ssize_t u) {
     for (Py_ssize_t i = 0; i < n; i++) {
         if (order[i] < 0 || order[i] >= m) {
-            PyErr_Format(PyExc_ValueError, "segment_sum: order[%zd] = %lld is outside [0, %zd)", i, (long long)order[i], m);
+            PyErr_Format(PyExc_ValueError, "segment_sum: order[%zd] = %lld is outside [0, %zd)", i,
+                         (long long)order[i], m);
             return -1;
         }
     }
@@ -147,8 +148,9 @@ static int check_runs(const int64_t *order, Py_ssize_t n, Py_ssize_t m, const in
     }
     for (Py_ssize_t k = 0; k < u; k++) {
         if (starts[k] >= n || (k > 0 && starts[k] <= starts[k - 1])) {
-            PyErr_Format(PyExc_ValueError, "segment_sum: starts must increase strictly and stay below %zd; starts[%zd] = %lld",
-                         n, k, (long long)starts[k]);
+            PyErr_Format(PyExc_ValueError,
+                         "segment_sum: starts must increase strictly and stay below %zd; starts[%zd] = %lld", n, k,
+                         (long long)starts[k]);
             return -1;
         }
     }
@@ -178,7 +180,8 @@ PyObject *zfk_segment_sum(PyObject *self, PyObject *args) {
         goto done;
     char type = type_of(&ob[0]);
     Py_ssize_t item = type == 'f' ? (Py_ssize_t)sizeof(float) : (Py_ssize_t)sizeof(double);
-    Py_ssize_t n = int64_count(&ob[2], "segment_sum", "order"), u = n < 0 ? -1 : int64_count(&sb, "segment_sum", "starts");
+    Py_ssize_t n = int64_count(&ob[2], "segment_sum", "order");
+    Py_ssize_t u = n < 0 ? -1 : int64_count(&sb, "segment_sum", "starts");
     if (n < 0 || u < 0)
         goto release_starts;
     if (type == 0 || type_of(&ob[1]) != type) {
@@ -191,8 +194,9 @@ PyObject *zfk_segment_sum(PyObject *self, PyObject *args) {
     }
     Py_ssize_t m = ob[1].len / (cols * item); /* rows */
     if (ob[1].len != m * cols * item || ob[0].len != u * cols * item) {
-        PyErr_Format(PyExc_ValueError, "segment_sum: rows hold %zd bytes and out %zd, not whole rows of %zd and %zd such rows",
-                     ob[1].len, ob[0].len, cols, u);
+        PyErr_Format(PyExc_ValueError,
+                     "segment_sum: rows hold %zd bytes and out %zd, not whole rows of %zd and %zd such rows", ob[1].len,
+                     ob[0].len, cols, u);
         goto release_starts;
     }
     if (ob[0].len && overlap(&ob[0], &ob[1])) {
@@ -216,9 +220,11 @@ PyObject *zfk_segment_sum(PyObject *self, PyObject *args) {
         goto release_weights;
     }
     if (type == 'f')
-        MAYBE_WITHOUT_GIL(n * cols, segment_sum_f32(ob[0].buf, ob[1].buf, ob[2].buf, sb.buf, n, u, cols, wb.buf, scratch));
+        MAYBE_WITHOUT_GIL(n * cols,
+                          segment_sum_f32(ob[0].buf, ob[1].buf, ob[2].buf, sb.buf, n, u, cols, wb.buf, scratch));
     else
-        MAYBE_WITHOUT_GIL(n * cols, segment_sum_f64(ob[0].buf, ob[1].buf, ob[2].buf, sb.buf, n, u, cols, wb.buf, scratch));
+        MAYBE_WITHOUT_GIL(n * cols,
+                          segment_sum_f64(ob[0].buf, ob[1].buf, ob[2].buf, sb.buf, n, u, cols, wb.buf, scratch));
     PyMem_RawFree(scratch);
     Py_INCREF(Py_None);
     result = Py_None;
@@ -361,7 +367,8 @@ PyObject *zfk_runs(PyObject *self, PyObject *args) {
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (inverse[i] < 0 || inverse[i] >= u) {
-            PyErr_Format(PyExc_ValueError, "runs: inverse[%zd] = %lld is outside [0, %zd)", i, (long long)inverse[i], u);
+            PyErr_Format(PyExc_ValueError, "runs: inverse[%zd] = %lld is outside [0, %zd)", i, (long long)inverse[i],
+                         u);
             goto done;
         }
     }
