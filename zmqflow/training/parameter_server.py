@@ -72,7 +72,10 @@ class ParameterServerStrategy(Strategy):
                 records = load_manifest(restore, "checkpoint").get("records", [])
                 saved = {r["name"]: (r["shape"], r["dtype"]) for r in records if not r.get("table")}
                 refuse_other_model({n: (np.shape(v), np.asarray(v).dtype) for n, v in params.items()}, saved, restore)
-                _ckpt.restore(sess, restore)
+                # under a fence, as a recovery restores: a part is made before its sync step and slots
+                # are put back, and another worker that found it then read step 0 and pushed on it
+                # (the step went ahead without the chief, still restoring); fenced, it waits for all
+                _ckpt.recover(sess, restore)
                 restored = {v["name"] for v in sess.variables()}
             elif restore:  # a chief that comes back finds live state: it takes its role, restores nothing
                 log.warning("%s: parameters are live on the shards; not restoring %s over them", ctx.task_name, restore)
@@ -182,7 +185,10 @@ class ParameterServerStrategy(Strategy):
             raise Unavailable(f"{ctx.task_name}: a ps shard failed ({exc}) and there is no checkpoint to recover "
                               f"from{'' if ctx.checkpoint_dir else ' (no checkpoint_dir)'}") from exc
         deadline = time.monotonic() + self.recovery_timeout
-        if not ctx.recovering:
+        if not ctx.recovering and isinstance(exc, Recovering) and not restore:
+            log.warning("%s: the ps shards are being restored (%s); waiting", ctx.task_name, exc)
+            ctx.recovering = True
+        elif not ctx.recovering:
             log.warning("%s: a ps shard failed (%s); recovering", ctx.task_name, exc)
             note_error(f"a ps shard failed, recovering: {type(exc).__name__}: {exc}")
             timeline.instant("recovery", "shard failed", args={"error": str(exc)})
