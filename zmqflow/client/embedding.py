@@ -26,8 +26,8 @@ from .port import SessionPort
 from .placement import current_device, current_policy
 from ..state.tables import hash_owner, static_owner, static_part_rows
 from ..state.partition import Partitioner
-from ..state.kernels import runs, segment_sum
-from ..state.sparse import int64_ids, unique_inverse, unique_sum
+from ..state.kernels import segment_sum
+from ..state.sparse import groups, int64_ids, strictly_increasing, unique_inverse, unique_sum
 from ..wire.dtypes import dtype_from_name, dtype_name
 from ..wire.requests import Request
 from ..wire.requests import cluster as crq
@@ -214,7 +214,7 @@ class AsyncEmbedding:
                            timeout: float | None) -> tuple[np.ndarray, np.ndarray | None]:
         """(the rows of ``flat``'s unique ids, the caller's own; each id's index among them, or
         None where ``flat`` is its own uniques: already unique and sorted, as torch's layer sends them)."""
-        if len(flat) < 2 or bool((flat[1:] > flat[:-1]).all()):
+        if strictly_increasing(flat):
             uniq, inverse = flat, None
         else:
             uniq, inverse = unique_inverse(flat)
@@ -253,8 +253,7 @@ class AsyncEmbedding:
             rows, inverse = await self._unique_rows(flat, create, timeout)
             rows = rows.astype(np.float64)  # summed in float64, then cast to the table's type once
             # each segment's rows, scaled by their weights, summed in one pass read from the unique rows
-            present, inv = unique_inverse(seg)
-            order, starts = runs(inv, len(present))
+            present, order, starts = groups(seg)
             summed[present] = segment_sum(rows, order if inverse is None else np.take(inverse, order), starts,
                                           None if weights is None else np.take(w, order))
         if combiner != "sum":

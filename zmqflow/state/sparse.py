@@ -10,17 +10,16 @@ from ..errors import InvalidArgument
 from ..wire.dtypes import half_precision
 from .kernels import first_seen, runs, segment_sum
 
-__all__ = ["unique_sum", "unique_inverse", "has_repeats", "int64_ids"]
+__all__ = ["unique_sum", "unique_inverse", "groups", "strictly_increasing", "has_repeats", "int64_ids"]
 
 
 def unique_sum(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sorted unique ``ids`` and, for each, the sum of its ``rows``, returned in the rows' dtype.
     Half-precision rows are summed in float32: bfloat16 cannot count past 256 (its 8-bit
     significand), so a hot id's 3000 gradients of 1 would sum to 256."""
-    if len(ids) < 2 or bool((ids[1:] > ids[:-1]).all()):  # unique and sorted already, as a client sends them
+    if strictly_increasing(ids):  # unique and sorted already, as a client sends them
         return ids, rows
-    uniq, inverse = unique_inverse(ids)
-    order, starts = runs(inverse, len(uniq))  # each id's rows in the order they came: reduceat's order
+    uniq, order, starts = groups(ids)
     if len(uniq) == len(ids):  # already unique: just reorder
         return uniq, rows[order]
     if not half_precision(rows.dtype):
@@ -42,10 +41,25 @@ def unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return first[perm], np.take(rank, inverse)
 
 
+def groups(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the sorted distinct ``ids``, the positions of each one's occurrences in the order they came,
+    one id after another, and where each id's begin there): what :func:`segment_sum` reads to sum
+    each id's rows in reduceat's order."""
+    uniq, inverse = unique_inverse(ids)
+    order, starts = runs(inverse, len(uniq))
+    return uniq, order, starts
+
+
+def strictly_increasing(ids: np.ndarray) -> bool:
+    """Whether ``ids`` are unique and sorted already (``np.unique``'s order, as a client sends them):
+    one pass, no sort."""
+    return len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
+
+
 def has_repeats(ids: np.ndarray) -> bool:
     """Whether any id occurs twice (a sort of the ids alone: no rows move). Ids already strictly
-    increasing, as a client sends them (``np.unique``'s order), are told in one pass, no sort."""
-    if len(ids) < 2 or bool((ids[1:] > ids[:-1]).all()):
+    increasing are told in one pass, no sort."""
+    if strictly_increasing(ids):
         return False
     s = np.sort(ids)
     return bool((s[1:] == s[:-1]).any())

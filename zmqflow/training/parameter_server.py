@@ -185,13 +185,13 @@ class ParameterServerStrategy(Strategy):
             raise Unavailable(f"{ctx.task_name}: a ps shard failed ({exc}) and there is no checkpoint to recover "
                               f"from{'' if ctx.checkpoint_dir else ' (no checkpoint_dir)'}") from exc
         deadline = time.monotonic() + self.recovery_timeout
-        if not ctx.recovering and isinstance(exc, Recovering) and not restore:
-            log.warning("%s: the ps shards are being restored (%s); waiting", ctx.task_name, exc)
-            ctx.recovering = True
-        elif not ctx.recovering:
-            log.warning("%s: a ps shard failed (%s); recovering", ctx.task_name, exc)
-            note_error(f"a ps shard failed, recovering: {type(exc).__name__}: {exc}")
-            timeline.instant("recovery", "shard failed", args={"error": str(exc)})
+        if not ctx.recovering:
+            if isinstance(exc, Recovering) and not restore:  # someone else restores: no shard failed here
+                log.warning("%s: the ps shards are being restored (%s); waiting", ctx.task_name, exc)
+            else:
+                log.warning("%s: a ps shard failed (%s); recovering", ctx.task_name, exc)
+                note_error(f"a ps shard failed, recovering: {type(exc).__name__}: {exc}")
+                timeline.instant("recovery", "shard failed", args={"error": str(exc)})
             ctx.recovering = True
         delay = 0.05
         fenced_since = time.monotonic()
