@@ -9,7 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import weakref
 
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from ..cluster import ClusterSpec, TaskId
@@ -93,6 +93,17 @@ class Session:
     def embedding(self, name: str, num_embeddings: int | None, dim: int, **kwargs: Any) -> "Embedding":
         return Embedding(self, self.run_on_loop(self._async.embedding(name, num_embeddings, dim, **kwargs)))
 
+    def lookup_many(self, tables: "Sequence[Embedding]", ids: Sequence[Any], *, create: bool = True,
+                    timeout: float | None = None) -> list[Any]:
+        """Each table's lookup in one request a shard (:meth:`AsyncSession.lookup_many`)."""
+        return self.run_on_loop(self._async.lookup_many(_handles(tables), ids, create=create, timeout=timeout), timeout)
+
+    def push_many(self, tables: "Sequence[Embedding]", ids: Sequence[Any], grads: Sequence[Any], *,
+                  step: int | None = None, timeout: float | None = None) -> list[int]:
+        """Each table's push in one request a shard (:meth:`AsyncSession.push_many`)."""
+        return self.run_on_loop(self._async.push_many(_handles(tables), ids, grads, step=step, timeout=timeout),
+                                timeout)
+
     def get_embedding(self, name: str, timeout: float | None = None) -> "Embedding":
         return Embedding(self, self.run_on_loop(self._async.get_embedding(name, timeout), timeout))
 
@@ -143,6 +154,13 @@ class Session:
 
 def _unwrap(var: "str | Variable | AsyncVariable") -> "str | AsyncVariable":
     return var.handle if isinstance(var, Variable) else var
+
+
+def _handles(tables: "Sequence[Embedding | AsyncEmbedding]") -> Any:
+    """The async handles of blocking tables (others as given, for the session to refuse)."""
+    if isinstance(tables, Embedding):
+        return tables.handle  # one table, not a sequence of them: the session refuses it
+    return [t.handle if isinstance(t, Embedding) else t for t in tables]
 
 
 class Variable:

@@ -37,7 +37,7 @@ from . import checkpoint_files as ckfiles
 from .checkpoint_check import check_capacity, check_files, check_live, check_saved, declared_rows, is_hash
 from .checkpoint_files import FORMAT, Saved, checkpoints, field, latest, manifest_name, next_seq
 from .embedding import create_table_parts
-from ..state.tables import hash_owner
+from ..state.owners import hash_owner
 from ..errors import DeadlineExceeded, NotFound, Recovering, ResourceExhausted, ShardStateLost, Unavailable
 from ..observe.metrics import record_checkpoint
 from ..observe import timeline

@@ -22,7 +22,7 @@ from ..state.catalog import attaches
 from ..state.partition import row_splits
 from ..state.snapshot import entry_tensor
 from ..state.store import part_label
-from ..state.tables import hash_owner, static_part_rows
+from ..state.owners import hash_owner, static_part_rows
 from ..wire.dtypes import dtype_from_name, dtype_name
 from .checkpoint_files import Piece, fields
 from .checkpoint_files import field as read_field

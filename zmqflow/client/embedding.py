@@ -24,7 +24,7 @@ from .embedding_delta import export_delta
 from ..observe import timeline
 from .port import SessionPort
 from .placement import current_device, current_policy
-from ..state.tables import hash_owner, static_owner, static_part_rows
+from ..state.owners import hash_owner, static_owner, static_part_rows
 from ..state.partition import Partitioner
 from ..state.kernels import segment_sum
 from ..state.sparse import groups, int64_ids, strictly_increasing, unique_inverse, unique_sum
@@ -34,7 +34,7 @@ from ..wire.requests import cluster as crq
 from ..wire.requests import ps as rq
 
 
-__all__ = ["TableInfo", "AsyncEmbedding", "declare_embedding", "create_table_parts", "COMBINERS"]
+__all__ = ["TableInfo", "AsyncEmbedding", "declare_embedding", "create_table_parts", "COMBINERS", "uniques", "push_step"]
 
 COMBINERS = ("sum", "mean", "sqrtn")
 
@@ -156,6 +156,19 @@ async def create_table_parts(sess: SessionPort, info: TableInfo, record: dict[st
     await asyncio.gather(*_table_creates(sess, info, record))
 
 
+def uniques(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(the unique ids of ``flat``, sorted; each id's index among them, or None where ``flat`` is
+    already unique and sorted, as torch's layer sends them: its own uniques)."""
+    return (flat, None) if strictly_increasing(flat) else unique_inverse(flat)
+
+
+def push_step(step: Any, what: str) -> int | None:
+    """A push's ``step`` as an int, or None; InvalidArgument unless an integer >= 0."""
+    if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0):
+        raise InvalidArgument(f"{what}: step must be an integer >= 0, got {step!r}")
+    return None if step is None else int(step)
+
+
 class AsyncEmbedding:
     """A handle on an embedding table; every method is a coroutine."""
 
@@ -165,12 +178,14 @@ class AsyncEmbedding:
 
     name = property(lambda self: self.info.name)
     dim = property(lambda self: self.info.dim)
+    session = property(lambda self: self._session, doc="the session this handle calls through")
 
     @property
     def partitions(self) -> list[dict[str, Any]]:
         return [{"task": str(t), "rows": r} for t, r in zip(self.info.tasks, self.info.part_rows)]
 
-    def _ids(self, ids: Any, what: str) -> np.ndarray:
+    def check_ids(self, ids: Any, what: str) -> np.ndarray:
+        """``ids`` flat, as int64, each in the table's range (InvalidArgument naming ``what`` if not)."""
         flat = int64_ids(np.asarray(ids).reshape(-1), f"{what} of {self.name!r}")
         num = self.info.num_embeddings
         if num is not None and flat.size and (flat.min() < 0 or flat.max() >= num):  # two reductions, no masks
@@ -178,22 +193,55 @@ class AsyncEmbedding:
             raise InvalidArgument(f"{what} of {self.name!r}: id {int(flat[bad][0])} out of range [0, {num})")
         return flat
 
-    async def _per_part(self, uniq: np.ndarray, op: str, create: bool = True, rows: np.ndarray | None = None,
-                        timeout: float | None = None, step: int | None = None) -> list[tuple[np.ndarray, Any]]:
-        """``emb_lookup`` (``rows`` None) or ``emb_push`` of ``rows`` to each part owning some ids."""
+    def check_grads(self, ids: Any, grads: Any) -> np.ndarray:
+        """``grads`` for ``ids`` (of their shape, plus the table's width) as (ids, dim) rows."""
+        g = np.asarray(grads)
+        if g.dtype != self.info.dtype:
+            raise InvalidArgument(f"push of {self.name!r}: gradients must be {self.info.dtype}, got {g.dtype}")
+        if g.shape != (*np.shape(ids), self.dim):
+            raise InvalidArgument(f"push of {self.name!r}: gradients must have shape {[*np.shape(ids), self.dim]}, "
+                                  f"got {list(g.shape)}")
+        return g.reshape(-1, self.dim)
+
+    def split(self, uniq: np.ndarray) -> list[tuple[int, Any, np.ndarray]]:
+        """(part, which of ``uniq`` it owns, their part-local ids) for each part owning some of
+        the unique, checked ids ``uniq``."""
         part, local = self.info.owners(uniq)
-        # which ids each part owns: all of them where there is one part (a view, no mask to build)
-        masks: list[tuple[int, Any]] = ([(0, slice(None))] if len(self.info.tasks) == 1 else
-                                        [(p, part == p) for p in np.unique(part).tolist()])
+        if len(self.info.tasks) == 1:  # one part owns them all: a view, no mask to build
+            return [(0, slice(None), local)]
+        splits = []
+        for p in np.unique(part).tolist():
+            mask = part == p
+            splits.append((p, mask, local[mask]))  # a boolean index copies, C-ordered
+        return splits
+
+    def reply_bytes(self, ids: np.ndarray) -> int:
+        """The size of a lookup's answer for ``ids``: what the receiver may expect."""
+        return len(ids) * self.info.dim * self.info.dtype.itemsize
+
+    def assemble(self, n: int, answers: list[tuple[Any, Any]]) -> np.ndarray:
+        """The rows of ``n`` unique ids from each part's ``(mask, rows)`` answer: a one-part
+        answer as it came, where it is what was asked for (a received frame's view, read-only)."""
+        rows = answers[0][1] if len(answers) == 1 else None
+        if isinstance(rows, np.ndarray) and rows.shape == (n, self.dim) and rows.dtype == self.info.dtype:
+            return rows
+        rows = np.empty((n, self.dim), self.info.dtype)
+        for mask, got in answers:
+            rows[mask] = got
+        return rows
+
+    async def _per_part(self, uniq: np.ndarray, op: str, create: bool = True, rows: np.ndarray | None = None,
+                        timeout: float | None = None, step: int | None = None) -> list[tuple[Any, Any]]:
+        """``emb_lookup`` (``rows`` None) or ``emb_push`` of ``rows`` to each part owning some ids."""
+        splits = self.split(uniq)
         calls = []
-        for p, mask in masks:
-            ids = local[mask]  # a boolean index copies, C-ordered
+        for p, mask, ids in splits:
             body: Request = (rq.EmbLookup(name=self.name, part=p, ids=ids, create=create) if rows is None else
-                                rq.EmbPush(name=self.name, part=p, ids=ids, grads=rows[mask], step=step))
-            size = len(ids) * self.info.dim * self.info.dtype.itemsize if rows is None else 0  # a lookup's reply
+                             rq.EmbPush(name=self.name, part=p, ids=ids, grads=rows[mask], step=step))
+            size = self.reply_bytes(ids) if rows is None else 0
             calls.append(self._session.call_task(self.info.tasks[p], "ps", op, body, timeout=timeout, size=size))
         results = await asyncio.gather(*calls)
-        return [(mask, r) for (_, mask), r in zip(masks, results)]
+        return [(mask, r) for (_, mask, _), r in zip(splits, results)]
 
     # Every method takes ``timeout=``: the deadline of each of its requests (the session's by
     # default). A shard that does not answer in time: DeadlineExceeded.
@@ -201,32 +249,27 @@ class AsyncEmbedding:
     async def lookup(self, ids: Any, *, create: bool = True, timeout: float | None = None) -> np.ndarray:
         """Rows for ``ids`` of any integer shape: an array of shape ``(*ids.shape, dim)``."""
         shape = np.shape(ids)
-        flat = self._ids(ids, "lookup")
+        flat = self.check_ids(ids, "lookup")
         if flat.size == 0:
             return np.zeros((*shape, self.dim), self.info.dtype)
         rows, inverse = await self._unique_rows(flat, create, timeout)
+        return self.spread(rows, inverse, shape)
+
+    def spread(self, rows: np.ndarray, inverse: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
+        """The rows of the unique ids ``rows`` given back for each id (``inverse``; None: the ids
+        were their own uniques), in the ids' ``shape``; the caller's own (a received view copied)."""
         if inverse is None:
-            return rows.reshape(*shape, self.dim)
+            return (rows if rows.flags.writeable else rows.copy()).reshape(*shape, self.dim)
         # ``take`` gathers a new array, twice as fast as indexing
         return np.take(rows, inverse, axis=0).reshape(*shape, self.dim)
 
     async def _unique_rows(self, flat: np.ndarray, create: Any,
                            timeout: float | None) -> tuple[np.ndarray, np.ndarray | None]:
-        """(the rows of ``flat``'s unique ids, the caller's own; each id's index among them, or
-        None where ``flat`` is its own uniques: already unique and sorted, as torch's layer sends them)."""
-        if strictly_increasing(flat):
-            uniq, inverse = flat, None
-        else:
-            uniq, inverse = unique_inverse(flat)
+        """(the rows of ``flat``'s unique ids, read-only where they are a received frame; each
+        id's index among them, or None where ``flat`` is its own uniques)."""
+        uniq, inverse = uniques(flat)
         answers = await self._per_part(uniq, "emb_lookup", bool(create), timeout=timeout)
-        rows = answers[0][1] if len(answers) == 1 else None  # one part's answer: its rows, as they came
-        if isinstance(rows, np.ndarray) and rows.shape == (len(uniq), self.dim) and rows.dtype == self.info.dtype:
-            # a received frame's view is copied when handed over whole (read-only, or the caller's own)
-            return (rows if inverse is not None or rows.flags.writeable else rows.copy()), inverse
-        rows = np.empty((len(uniq), self.dim), self.info.dtype)
-        for mask, got in answers:
-            rows[mask] = got
-        return rows, inverse
+        return self.assemble(len(uniq), answers), inverse
 
     async def lookup_sparse(self, ids: Any, segment_ids: Any, weights: Any = None, combiner: str = "mean",
                             num_segments: int | None = None, *, create: bool = True,
@@ -236,7 +279,7 @@ class AsyncEmbedding:
         does not hold reads zeros and is neither created nor counted towards admission (serving)."""
         if combiner not in COMBINERS:
             raise InvalidArgument(f"combiner must be one of {', '.join(COMBINERS)}, got {combiner!r}")
-        flat = self._ids(ids, "lookup_sparse")
+        flat = self.check_ids(ids, "lookup_sparse")
         seg = np.asarray(segment_ids).reshape(-1)
         if seg.shape != flat.shape or (seg.size and (seg.dtype.kind not in "iu" or seg.min() < 0)):
             raise InvalidArgument(f"segment_ids must be non-negative ints, one per id ({flat.size}), got {seg.shape}")
@@ -268,19 +311,13 @@ class AsyncEmbedding:
         how many rows were updated (rows a dynamic table has not admitted are dropped and counted).
         ``step`` (the training's global step) is what a dynamic table records as the rows' change
         step, for :meth:`export_delta`; without it each part counts its pushes."""
-        flat = self._ids(ids, "push")
-        g = np.asarray(grads)
-        if g.dtype != self.info.dtype:
-            raise InvalidArgument(f"push of {self.name!r}: gradients must be {self.info.dtype}, got {g.dtype}")
-        if g.shape != (*np.shape(ids), self.dim):
-            raise InvalidArgument(f"push of {self.name!r}: gradients must have shape {[*np.shape(ids), self.dim]}, got {list(g.shape)}")
+        flat = self.check_ids(ids, "push")
+        g = self.check_grads(ids, grads)
         if flat.size == 0:
             return 0
-        uniq, summed = unique_sum(flat, g.reshape(-1, self.dim))
-        if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0):
-            raise InvalidArgument(f"push of {self.name!r}: step must be an integer >= 0, got {step!r}")
-        return sum(int(r) for _, r in await self._per_part(uniq, "emb_push", rows=summed, timeout=timeout,
-                                                           step=None if step is None else int(step)))
+        uniq, summed = unique_sum(flat, g)
+        step = push_step(step, f"push of {self.name!r}")
+        return sum(int(r) for _, r in await self._per_part(uniq, "emb_push", rows=summed, timeout=timeout, step=step))
 
     async def export_delta(self, since_step: int, directory: str, *, timeout: float | None = None) -> str:
         """Write the rows of this dynamic table changed at steps >= ``since_step`` (ids, current

@@ -19,8 +19,10 @@ import math
 import numbers
 import os
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from ..cluster import Address, ClusterSpec, TaskId, catalog_task, env_task_name, load_config, shard_tasks
 from ..errors import ConfigError, InvalidArgument, NotFound, SessionClosed, ShardStateLost, ZmqflowError
@@ -30,6 +32,7 @@ from ..transport.curve import Keys, keys_from
 from ..transport.bulk import Kind, bulk_enabled
 from ..transport.registry import plain_zeromq
 from ..wire.requests import cluster as crq
+from . import embedding_many
 from .bulk import BulkStream
 from .bulk_lanes import lanes
 from .bulk_push import PushStream
@@ -46,7 +49,7 @@ __all__ = ["AsyncSession", "WAIT_MARGIN"]
 WAIT_MARGIN = 5.0  # what a blocking caller waits beyond the call's own deadline
 # Ops on state a shard held: a NotFound from one of them may mean the shard restarted empty.
 _STATE_OPS = frozenset({"pull", "pull_bulk", "assign", "scatter", "push", "push_bulk", "emb_lookup", "emb_push",
-                        "emb_stats", "emb_evict", "emb_export"})
+                        "emb_lookup_many", "emb_push_many", "emb_stats", "emb_evict", "emb_export"})
 _PROBE_TIMEOUT = 5.0  # at most, asking a shard who it is after a NotFound: it just answered
 _LEARN_TIMEOUT = 10.0  # at most, asking a shard who it is when a handle first names it
 
@@ -236,6 +239,17 @@ class AsyncSession:
         """The catalog's record of ``name``, waiting up to ``timeout`` (0: not at all) for its creator."""
         limit = self.timeout if timeout is None else float(timeout)
         return await self.call_catalog("lookup", crq.Lookup(name=name, wait=limit > 0), timeout=max(limit, 0.01) + 0.2)
+
+    async def lookup_many(self, tables: Sequence[AsyncEmbedding], ids: Sequence[Any], *, create: bool = True,
+                          timeout: float | None = None) -> list[np.ndarray]:
+        """Each table's lookup of its ids, ``[t.lookup(i) for t, i in zip(tables, ids)]``, in one
+        request a shard: a model's tables at the cost of one round trip, not one a table."""
+        return await embedding_many.lookup_many(self, tables, ids, create=create, timeout=timeout)
+
+    async def push_many(self, tables: Sequence[AsyncEmbedding], ids: Sequence[Any], grads: Sequence[Any], *,
+                        step: int | None = None, timeout: float | None = None) -> list[int]:
+        """Each table's push of its gradients in one request a shard; the rows each updated."""
+        return await embedding_many.push_many(self, tables, ids, grads, step=step, timeout=timeout)
 
     async def get_embedding(self, name: str, timeout: float | None = None) -> AsyncEmbedding:
         """An existing table by name, waiting (up to ``timeout``) until it exists."""

@@ -39,7 +39,8 @@ CLIENT_OPS: Mapping[str, frozenset[str]] = {
     "catalog": frozenset({"ping", "declare", "mark_ready", "abandon", "lookup", "uninitialized", "records"}),
     "ps": _READ_STATUS | {"global_step", "variables", "create", "pull", "assign", "scatter", "push",
                           "bulk_offer", "pull_bulk", "push_bulk",
-                          "emb_create", "emb_lookup", "emb_push", "emb_stats", "emb_export"},
+                          "emb_create", "emb_lookup", "emb_push", "emb_lookup_many", "emb_push_many", "emb_stats",
+                          "emb_export"},
     "ring": _READ_STATUS,
 }
 # Task-only, by decision (for the record; anything unlisted above is task-only anyway):

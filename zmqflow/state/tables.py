@@ -1,13 +1,12 @@
-"""Embedding tables on a shard, sans-IO: who owns an id, and the dynamic hash table.
+"""Embedding tables on a shard, sans-IO: the dynamic hash table.
 
-Static tables split ``num_embeddings`` rows over parts with TF's ``embedding_lookup`` strategies:
-``mod`` (part ``id % n``, row ``id // n``) or ``div`` (contiguous blocks, the first
-``num % n`` parts one row longer). Each static part is an ordinary store part (rows x dim) with
-its optimizer slots. Dynamic tables take any int64 id, spread over parts by a hash of the id,
-and create rows on demand, after ``min_frequency`` sightings, up to ``capacity`` rows per part
-(``DEFAULT_CAPACITY`` when none is named: never unbounded) with least-recently-used eviction.
-Ids still counting towards admission are bounded too (``max_pending``): past it, the ids first
-sighted longest ago are forgotten, so a stream of ids seen once cannot grow the shard's memory.
+Each static part is an ordinary store part (rows x dim) with its optimizer slots; which part owns
+an id is :mod:`zmqflow.state.owners`' to say. Dynamic tables take any int64 id, spread over parts by a
+hash of the id, and create rows on demand, after ``min_frequency`` sightings, up to ``capacity``
+rows per part (``DEFAULT_CAPACITY`` when none is named: never unbounded) with least-recently-used
+eviction. Ids still counting towards admission are bounded too (``max_pending``): past it, the
+ids first sighted longest ago are forgotten, so a stream of ids seen once cannot grow the shard's
+memory.
 Both the rows and the pending ids are found through numpy open-addressing indexes
 (:mod:`zmqflow.state.hash_index`): a batch of ids is resolved in a few vectorised probing rounds,
 at a few bytes per id, where a dict would take a Python loop and about 100 bytes per id.
@@ -38,47 +37,10 @@ from .sparse import has_repeats, unique_sum
 from ..errors import InvalidArgument
 from .limits import DEFAULT_STATE_LIMITS
 
-__all__ = ["static_owner", "static_part_rows", "hash_owner", "HashTable", "DEFAULT_CAPACITY", "DEFAULT_MAX_PENDING",
-           "MAX_CLOCK"]
+__all__ = ["HashTable", "DEFAULT_CAPACITY", "DEFAULT_MAX_PENDING", "MAX_CLOCK"]
 
 DEFAULT_CAPACITY = DEFAULT_STATE_LIMITS.table_capacity  # rows per part: 16M (4 GiB of float32 rows of 64)
 DEFAULT_MAX_PENDING = DEFAULT_STATE_LIMITS.max_pending_admission  # ids counting towards admission, per part
-
-
-def static_part_rows(num: int, parts: int, strategy: str) -> list[int]:
-    """Rows held by each part of a static table."""
-    if strategy == "mod":
-        return [(num - p + parts - 1) // parts for p in range(parts)]
-    if strategy == "div":
-        base, extra = divmod(num, parts)
-        return [base + (1 if p < extra else 0) for p in range(parts)]
-    raise InvalidArgument(f"partition_strategy must be 'mod' or 'div', got {strategy!r}")
-
-
-def static_owner(ids: np.ndarray, num: int, parts: int, strategy: str) -> tuple[np.ndarray, np.ndarray]:
-    """(part, row within the part) of each id, as TF's embedding_lookup assigns them."""
-    if strategy == "mod":
-        return ids % parts, ids // parts
-    base, extra = divmod(num, parts)
-    threshold = extra * (base + 1)
-    low = ids < threshold
-    part = np.where(low, ids // (base + 1), extra + (ids - threshold) // max(base, 1))
-    row = np.where(low, ids % (base + 1), (ids - threshold) % max(base, 1))
-    return part, row
-
-
-def _mix64(ids: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer: consecutive or strided ids spread evenly over parts."""
-    z = ids.astype(np.uint64, copy=True)
-    with np.errstate(over="ignore"):
-        z += np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def hash_owner(ids: np.ndarray, parts: int) -> np.ndarray:
-    return (_mix64(ids) % np.uint64(parts)).astype(np.int64)
 
 
 # The most a table's clock counts: past any training's steps, with int64 room to spare for the
@@ -344,6 +306,14 @@ class HashTable:
         self.last_used[slots] = self.tick
         return out
 
+    def check_push(self, ids: np.ndarray, grads: Any, step: int | None = None) -> None:
+        """InvalidArgument unless :meth:`push` would take these (it checks them itself too)."""
+        if not isinstance(grads, np.ndarray) or grads.dtype != self.dtype or grads.shape != (len(ids), self.dim):
+            got = f"{grads.dtype} {list(grads.shape)}" if isinstance(grads, np.ndarray) else type(grads).__name__
+            raise InvalidArgument(f"gradients must be {self.dtype} {[len(ids), self.dim]}, got {got}")
+        if step is not None:
+            _check_clock(int(step), "step")
+
     def push(self, ids: np.ndarray, grads: np.ndarray, step: int | None = None) -> int:
         """Apply the optimizer to the rows of ``ids`` that exist; the rest are dropped and
         counted. Returns how many rows were applied. A repeated id's gradients are summed first
@@ -351,11 +321,7 @@ class HashTable:
         fancy-indexed update). ``grads`` is checked here, the one place that knows the table's
         dtype and width. ``step``, the pusher's step, moves the clock to it (never back); without
         one the clock advances by one."""
-        if not isinstance(grads, np.ndarray) or grads.dtype != self.dtype or grads.shape != (len(ids), self.dim):
-            got = f"{grads.dtype} {list(grads.shape)}" if isinstance(grads, np.ndarray) else type(grads).__name__
-            raise InvalidArgument(f"gradients must be {self.dtype} {[len(ids), self.dim]}, got {got}")
-        if step is not None:
-            _check_clock(int(step), "step")
+        self.check_push(ids, grads, step)
         ids = np.asarray(ids, dtype=np.int64)
         if has_repeats(ids):
             ids, grads = unique_sum(ids, grads)

@@ -37,7 +37,7 @@ MAX_USED_PEERS = 4096  # remembered routing ids before the unreachable ones are 
 
 # Ops that read or change training state: refused while the shard is fenced.
 FENCED_OPS = frozenset({"pull", "pull_bulk", "push_bulk", "assign", "scatter", "push", "global_step", "save",
-                        "emb_lookup", "emb_push", "emb_evict", "emb_export",
+                        "emb_lookup", "emb_push", "emb_lookup_many", "emb_push_many", "emb_evict", "emb_export",
                         "emb_export_delta"})
 
 

@@ -4,7 +4,7 @@ as 1-D integer arrays at the edge (:mod:`zmqflow.wire.requests.ps`)."""
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -89,26 +89,55 @@ class TableOps:
 
     @op(rq.EmbLookup)
     def emb_lookup(self, ctx: CallContext, req: rq.EmbLookup) -> np.ndarray:
-        ids = int64_ids(req.ids, f"emb_lookup of {req.name!r}")
-        table = self._table(req.name, req.part)
+        return self._lookup_of(req.name, req.part, req.ids, req.create)()
+
+    @op(rq.EmbLookupMany)
+    def emb_lookup_many(self, ctx: CallContext, req: rq.EmbLookupMany) -> list[np.ndarray]:
+        """Several parts' lookups (a model's tables on this shard) in one request. Every item is
+        checked first: a lookup with ``create`` changes a hash table, so an item refused must find
+        the ones before it not yet done."""
+        lookups = [self._lookup_of(it.name, it.part, it.ids, req.create) for it in req.items]
+        return [lookup() for lookup in lookups]
+
+    def _lookup_of(self, name: str, part: int, ids: np.ndarray, create: bool) -> Callable[[], np.ndarray]:
+        """The lookup of part-local ``ids`` in a part, checked, to run when called."""
+        ids = int64_ids(ids, f"emb_lookup of {name!r}")
+        table = self._table(name, part)
         if table is not None:
-            if req.create and ids.size and not len(table) and self._room() < table.row_bytes:
-                self._starved(req.name, req.part, table)
-            return table.lookup(ids, create=req.create)
-        p = self.store.get(req.name, req.part)
+            if create and ids.size and not len(table) and self._room() < table.row_bytes:
+                self._starved(name, part, table)
+            return lambda: table.lookup(ids, create=create)
+        p = self.store.get(name, part)
         if ids.size and (ids.min() < 0 or ids.max() >= p.nrows):
             bad = ids[(ids < 0) | (ids >= p.nrows)][0]
             raise InvalidArgument(f"embedding {p.label}: row {int(bad)} out of range [0, {p.nrows})")
-        return np.take(p.value, ids, axis=0)  # a new array, as indexing makes, in half its time
+        return lambda: np.take(p.value, ids, axis=0)  # a new array, as indexing makes, in half its time
 
     @op(rq.EmbPush)
     def emb_push(self, ctx: CallContext, req: rq.EmbPush) -> int:
-        ids = int64_ids(req.ids, f"emb_push of {req.name!r}")
-        table = self._table(req.name, req.part)
-        if table is None:
-            self.store.apply_sparse(req.name, req.part, ids, req.grads)
+        return self._push_of(req.name, req.part, req.ids, req.grads, req.step)()
+
+    @op(rq.EmbPushMany)
+    def emb_push_many(self, ctx: CallContext, req: rq.EmbPushMany) -> list[int]:
+        """Several parts' sparse gradients in one request, applied in order once every item is
+        checked; the rows applied per item."""
+        pushes = [self._push_of(it.name, it.part, it.ids, it.grads, req.step) for it in req.items]
+        return [push() for push in pushes]
+
+    def _push_of(self, name: str, part: int, ids: np.ndarray, grads: np.ndarray,
+                 step: int | None) -> Callable[[], int]:
+        """The push of a part's gradients, checked, to run when called: the rows it applies."""
+        ids = int64_ids(ids, f"emb_push of {name!r}")
+        table = self._table(name, part)
+        if table is not None:
+            table.check_push(ids, grads, step)
+            return lambda: table.push(ids, grads, step)
+        update = self.store.sparse(name, part, ids, grads, "sparse gradient")
+
+        def apply() -> int:
+            self.store.apply(update)
             return len(ids)
-        return table.push(ids, req.grads, req.step)
+        return apply
 
     @op(rq.EmbIds)
     def emb_stats(self, ctx: CallContext, req: rq.EmbIds) -> dict[str, Any]:

@@ -18,7 +18,8 @@ from .base import (MAX_ITEMS, MAX_PARTS, NAME_MAX, PATH_MAX, ArraySpec, Count, D
 __all__ = [
     "Empty", "Create", "PullItem", "Pull", "BulkOffer", "PullBulk", "PushBulk", "RowsItem", "Assign", "Scatter",
     "SparseItem", "PartItem", "Push", "Save",
-    "RestorePart", "Unfence", "Pair", "Sweep", "Drop", "EmbCreate", "EmbIds", "EmbLookup", "EmbPush", "EmbEvict",
+    "RestorePart", "Unfence", "Pair", "Sweep", "Drop", "EmbCreate", "EmbIds", "EmbLookup", "EmbPush",
+    "LookupItem", "EmbLookupMany", "PushItem", "EmbPushMany", "MAX_TABLE_ITEMS", "EmbEvict",
     "EmbExport", "EmbRestore", "EmbExportDelta", "OPS",
 ]
 
@@ -247,6 +248,42 @@ class EmbPush(Request):
     step: Count | None = None
 
 
+# parts one emb_lookup_many or emb_push_many names: a model's tables (a few hundred at most) on
+# one shard, each a part or a few
+MAX_TABLE_ITEMS = 4096
+
+
+class LookupItem(Item):
+    name: Name
+    part: Part
+    ids: Indices
+
+
+class EmbLookupMany(Request):
+    """``emb_lookup`` of several table parts in one request: one array per item, in order. Every
+    item is checked before any is looked up (a lookup with ``create`` changes a hash table)."""
+
+    items: Annotated[list[LookupItem], msgspec.Meta(min_length=1, max_length=MAX_TABLE_ITEMS,
+                                                    description="a list of 1..4096 [name, part, ids]")]
+    create: bool = True
+
+
+class PushItem(Item):
+    name: Name
+    part: Part
+    ids: Indices
+    grads: Rows2D
+
+
+class EmbPushMany(Request):
+    """``emb_push`` of several table parts in one request, in order: the rows applied per item.
+    Every item is checked before any is applied."""
+
+    items: Annotated[list[PushItem], msgspec.Meta(min_length=1, max_length=MAX_TABLE_ITEMS,
+                                                  description="a list of 1..4096 [name, part, ids, grads]")]
+    step: Count | None = None
+
+
 class EmbEvict(Request):
     """Drop rows of a hash table not updated for a number of pushes or seconds."""
 
@@ -304,6 +341,7 @@ OPS: dict[str, type[Request]] = {
     "push_bulk": PushBulk, "assign": Assign, "scatter": Scatter, "push": Push,
     "save": Save, "restore_part": RestorePart, "emb_restore": EmbRestore,
     "fence": Empty, "unfence": Unfence, "sweep": Sweep, "drop": Drop,
-    "emb_create": EmbCreate, "emb_lookup": EmbLookup, "emb_push": EmbPush, "emb_stats": EmbIds,
+    "emb_create": EmbCreate, "emb_lookup": EmbLookup, "emb_push": EmbPush,
+    "emb_lookup_many": EmbLookupMany, "emb_push_many": EmbPushMany, "emb_stats": EmbIds,
     "emb_evict": EmbEvict, "emb_export": EmbExport, "emb_export_delta": EmbExportDelta,
 }
