@@ -12,7 +12,8 @@
 Collectives (``allreduce``, ``allgather``, ``broadcast``, ...) run on the ring of every rank;
 ``DistributedOptimizer`` averages gradients over that ring in buckets overlapped with backward
 (``backend='ring'``) or keeps the parameters on the ps shards (``backend='ps'``).
-``EmbeddingBag``/``Embedding`` are modules whose tables live sharded on the ps tasks;
+``EmbeddingBag``/``Embedding`` are modules whose tables live sharded on the ps tasks (``prefetch``
+starts several tables' lookups in one request a shard);
 ``HybridStrategy`` puts a model's tables there and averages the rest by ring.
 """
 
@@ -43,7 +44,7 @@ from .collectives import (
     synchronize,
 )
 from ..observe.progress import report_progress
-from .embedding import Embedding, EmbeddingBag
+from .embedding import Embedding, EmbeddingBag, prefetch
 from .hybrid import HybridStrategy
 from .optimizer import DistributedOptimizer
 
@@ -51,5 +52,5 @@ __all__ = [
     "Average", "Sum", "Min", "Max", "Handle", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
     "local_size", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "allgather", "broadcast",
     "broadcast_", "broadcast_object", "broadcast_parameters", "broadcast_optimizer_state", "barrier", "synchronize",
-    "DistributedOptimizer", "EmbeddingBag", "Embedding", "HybridStrategy", "report_progress",
+    "DistributedOptimizer", "EmbeddingBag", "Embedding", "prefetch", "HybridStrategy", "report_progress",
 ]

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -63,9 +63,10 @@ from ..bridge import runtime
 from ..client.blocking import Session
 from ..errors import InvalidArgument
 from ..state import init as zf_init
+from .grouped import lookup_many_async
 from .sharded import ShardedTable
 
-__all__ = ["EmbeddingBag", "Embedding", "MODES"]
+__all__ = ["EmbeddingBag", "Embedding", "MODES", "prefetch"]
 
 MODES = ("sum", "mean", "max")
 PUSH_AT = ("backward", "step")  # when a table's gradients go to the shards
@@ -281,6 +282,28 @@ class _PushRows(torch.autograd.Function):
                 ctx.table.push_async(ctx.ids, rows)
         dtype, device = ctx.switch
         return torch.empty(0, dtype=dtype, device=device), None, None, None, None
+
+
+def prefetch(pairs: Iterable[tuple[torch.nn.Module, torch.Tensor]]) -> None:
+    """``module.prefetch(input)`` for each pair, their lookups grouped: one request a shard for
+    them all, not one a table (a model's tables, before its forward). Each module's next forward
+    of that very tensor then takes its rows, as after its own ``prefetch``."""
+    pairs = list(pairs)
+    bad = next((m for m, _ in pairs if not isinstance(m, _ShardedModule)), None)
+    if bad is not None:
+        raise InvalidArgument(f"prefetch: {type(bad).__name__} is not a table on the ps shards (EmbeddingBag, "
+                              "Embedding)")
+    began = time.perf_counter()
+    uniques = [m._unique(m._ids(x)) for m, x in pairs]
+    for create in (True, False):  # a module in training makes rows, in eval it does not
+        chosen = [k for k, (m, _) in enumerate(pairs) if m.training == create]
+        futures = lookup_many_async([pairs[k][0].table for k in chosen], [uniques[k][0] for k in chosen], create)
+        for k, fut in zip(chosen, futures):
+            module, x = pairs[k]
+            module._prefetched = (x, uniques[k][0], uniques[k][1], fut)
+    spent = (time.perf_counter() - began) / max(len(pairs), 1)
+    for module, _ in pairs:  # the lookups were started together: each table's share of the time
+        module.prefetch_s += spent
 
 
 def _drop_switch(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:

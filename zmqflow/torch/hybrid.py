@@ -36,6 +36,7 @@ from ..errors import InvalidArgument
 from ..state import init as zf_init
 from . import collectives
 from .embedding import Embedding, EmbeddingBag
+from .grouped import push_held_many
 from .optimizer import DistributedOptimizer
 
 __all__ = ["HybridStrategy", "StepTimes"]
@@ -172,9 +173,8 @@ class HybridStrategy:
         scaled = scaler is not None and scaler.is_enabled()
         if scaled:
             self._refuse_pushed_at_backward()
-        else:
-            for table in self.tables:
-                table.push_held()
+        else:  # every table's held gradients, one request a shard
+            push_held_many([t.table for t in self.tables])
         self.optimizer.synchronize()
         buckets = self.optimizer.buckets
         # backward itself waits for the last buckets when every gradient started them: counted here too
@@ -212,10 +212,10 @@ class HybridStrategy:
         self._overflow.grad = torch.full_like(self._overflow, 0.0 if tables_ok else math.inf)
         scaler.unscale_(self._overflow_check)
         dense_ok = _finite([p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None])
-        for table in self.tables:
-            if tables_ok and dense_ok:
-                table.push_held(scale=scale)
-            else:
+        if tables_ok and dense_ok:
+            push_held_many([t.table for t in self.tables], scale=scale)
+        else:
+            for table in self.tables:
                 table.skip_held()
         if tables_ok:  # the scaler skips the dense step itself when a dense gradient overflowed
             with self.optimizer.skip_synchronize():
@@ -232,8 +232,9 @@ class HybridStrategy:
     def flush(self) -> None:
         """Wait until this rank's sparse gradients have landed on the shards."""
         began = time.perf_counter()
+        push_held_many([t.table for t in self.tables])
         for table in self.tables:
-            table.flush()
+            table.synchronize()
         self.times.embedding_s += time.perf_counter() - began
 
 

@@ -197,7 +197,8 @@ class ShardedTable:
     def timeout(self) -> float:
         return self.session.async_session.timeout + WAIT_MARGIN
 
-    def _count(self, **deltas: int) -> None:
+    def count(self, **deltas: int) -> None:
+        """Add to the counters (a grouped call counts for each of its tables)."""
         with self._lock:
             for k, v in deltas.items():
                 self.counters[k] += v
@@ -222,25 +223,36 @@ class ShardedTable:
         """Start the lookup of unique ``ids`` once this process's pushes have landed; its future.
         Several tables' lookups started this way are in flight at once."""
         self.synchronize()
-        self._count(lookups=1, ids_looked_up=len(ids))
+        self.count(lookups=1, ids_looked_up=len(ids))
         return self.session.submit(self.handle.lookup(ids, create=create))
 
     def push_async(self, ids: np.ndarray, grads: np.ndarray) -> "concurrent.futures.Future[int]":
         """Start a sparse push of ``ids`` (repeats summed) on the session's loop; returns its future.
         Non-finite ``grads`` are not sent: the future holds the error, raised at the next wait."""
-        if not np.isfinite(grads).all():
-            fut: concurrent.futures.Future[int] = concurrent.futures.Future()
-            fut.set_exception(InvalidArgument(
-                f"a gradient for embedding {self.name!r} holds inf or NaN; it was dropped, the table is unchanged. "
-                "Under loss scaling (torch.amp.GradScaler) the table must push at the step, push=\"step\", with the "
-                "scale: push_held(scale=scaler.get_scale()) or HybridStrategy.step(scaler=scaler), which skip a "
-                "step that overflowed"))
-            self.pending.add(fut)
-            self._count(pushes_skipped=1)
-            return fut
-        fut = self.session.submit(self._push(ids, grads))
+        refused = self.refuse_non_finite(grads)
+        if refused is not None:
+            return refused
+        return self.adopt(self.session.submit(self._push(ids, grads)), len(ids))
+
+    def refuse_non_finite(self, grads: np.ndarray) -> "concurrent.futures.Future[int] | None":
+        """A failed push's future (kept to be raised at the next wait) when ``grads`` holds inf or NaN."""
+        if np.isfinite(grads).all():
+            return None
+        fut: concurrent.futures.Future[int] = concurrent.futures.Future()
+        fut.set_exception(InvalidArgument(
+            f"a gradient for embedding {self.name!r} holds inf or NaN; it was dropped, the table is unchanged. "
+            "Under loss scaling (torch.amp.GradScaler) the table must push at the step, push=\"step\", with the "
+            "scale: push_held(scale=scaler.get_scale()) or HybridStrategy.step(scaler=scaler), which skip a "
+            "step that overflowed"))
         self.pending.add(fut)
-        self._count(pushes=1, ids_pushed=len(ids))
+        self.count(pushes_skipped=1)
+        return fut
+
+    def adopt(self, fut: "concurrent.futures.Future[Any]", ids: int) -> "concurrent.futures.Future[Any]":
+        """Count a push of ``ids`` ids under way (its own, or a grouped push of several tables)
+        and make this table's next wait wait for it; returns ``fut``."""
+        self.pending.add(fut)
+        self.count(pushes=1, ids_pushed=ids)
         return fut
 
     def hold(self, ids: np.ndarray, grads: np.ndarray) -> None:
@@ -272,26 +284,35 @@ class ShardedTable:
         push, so the shards apply their optimizer once, to the sum); the passes it carried.
         With the loss ``scale`` the sum is unscaled first, and a step holding inf or NaN (an
         overflow) is skipped: dropped, counted in ``pushes_skipped``, and 0 returned."""
+        taken = self.take_held(scale)
+        if taken is None:
+            return 0
+        ids, grads, passes = taken
+        self.push_async(ids, grads)
+        return passes
+
+    def take_held(self, scale: float | None = None) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """(ids, gradients, passes) of one push of what is held, now held no more; None when
+        nothing is held, or when under ``scale`` the sum overflowed (counted as skipped)."""
         inverse = None if scale is None else self._inverse(scale)
         with self._lock:
             held, self._held = self._held, []
         if not held:
-            return 0
+            return None
         ids, grads = np.concatenate([i for i, _ in held]), np.concatenate([g for _, g in held])
         if inverse is not None:
             grads *= np.asarray(inverse, grads.dtype)  # a new array: what backward gave is not touched
             if not np.isfinite(grads).all():
-                self._count(pushes_skipped=1)
-                return 0
-        self.push_async(ids, grads)
-        return len(held)
+                self.count(pushes_skipped=1)
+                return None
+        return ids, grads, len(held)
 
     def skip_held(self) -> int:
         """Drop the gradients held as a skipped step (another table's or the dense gradients
         overflowed under loss scaling), counted in ``pushes_skipped``; the passes dropped."""
         dropped = self.drop_held()
         if dropped:
-            self._count(pushes_skipped=1)
+            self.count(pushes_skipped=1)
         return dropped
 
     def drop_held(self) -> int:
@@ -302,7 +323,7 @@ class ShardedTable:
 
     async def _push(self, ids: np.ndarray, grads: np.ndarray) -> int:
         updated = await self.handle.push(ids, grads)
-        self._count(rows_updated=updated)  # before the future resolves: a waiter sees the count
+        self.count(rows_updated=updated)  # before the future resolves: a waiter sees the count
         return updated
 
     def read_all(self) -> np.ndarray:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ...errors import InvalidArgument
+from ...torch.embedding import prefetch
 
 __all__ = ["DLRM", "EmbeddingBagFactory", "torch_embedding_bag"]
 
@@ -63,10 +64,9 @@ class DLRM(nn.Module):
         x = self.bottom(dense)
         offsets = torch.arange(sparse.shape[0], dtype=torch.int64)
         columns = [sparse[:, f].contiguous() for f in range(len(self.tables))]
-        for table, ids in zip(self.tables, columns):
-            prefetch = getattr(table, "prefetch", None)  # tables on ps shards: every lookup at once
-            if prefetch is not None:
-                prefetch(ids)
+        sharded = [(table, ids) for table, ids in zip(self.tables, columns) if hasattr(table, "prefetch")]
+        if sharded:  # tables on the ps shards: every lookup at once, one request a shard
+            prefetch(sharded)
         vectors = [x] + [table(ids, offsets) for table, ids in zip(self.tables, columns)]
         stacked = torch.stack(vectors, dim=1)  # (B, K + 1, dim)
         dots = torch.bmm(stacked, stacked.transpose(1, 2))[:, self.pair_rows, self.pair_cols]
