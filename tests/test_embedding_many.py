@@ -160,7 +160,8 @@ def test_a_shard_checks_every_item_before_it_changes_any():
                 ids = np.array([7, 8, 9])
                 looks = [rq.LookupItem(name="dyn", part=dyn_part, ids=ids)]
                 for bad, error in ([rq.LookupItem(name="nope", part=0, ids=ids)], errors.NotFound), \
-                                  ([rq.LookupItem(name="mod", part=mod_part, ids=np.array([99]))], errors.InvalidArgument):
+                                  ([rq.LookupItem(name="mod", part=mod_part, ids=np.array([99]))],
+                                   errors.InvalidArgument):
                     with pytest.raises(error):
                         await sess.call_task(task, "ps", "emb_lookup_many", rq.EmbLookupMany(items=looks + bad))
                 assert (await embs[4].stats())[dyn_part]["rows"] == 0

@@ -112,6 +112,19 @@ def embedding(quick: bool, json_out: str | None) -> None:
     click.echo(format_table(run(quick=quick, json_out=json_out)))
 
 
+@bench.command("tables")
+@click.option("--quick", is_flag=True, help="Fewer steps.")
+@click.option("--tables", type=click.IntRange(1, 512), default=8, show_default=True, help="Tables of the model.")
+@click.option("--batch", type=click.IntRange(1, 1 << 20), default=512, show_default=True, help="Ids a table a step.")
+@click.option("--shards", type=click.IntRange(1, 16), default=2, show_default=True, help="ps shard processes.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Append JSON lines here.")
+def tables_bench(quick: bool, tables: int, batch: int, shards: int, json_out: str | None) -> None:
+    """A model's many tables: lookups and pushes table by table vs one request a shard."""
+    from ..bench.embedding_tables import format_table, run
+
+    click.echo(format_table(run(quick=quick, tables=tables, batch=batch, shards=shards, json_out=json_out)))
+
+
 @bench.command("optim")
 @click.option("--quick", is_flag=True, help="16 MB instead of 64, and fewer repetitions.")
 @click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)

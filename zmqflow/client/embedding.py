@@ -34,7 +34,8 @@ from ..wire.requests import cluster as crq
 from ..wire.requests import ps as rq
 
 
-__all__ = ["TableInfo", "AsyncEmbedding", "declare_embedding", "create_table_parts", "COMBINERS", "uniques", "push_step"]
+__all__ = ["TableInfo", "AsyncEmbedding", "declare_embedding", "create_table_parts", "COMBINERS", "uniques",
+           "push_step"]
 
 COMBINERS = ("sum", "mean", "sqrtn")
 
@@ -207,10 +208,11 @@ class AsyncEmbedding:
         """(part, which of ``uniq`` it owns, their part-local ids) for each part owning some of
         the unique, checked ids ``uniq``."""
         part, local = self.info.owners(uniq)
-        if len(self.info.tasks) == 1:  # one part owns them all: a view, no mask to build
-            return [(0, slice(None), local)]
+        present = [0] if len(self.info.tasks) == 1 else np.flatnonzero(np.bincount(part)).tolist()
+        if len(present) == 1:  # one part owns them all: a view, no mask to build
+            return [(present[0], slice(None), local)]
         splits = []
-        for p in np.unique(part).tolist():
+        for p in present:
             mask = part == p
             splits.append((p, mask, local[mask]))  # a boolean index copies, C-ordered
         return splits
