@@ -45,7 +45,7 @@ from .procs import SECURITY, Procs, Served, plaintext, zf_task_process
 from .report import align, script_main, write_jsonl
 from .stats import seconds, seconds_async
 
-__all__ = ["format_table", "run"]
+__all__ = ["format_table", "run", "ps_cluster", "zipf_ids"]
 
 DIM = 64
 BATCH = 4096
@@ -57,7 +57,7 @@ def zipf_ids(rng: np.random.Generator, n: int, rows: int, a: float = 1.2) -> np.
     return (rng.zipf(a, n) - 1) % rows * 7919 % rows
 
 
-def _cluster(shards: int, procs: Procs) -> ClusterSpec:
+def ps_cluster(shards: int, procs: Procs) -> ClusterSpec:
     """``shards`` ps task servers, each in its own process, on tcp loopback."""
     spec = ClusterSpec({"ps": [f"127.0.0.1:{free_port()}" for _ in range(shards)]})
     for t in spec.tasks:
@@ -69,7 +69,7 @@ def _throughput(shards: int, rows: int, batches: int) -> dict[str, Any]:
     """Lookups and pushes of ``batches`` batches over ``shards`` shards, beside numpy ``take``."""
     procs = Procs()
     try:
-        spec = _cluster(shards, procs)
+        spec = ps_cluster(shards, procs)
         rng = np.random.default_rng(0)
         id_batches = [zipf_ids(rng, BATCH, rows) for _ in range(batches)]
         grads = np.full((BATCH, DIM), 1e-3, np.float32)

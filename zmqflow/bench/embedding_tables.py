@@ -30,7 +30,7 @@ from .. import loop as zf_loop
 from ..client.session import AsyncSession
 from ..state import init, optim
 from ..transport.memory import keep_big_blocks
-from .embedding import _cluster, zipf_ids
+from .embedding import ps_cluster, zipf_ids
 from .procs import SECURITY, Procs, plaintext
 from .report import align, script_main, write_jsonl
 
@@ -49,7 +49,7 @@ def run(quick: bool = False, tables: int = 8, batch: int = 512, shards: int = 2,
     with plaintext():
         procs = Procs()
         try:
-            spec = _cluster(shards, procs)
+            spec = ps_cluster(shards, procs)
             result = zf_loop.run(_measure(spec, tables, batch, rows, steps))
         finally:
             procs.close()
