@@ -170,6 +170,26 @@ def test_embedding_alone_lookup_grad_push(alone):
         table.lookup(jnp.asarray([20]))
 
 
+def test_embedding_alone_many_tables_at_once(alone):
+    a = zj.Embedding("many_a", 10, 2, optimizer=zf.optim.SGD(1.0), initializer=zf.init.ones())
+    b = zj.Embedding("many_b", 12, 3, optimizer=zf.optim.SGD(1.0), initializer=zf.init.zeros())
+    ids = [jnp.asarray([1, 1, 4]), jnp.asarray([[2], [5]])]
+    rows = zj.lookup_many([a, b], ids)
+    assert [r.shape for r in rows] == [(3, 2), (2, 1, 3)] and all(isinstance(r, jax.Array) for r in rows)
+    grads = [jnp.ones((3, 2), jnp.bfloat16), jnp.full((2, 1, 3), 0.5)]  # bfloat16 summed, then cast
+    assert zj.push_many([a, b], ids, grads) == [2, 2]
+    np.testing.assert_array_equal(np.asarray(a.lookup(jnp.asarray([1, 4]))), [[-1, -1], [0, 0]])
+    np.testing.assert_array_equal(np.asarray(b.lookup(jnp.asarray([2]))), [[-0.5, -0.5, -0.5]])
+    with pytest.raises(InvalidArgument, match="a sequence of zmqflow.jax.Embedding"):
+        zj.lookup_many(a, ids)
+    with pytest.raises(InvalidArgument, match="2 tables but 1 gradient arrays"):
+        zj.push_many([a, b], ids, grads[:1])
+    with pytest.raises(InvalidArgument, match="1 tables but 2 id arrays"):
+        zj.lookup_many([a], ids)
+    with pytest.raises(InvalidArgument, match="cannot be traced"):
+        jax.jit(lambda x: zj.lookup_many([a], [x]))(ids[0])
+
+
 @pytest.mark.skipif(not any(d.platform == "gpu" for d in jax.devices()), reason="no GPU for JAX on this machine")
 def test_gpu_arrays_come_back_on_their_device(alone):  # pragma: no cover - GPU only
     x = jax.device_put(jnp.arange(4.0), jax.devices("gpu")[0])

@@ -11,9 +11,10 @@ Install with ``pip install 'zmqflow[jax]'``; the core package never imports JAX.
 from .collectives import (OPS, allgather, allreduce, barrier, broadcast, init, is_initialized, local_rank,
                           local_size, rank, shutdown, size)
 from ..observe.progress import report_progress
-from .embedding import Embedding
+from .embedding import Embedding, lookup_many, push_many
 from .gradients import DistributedGradients, GradientTransformation, distributed_gradients
 
 __all__ = ["OPS", "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "allreduce", "broadcast", "allgather", "barrier",
-           "distributed_gradients", "DistributedGradients", "GradientTransformation", "Embedding", "report_progress"]
+           "distributed_gradients", "DistributedGradients", "GradientTransformation", "Embedding", "lookup_many",
+           "push_many", "report_progress"]
