@@ -197,3 +197,28 @@ def test_blocking_session_many():
                 sess.lookup_many(a, [[1]])
 
     arun(main())
+
+
+def test_more_parts_than_a_request_holds_go_in_several(monkeypatch):
+    monkeypatch.setattr(rq, "MAX_TABLE_ITEMS", 2)
+
+    async def main():
+        async with model("") as (servers, sess, [embs]):
+            one_shard = [embs[2]] * 5  # five items for the one shard that holds "one"
+            ids = [[k % 9, (k + 4) % 9] for k in range(5)]
+            sent, call = [], sess.call_task
+
+            async def recorded(task, service, op, body=None, **kw):
+                sent.append((op, len(body.items) if op.endswith("_many") else 1))
+                return await call(task, service, op, body, **kw)
+
+            sess.call_task = recorded
+            got = await sess.lookup_many(one_shard, ids)
+            assert sent == [("emb_lookup_many", 2), ("emb_lookup_many", 2), ("emb_lookup", 1)]
+            for x, rows in zip(ids, got):
+                np.testing.assert_array_equal(rows, await embs[2].lookup(x))
+            sent.clear()
+            pushed = await sess.push_many(one_shard, ids, [np.ones((2, 2), np.float32)] * 5)
+            assert pushed == [2] * 5 and [n for _, n in sent] == [2, 2, 1]
+
+    arun(main())

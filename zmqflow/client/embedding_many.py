@@ -20,6 +20,7 @@ import numpy as np
 
 from ..cluster import TaskId
 from ..errors import InvalidArgument, ProtocolError
+from ..observe import timeline
 from ..state.sparse import unique_sum
 from ..wire.requests import Request
 from ..wire.requests import ps as rq
@@ -67,6 +68,7 @@ def _answers(got: Any, n: int, op: str, task: TaskId) -> list[Any]:
     return got
 
 
+@timeline.traced("pull", "embedding lookup_many")
 async def lookup_many(session: SessionPort, tables: Sequence[AsyncEmbedding], ids: Sequence[Any], *,
                       create: bool = True, timeout: float | None = None) -> list[np.ndarray]:
     """``[tables[k].lookup(ids[k]) for k ...]`` in one request a shard: the rows of each table's
@@ -98,6 +100,7 @@ async def lookup_many(session: SessionPort, tables: Sequence[AsyncEmbedding], id
     return out
 
 
+@timeline.traced("push", "embedding push_many")
 async def push_many(session: SessionPort, tables: Sequence[AsyncEmbedding], ids: Sequence[Any],
                     grads: Sequence[Any], *, step: int | None = None, timeout: float | None = None) -> list[int]:
     """``[tables[k].push(ids[k], grads[k]) for k ...]`` in one request a shard: the rows each
