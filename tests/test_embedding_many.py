@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import re
 
 import numpy as np
@@ -13,6 +14,8 @@ import pytest
 
 import zmqflow as zf
 from zmqflow import errors
+from zmqflow.client import embedding_many
+from zmqflow.client.embedding import AsyncEmbedding
 from zmqflow.cluster import TaskId
 from zmqflow.testing import local_cluster
 from zmqflow.wire.requests import ps as rq
@@ -220,5 +223,27 @@ def test_more_parts_than_a_request_holds_go_in_several(monkeypatch):
             sent.clear()
             pushed = await sess.push_many(one_shard, ids, [np.ones((2, 2), np.float32)] * 5)
             assert pushed == [2] * 5 and [n for _, n in sent] == [2, 2, 1]
+
+    arun(main())
+
+
+def test_a_table_a_shard_refuses_fails_alone():
+    """A part the shard does not hold (a table dropped there) fails its table only: the request
+    it shared was refused whole, changing nothing, and its items went again one by one."""
+    async def main():
+        async with model("a/", "b/") as (servers, sess, [one, many]):
+            ghost = AsyncEmbedding(sess, dataclasses.replace(many[0].info, name="ghost"))
+            ids = [np.array([1, 2, 5]), np.array([3, 4]), np.array([0, 7])]
+            grads = [np.ones((3, 4), np.float32), np.ones((2, 4), np.float32), np.ones((2, 3), np.float32)]
+            got = await embedding_many.push_each(sess, [many[0], ghost, many[1]], ids, grads)
+            assert isinstance(got[1], errors.NotFound) and "ghost" in str(got[1])
+            assert got[0] == await one[0].push(ids[0], grads[0]) and got[2] == await one[1].push(ids[2], grads[2])
+            for a, b, x in ((one[0], many[0], ids[0]), (one[1], many[1], ids[2])):
+                np.testing.assert_array_equal(await a.lookup(x), await b.lookup(x))
+            with pytest.raises(errors.NotFound, match="ghost"):
+                await sess.lookup_many([many[0], ghost], ids[:2])
+            rows = await embedding_many.lookup_each(sess, [ghost, many[0]], ids[:2])
+            assert isinstance(rows[0], errors.NotFound)
+            np.testing.assert_array_equal(rows[1], await many[0].lookup(ids[1]))
 
     arun(main())

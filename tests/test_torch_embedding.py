@@ -28,6 +28,10 @@ EmbeddingBag, Embedding = emb_mod.EmbeddingBag, emb_mod.Embedding
 
 @pytest.fixture
 def cluster(tmp_path):
+    yield from two_shards(tmp_path)
+
+
+def two_shards(tmp_path):
     """Two ps shards and a worker, each a task server on tcp, and a session on the worker."""
     spec = make_spec({"worker": 1, "ps": 2}, "tcp")
     started = []

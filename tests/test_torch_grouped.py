@@ -4,18 +4,26 @@ sees what its own calls would give."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import zmqflow as zf
 from zmqflow import errors
+from zmqflow.client.embedding import AsyncEmbedding
 
-from .test_torch_embedding import cluster  # noqa: F401  (the fixture)
+from .test_torch_embedding import two_shards
 
 torch = pytest.importorskip("torch")
 emb_mod = pytest.importorskip("zmqflow.torch.embedding")
 grouped = pytest.importorskip("zmqflow.torch.grouped")
 EmbeddingBag = emb_mod.EmbeddingBag
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    yield from two_shards(tmp_path)
 
 
 class Ops:
@@ -41,7 +49,7 @@ def bags(sess, prefix: str, push: str = "step"):
                          optimizer=zf.optim.Adagrad(0.1), initializer=zf.init.normal(seed=i)) for i in range(3)]
 
 
-def test_prefetch_groups_lookups_and_gives_each_table_its_rows(cluster):  # noqa: F811
+def test_prefetch_groups_lookups_and_gives_each_table_its_rows(cluster):
     tables = bags(cluster.sess, "g")
     tables[2].eval()  # a table in eval mode is looked up without create, in a request of its own
     inputs = [torch.tensor([[1, 2], [3, 1]]) + 7 * i for i in range(3)]
@@ -59,7 +67,7 @@ def test_prefetch_groups_lookups_and_gives_each_table_its_rows(cluster):  # noqa
         emb_mod.prefetch([(torch.nn.EmbeddingBag(4, 2), inputs[0])])
 
 
-def test_grouped_pushes_update_rows_as_pushes_one_by_one(cluster):  # noqa: F811
+def test_grouped_pushes_update_rows_as_pushes_one_by_one(cluster):
     one, many = bags(cluster.sess, "a"), bags(cluster.sess, "b")
     rng = np.random.default_rng(0)
     ops = Ops(cluster.sess)
@@ -82,7 +90,7 @@ def test_grouped_pushes_update_rows_as_pushes_one_by_one(cluster):  # noqa: F811
         assert a.counters == b.counters
 
 
-def test_a_table_holding_inf_fails_alone_in_a_grouped_push(cluster):  # noqa: F811
+def test_a_table_holding_inf_fails_alone_in_a_grouped_push(cluster):
     tables = bags(cluster.sess, "inf")
     before = [t.weight for t in tables]
     x = torch.tensor([[1, 2]])
@@ -98,3 +106,21 @@ def test_a_table_holding_inf_fails_alone_in_a_grouped_push(cluster):  # noqa: F8
     torch.testing.assert_close(tables[1].weight, before[1], rtol=0, atol=0)
     assert not torch.equal(tables[0].weight, before[0])
     assert tables[1].counters["pushes_skipped"] == 1
+
+
+def test_a_table_a_shard_refuses_fails_alone_in_a_grouped_push(cluster):
+    tables = bags(cluster.sess, "refused")
+    x = torch.tensor([[1, 2], [3, 4]])
+    before = [tables[k].weight for k in (0, 2)]
+    for t in tables:
+        t(x).sum().backward()
+    # the middle table's handle now names a table no shard holds (as if dropped there)
+    tables[1].table.handle = AsyncEmbedding(cluster.sess.async_session,
+                                            dataclasses.replace(tables[1].table.handle.info, name="gone"))
+    grouped.push_held_many([t.table for t in tables])
+    with pytest.raises(errors.NotFound, match="gone"):
+        tables[1].synchronize()
+    for k, b in zip((0, 2), before):
+        tables[k].synchronize()
+        assert tables[k].counters["rows_updated"] == 4
+        assert not torch.equal(tables[k].weight, b)

@@ -6,8 +6,9 @@ per shard, each paying its Python and message costs at both ends. Here each tabl
 checked, made unique (a push's rows summed) and split by part exactly as its own call does, and
 then every part one shard holds goes in one ``emb_lookup_many`` (``emb_push_many``) request; a
 shard named by one part only gets the plain ``emb_lookup`` (``emb_push``). The shard checks every
-item before it does any, so a refused request changes nothing there. Each table's answer is what
-its own :meth:`AsyncEmbedding.lookup` (``push``) would give.
+item before it does any, so a refused request changes nothing there; its items then go again one
+by one, so that only the table at fault fails. Each table's answer, or error, is what its own
+:meth:`AsyncEmbedding.lookup` (``push``) would give.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..cluster import TaskId
-from ..errors import InvalidArgument, ProtocolError
+from ..errors import InvalidArgument, NotFound, ProtocolError, ZmqflowError
 from ..observe import timeline
 from ..state.sparse import unique_sum
 from ..wire.requests import Request
@@ -27,7 +28,7 @@ from ..wire.requests import ps as rq
 from .embedding import AsyncEmbedding, push_step, uniques
 from .port import SessionPort
 
-__all__ = ["lookup_many", "push_many"]
+__all__ = ["lookup_many", "push_many", "lookup_each", "push_each"]
 
 # one request's item: (which table, part, which of the table's unique ids, their part-local ids)
 _Item = tuple[int, int, Any, np.ndarray]
@@ -68,11 +69,60 @@ def _answers(got: Any, n: int, op: str, task: TaskId) -> list[Any]:
     return got
 
 
+# What a shard refuses before it does any item of a request: then the items go again one by one,
+# so that only the table at fault fails, as its own call would have.
+_REFUSALS = (InvalidArgument, NotFound)
+
+
+async def _each(task: TaskId, chunk: list[_Item], ask: Any) -> list[Any]:
+    """Each item's answer, or the error its table's own call would have met."""
+    try:
+        return await ask(task, chunk)
+    except _REFUSALS as exc:
+        if len(chunk) == 1:
+            return [exc]
+        alone = await asyncio.gather(*(_each(task, [item], ask) for item in chunk))
+        return [got[0] for got in alone]
+    except ZmqflowError as exc:  # the shard's or the link's, met by every item of the request
+        return [exc] * len(chunk)
+
+
+async def _gather(groups: dict[TaskId, list[_Item]], ask: Any) -> dict[int, list[tuple[Any, Any]]]:
+    """Every shard's requests at once; each table's ``(mask, answer or error)`` per part, by
+    table index."""
+    chunks = [(task, chunk) for task, items in groups.items() for chunk in _chunks(items)]
+    results = await asyncio.gather(*(_each(task, chunk, ask) for task, chunk in chunks))
+    answers: dict[int, list[tuple[Any, Any]]] = {}
+    for (_, chunk), got in zip(chunks, results):
+        for (k, _, mask, _), answer in zip(chunk, got):
+            answers.setdefault(k, []).append((mask, answer))
+    return answers
+
+
+def _error(answers: list[tuple[Any, Any]]) -> BaseException | None:
+    return next((a for _, a in answers if isinstance(a, BaseException)), None)
+
+
+def _first(results: list[Any]) -> list[Any]:
+    """``results`` when none is an error; else the first error (in table order) is raised."""
+    error = next((r for r in results if isinstance(r, BaseException)), None)
+    if error is not None:
+        raise error
+    return results
+
+
 @timeline.traced("pull", "embedding lookup_many")
 async def lookup_many(session: SessionPort, tables: Sequence[AsyncEmbedding], ids: Sequence[Any], *,
                       create: bool = True, timeout: float | None = None) -> list[np.ndarray]:
     """``[tables[k].lookup(ids[k]) for k ...]`` in one request a shard: the rows of each table's
-    ids, of shape ``(*ids[k].shape, dim)``. A table may appear more than once."""
+    ids, of shape ``(*ids[k].shape, dim)``. A table may appear more than once. A table's error
+    (the first, in table order) is raised; the other tables' lookups are done all the same."""
+    return _first(await lookup_each(session, tables, ids, create=create, timeout=timeout))
+
+
+async def lookup_each(session: SessionPort, tables: Sequence[AsyncEmbedding], ids: Sequence[Any], *,
+                      create: bool = True, timeout: float | None = None) -> list[Any]:
+    """:func:`lookup_many` giving each table's rows, or the error its own lookup would have met."""
     _check(session, tables, [("id arrays", ids)], "lookup_many")
     shapes = [np.shape(x) for x in ids]
     flats = [emb.check_ids(x, "lookup_many") for emb, x in zip(tables, ids)]
@@ -91,12 +141,14 @@ async def lookup_many(session: SessionPort, tables: Sequence[AsyncEmbedding], id
         return _answers(got, len(items), "emb_lookup_many", task)
 
     answers = await _gather(groups, ask)
-    out = []
+    out: list[Any] = []
     for k, (emb, (uniq, inverse)) in enumerate(zip(tables, found)):
         if not len(uniq):
             out.append(np.zeros((*shapes[k], emb.dim), emb.info.dtype))
         else:
-            out.append(emb.spread(emb.assemble(len(uniq), answers[k]), inverse, shapes[k]))
+            error = _error(answers[k])
+            out.append(error if error is not None else
+                       emb.spread(emb.assemble(len(uniq), answers[k]), inverse, shapes[k]))
     return out
 
 
@@ -104,7 +156,14 @@ async def lookup_many(session: SessionPort, tables: Sequence[AsyncEmbedding], id
 async def push_many(session: SessionPort, tables: Sequence[AsyncEmbedding], ids: Sequence[Any],
                     grads: Sequence[Any], *, step: int | None = None, timeout: float | None = None) -> list[int]:
     """``[tables[k].push(ids[k], grads[k]) for k ...]`` in one request a shard: the rows each
-    updated. Every table's ids and gradients are checked before anything is sent."""
+    updated. Every table's ids and gradients are checked before anything is sent. A table's error
+    (the first, in table order) is raised; the other tables' pushes are applied all the same."""
+    return _first(await push_each(session, tables, ids, grads, step=step, timeout=timeout))
+
+
+async def push_each(session: SessionPort, tables: Sequence[AsyncEmbedding], ids: Sequence[Any],
+                    grads: Sequence[Any], *, step: int | None = None, timeout: float | None = None) -> list[Any]:
+    """:func:`push_many` giving each table's rows updated, or the error its own push would have met."""
     _check(session, tables, [("id arrays", ids), ("gradient arrays", grads)], "push_many")
     step = push_step(step, "push_many")
     summed = []
@@ -125,15 +184,8 @@ async def push_many(session: SessionPort, tables: Sequence[AsyncEmbedding], ids:
         return _answers(got, len(items), "emb_push_many", task)
 
     answers = await _gather(groups, ask)
-    return [sum(int(n) for _, n in answers.get(k, ())) for k in range(len(tables))]
-
-
-async def _gather(groups: dict[TaskId, list[_Item]], ask: Any) -> dict[int, list[tuple[Any, Any]]]:
-    """Every shard's requests at once; each table's ``(mask, answer)`` per part, by table index."""
-    calls = [(chunk, ask(task, chunk)) for task, items in groups.items() for chunk in _chunks(items)]
-    results = await asyncio.gather(*(c for _, c in calls))
-    answers: dict[int, list[tuple[Any, Any]]] = {}
-    for (chunk, _), got in zip(calls, results):
-        for (k, _, mask, _), answer in zip(chunk, got):
-            answers.setdefault(k, []).append((mask, answer))
-    return answers
+    out: list[Any] = []
+    for k in range(len(tables)):
+        error = _error(answers.get(k, []))
+        out.append(error if error is not None else sum(int(n) for _, n in answers.get(k, ())))
+    return out

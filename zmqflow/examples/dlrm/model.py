@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ...errors import InvalidArgument
-from ...torch.embedding import prefetch
+from ...torch.embedding import Embedding, EmbeddingBag, prefetch
 
 __all__ = ["DLRM", "EmbeddingBagFactory", "torch_embedding_bag"]
 
@@ -64,7 +64,8 @@ class DLRM(nn.Module):
         x = self.bottom(dense)
         offsets = torch.arange(sparse.shape[0], dtype=torch.int64)
         columns = [sparse[:, f].contiguous() for f in range(len(self.tables))]
-        sharded = [(table, ids) for table, ids in zip(self.tables, columns) if hasattr(table, "prefetch")]
+        sharded = [(table, ids) for table, ids in zip(self.tables, columns)
+                   if isinstance(table, (Embedding, EmbeddingBag))]
         if sharded:  # tables on the ps shards: every lookup at once, one request a shard
             prefetch(sharded)
         vectors = [x] + [table(ids, offsets) for table, ids in zip(self.tables, columns)]

@@ -84,6 +84,12 @@ class TableOps:
             "another shard, or raise the budget (--max-shard-bytes)", name=name, part=part,
             limit=self.limits.max_shard_bytes)
 
+    def _check_room(self, name: str, part: int, table: HashTable, creates: bool) -> None:
+        """ResourceExhausted where a lookup that creates rows finds a table holding none and no room
+        for one (it would read zeros, silently, for as long as the others hold the budget)."""
+        if creates and not len(table) and self._room() < table.row_bytes:
+            self._starved(name, part, table)
+
     def _table(self, name: str, part: int) -> HashTable | None:
         return self.tables.get((name, part))
 
@@ -95,7 +101,9 @@ class TableOps:
     def emb_lookup_many(self, ctx: CallContext, req: rq.EmbLookupMany) -> list[np.ndarray]:
         """Several parts' lookups (a model's tables on this shard) in one request. Every item is
         checked first: a lookup with ``create`` changes a hash table, so an item refused must find
-        the ones before it not yet done."""
+        the ones before it not yet done. One check needs the items before done: an empty dynamic
+        table with no room left, as the rows an earlier item made may leave it, is refused there,
+        as its own lookup after theirs would be."""
         lookups = [self._lookup_of(it.name, it.part, it.ids, req.create) for it in req.items]
         return [lookup() for lookup in lookups]
 
@@ -104,9 +112,12 @@ class TableOps:
         ids = int64_ids(ids, f"emb_lookup of {name!r}")
         table = self._table(name, part)
         if table is not None:
-            if create and ids.size and not len(table) and self._room() < table.row_bytes:
-                self._starved(name, part, table)
-            return lambda: table.lookup(ids, create=create)
+            self._check_room(name, part, table, create and ids.size > 0)
+
+            def lookup() -> np.ndarray:  # an earlier item of the request may have taken the room
+                self._check_room(name, part, table, create and ids.size > 0)
+                return table.lookup(ids, create=create)
+            return lookup
         p = self.store.get(name, part)
         if ids.size and (ids.min() < 0 or ids.max() >= p.nrows):
             bad = ids[(ids < 0) | (ids >= p.nrows)][0]

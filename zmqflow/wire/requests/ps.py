@@ -248,9 +248,10 @@ class EmbPush(Request):
     step: Count | None = None
 
 
-# parts one emb_lookup_many or emb_push_many names: a model's tables (a few hundred at most) on
-# one shard, each a part or a few
-MAX_TABLE_ITEMS = 4096
+# Parts one emb_lookup_many or emb_push_many names: a model's tables on one shard (a few hundred
+# at most), each a part or a few. Arrays of 16 KiB or more take a frame each, and a push item
+# carries two: 1024 items keep a request and its reply within the codec's 4096 frames.
+MAX_TABLE_ITEMS = 1024
 
 
 class LookupItem(Item):
@@ -264,7 +265,7 @@ class EmbLookupMany(Request):
     item is checked before any is looked up (a lookup with ``create`` changes a hash table)."""
 
     items: Annotated[list[LookupItem], msgspec.Meta(min_length=1, max_length=MAX_TABLE_ITEMS,
-                                                    description="a list of 1..4096 [name, part, ids]")]
+                                                    description="a list of 1..1024 [name, part, ids]")]
     create: bool = True
 
 
@@ -280,7 +281,7 @@ class EmbPushMany(Request):
     Every item is checked before any is applied."""
 
     items: Annotated[list[PushItem], msgspec.Meta(min_length=1, max_length=MAX_TABLE_ITEMS,
-                                                  description="a list of 1..4096 [name, part, ids, grads]")]
+                                                  description="a list of 1..1024 [name, part, ids, grads]")]
     step: Count | None = None
 
 
