@@ -114,6 +114,25 @@ def test_a_dynamic_table_the_budget_leaves_no_row_says_so_instead_of_reading_zer
     arun(main())
 
 
+def test_a_grouped_lookup_refuses_a_table_an_earlier_item_left_without_room():
+    """In one request, the first table's new rows take the shard's whole budget: the second, empty,
+    is refused when its turn comes, as its own lookup after the first's would be, not left to read
+    zeros by a check made before the first had run."""
+    row = HashTable.row_size(8, np.dtype("float32"))
+    lim = ServerLimits(max_shard_bytes=100 * row)
+
+    async def main():
+        async with cluster(limits=lim) as servers:
+            async with zf.AsyncSession(servers["worker:0"].target) as sess:
+                a = await sess.embedding("a", None, 8)
+                b = await sess.embedding("b", None, 8, initializer=zf.init.ones())
+                with pytest.raises(errors.ResourceExhausted, match=r"embedding 'b' \(part 0\): .* cannot hold a row"):
+                    await sess.lookup_many([a, b], [np.arange(1000), np.arange(3)])
+                assert await b.size() == 0
+
+    arun(main())
+
+
 def test_a_dynamic_table_keeps_step_counts_only_for_an_optimizer_that_reads_them():
     """8 B a row (the 4 x float32 row's 16 B is smaller): SGD and Adagrad tables keep none and
     count none; an Adam table keeps, counts and advances one per row."""
