@@ -17,7 +17,7 @@ from zmqflow.cli.bench import bench
 
 TINY = {"reps": 2, "trips": 20, "rows": 2000, "batches": 3}
 MEASURES = ["assign_add", "dense pull", "dense pull out=", "dense push", "dense step", "embedding lookup",
-            "embedding push", "embedding step"]
+            "embedding push", "embedding step", "8 tables lookup", "8 tables push", "8 tables step"]
 needs_tf = pytest.mark.skipif(not tf1.tf_available(), reason="tensorflow is not installed (the [anchors] extra)")
 
 

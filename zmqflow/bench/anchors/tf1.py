@@ -50,7 +50,8 @@ from ..procs import SECURITY, Procs, plaintext, zf_task_process
 from ..ps import RawWire, zf_round_trips
 from ..report import align, cell, write_jsonl
 from ..stats import seconds_async
-from .tf1_side import DENSE_LR, EMB_LR, id_batches, tf_ps_process, tf_worker_process
+from .tf1_side import (DENSE_LR, EMB_LR, TABLE_BATCH, TABLE_DIM, TABLES, id_batches, table_batches, tf_ps_process,
+                       tf_worker_process)
 
 __all__ = ["MISSING_TF", "format_table", "plan", "run", "tf_available"]
 
@@ -74,6 +75,7 @@ def plan(quick: bool = False, model_mbs: Sequence[float] = (64,), nvars: int = 1
         "trips": trips or (300 if quick else 2000),
         "rows": rows or (200_000 if quick else 1_000_000),
         "batches": batches or (10 if quick else 30),
+        "table_rows": (rows or (200_000 if quick else 1_000_000)) // TABLES,  # as many rows as the one table
         "seed": 0,
     }
 
@@ -112,8 +114,8 @@ async def _lockstep(spec: ClusterSpec, p: dict[str, Any], tf: _TfWorker | None,
     """Every measure on both sides, repetition by repetition; TF's results empty without ``tf``.
     After each dense repetition ``wire`` moves the same bytes in raw pyzmq (``zf["wire"]``)."""
     reps, trips = p["reps"], p["trips"]
-    zf: dict[str, Any] = {"scalar_s": [], "dense": {}, "embedding": [], "wire": {}}
-    theirs: dict[str, Any] = {"scalar_s": [], "dense": {}, "embedding": []}
+    zf: dict[str, Any] = {"scalar_s": [], "dense": {}, "embedding": [], "tables": [], "wire": {}}
+    theirs: dict[str, Any] = {"scalar_s": [], "dense": {}, "embedding": [], "tables": []}
     async with AsyncSession(cluster=spec, task="ps:0", timeout=300) as sess:
         await sess.wait_for_cluster(30)
 
@@ -155,12 +157,32 @@ async def _lockstep(spec: ClusterSpec, p: dict[str, Any], tf: _TfWorker | None,
                 return [await seconds_async(lambda: emb.lookup(ids)), await seconds_async(lambda: emb.push(ids, g))]
 
             await _pair(step, tf, "embedding", i - warm if i >= warm else i, i, zf["embedding"], theirs["embedding"])
+        await _tables(sess, p, tf, warm, zf["tables"], theirs["tables"])
     for side in (zf, theirs):  # drop the warm-ups
         side["scalar_s"] = side["scalar_s"][1:]
         side["dense"] = {mb: v[1:] for mb, v in side["dense"].items()}
         side["embedding"] = side["embedding"][warm:]
+        side["tables"] = side["tables"][warm:]
     zf["wire"] = {mb: v[1:] for mb, v in zf["wire"].items()}
     return zf, theirs
+
+
+async def _tables(sess: AsyncSession, p: dict[str, Any], tf: _TfWorker | None, warm: int, zf_out: list[Any],
+                  tf_out: list[Any]) -> None:
+    """A model's many tables: each batch's lookups of every table, then their SGD pushes, in one
+    request a shard each (``lookup_many``, ``push_many``); TF's in one ``sess.run`` each."""
+    opt, ini = optim.SGD(EMB_LR), init.normal(0.01)
+    tables = [await sess.embedding(f"table{k}", p["table_rows"], TABLE_DIM, initializer=ini, optimizer=opt)
+              for k in range(TABLES)]
+    grads = [np.full((TABLE_BATCH, TABLE_DIM), 1e-3, np.float32)] * TABLES
+    batches = table_batches(p)
+    for i, ids in enumerate([*batches[:warm], *batches]):
+
+        async def step(ids: list[np.ndarray] = ids) -> list[float]:
+            return [await seconds_async(lambda: sess.lookup_many(tables, ids)),
+                    await seconds_async(lambda: sess.push_many(tables, ids, grads))]
+
+        await _pair(step, tf, "tables", i - warm if i >= warm else i, i, zf_out, tf_out)
 
 
 def _measure(n_ps: int, p: dict[str, Any], with_tf: bool) -> tuple[dict[str, Any], dict[str, Any] | None, float | None]:
@@ -233,8 +255,14 @@ def _rows(n_ps: int, p: dict[str, Any], zf: dict[str, Any], tf: dict[str, Any] |
     for j, what in enumerate(("lookup", "push", "step")):
         rows.append(_row(f"embedding {what}", n_ps, f"{BATCH} ids", BATCH * DIM * 4, "rows/s", BATCH,
                          col(zf, "embedding", None, j if j < 2 else -1), col(tf, "embedding", None, j if j < 2 else -1)))
+    for j, what in enumerate(("lookup", "push", "step")):
+        ids = TABLES * TABLE_BATCH
+        rows.append(_row(f"{TABLES} tables {what}", n_ps, f"{TABLES} x {TABLE_BATCH} ids", ids * TABLE_DIM * 4,
+                         "rows/s", ids, col(zf, "tables", None, j if j < 2 else -1),
+                         col(tf, "tables", None, j if j < 2 else -1)))
     for r in rows:
-        r["table_rows"] = p["rows"] if r["measure"].startswith("embedding") else None
+        r["table_rows"] = (p["rows"] if r["measure"].startswith("embedding") else
+                           p["table_rows"] if r["measure"].startswith(f"{TABLES} tables") else None)
         r["other_load_cpus"] = load
         r["security"] = SECURITY
     return rows
@@ -268,8 +296,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             cell(r["zmqflow_ms"], ".2f"), cell(r["tf1_ms"], ".2f"), cell(r["ratio"], ".2f") + ("x" if r["ratio"] else ""),
         ])
     out = align(lines)
-    reps = {r["reps"] for r in rows if not r["measure"].startswith("embedding")}
-    batches = {r["reps"] for r in rows if r["measure"].startswith("embedding")}
+    reps = {r["reps"] for r in rows if r["table_rows"] is None}
+    batches = {r["reps"] for r in rows if r["table_rows"] is not None}
     out.append(f"medians of {'/'.join(map(str, sorted(reps)))} repetitions (embedding: of "
                f"{'/'.join(map(str, sorted(batches)))} id batches); ratio = zmqflow throughput / tf1 throughput "
                "(above 1: zmqflow faster); dense step GB/s counts the bytes pulled and pushed")

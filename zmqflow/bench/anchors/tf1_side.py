@@ -25,10 +25,13 @@ import numpy as np
 
 from ..embedding import BATCH, DIM, zipf_ids
 
-__all__ = ["DENSE_LR", "EMB_LR", "id_batches", "tf_ps_process", "tf_worker_process"]
+__all__ = ["DENSE_LR", "EMB_LR", "TABLES", "TABLE_BATCH", "TABLE_DIM", "id_batches", "table_batches",
+           "tf_ps_process", "tf_worker_process"]
 
 DENSE_LR = 0.01
 EMB_LR = 0.1
+# a model's many small tables (``zmqflow bench tables``'s shape): ids a table a batch, and the width
+TABLES, TABLE_BATCH, TABLE_DIM = 8, 512, 16
 
 
 @contextlib.contextmanager
@@ -106,6 +109,28 @@ def _embedding_block(tf: Any, graph: Any, n_ps: int, rows: int) -> tuple[Any, An
     return ids, upstream, looked, push
 
 
+def _tables_block(tf: Any, graph: Any, n_ps: int, tables: int, rows: int) -> tuple[list, list, list, Any]:
+    """``tables`` tables as :func:`_embedding_block` makes one (``rows`` x TABLE_DIM, a partition a
+    ps): each batch's lookups of every table in one ``sess.run``, and their pushes in another, as
+    one graph step moves them."""
+    ids, ups, looked, pushes = [], [], [], []
+    with graph.device(tf.compat.v1.train.replica_device_setter(ps_tasks=n_ps, worker_device="/job:worker/task:0")):
+        for k in range(tables):
+            table = tf.compat.v1.get_variable(f"table{k}", shape=(rows, TABLE_DIM),
+                                              initializer=tf.compat.v1.random_normal_initializer(stddev=0.01),
+                                              partitioner=tf.compat.v1.fixed_size_partitioner(n_ps))
+            ids.append(tf.compat.v1.placeholder(tf.int64, (TABLE_BATCH,)))
+            uniq, inverse = tf.unique(ids[-1])
+            rows_u = tf.compat.v1.nn.embedding_lookup(table, uniq, partition_strategy="mod")
+            looked.append(tf.gather(rows_u, inverse))
+            ups.append(tf.compat.v1.placeholder(tf.float32, (TABLE_BATCH, TABLE_DIM)))
+            summed = tf.math.unsorted_segment_sum(ups[-1], inverse, tf.size(uniq))
+            parts = list(table)
+            grads = tf.gradients(rows_u, parts, grad_ys=summed)
+            pushes += [tf.compat.v1.scatter_sub(p, g.indices, EMB_LR * g.values) for p, g in zip(parts, grads)]
+    return ids, ups, looked, tf.group(*pushes)
+
+
 def _timed(call: Any) -> float:
     t0 = time.perf_counter()
     call()
@@ -129,6 +154,7 @@ def tf_worker_process(spec_json: str, plan: dict[str, Any], conn: Any) -> None:
             add_one = tf.compat.v1.assign_add(scalar, 1.0).op  # the op only: zmqflow's assign_add returns nothing
             dense = {mb: _dense_block(tf, graph, n_ps, mb, plan["nvars"]) for mb in plan["model_mbs"]}
             ids, upstream, looked, emb_push = _embedding_block(tf, graph, n_ps, plan["rows"])
+            t_ids, t_ups, t_looked, t_push = _tables_block(tf, graph, n_ps, TABLES, plan["table_rows"])
             init = tf.compat.v1.global_variables_initializer()
         config = tf.compat.v1.ConfigProto(device_filters=["/job:ps", "/job:worker/task:0"])
         sess = tf.compat.v1.Session(server.target, graph=graph, config=config)
@@ -154,10 +180,18 @@ def tf_worker_process(spec_json: str, plan: dict[str, Any], conn: Any) -> None:
         b = batches[i]
         return [_timed(lambda: sess.run(looked, {ids: b})), _timed(lambda: sess.run(emb_push, {ids: b, upstream: g}))]
 
+    t_batches = table_batches(plan)
+    t_grads = {u: np.full((TABLE_BATCH, TABLE_DIM), 1e-3, np.float32) for u in t_ups}
+
+    def tables_step(i: int) -> list[float]:
+        feed = dict(zip(t_ids, t_batches[i]))
+        return [_timed(lambda: sess.run(t_looked, feed)), _timed(lambda: sess.run(t_push, {**feed, **t_grads}))]
+
     def check(mb: float) -> float:
         return float(np.mean(sess.run(dense[mb][0][0])[:4]))
 
-    ops = {"scalar": round_trips, "dense": dense_step, "embedding": embedding_step, "check": check}
+    ops = {"scalar": round_trips, "dense": dense_step, "embedding": embedding_step, "tables": tables_step,
+           "check": check}
     conn.send(("ready", None))
     while True:
         try:
@@ -178,3 +212,9 @@ def id_batches(plan: dict[str, Any]) -> list[np.ndarray]:
     """The id batches both sides look up and push, in order (the same seed, the same ids)."""
     rng = np.random.default_rng(plan["seed"])
     return [zipf_ids(rng, BATCH, plan["rows"]) for _ in range(plan["batches"])]
+
+
+def table_batches(plan: dict[str, Any]) -> list[list[np.ndarray]]:
+    """Each batch's ids for every one of the TABLES tables (the same seed on both sides)."""
+    rng = np.random.default_rng(plan["seed"] + 1)
+    return [[zipf_ids(rng, TABLE_BATCH, plan["table_rows"]) for _ in range(TABLES)] for _ in range(plan["batches"])]
