@@ -18,6 +18,10 @@ For 1 and 2 ps tasks (each a separate process on tcp loopback, for both systems)
   up (``tf.nn.embedding_lookup`` over a partitioned variable) and gathers back by the inverse
   index, and sums repeated ids' gradients (``unsorted_segment_sum``) before ``scatter_sub`` on
   each partition: the same SGD result.
+* ``8 tables``: a model's many small tables, 8 of them (dim 16, together as many rows as the one
+  table above), each batch 512 Zipf ids a table: zmqflow's ``lookup_many`` then ``push_many`` (one
+  request a shard each), TF's lookups of every table in one ``sess.run`` and their pushes in
+  another (one graph step each), each table as the one above.
 
 TF runs as deployed in TF1 between-graph replication (:mod:`.tf1_side`): a ``tf.distribute.Server``
 per task, the worker's ``tf.compat.v1.Session`` on its own server. Both sides plaintext (no
