@@ -4,6 +4,7 @@ sees what its own calls would give."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 
 import numpy as np
@@ -124,3 +125,23 @@ def test_a_table_a_shard_refuses_fails_alone_in_a_grouped_push(cluster):
         tables[k].synchronize()
         assert tables[k].counters["rows_updated"] == 4
         assert not torch.equal(tables[k].weight, b)
+
+
+def test_each_table_s_future_is_settled_whatever_its_siblings_waiters_did():
+    """A waiter that gave up (cancelled its table's future) leaves the others to be settled, each
+    with its own answer or error; a parent cancelled (its loop gone) cancels them all."""
+    parent = concurrent.futures.Future()
+    kids = grouped._share(parent, 3)
+    kids[1].cancel()
+    refused = errors.NotFound("gone")
+    parent.set_result([np.ones(2), np.zeros(2), refused])
+    np.testing.assert_array_equal(kids[0].result(0), np.ones(2))
+    assert kids[1].cancelled() and kids[2].exception(0) is refused
+    failed = concurrent.futures.Future()
+    kids = grouped._share(failed, 2)
+    failed.set_exception(errors.Unavailable("down"))
+    assert all(isinstance(k.exception(0), errors.Unavailable) for k in kids)
+    gone = concurrent.futures.Future()
+    kids = grouped._share(gone, 2)
+    gone.cancel()
+    assert all(k.cancelled() for k in kids)
