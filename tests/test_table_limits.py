@@ -3,6 +3,8 @@ shard's byte budget over every part, and step counts kept only where an optimize
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -89,27 +91,33 @@ def test_dynamic_tables_that_would_fill_together_stop_at_the_shards_budget():
     arun(main())
 
 
+@contextlib.asynccontextmanager
+async def a_beside_b(budget: int):
+    """A session, and two dynamic tables of 8 float32 (``a``, and ``b`` of ones) on one shard
+    whose byte budget is ``budget``."""
+    async with cluster(limits=ServerLimits(max_shard_bytes=budget)) as servers:
+        async with zf.AsyncSession(servers["worker:0"].target) as sess:
+            a = await sess.embedding("a", None, 8)
+            yield sess, a, await sess.embedding("b", None, 8, initializer=zf.init.ones())
+
+
 def test_a_dynamic_table_the_budget_leaves_no_row_says_so_instead_of_reading_zeros():
     """One table filled the shard's budget; a second, empty, could never hold a row: its lookups
     read zeros and its pushes were dropped, with nothing said. Now a creating lookup names the
     table and the budget; eval lookups read zeros as before, and the table works once the first
     has made room."""
     row = HashTable.row_size(8, np.dtype("float32"))
-    lim = ServerLimits(max_shard_bytes=100 * row)
 
     async def main():
-        async with cluster(limits=lim) as servers:
-            async with zf.AsyncSession(servers["worker:0"].target) as sess:
-                a = await sess.embedding("a", None, 8)
-                b = await sess.embedding("b", None, 8, initializer=zf.init.ones())
-                await a.lookup(np.arange(1000))  # a's least recently used make way: a holds the whole budget
-                assert await a.size() == 100
-                with pytest.raises(errors.ResourceExhausted, match=r"embedding 'b' \(part 0\): .* budget of "
-                                                                   rf"{100 * row} bytes .* cannot hold a row"):
-                    await b.lookup(np.arange(3))
-                assert await b.size() == 0 and not (await b.lookup(np.arange(3), create=False)).any()
-                assert await a.evict(older_than_seconds=0) == 100  # a gives its rows back
-                np.testing.assert_array_equal(await b.lookup(np.arange(3)), np.ones((3, 8), np.float32))
+        async with a_beside_b(100 * row) as (sess, a, b):
+            await a.lookup(np.arange(1000))  # a's least recently used make way: a holds the whole budget
+            assert await a.size() == 100
+            with pytest.raises(errors.ResourceExhausted, match=r"embedding 'b' \(part 0\): .* budget of "
+                                                               rf"{100 * row} bytes .* cannot hold a row"):
+                await b.lookup(np.arange(3))
+            assert await b.size() == 0 and not (await b.lookup(np.arange(3), create=False)).any()
+            assert await a.evict(older_than_seconds=0) == 100  # a gives its rows back
+            np.testing.assert_array_equal(await b.lookup(np.arange(3)), np.ones((3, 8), np.float32))
 
     arun(main())
 
@@ -118,17 +126,11 @@ def test_a_grouped_lookup_refuses_a_table_an_earlier_item_left_without_room():
     """In one request, the first table's new rows take the shard's whole budget: the second, empty,
     is refused when its turn comes, as its own lookup after the first's would be, not left to read
     zeros by a check made before the first had run."""
-    row = HashTable.row_size(8, np.dtype("float32"))
-    lim = ServerLimits(max_shard_bytes=100 * row)
-
     async def main():
-        async with cluster(limits=lim) as servers:
-            async with zf.AsyncSession(servers["worker:0"].target) as sess:
-                a = await sess.embedding("a", None, 8)
-                b = await sess.embedding("b", None, 8, initializer=zf.init.ones())
-                with pytest.raises(errors.ResourceExhausted, match=r"embedding 'b' \(part 0\): .* cannot hold"):
-                    await sess.lookup_many([a, b], [np.arange(1000), np.arange(3)])
-                assert await b.size() == 0
+        async with a_beside_b(100 * HashTable.row_size(8, np.dtype("float32"))) as (sess, a, b):
+            with pytest.raises(errors.ResourceExhausted, match=r"embedding 'b' \(part 0\): .* cannot hold"):
+                await sess.lookup_many([a, b], [np.arange(1000), np.arange(3)])
+            assert await b.size() == 0
 
     arun(main())
 
