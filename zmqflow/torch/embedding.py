@@ -217,11 +217,9 @@ class _ShardedModule(torch.nn.Module):
     def prefetch(self, input: torch.Tensor) -> None:
         """Start fetching the rows ``forward(input)`` (this very tensor) will need, and return: a
         model with several tables prefetches each before the first forward, so their lookups
-        travel at once instead of one round trip after another."""
-        began = time.perf_counter()
-        ids, inverse = self._unique(self._ids(input))
-        self._prefetched = (input, ids, inverse, self.table.lookup_async(ids, create=self.training))
-        self.prefetch_s += time.perf_counter() - began  # it waits for the table's pending pushes first
+        travel at once instead of one round trip after another (or in one request a shard, with
+        the module-level :func:`prefetch` of them all). It waits for the table's pending pushes first."""
+        prefetch([(self, input)])
 
     @torch.compiler.disable  # network calls and numpy: outside any compiled graph, run eagerly
     def _unique(self, flat: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
